@@ -1,0 +1,80 @@
+"""Building stock Megatron ``GPTModel`` chunks for this rank, with a chosen residual scheme.
+
+``NORM_SCHEMES`` names the block specs that the trainer, the correctness check and the
+tests build models from:
+
+* ``siamese``: SiameseNorm via the Python API (``get_siamese_block_spec``);
+* ``siamese-layer``: SiameseNorm via the layer spec object Megatron-LM's ``--spec`` names
+  (the last layer merges the streams, the final norm is single-stream);
+* ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from ``get_gpt_layer_local_spec``,
+  with its norms built as ``megatron_siamese.norms.Norm`` (the same math as torch's
+  LayerNorm/RMSNorm, but usable under sequence parallelism without apex).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_siamese.norms import Norm
+from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec
+
+
+def get_pre_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
+    """Megatron's stock Pre-Norm layer (local modules) with SP-capable norms."""
+    layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    layer_spec.submodules.input_layernorm = Norm
+    layer_spec.submodules.pre_mlp_layernorm = Norm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=Norm)
+
+
+NORM_SCHEMES: Dict[str, Callable[[TransformerConfig, Optional[int]], object]] = {
+    "siamese": get_siamese_block_spec,
+    "siamese-layer": lambda config, vp_stage=None: siamese_layer_spec,
+    "pre": get_pre_norm_block_spec,
+}
+
+
+def block_spec(norm: str, config: TransformerConfig, vp_stage: Optional[int] = None):
+    if norm not in NORM_SCHEMES:
+        raise ValueError(f"unknown norm scheme {norm!r}; choose one of {sorted(NORM_SCHEMES)}")
+    return NORM_SCHEMES[norm](config, vp_stage)
+
+
+def build_gpt_chunks(
+    config: TransformerConfig,
+    norm: str,
+    vocab_size: int,
+    max_sequence_length: int,
+    position_embedding_type: str = "rope",
+    share_embeddings_and_output_weights: bool = True,
+) -> List[GPTModel]:
+    """This rank's GPTModel chunks: one per virtual pipeline stage (one without VPP)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=block_spec(norm, config, stage),
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                position_embedding_type=position_embedding_type,
+                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                vp_stage=stage,
+            )
+        )
+    return chunks

@@ -1,0 +1,40 @@
+"""The final merge of the two streams: out = FinalNorm(NormX(x) + NormY(y))."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_siamese.norms import Norm
+from megatron_siamese.reference.functional import merge_streams
+from megatron_siamese.streams import split_streams
+
+
+class StreamMerge(MegatronModule):
+    """X and Y streams ``[s, b, h]`` each -> ``NormX(x) + NormY(y)``."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        super().__init__(config=config)
+        self.hidden_size = hidden_size
+        self.x_norm = Norm(config=config, hidden_size=hidden_size, eps=eps)
+        self.y_norm = Norm(config=config, hidden_size=hidden_size, eps=eps)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return merge_streams(self.x_norm(x), self.y_norm(y))
+
+
+class SiameseFinalNorm(Norm):
+    """The block's final norm for the Python block spec: merges the streams, then normalizes.
+
+    Its own ``weight``/``bias`` are FinalNorm (named like any Megatron final norm); the
+    stream norms live in ``merge.x_norm`` and ``merge.y_norm``.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(config=config, hidden_size=hidden_size, eps=eps, **unused)
+        self.merge = StreamMerge(config=config, hidden_size=hidden_size, eps=eps)
+
+    def forward(self, packed: Tensor) -> Tensor:
+        return super().forward(self.merge(*split_streams(packed, self.hidden_size)))

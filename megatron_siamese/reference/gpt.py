@@ -1,0 +1,338 @@
+"""A small, complete SiameseNorm GPT in plain PyTorch: the oracle for the Megatron model.
+
+No Megatron import. Module names mirror Megatron-Core's GPTModel built with
+``get_siamese_block_spec`` (``embedding.word_embeddings``, ``decoder.layers.N.
+self_attention.linear_qkv``, ``decoder.final_layernorm.merge.x_norm``, ...) so a TP=1
+Megatron state dict loads with ``load_megatron_state_dict``. Attention follows Megatron's
+layouts: ``linear_qkv`` rows are grouped per query group as [q heads, k, v], GQA repeats
+each key/value head over its group, RoPE is Megatron's non-interleaved form, and gated
+MLPs split ``linear_fc1`` into [gate, up] halves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megatron_siamese.reference.functional import (
+    bias_dropout,
+    depth_scale,
+    merge_streams,
+    normalize,
+    residual_update,
+    sublayer_input,
+)
+
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+
+
+@dataclass
+class ReferenceGPTConfig:
+    vocab_size: int
+    max_sequence_length: int
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    gated_linear_unit: bool = False
+    activation: str = "gelu"
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    share_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    def __post_init__(self):
+        self.ffn_hidden_size = self.ffn_hidden_size or 4 * self.hidden_size
+        self.num_query_groups = self.num_query_groups or self.num_attention_heads
+        self.kv_channels = self.kv_channels or self.hidden_size // self.num_attention_heads
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError("position_embedding_type must be 'learned_absolute' or 'rope'")
+
+    @classmethod
+    def from_megatron(cls, config, vocab_size: int, max_sequence_length: int, **overrides):
+        """Read the matching fields off a Megatron TransformerConfig (duck-typed)."""
+        activation = {F.gelu: "gelu", F.silu: "silu"}.get(config.activation_func)
+        if activation is None:
+            raise ValueError(f"no reference for activation {config.activation_func}")
+        fields = dict(
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            ffn_hidden_size=config.ffn_hidden_size,
+            num_query_groups=config.num_query_groups,
+            kv_channels=config.kv_channels,
+            normalization=config.normalization,
+            layernorm_epsilon=config.layernorm_epsilon,
+            layernorm_zero_centered_gamma=config.layernorm_zero_centered_gamma,
+            add_bias_linear=config.add_bias_linear,
+            add_qkv_bias=config.add_qkv_bias,
+            gated_linear_unit=config.gated_linear_unit,
+            activation=activation,
+            hidden_dropout=config.hidden_dropout,
+            attention_dropout=config.attention_dropout,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+class ReferenceNorm(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig, hidden_size: Optional[int] = None):
+        super().__init__()
+        size = hidden_size or config.hidden_size
+        self.config = config
+        gamma_init = 0.0 if config.layernorm_zero_centered_gamma else 1.0
+        self.weight = nn.Parameter(torch.full((size,), gamma_init))
+        self.bias = nn.Parameter(torch.zeros(size)) if config.normalization == "LayerNorm" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return normalize(
+            x,
+            self.weight,
+            self.bias,
+            normalization=self.config.normalization,
+            eps=self.config.layernorm_epsilon,
+            zero_centered_gamma=self.config.layernorm_zero_centered_gamma,
+        )
+
+
+class ReferenceMerge(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig):
+        super().__init__()
+        self.x_norm = ReferenceNorm(config)
+        self.y_norm = ReferenceNorm(config)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return merge_streams(self.x_norm(x), self.y_norm(y))
+
+
+class ReferenceFinalNorm(ReferenceNorm):
+    def __init__(self, config: ReferenceGPTConfig):
+        super().__init__(config)
+        self.merge = ReferenceMerge(config)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:  # type: ignore[override]
+        return super().forward(self.merge(x, y))
+
+
+def rotary_cos_sin(config: ReferenceGPTConfig, positions: Tensor):
+    """cos, sin of shape [b, s, 1, rot_dim] for Megatron's non-interleaved RoPE."""
+    rot_dim = int(config.kv_channels * config.rotary_percent)
+    inv_freq = 1.0 / (
+        config.rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+    )
+    freqs = positions.float()[..., None] * inv_freq  # [b, s, rot_dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    rot_dim = cos.shape[-1]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    first, second = t_rot.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    t_rot = t_rot * cos.to(t.dtype) + rotated * sin.to(t.dtype)
+    return torch.cat([t_rot, t_pass], dim=-1)
+
+
+class ReferenceAttention(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig):
+        super().__init__()
+        self.config = config
+        heads, groups, head_dim = (
+            config.num_attention_heads,
+            config.num_query_groups,
+            config.kv_channels,
+        )
+        qkv_out = (heads + 2 * groups) * head_dim
+        qkv_bias = config.add_bias_linear or config.add_qkv_bias
+        self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=qkv_bias)
+        self.linear_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
+        self.proj_bias = (
+            nn.Parameter(torch.zeros(config.hidden_size)) if config.add_bias_linear else None
+        )
+
+    def forward(self, x: Tensor, rope) -> Tensor:
+        """x: [b, s, h] -> (attention output without bias, bias)."""
+        cfg = self.config
+        b, s, _ = x.shape
+        heads, groups, head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+        per_group = heads // groups
+        mixed = self.linear_qkv(x).view(b, s, groups, (per_group + 2) * head_dim)
+        q, k, v = mixed.split([per_group * head_dim, head_dim, head_dim], dim=-1)
+        q = q.reshape(b, s, heads, head_dim)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        k = k.repeat_interleave(per_group, dim=2)
+        v = v.repeat_interleave(per_group, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(head_dim)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(x.dtype)
+        probs = F.dropout(probs, cfg.attention_dropout, self.training)
+        context = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, heads * head_dim)
+        return self.linear_proj(context), self.proj_bias
+
+
+class ReferenceMLP(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig):
+        super().__init__()
+        self.config = config
+        fc1_out = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
+        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+        self.fc2_bias = (
+            nn.Parameter(torch.zeros(config.hidden_size)) if config.add_bias_linear else None
+        )
+
+    def forward(self, x: Tensor):
+        act = ACTIVATIONS[self.config.activation]
+        hidden = self.linear_fc1(x)
+        if self.config.gated_linear_unit:
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = act(gate) * up
+        else:
+            hidden = act(hidden)
+        return self.linear_fc2(hidden), self.fc2_bias
+
+
+class ReferenceSiameseLayer(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig, layer_number: int):
+        super().__init__()
+        self.config = config
+        self.depth_scale = depth_scale(layer_number)
+        self.attn_x_norm = ReferenceNorm(config)
+        self.attn_y_norm = ReferenceNorm(config)
+        self.input_layernorm = ReferenceNorm(config)
+        self.self_attention = ReferenceAttention(config)
+        self.mlp_x_norm = ReferenceNorm(config)
+        self.mlp_y_norm = ReferenceNorm(config)
+        self.pre_mlp_layernorm = ReferenceNorm(config)
+        self.mlp = ReferenceMLP(config)
+
+    def _sublayer(self, x, y, x_norm, y_norm, input_norm, sublayer, *args):
+        u = x_norm(x)
+        out, bias = sublayer(input_norm(sublayer_input(u, y_norm(y))), *args)
+        z = bias_dropout(out, bias, self.config.hidden_dropout, self.training)
+        return residual_update(u, y, z, self.depth_scale)
+
+    def forward(self, x: Tensor, y: Tensor, rope):
+        x, y = self._sublayer(
+            x, y, self.attn_x_norm, self.attn_y_norm, self.input_layernorm, self.self_attention, rope
+        )
+        return self._sublayer(
+            x, y, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm, self.mlp
+        )
+
+
+class ReferenceEmbedding(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = (
+            nn.Embedding(config.max_sequence_length, config.hidden_size)
+            if config.position_embedding_type == "learned_absolute"
+            else None
+        )
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        embeddings = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        return embeddings
+
+
+class ReferenceDecoder(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            ReferenceSiameseLayer(config, layer_number=i + 1) for i in range(config.num_layers)
+        )
+        self.final_layernorm = ReferenceFinalNorm(config)
+
+
+class ReferenceGPT(nn.Module):
+    """Embedding, N SiameseNorm blocks, the merging final norm and the output head."""
+
+    def __init__(self, config: ReferenceGPTConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = ReferenceEmbedding(config)
+        self.decoder = ReferenceDecoder(config)
+        self.output_layer = (
+            None
+            if config.share_embeddings_and_output_weights
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """input_ids [b, s] -> logits [b, s, vocab]."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
+                input_ids
+            )
+        hidden = self.embedding(input_ids, position_ids)
+        hidden = F.dropout(hidden, self.config.hidden_dropout, self.training)
+        rope = (
+            rotary_cos_sin(self.config, position_ids)
+            if self.config.position_embedding_type == "rope"
+            else None
+        )
+        x = y = hidden
+        for layer in self.decoder.layers:
+            x, y = layer(x, y, rope)
+        out = self.decoder.final_layernorm(x, y)
+        head = (
+            self.embedding.word_embeddings.weight
+            if self.output_layer is None
+            else self.output_layer.weight
+        )
+        return out @ head.t()
+
+    def loss(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None):
+        """Per-token cross-entropy [b, s], like GPTModel called with labels."""
+        logits = self.forward(input_ids, position_ids)
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        ).view_as(labels)
+
+    def load_megatron_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Load a TP=1 Megatron GPTModel state dict (either SiameseNorm spec)."""
+        self.load_state_dict(megatron_to_reference_names(state_dict, self.config.num_layers))
+
+
+def megatron_to_reference_names(state_dict: Mapping[str, Tensor], num_layers: int) -> Dict[str, Tensor]:
+    """Rename a Megatron SiameseNorm GPT state dict to the reference's parameter names.
+
+    Megatron returns biases of ``linear_proj`` / ``linear_fc2`` separately (they go through
+    bias-dropout), the reference keeps them as ``proj_bias`` / ``fc2_bias``; a layer-spec
+    model (Megatron-LM ``--spec``) keeps the merge norms in its last layer's
+    ``output_merge`` and its FinalNorm as ``decoder.final_layernorm``.
+    """
+    last = f"decoder.layers.{num_layers - 1}.output_merge."
+    renamed = {}
+    for name, tensor in state_dict.items():
+        if name.endswith("_extra_state"):
+            continue
+        name = name.replace("self_attention.linear_proj.bias", "self_attention.proj_bias")
+        name = name.replace("mlp.linear_fc2.bias", "mlp.fc2_bias")
+        if name.startswith(last):
+            name = "decoder.final_layernorm.merge." + name[len(last):]
+        renamed[name] = tensor
+    return renamed

@@ -1,0 +1,72 @@
+"""What SiameseNorm does not support yet, refused at construction with what to change."""
+
+from __future__ import annotations
+
+from typing import List
+
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class UnsupportedConfigError(ValueError):
+    """A configuration SiameseNorm cannot honour; the message says what to change."""
+
+
+def _problems(config: TransformerConfig) -> List[str]:
+    problems = []
+    if config.mtp_num_layers:
+        problems.append(
+            "multi-token prediction (mtp_num_layers / --mtp-num-layers) is not supported: "
+            "its MTP layers expect a single [s, b, h] stream. Set mtp_num_layers=None."
+        )
+    if getattr(config, "enable_mhc_connections", False):
+        problems.append(
+            "Megatron's hyper-connections (enable_mhc_connections / --enable-mhc-connections) "
+            "replace the residual stream that SiameseNorm splits in two. Disable them."
+        )
+    if config.inference_fuse_tp_communication:
+        problems.append(
+            "inference_fuse_tp_communication fuses the residual add and the next layer's norm "
+            "into the TP reduce-scatter, which has no SiameseNorm form. Set it to False."
+        )
+    if config.num_moe_experts:
+        problems.append(
+            "mixture-of-experts layers (num_moe_experts) are not supported yet. "
+            "Use a dense MLP (num_moe_experts=None)."
+        )
+    if config.heterogeneous_block_specs:
+        problems.append(
+            "heterogeneous_block_specs is not supported: every SiameseNorm layer must have the "
+            "same structure. Set it to False."
+        )
+    if config.fine_grained_activation_offloading:
+        problems.append(
+            "fine_grained_activation_offloading offloads the single-stream norm inputs. "
+            "Set it to False."
+        )
+    if config.multi_latent_attention or config.experimental_attention_variant is not None:
+        problems.append(
+            "only standard self-attention is supported: set multi_latent_attention=False and "
+            "experimental_attention_variant=None."
+        )
+    if config.qk_layernorm:
+        problems.append(
+            "qk_layernorm is not supported by the SiameseNorm specs yet. Set it to False."
+        )
+    if config.apply_residual_connection_post_layernorm:
+        problems.append(
+            "apply_residual_connection_post_layernorm conflicts with SiameseNorm's own residual "
+            "streams. Set it to False."
+        )
+    return problems
+
+
+def check_supported(config: TransformerConfig, submodules=None) -> None:
+    """Raise UnsupportedConfigError listing every unsupported setting in ``config``."""
+    problems = _problems(config)
+    if submodules is not None and getattr(submodules, "cross_attention", IdentityOp) is not IdentityOp:
+        problems.append("cross-attention is not supported: SiameseNorm layers are decoder-only.")
+    if problems:
+        raise UnsupportedConfigError(
+            "SiameseNorm cannot build this layer:\n- " + "\n- ".join(problems)
+        )
