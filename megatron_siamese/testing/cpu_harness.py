@@ -1,0 +1,189 @@
+"""Run Megatron-Core on CPU with the gloo backend.
+
+megatron-core assumes a GPU in a handful of places: tensors allocated on
+``torch.cuda.current_device()`` or ``device="cuda"``, ``torch.cuda.synchronize()``,
+the CUDA RNG state behind its tensor-parallel RNG tracker, and optimizer type checks
+against ``"torch.cuda.FloatTensor"``. This module redirects exactly those to CPU so
+that TP, SP, PP (1F1B and interleaved), CP and DP with the distributed optimizer run
+as several CPU processes on one machine. Nothing in Megatron is edited on disk.
+
+What ``install()`` changes, and only while it is installed:
+
+* every device request that names CUDA (``"cuda"``, ``"cuda:N"``, an int ordinal,
+  ``torch.device("cuda")``) in torch's tensor factories (``torch.empty``, ``zeros``,
+  ``tensor``, ...) and in ``Tensor.to`` is served on CPU, and ``Tensor.cuda()`` returns the
+  tensor itself (plain wrappers rather than a ``TorchFunctionMode``: a mode is switched
+  off inside its own handler, so the backward pass launched through it would escape);
+* ``Tensor.type()`` with no argument reports the CUDA type name
+  (``"torch.cuda.FloatTensor"``), which Megatron's optimizers check before accepting
+  a parameter;
+* ``torch.cuda.current_device/synchronize/empty_cache`` and the CUDA RNG entry points
+  (``get_rng_state``/``set_rng_state``/``manual_seed`` and Megatron's own
+  ``_get_cuda_rng_state``/``_set_cuda_rng_state``) work against a private CPU
+  ``torch.Generator`` that stands in for the GPU generator. CPU operations (dropout
+  included) always draw from the CPU default generator, so forking Megatron's RNG
+  tracker on CPU changes bookkeeping only, not which numbers CPU ops draw.
+
+It refuses to install when CUDA is available: on a GPU machine Megatron must run on
+the GPU, never through this shim. Set ``MEGATRON_SIAMESE_CPU_HARNESS=1`` to have it
+installed whenever ``megatron_siamese`` is imported; child processes inherit that
+variable, which matters for helpers that re-import the main module (the torch_dist
+checkpoint writer does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+ENV_VAR = "MEGATRON_SIAMESE_CPU_HARNESS"
+
+_lock = threading.Lock()
+_state: Dict[str, Any] = {}
+
+
+def _names_cuda(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # a bare ordinal means a CUDA device in torch's API
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn",
+    "randint", "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like",
+)
+
+
+def _on_cpu(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    if _names_cuda(kwargs.get("device")):
+        kwargs = dict(kwargs, device="cpu")
+    if kwargs.get("pin_memory"):
+        kwargs = dict(kwargs, pin_memory=False)
+    return kwargs
+
+
+def _factory_on_cpu(factory):
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        return factory(*args, **_on_cpu(kwargs))
+
+    return wrapper
+
+
+def _tensor_method_replacements() -> Dict[Tuple[Any, str], Any]:
+    original_to, original_type = torch.Tensor.to, torch.Tensor.type
+
+    def to(self, *args, **kwargs):
+        args = tuple("cpu" if _names_cuda(a) else a for a in args)
+        return original_to(self, *args, **_on_cpu(kwargs))
+
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return original_type(self, *args, **kwargs)
+        name = original_type(self)  # report the CUDA type Megatron's optimizers check for
+        return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+
+    def cuda(self, *args, **kwargs):
+        return self
+
+    return {(torch.Tensor, "to"): to, (torch.Tensor, "type"): type_, (torch.Tensor, "cuda"): cuda}
+
+
+def _cuda_rng_replacements(generator: torch.Generator) -> Dict[Tuple[Any, str], Any]:
+    """(owner, attribute) -> replacement, for every CUDA RNG entry point Megatron uses."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    def get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+        return generator.get_state()
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
+        generator.set_state(new_state.clone())
+
+    def manual_seed(seed: int) -> None:
+        generator.manual_seed(int(seed))
+
+    return {
+        (torch.cuda, "get_rng_state"): get_rng_state,
+        (torch.cuda, "set_rng_state"): set_rng_state,
+        (torch.cuda, "manual_seed"): manual_seed,
+        (torch.cuda, "manual_seed_all"): manual_seed,
+        (torch.cuda.random, "get_rng_state"): get_rng_state,
+        (megatron_random, "_get_cuda_rng_state"): get_rng_state,
+        (megatron_random, "_set_cuda_rng_state"): set_rng_state,
+    }
+
+
+def _device_replacements() -> Dict[Tuple[Any, str], Any]:
+    replacements = {(torch, name): _factory_on_cpu(getattr(torch, name)) for name in _FACTORIES}
+    replacements.update(_tensor_method_replacements())
+    replacements.update(
+        {
+            (torch.cuda, "current_device"): lambda: 0,
+            (torch.cuda, "synchronize"): lambda device=None: None,
+            (torch.cuda, "empty_cache"): lambda: None,
+        }
+    )
+    return replacements
+
+
+def is_installed() -> bool:
+    return bool(_state)
+
+
+def install() -> None:
+    """Redirect megatron-core's CUDA-only calls to CPU in this process (idempotent)."""
+    with _lock:
+        if _state:
+            return
+        if torch.cuda.is_available():
+            raise RuntimeError(
+                "megatron_siamese CPU harness refused: CUDA is available, so Megatron must run "
+                f"on the GPU. Unset {ENV_VAR} and do not call cpu_harness.install() on GPU machines."
+            )
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(0)
+        replacements = {**_device_replacements(), **_cuda_rng_replacements(generator)}
+        originals: List[Tuple[Any, str, Any]] = []
+        for (owner, name), replacement in replacements.items():
+            originals.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, replacement)
+        _state.update(originals=originals)
+
+
+def uninstall() -> None:
+    """Undo install() (used by tests)."""
+    with _lock:
+        if not _state:
+            return
+        for owner, name, original in reversed(_state["originals"]):
+            setattr(owner, name, original)
+        _state.clear()
+
+
+@contextlib.contextmanager
+def installed():
+    """Context manager form of install()/uninstall()."""
+    already = is_installed()
+    install()
+    try:
+        yield
+    finally:
+        if not already:
+            uninstall()
+
+
+def install_if_requested() -> None:
+    """Install when the environment asks for it (see module docstring)."""
+    if os.environ.get(ENV_VAR, "") not in ("", "0"):
+        install()

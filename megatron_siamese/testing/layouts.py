@@ -1,0 +1,78 @@
+"""Parallel layouts: how one model is split over ranks, and their names.
+
+A layout name reads like ``tp2-pp2-sp`` or ``pp2-vpp2-full``: the parallel sizes
+(``tp``, ``pp``, ``vpp``, ``cp``, ``dp``), then flags: ``sp`` (sequence parallel),
+``do`` (distributed optimizer), ``full`` (full recompute), ``sel`` (selective recompute
+of "layernorm" and "mlp"). ``single`` is one rank with nothing split.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Optional
+
+RECOMPUTE = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    dp: int = 1
+    sp: bool = False
+    distributed_optimizer: bool = False
+    recompute: str = "none"
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.sp and self.tp == 1:
+            raise ValueError("sequence parallelism needs tp > 1")
+        if self.vpp is not None and self.pp == 1:
+            raise ValueError("a virtual pipeline needs pp > 1")
+        if self.distributed_optimizer and self.dp == 1:
+            raise ValueError("the distributed optimizer needs dp > 1 to shard anything")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def name(self) -> str:
+        parts = [f"{key}{value}" for key, value in
+                 (("tp", self.tp), ("pp", self.pp), ("vpp", self.vpp), ("cp", self.cp), ("dp", self.dp))
+                 if value not in (None, 1)]
+        parts += [flag for flag, on in (("sp", self.sp), ("do", self.distributed_optimizer)) if on]
+        parts += {"none": [], "full": ["full"], "selective": ["sel"]}[self.recompute]
+        return "-".join(parts) or "single"
+
+    def with_(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+
+_SIZE = re.compile(r"^(tp|pp|vpp|cp|dp)(\d+)$")
+_FLAGS = {"sp": ("sp", True), "do": ("distributed_optimizer", True),
+          "full": ("recompute", "full"), "sel": ("recompute", "selective")}
+
+
+def parse_layout(name: str) -> Layout:
+    """Inverse of ``Layout.name``."""
+    if name == "single":
+        return Layout()
+    fields = {}
+    for part in name.split("-"):
+        size = _SIZE.match(part)
+        if size:
+            fields[size.group(1)] = int(size.group(2))
+        elif part in _FLAGS:
+            key, value = _FLAGS[part]
+            fields[key] = value
+        else:
+            raise ValueError(
+                f"cannot parse layout {name!r}: unknown part {part!r} (expected tpN, ppN, vppN, "
+                f"cpN, dpN, sp, do, full or sel joined by '-')"
+            )
+    return Layout(**fields)
