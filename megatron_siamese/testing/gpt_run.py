@@ -54,6 +54,9 @@ class ModelCase:
     adam_eps: float = 1.0
     clip_grad: float = 1.0
     batch_p2p_comm: bool = False  # gloo + interleaved + batched p2p is unreliable (docs)
+    # PP>1: hand the schedule SiameseP2PCommunicator (the Python API way); False leaves
+    # Megatron's default communicator with shape exchange (the Megatron-LM way).
+    siamese_p2p: bool = True
 
 
 @dataclass
@@ -268,7 +271,7 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
     iterators = [iter(mine) for _ in chunks]
 
     pipeline_kwargs = {}
-    if layout.pp > 1:
+    if layout.pp > 1 and case.siamese_p2p:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         pipeline_kwargs = dict(
             p2p_communicator=SiameseP2PCommunicator(pg_collection.pp, config),

@@ -1,0 +1,29 @@
+"""Shared fixtures. Multi-rank tests launch their own processes (megatron_siamese.testing.launch);
+single-rank tests run Megatron in this process on CPU through the CPU harness."""
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def megatron_single_rank():
+    """torch.distributed (gloo, world size 1) and Megatron's process groups at TP=PP=1."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_siamese.testing import cpu_harness
+    from megatron_siamese.testing.launch import free_port
+
+    if not torch.cuda.is_available():
+        cpu_harness.install()
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel_state.destroy_model_parallel()

@@ -1,0 +1,133 @@
+"""The layer's contract with Megatron: construction, stream packing, norms, recompute, errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.core.transformer.spec_utils import build_module
+
+from megatron_siamese import Norm, UnsupportedConfigError
+from megatron_siamese.gpt import build_gpt_chunks
+from megatron_siamese.specs import get_siamese_layer_local_spec
+from megatron_siamese.testing.gpt_run import ModelCase, microbatches, transformer_config
+from megatron_siamese.testing.layouts import Layout
+
+CASE = ModelCase(num_layers=2)
+
+
+def config_with(**changes):
+    return dataclasses.replace(transformer_config(CASE, Layout()), **changes)
+
+
+def build_layer(config, layer_number=1):
+    return build_module(get_siamese_layer_local_spec(), config=config, layer_number=layer_number)
+
+
+def attention_mask():
+    return microbatches(CASE)[0]["attention_mask"]
+
+
+def test_first_layer_expands_and_outputs_are_packed_and_viewless(megatron_single_rank):
+    layer = build_layer(config_with())
+    hidden = torch.randn(CASE.seq_length, 2, CASE.hidden_size, requires_grad=True)
+    output, _ = layer(hidden_states=hidden, attention_mask=attention_mask())
+    assert output.shape == (CASE.seq_length, 2, 2 * CASE.hidden_size)
+    assert output._base is None  # Megatron's pipeline schedules free stage outputs in place
+
+
+def test_later_layer_rejects_single_stream_input(megatron_single_rank):
+    layer = build_layer(config_with(), layer_number=2)
+    hidden = torch.randn(CASE.seq_length, 2, CASE.hidden_size)
+    with pytest.raises(ValueError, match="SiameseP2PCommunicator"):
+        layer(hidden_states=hidden, attention_mask=attention_mask())
+
+
+def test_depth_scale_uses_global_layer_number(megatron_single_rank):
+    assert build_layer(config_with(), layer_number=2).depth_scale == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_norm_contract(megatron_single_rank, normalization, zero_centered, sequence_parallel):
+    config = config_with(
+        normalization=normalization,
+        layernorm_zero_centered_gamma=zero_centered,
+        tensor_model_parallel_size=2 if sequence_parallel else 1,
+        sequence_parallel=sequence_parallel,
+        persist_layer_norm=True,  # Megatron-LM's default: accepted, not asserted on
+    )
+    norm = build_module(Norm, config=config, hidden_size=16, eps=1e-6)
+    assert (norm.bias is not None) == (normalization == "LayerNorm")
+    assert torch.all(norm.weight == (0.0 if zero_centered else 1.0))
+    assert all(p.sequence_parallel is sequence_parallel for p in norm.parameters())
+    x = torch.randn(3, 16) * 4 + 2
+    out = norm(x)
+    if normalization == "LayerNorm":
+        torch.testing.assert_close(out, torch.nn.functional.layer_norm(x, (16,), eps=1e-6))
+    else:
+        torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (16,), eps=1e-6))
+
+
+def test_every_norm_parameter_is_flagged_for_sequence_parallel(megatron_single_rank):
+    config = config_with(tensor_model_parallel_size=2, sequence_parallel=True)
+    (model,) = build_gpt_chunks(config, "siamese", CASE.vocab_size, CASE.seq_length)
+    norm_params = [n for n, p in model.named_parameters() if "norm" in n]
+    assert len(norm_params) == CASE.num_layers * 12 + 6
+    unflagged = [n for n, p in model.named_parameters()
+                 if "norm" in n and not getattr(p, "sequence_parallel", False)]
+    assert unflagged == []
+
+
+def saved_activation_bytes(config):
+    """Bytes of activation storage the layers keep for backward after one forward."""
+    torch.manual_seed(0)
+    (model,) = build_gpt_chunks(config, "siamese", CASE.vocab_size, CASE.seq_length)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+    batch = microbatches(CASE)[0]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                     labels=batch["labels"]).sum()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    total = sum(size for ptr, size in storages.items() if ptr not in params)
+    loss.backward()  # the recomputation runs and completes
+    return total
+
+
+def test_selective_recompute_keeps_fewer_activations(megatron_single_rank):
+    baseline = saved_activation_bytes(config_with())
+    norms = saved_activation_bytes(
+        config_with(recompute_granularity="selective", recompute_modules=["layernorm"])
+    )
+    both = saved_activation_bytes(
+        config_with(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
+    )
+    # "layernorm" frees u, PostNorm(x) + PreNorm(y) and InputNorm's output: three [s, b, h]
+    # tensors per sublayer, minus u kept as a checkpoint input
+    sublayer_bytes = CASE.seq_length * CASE.micro_batch_size * CASE.hidden_size * 4
+    assert baseline - norms >= 2 * sublayer_bytes * 2 * CASE.num_layers
+    assert both < norms
+
+
+UNSUPPORTED = {
+    "multi-token prediction": dict(mtp_num_layers=1),
+    "fused TP inference": dict(inference_fuse_tp_communication=True),
+    "mixture of experts": dict(num_moe_experts=2),
+    "qk layernorm": dict(qk_layernorm=True),
+    "heterogeneous blocks": dict(heterogeneous_block_specs=True),
+    # Megatron main's hyper-connections flag (absent from 0.16.1) is refused whenever set
+    "hyper-connections": dict(enable_mhc_connections=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_configuration_is_refused_at_construction(megatron_single_rank, name):
+    config = config_with()
+    for key, value in UNSUPPORTED[name].items():
+        # set after construction: TransformerConfig's own checks would need TE for some
+        setattr(config, key, value)
+    with pytest.raises(UnsupportedConfigError, match="Set|Use|Disable") as refused:
+        build_layer(config)
+    assert key.split("_")[0] in str(refused.value).replace("-", "_")

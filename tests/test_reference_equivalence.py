@@ -1,0 +1,116 @@
+"""The Megatron model (TP=1, PP=1) computes exactly the reference GPT's function and gradients."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_siamese.gpt import build_gpt_chunks
+from megatron_siamese.reference.gpt import (
+    ReferenceGPT,
+    ReferenceGPTConfig,
+    megatron_to_reference_names,
+)
+from megatron_siamese.testing.gpt_run import ModelCase, microbatches, transformer_config
+from megatron_siamese.testing.layouts import Layout
+from megatron_siamese.testing.sharding import seed_parameters
+
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def assert_close_fp32(actual, expected, name=""):
+    """fp32 agreement: rtol 1e-5, atol 1e-6 scaled to the tensor's magnitude when above 1
+    (rounding error grows with the values summed, not with each element)."""
+    atol = FP32["atol"] * max(1.0, float(expected.abs().max()))
+    torch.testing.assert_close(actual, expected, rtol=FP32["rtol"], atol=atol,
+                               msg=lambda m: f"{name}: {m}" if name else m)
+
+VARIANTS = {
+    "layernorm-swiglu-rope-tied": ModelCase(),
+    "rmsnorm-swiglu-rope-tied": ModelCase(normalization="RMSNorm"),
+    "layernorm-gelu-learned-untied": ModelCase(
+        gated_linear_unit=False,
+        position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=False,
+    ),
+    "rmsnorm-zero-centred-nobias-mha": ModelCase(
+        normalization="RMSNorm",
+        zero_centered_gamma=True,
+        add_bias_linear=False,
+        num_query_groups=4,
+    ),
+    "layer-spec-layernorm": ModelCase(norm="siamese-layer"),
+    "layer-spec-rmsnorm-gelu": ModelCase(
+        norm="siamese-layer", normalization="RMSNorm", gated_linear_unit=False
+    ),
+}
+
+
+def build_pair(case: ModelCase):
+    config = transformer_config(case, Layout())
+    (model,) = build_gpt_chunks(
+        config,
+        case.norm,
+        case.vocab_size,
+        case.seq_length,
+        case.position_embedding_type,
+        case.share_embeddings_and_output_weights,
+    )
+    seed_parameters([model], case.seed, 0, 1, case.zero_centered_gamma)
+    reference = ReferenceGPT(
+        ReferenceGPTConfig.from_megatron(
+            config,
+            case.vocab_size,
+            case.seq_length,
+            position_embedding_type=case.position_embedding_type,
+            share_embeddings_and_output_weights=case.share_embeddings_and_output_weights,
+        )
+    )
+    reference.load_megatron_state_dict(model.state_dict())
+    return model, reference
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_and_gradients_match_reference(megatron_single_rank, variant):
+    case = VARIANTS[variant]
+    model, reference = build_pair(case)
+    batch = microbatches(case)[0]
+    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+
+    logits = model(*args)
+    expected = reference(batch["tokens"], batch["position_ids"])
+    assert_close_fp32(logits, expected, "logits")
+
+    model(*args, labels=batch["labels"]).mean().backward()
+    reference.loss(batch["tokens"], batch["labels"], batch["position_ids"]).mean().backward()
+    grads = megatron_to_reference_names(
+        {name: p.grad for name, p in model.named_parameters()}, case.num_layers
+    )
+    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in grads.items():
+        assert grad is not None and grad.abs().max() > 0, f"{name} got no gradient"
+        assert_close_fp32(grad, reference_grads[name], name)
+
+
+def test_reference_depth_scale_uses_one_based_layer_number():
+    config = ReferenceGPTConfig(vocab_size=8, max_sequence_length=4, num_layers=3,
+                                hidden_size=8, num_attention_heads=2)
+    scales = [layer.depth_scale for layer in ReferenceGPT(config).decoder.layers]
+    assert scales == pytest.approx([2 ** 0.5, 4 ** 0.5, 6 ** 0.5])
+
+
+def test_dropout_mask_is_shared_by_both_streams(megatron_single_rank):
+    """With dropout on, y' - y must equal c * (x' - u): the same z reached both streams."""
+    case = dataclasses.replace(ModelCase(), num_layers=1)
+    config = dataclasses.replace(transformer_config(case, Layout()), hidden_dropout=0.5)
+    (model,) = build_gpt_chunks(config, "siamese", case.vocab_size, case.seq_length)
+    layer = model.decoder.layers[0]
+    layer.train()
+    x = torch.randn(case.seq_length, 2, case.hidden_size)
+    packed, _ = layer._forward_attention(x, attention_mask=microbatches(case)[0]["attention_mask"])
+    x_new, y_new = packed.split(case.hidden_size, dim=-1)
+    u = layer.attn_x_norm(x)
+    z = y_new - x
+    assert (z == 0).float().mean() > 0.2, "dropout did not drop anything"
+    assert_close_fp32(x_new, u + z / layer.depth_scale)
