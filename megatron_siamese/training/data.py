@@ -1,0 +1,72 @@
+"""Training data through megatron.core.datasets: GPTDataset over an indexed dataset.
+
+Every rank builds the same GPTDataset (Megatron caches the shuffling indices, building
+them on rank 0 first) and reads its own microbatches: for global step ``k`` the global
+batch is samples ``[k * G, (k + 1) * G)`` with ``G = micro_batch_size * num_microbatches
+* dp``, and data-parallel rank ``d`` takes the ``d``-th contiguous share of it. Ranks of
+one model replica (TP, PP) read identical microbatches, as Megatron-LM's broadcast would
+give them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch.utils.data import default_collate
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+
+def build_gpt_datasets(
+    prefix: str,
+    tokenizer,
+    seq_length: int,
+    seed: int,
+    train_samples: int,
+    valid_samples: int,
+    cache_dir: str,
+    split: str = "98,2,0",
+) -> Tuple[GPTDataset, GPTDataset]:
+    """Train and validation GPTDatasets over the indexed dataset at ``prefix``."""
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=([prefix], None),
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=True,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, valid_samples, None], lambda: True, config
+    ).build()
+    return train, valid
+
+
+class MicrobatchReader:
+    """This data-parallel rank's microbatches of a given global step."""
+
+    def __init__(self, dataset, micro_batch_size: int, num_microbatches: int, dp_rank: int, dp: int):
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.num_microbatches = num_microbatches
+        self.dp_rank = dp_rank
+        self.global_batch_size = micro_batch_size * num_microbatches * dp
+
+    def step(self, step: int) -> List[Dict[str, torch.Tensor]]:
+        first = step * self.global_batch_size + self.dp_rank * self.micro_batch_size * self.num_microbatches
+        return [
+            default_collate(
+                [self.dataset[first + m * self.micro_batch_size + i] for i in range(self.micro_batch_size)]
+            )
+            for m in range(self.num_microbatches)
+        ]
+
+    def steps_available(self) -> int:
+        return len(self.dataset) // self.global_batch_size
+

@@ -1,0 +1,412 @@
+"""Pretraining with Megatron-Core's own machinery, SiameseNorm or a stock baseline.
+
+Per rank: Megatron's process groups, ``GPTModel`` chunks (one per virtual pipeline
+stage) from ``megatron_siamese.gpt``, Megatron's ``DistributedDataParallel`` and
+(distributed) optimizer, ``OptimizerParamScheduler`` (linear warmup, cosine decay),
+``get_forward_backward_func`` over microbatches, GPTDataset data, periodic validation,
+and distributed checkpoints (``megatron_siamese.training.checkpoint``). ``train(args)``
+launches the ranks (gloo on CPU, NCCL on GPUs) or, under ``torchrun``, runs this rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
+
+
+@dataclass
+class TrainArgs:
+    """Everything a run needs; the CLI maps its flags one to one onto these fields."""
+
+    norm: str = "siamese"  # a scheme of megatron_siamese.gpt.NORM_SCHEMES
+    tp: int = 2
+    pp: int = 1
+    vpp: Optional[int] = None
+    dp: int = 1
+    sp: bool = False
+    distributed_optimizer: bool = False
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    normalization: str = "RMSNorm"
+    seq_length: int = 128
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+    steps: int = 300
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    seed: int = 1234
+    eval_interval: int = 100
+    eval_iters: int = 8
+    save_interval: Optional[int] = None
+    output_dir: str = "runs/default"
+    cache_dir: str = ".cache/megatron_siamese"
+    data_prefix: Optional[str] = None  # an indexed dataset of byte tokens; default: embedded KJV
+    dtype: str = "fp32"
+    recompute: str = "none"  # none | full | selective
+    progress: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
+        if self.sp and self.tp == 1:
+            raise ValueError("sequence parallelism (--sp) needs --tp > 1")
+        self.num_microbatches  # validates the batch sizes
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} must be a multiple of "
+                f"micro_batch_size * dp = {per_step}"
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class RunSummary:
+    args: dict
+    steps_done: int
+    train_losses: List[float] = field(default_factory=list)  # per step
+    val_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
+    tokens_per_second: float = 0.0
+    peak_memory_mb: float = 0.0
+    seconds: float = 0.0
+
+
+# -- setup -------------------------------------------------------------------------------
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 8) -> int:
+    """Megatron pads the vocabulary to a multiple of 8 * TP so it splits evenly."""
+    step = multiple * tp
+    return int(math.ceil(vocab_size / step) * step)
+
+
+def transformer_config(args: TrainArgs):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    recompute = {
+        "none": {},
+        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        "selective": dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"]),
+    }[args.recompute]
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        normalization=args.normalization,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+        sequence_parallel=args.sp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        init_method_std=0.02,
+        **recompute,
+    )
+
+
+def _loss_func(loss_mask, output):
+    loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch = {k: v.to(torch.cuda.current_device()) for k, v in next(data_iterator).items()}
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+class Trainer:
+    """One rank's view of a run."""
+
+    def __init__(self, args: TrainArgs):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.module import Float16Module
+
+        from megatron_siamese.gpt import build_gpt_chunks
+
+        self.args = args
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tp,
+            pipeline_model_parallel_size=args.pp,
+            virtual_pipeline_model_parallel_size=args.vpp,
+        )
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
+        self.config = config = transformer_config(args)
+        self.tokenizer = ByteTokenizer()
+        chunks = build_gpt_chunks(
+            config,
+            args.norm,
+            padded_vocab_size(self.tokenizer.vocab_size, args.tp),
+            args.seq_length,
+        )
+        if torch.cuda.is_available():
+            chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+        if config.bf16:
+            chunks = [Float16Module(config, chunk) for chunk in chunks]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=args.dp > 1,
+            use_distributed_optimizer=args.distributed_optimizer,
+        )
+        self.model = [
+            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
+            for i, chunk in enumerate(chunks)
+        ]
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=args.lr,
+                min_lr=args.min_lr,
+                weight_decay=args.weight_decay,
+                adam_beta1=0.9,
+                adam_beta2=0.95,
+                clip_grad=args.clip_grad,
+                bf16=config.bf16,
+                params_dtype=config.params_dtype,
+                use_distributed_optimizer=args.distributed_optimizer,
+            ),
+            self.model,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=args.lr,
+            min_lr=args.min_lr,
+            lr_warmup_steps=args.warmup_steps,
+            lr_decay_steps=args.steps,
+            lr_decay_style="cosine",
+            start_wd=args.weight_decay,
+            end_wd=args.weight_decay,
+            wd_incr_steps=args.steps,
+            wd_incr_style="constant",
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        if ddp_config.overlap_grad_reduce:  # as Megatron-LM's training loop wires it
+            no_sync = [chunk.no_sync for chunk in self.model]
+            grad_sync = [chunk.start_grad_sync for chunk in self.model]
+            config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+            config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+        self._pipeline_kwargs = self._pipeline_communication()
+        self._build_data()
+        self.step = 0
+
+    def _pipeline_communication(self) -> dict:
+        if self.args.pp == 1 or not self.args.norm.startswith("siamese"):
+            return {}
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from megatron_siamese.pipeline import SiameseP2PCommunicator
+
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        return dict(
+            p2p_communicator=SiameseP2PCommunicator(groups.pp, self.config), pg_collection=groups
+        )
+
+    def _build_data(self):
+        from megatron.core import parallel_state
+
+        from megatron_siamese.training.data import MicrobatchReader, build_gpt_datasets
+
+        args = self.args
+        if torch.distributed.get_rank() == 0 and args.data_prefix is None:
+            embedded_corpus(args.cache_dir)  # built once, by one rank
+        torch.distributed.barrier()
+        prefix = args.data_prefix or embedded_corpus(args.cache_dir)
+        evaluations = args.steps // args.eval_interval + 1
+        train, valid = build_gpt_datasets(
+            prefix,
+            self.tokenizer,
+            args.seq_length,
+            args.seed,
+            train_samples=args.steps * args.global_batch_size,
+            valid_samples=evaluations * args.eval_iters * args.global_batch_size,
+            cache_dir=os.path.join(args.cache_dir, "indices"),
+        )
+        dp_rank = parallel_state.get_data_parallel_rank()
+        self.train_data = MicrobatchReader(train, args.micro_batch_size, args.num_microbatches, dp_rank, args.dp)
+        self.valid_data = MicrobatchReader(valid, args.micro_batch_size, args.num_microbatches, dp_rank, args.dp)
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _forward_backward(self, microbatches, forward_only: bool) -> float:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iterators = [iter(microbatches) for _ in self.model]
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(microbatches),
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+            **self._pipeline_kwargs,
+        )
+        return self._global_mean_loss(losses)
+
+    def _global_mean_loss(self, losses) -> float:
+        """The mean microbatch loss of the global batch, on every rank."""
+        from megatron.core import parallel_state
+
+        local = sum(float(d["loss"]) for d in losses) if losses else 0.0
+        total = torch.tensor([local, float(len(losses))], dtype=torch.float64)
+        if torch.cuda.is_available():
+            total = total.cuda()
+        if parallel_state.get_tensor_model_parallel_rank() == 0:  # count each replica once
+            torch.distributed.all_reduce(total)
+        else:
+            torch.distributed.all_reduce(torch.zeros_like(total))
+        return float(total[0] / total[1])
+
+    def train_step(self) -> Dict[str, float]:
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._forward_backward(self.train_data.step(self.step), forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step += 1
+        return dict(loss=loss, grad_norm=float(grad_norm or 0.0), lr=self.optimizer.param_groups[0]["lr"])
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        for chunk in self.model:
+            chunk.eval()
+        evaluation = self.step // self.args.eval_interval
+        losses = [
+            self._forward_backward(
+                self.valid_data.step(evaluation * self.args.eval_iters + i), forward_only=True
+            )
+            for i in range(self.args.eval_iters)
+        ]
+        return sum(losses) / len(losses)
+
+    def peak_memory_mb(self) -> float:
+        if torch.cuda.is_available():
+            local = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            local = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        peak = torch.tensor([local])
+        if torch.cuda.is_available():
+            peak = peak.cuda()
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        return float(peak)
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+def train_rank(args: TrainArgs) -> Optional[RunSummary]:
+    """One rank's whole run; rank 0 reports progress and returns the summary."""
+    from megatron.core import parallel_state
+
+    trainer = Trainer(args)
+    rank0 = torch.distributed.get_rank() == 0
+    summary = RunSummary(args=asdict(args), steps_done=0)
+    bar = None
+    if rank0 and args.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=trainer.step, desc=args.norm, dynamic_ncols=True)
+    tokens_per_step = args.global_batch_size * args.seq_length
+    start = time.perf_counter()
+    timed_steps, timed_seconds = 0, 0.0
+    while trainer.step < args.steps:
+        t0 = time.perf_counter()
+        stats = trainer.train_step()
+        elapsed = time.perf_counter() - t0
+        if trainer.step > 1:  # the first step includes one-time setup costs
+            timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
+        summary.train_losses.append(stats["loss"])
+        if trainer.step % args.eval_interval == 0 or trainer.step == args.steps:
+            summary.val_losses[trainer.step] = trainer.evaluate()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{stats['loss']:.3f}",
+                lr=f"{stats['lr']:.2e}",
+                gnorm=f"{stats['grad_norm']:.2f}",
+                tok_s=f"{tokens_per_step / elapsed:.0f}",
+                val=f"{summary.val_losses[max(summary.val_losses)]:.3f}" if summary.val_losses else "-",
+            )
+    if bar is not None:
+        bar.close()
+    summary.steps_done = trainer.step
+    summary.seconds = time.perf_counter() - start
+    summary.tokens_per_second = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
+    summary.peak_memory_mb = trainer.peak_memory_mb()
+    parallel_state.destroy_model_parallel()
+    return summary if rank0 else None
+
+
+def train(args: TrainArgs) -> RunSummary:
+    """Run ``args`` on its ranks: launched here, or this rank of a torchrun job."""
+    if "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ and not torch.distributed.is_initialized():
+        from megatron_siamese.testing.launch import default_backend
+
+        if int(os.environ["WORLD_SIZE"]) != args.world_size:
+            raise ValueError(
+                f"torchrun started {os.environ['WORLD_SIZE']} ranks; tp*pp*dp = {args.world_size}"
+            )
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group(backend=default_backend())
+        return train_rank(args)
+    from megatron_siamese.testing.launch import launch
+
+    return launch(train_rank, args.world_size, args, timeout_s=24 * 3600)[0]
+
+
+def format_summary(summary: RunSummary) -> str:
+    lines = [
+        f"norm={summary.args['norm']} steps={summary.steps_done} "
+        f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}",
+        f"final train loss {summary.train_losses[-1]:.4f}  "
+        f"final val loss {summary.val_losses[max(summary.val_losses)]:.4f}",
+        f"{summary.tokens_per_second:.0f} tokens/s  peak memory {summary.peak_memory_mb:.0f} MB/rank  "
+        f"wall {summary.seconds:.0f}s",
+    ]
+    return "\n".join(lines)
