@@ -1,6 +1,7 @@
 """``megatron-siamese``: the package's commands.
 
     megatron-siamese train [flags]     pretrain a GPT (default: SiameseNorm, TP=2, embedded corpus)
+    megatron-siamese check [flags]     every parallel layout against one rank (see check --help)
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     train_parser = commands.add_parser("train", help="pretrain a GPT with Megatron-Core")
     _add_dataclass_flags(train_parser, TrainArgs, TRAIN_HELP)
+    commands.add_parser("check", help="parallel correctness check (flags: check --help)",
+                        add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        from megatron_siamese.check import main as check_main
+
+        return check_main(argv[1:])
     options = parser.parse_args(argv)
 
     if options.command == "train":

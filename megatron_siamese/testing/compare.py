@@ -1,17 +1,29 @@
 """Comparing one layout's step against the single-rank reference step.
 
-Each quantity (per-microbatch losses, every gradient, every parameter after the step)
-passes when every element satisfies ``|a - b| <= atol * max(1, max|b|) + rtol * |b|``
+fp32: each quantity (per-microbatch losses, every gradient, every parameter after the
+step) passes when every element satisfies ``|a - b| <= atol * max(1, max|b|) + rtol * |b|``
 (``torch.testing.assert_close`` with the absolute tolerance scaled up for tensors whose
-values exceed 1, since rounding error grows with the magnitudes summed). The reported
-error is the worst normwise relative error ``max|a - b| / max|b|`` over the quantity's
-tensors, which reads the same whatever the tensor's scale.
+values exceed 1, since rounding error grows with the magnitudes summed).
+
+bf16: a layout sums in a different order than one rank, and in bf16 that alone moves
+reduction-heavy gradients (norm weights summed over every token) by a few percent, more
+than Transformer Engine's per-module bf16 tolerance (rtol 1.6e-2, atol 1e-5) allows for a
+whole model. So bf16 is judged against bf16's own noise, as flash-attention judges its
+kernels: the reference is the fp32 single-rank run, and each tensor's normwise relative
+error may be at most ``noise_factor`` times the worst one the bf16 single-rank run shows
+for that quantity (plus ``atol * max(1, max|b|)``). A per-tensor noise floor would be
+fragile (one scalar loss can land close to fp32 by luck); the quantity-wide one is what
+bf16 can promise. A real bug (a missing all-reduce, a wrong scale) lands far outside it,
+but bf16 cannot see errors below its own noise: run fp32 for exactness.
+
+The reported error is the worst normwise relative error ``max|a - b| / max|b|`` over the
+quantity's tensors, which reads the same whatever the tensor's scale.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,11 +34,21 @@ from megatron_siamese.testing.gpt_run import StepResult
 class Tolerance:
     rtol: float
     atol: float
+    noise_factor: Optional[float] = None  # judge against the same-dtype single-rank error
+
+    def describe(self) -> str:
+        if self.noise_factor is None:
+            return (f"|a-b| <= {self.atol:g} * max(1, max|ref|) + {self.rtol:g} * |ref| per element, "
+                    "ref = the single-rank run")
+        return (f"max|a-b| / max|ref| <= {self.noise_factor:g} x the worst such error of the "
+                f"same-dtype single-rank run (per quantity) + {self.atol:g} * max(1, max|ref|), "
+                "ref = the fp32 single-rank run")
 
 
-# fp32: what reordering sums across ranks costs. bf16: Transformer Engine's own
-# distributed numerics tests (tests/pytorch/distributed) allow rtol 1.6e-2, atol 1e-5.
-TOLERANCES = {"fp32": Tolerance(rtol=1e-5, atol=1e-6), "bf16": Tolerance(rtol=1.6e-2, atol=1e-5)}
+TOLERANCES = {
+    "fp32": Tolerance(rtol=1e-5, atol=1e-6),
+    "bf16": Tolerance(rtol=0.0, atol=1e-5, noise_factor=2.0),
+}
 
 
 @dataclass
@@ -51,8 +73,19 @@ class Comparison:
         return self.losses.passed and self.grads.passed and self.params.passed
 
 
-def _check(actual: Dict, expected: Dict, tolerance: Tolerance) -> QuantityCheck:
+def _relative_error(a, b) -> float:
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    difference = float((a - b).abs().max()) if b.numel() else 0.0
+    return difference / scale if scale > 0 else difference
+
+
+def _check(actual: Dict, expected: Dict, tolerance: Tolerance, noise: Optional[Dict] = None) -> QuantityCheck:
     check = QuantityCheck()
+    noise_floor = (
+        max((_relative_error(noise[k], expected[k]) for k in expected if k in noise), default=0.0)
+        if noise is not None else 0.0
+    )
     missing = sorted(set(expected) ^ set(actual))
     if missing:
         check.failures.append(f"present on one side only: {missing[:5]}")
@@ -65,16 +98,31 @@ def _check(actual: Dict, expected: Dict, tolerance: Tolerance) -> QuantityCheck:
         error = float((a - b).abs().max()) / scale if scale > 0 else float((a - b).abs().max())
         if error > check.worst_error or not check.worst_name:
             check.worst_error, check.worst_name = error, str(name)
-        if not torch.allclose(a, b, rtol=tolerance.rtol, atol=tolerance.atol * max(1.0, scale)):
+        atol = tolerance.atol * max(1.0, scale)
+        if noise is None:
+            ok = torch.allclose(a, b, rtol=tolerance.rtol, atol=atol)
+        else:
+            ok = float((a - b).abs().max()) <= tolerance.noise_factor * noise_floor * scale + atol
+        if not ok:
             check.failures.append(f"{name}: relative error {error:.2e}")
     return check
 
 
-def compare(result: StepResult, reference: StepResult, tolerance: Tolerance) -> Comparison:
+def compare(
+    result: StepResult,
+    reference: StepResult,
+    tolerance: Tolerance,
+    same_dtype_single: Optional[StepResult] = None,
+) -> Comparison:
+    """``result`` against ``reference``; with a noise-judged tolerance, ``same_dtype_single``
+    is the single-rank run in the result's dtype and ``reference`` the fp32 one."""
+    if (tolerance.noise_factor is None) != (same_dtype_single is None):
+        raise ValueError("a noise-judged tolerance needs the same-dtype single-rank run, and only it")
+    noise = same_dtype_single
     return Comparison(
-        losses=_check(result.losses, reference.losses, tolerance),
-        grads=_check(result.grads, reference.grads, tolerance),
-        params=_check(result.params, reference.params, tolerance),
+        losses=_check(result.losses, reference.losses, tolerance, noise and noise.losses),
+        grads=_check(result.grads, reference.grads, tolerance, noise and noise.grads),
+        params=_check(result.params, reference.params, tolerance, noise and noise.params),
     )
 
 

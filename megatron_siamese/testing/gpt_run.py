@@ -57,6 +57,7 @@ class ModelCase:
     # PP>1: hand the schedule SiameseP2PCommunicator (the Python API way); False leaves
     # Megatron's default communicator with shape exchange (the Megatron-LM way).
     siamese_p2p: bool = True
+    fault: Optional[str] = None  # a bug from testing.faults planted on every rank
 
 
 @dataclass
@@ -220,6 +221,10 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
     from megatron_siamese.gpt import build_gpt_chunks
     from megatron_siamese.pipeline import SiameseP2PCommunicator
 
+    if case.fault:
+        from megatron_siamese.testing.faults import plant
+
+        plant(case.fault)
     initialize_model_parallel(layout, case.seed)
     config = transformer_config(case, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -271,7 +276,7 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
     iterators = [iter(mine) for _ in chunks]
 
     pipeline_kwargs = {}
-    if layout.pp > 1 and case.siamese_p2p:
+    if layout.pp > 1 and case.siamese_p2p and case.norm.startswith("siamese"):
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         pipeline_kwargs = dict(
             p2p_communicator=SiameseP2PCommunicator(pg_collection.pp, config),

@@ -1,0 +1,50 @@
+"""Planted bugs, for proving that the correctness check can fail.
+
+Each fault is a realistic mistake a SiameseNorm integration could make, applied by
+patching this process's classes before the model is built (``run_rank`` does it on every
+rank when ``ModelCase.fault`` names one). Nothing here is imported by the layer itself.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+
+def _local_depth_scale() -> None:
+    """c = sqrt(2 * local layer index): wrong on every pipeline stage but the first."""
+    from megatron_siamese import layer as layer_module
+    from megatron_siamese.reference.functional import depth_scale
+
+    original_init = layer_module.SiameseTransformerLayer.__init__
+
+    def init(self, config, submodules, layer_number=1, **kwargs):
+        original_init(self, config, submodules, layer_number=layer_number, **kwargs)
+        self.depth_scale = depth_scale(layer_number)  # the local number, before the offset
+
+    layer_module.SiameseTransformerLayer.__init__ = init
+
+
+def _norms_without_sequence_parallel_flag() -> None:
+    """Norm parameters not tagged ``sequence_parallel``: their SP gradients stay partial."""
+    from megatron_siamese import norms
+
+    original_init = norms.Norm.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        for param in self.parameters():
+            param.sequence_parallel = False
+
+    norms.Norm.__init__ = init
+
+
+FAULTS: Dict[str, Callable[[], None]] = {
+    "local-depth-scale": _local_depth_scale,
+    "no-sp-flag": _norms_without_sequence_parallel_flag,
+}
+
+
+def plant(name: str) -> None:
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}; choose one of {sorted(FAULTS)}")
+    FAULTS[name]()

@@ -1,0 +1,54 @@
+"""The parallel correctness check: the CPU matrix passes, and planted bugs make it fail."""
+
+import pytest
+
+from megatron_siamese.check import DEFAULT_LAYOUTS, main, run_check
+from megatron_siamese.testing.gpt_run import ModelCase
+
+
+def statuses(rows):
+    return {row.layout: row.status for row in rows}
+
+
+def test_cpu_matrix_passes():
+    rows = run_check(ModelCase(), DEFAULT_LAYOUTS, "siamese")
+    assert len(rows) >= 13
+    assert statuses(rows) == {name: ("SKIP" if name.startswith("cp") else "PASS") for name in DEFAULT_LAYOUTS}
+
+
+def test_stock_spec_control_passes():
+    rows = run_check(ModelCase(norm="pre"), ["tp2-sp", "pp2-vpp2", "dp2-do"], "stock")
+    assert set(statuses(rows).values()) == {"PASS"}
+
+
+def test_bf16_matrix_passes_against_its_own_noise():
+    rows = run_check(ModelCase(dtype="bf16"), ["tp2-sp", "pp2-vpp2", "dp2-do"], "siamese")
+    assert set(statuses(rows).values()) == {"PASS"}
+
+
+def test_depth_scale_from_local_layer_index_fails_pipeline_layouts_only():
+    rows = run_check(ModelCase(), ["tp2", "dp2", "pp2", "pp2-vpp2"], "siamese",
+                     fault="local-depth-scale")
+    assert statuses(rows) == {"tp2": "PASS", "dp2": "PASS", "pp2": "FAIL", "pp2-vpp2": "FAIL"}
+    failed = [row for row in rows if row.status == "FAIL"]
+    # far outside fp32 noise (~1e-6) in losses and gradients alike
+    assert all(row.loss_error > 1e-3 and row.grad_error > 1e-1 for row in failed)
+
+
+def test_norms_without_sequence_parallel_flag_fail_sp_layouts_only():
+    rows = run_check(ModelCase(), ["tp2", "tp2-sp"], "siamese", fault="no-sp-flag")
+    assert statuses(rows) == {"tp2": "PASS", "tp2-sp": "FAIL"}
+    assert "norm" in rows[1].detail
+
+
+def test_cli_exit_status_and_table(capsys, monkeypatch):
+    assert main(["--layouts", "tp2-sp", "--num-layers", "2"]) == 0
+    monkeypatch.setenv("MEGATRON_SIAMESE_PLANT_FAULT", "no-sp-flag")
+    assert main(["--layouts", "tp2-sp", "--num-layers", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "tolerance (fp32)" in out and "PASS" in out and "FAIL" in out
+
+
+def test_cli_rejects_unknown_layout():
+    with pytest.raises(ValueError, match="unknown part"):
+        main(["--layouts", "tp2-xx"])
