@@ -7,17 +7,23 @@ Megatron builds every norm as ``build_module(spec, config=..., hidden_size=..., 
 tags its parameters with ``sequence_parallel`` so that ``finalize_model_grads``
 all-reduces their gradients over the tensor-parallel group under sequence parallelism
 (each TP rank sees a different slice of the sequence, so each holds a partial gradient).
+
+The forward runs PyTorch's fused ``layer_norm`` / ``rms_norm`` kernels, which compute in
+fp32 for 16-bit inputs and keep only the input and per-token statistics for backward (the
+plain composition in ``reference.functional.normalize`` is the oracle they are tested
+against, and would keep several [T, h] intermediates).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_siamese.reference.functional import NORMALIZATIONS, normalize
+from megatron_siamese.reference.functional import NORMALIZATIONS
 
 
 class Norm(MegatronModule):
@@ -57,14 +63,17 @@ class Norm(MegatronModule):
                 f"{type(self).__name__} expects a last dimension of {self.hidden_size}, "
                 f"got input of shape {tuple(x.shape)}"
             )
-        return normalize(
-            x,
-            self.weight,
-            self.bias,
-            normalization=self.normalization,
-            eps=self.eps,
-            zero_centered_gamma=self.zero_centered_gamma,
-        )
+        weight, bias, inp = self.weight, self.bias, x
+        if self.zero_centered_gamma:
+            # gamma = 1 + w must be formed in fp32: in bf16, 1 + w rounds w away
+            weight = self.weight.float() + 1
+            bias = None if bias is None else bias.float()
+            inp = x.float()
+        if self.normalization == "LayerNorm":
+            out = F.layer_norm(inp, (self.hidden_size,), weight, bias, self.eps)
+        else:
+            out = F.rms_norm(inp, (self.hidden_size,), weight, self.eps)
+        return out.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalization}({self.hidden_size}, eps={self.eps})"

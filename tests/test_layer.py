@@ -9,6 +9,7 @@ from megatron.core.transformer.spec_utils import build_module
 
 from megatron_siamese import Norm, UnsupportedConfigError
 from megatron_siamese.gpt import build_gpt_chunks
+from megatron_siamese.reference.functional import normalize
 from megatron_siamese.specs import get_siamese_layer_local_spec
 from megatron_siamese.testing.gpt_run import ModelCase, microbatches, transformer_config
 from megatron_siamese.testing.layouts import Layout
@@ -62,12 +63,17 @@ def test_norm_contract(megatron_single_rank, normalization, zero_centered, seque
     assert (norm.bias is not None) == (normalization == "LayerNorm")
     assert torch.all(norm.weight == (0.0 if zero_centered else 1.0))
     assert all(p.sequence_parallel is sequence_parallel for p in norm.parameters())
+    with torch.no_grad():  # exercise gamma and beta, not just their init
+        norm.weight.add_(torch.randn(16))
+        if norm.bias is not None:
+            norm.bias.add_(torch.randn(16))
     x = torch.randn(3, 16) * 4 + 2
-    out = norm(x)
-    if normalization == "LayerNorm":
-        torch.testing.assert_close(out, torch.nn.functional.layer_norm(x, (16,), eps=1e-6))
-    else:
-        torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (16,), eps=1e-6))
+    for dtype, tolerance in ((torch.float32, dict(rtol=1e-5, atol=1e-5)),
+                             (torch.bfloat16, dict(rtol=1.6e-2, atol=1e-5))):
+        expected = normalize(x.to(dtype), norm.weight.to(dtype),
+                             None if norm.bias is None else norm.bias.to(dtype),
+                             normalization=normalization, eps=1e-6, zero_centered_gamma=zero_centered)
+        torch.testing.assert_close(norm.to(dtype)(x.to(dtype)), expected, **tolerance)
 
 
 def test_every_norm_parameter_is_flagged_for_sequence_parallel(megatron_single_rank):

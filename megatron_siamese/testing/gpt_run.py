@@ -53,7 +53,9 @@ class ModelCase:
     lr: float = 0.1
     adam_eps: float = 1.0
     clip_grad: float = 1.0
-    batch_p2p_comm: bool = False  # gloo + interleaved + batched p2p is unreliable (docs)
+    # None: Megatron's default (batched) on GPUs, off on gloo, where interleaved + batched
+    # p2p gives wrong results even for the stock layer (docs/parallelism.md)
+    batch_p2p_comm: Optional[bool] = None
     # PP>1: hand the schedule SiameseP2PCommunicator (the Python API way); False leaves
     # Megatron's default communicator with shape exchange (the Megatron-LM way).
     siamese_p2p: bool = True
@@ -117,7 +119,9 @@ def transformer_config(case: ModelCase, layout: Layout):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype is torch.bfloat16,
-        batch_p2p_comm=case.batch_p2p_comm,
+        batch_p2p_comm=(
+            torch.cuda.is_available() if case.batch_p2p_comm is None else case.batch_p2p_comm
+        ),
         use_cpu_initialization=True,
         **recompute,
     )

@@ -130,6 +130,8 @@ def transformer_config(args: TrainArgs):
         pipeline_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        # gloo + interleaved schedule + batched p2p gives wrong results (docs/parallelism.md)
+        batch_p2p_comm=torch.cuda.is_available(),
         init_method_std=0.02,
         **recompute,
     )
