@@ -1,11 +1,52 @@
 """megatron_siamese: SiameseNorm for NVIDIA Megatron-Core.
 
-Install with ``pip install --no-build-isolation -e .`` into an environment that already
-has PyTorch (as apex and flash-attention do): the C++/CUDA extension in csrc/ builds
-against the torch you run with, and build isolation would fetch a different torch.
+Install with ``pip install --no-build-isolation -e .`` into an environment that already has
+PyTorch (as apex and flash-attention do): the C++/CUDA extension in csrc/ builds against
+the torch you run with, and build isolation would fetch a different torch.
+
+The CPU extension is always built. The CUDA kernels are added when torch was built with
+CUDA and a CUDA toolkit is found (``TORCH_CUDA_ARCH_LIST`` selects the architectures, e.g.
+"9.0" for H100/H200); ``MEGATRON_SIAMESE_CPU_ONLY=1`` skips them.
 """
 
+import os
+import platform
+
 from setuptools import find_packages, setup
+
+
+def extension_modules():
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
+
+    sources = ["csrc/ops.cpp", "csrc/dual_norm_cpu.cpp"]
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unknown-pragmas"]  # at::parallel_for is OpenMP-inline in torch's headers
+    if platform.machine() in ("x86_64", "AMD64"):
+        # at::vec picks its AVX2 implementation from these; every x86-64 server CPU of the
+        # last decade has them (the package refuses the fused op on CPUs without AVX2).
+        cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    build_cuda = (
+        torch.version.cuda is not None
+        and CUDA_HOME is not None
+        and os.environ.get("MEGATRON_SIAMESE_CPU_ONLY", "0") != "1"
+    )
+    if build_cuda:
+        return [
+            CUDAExtension(
+                "megatron_siamese._C",
+                sources + ["csrc/dual_norm_cuda.cu"],
+                extra_compile_args={"cxx": cxx + ["-DWITH_CUDA"], "nvcc": ["-O3", "-std=c++20"]},
+                extra_link_args=["-fopenmp"],
+            )
+        ]
+    return [CppExtension("megatron_siamese._C", sources, extra_compile_args=cxx, extra_link_args=["-fopenmp"])]
+
+
+def build_ext_class():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return BuildExtension.with_options(use_ninja=False)
+
 
 setup(
     name="megatron_siamese",
@@ -22,5 +63,7 @@ setup(
         "tqdm",
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
+    ext_modules=extension_modules(),
+    cmdclass={"build_ext": build_ext_class()},
     entry_points={"console_scripts": ["megatron-siamese=megatron_siamese.cli:main"]},
 )

@@ -19,7 +19,7 @@ Megatron's layer structure:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -37,13 +37,9 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
 from megatron_siamese.pipeline import require_wide_pipeline_tensors
-from megatron_siamese.reference.functional import (
-    bias_dropout,
-    depth_scale,
-    residual_update,
-    sublayer_input,
-)
-from megatron_siamese.streams import pack_streams, split_streams
+from megatron_siamese.reference.functional import depth_scale
+from megatron_siamese.streams import split_streams
+from megatron_siamese.sublayer import make_sublayer
 from megatron_siamese.support import check_supported
 
 
@@ -91,6 +87,9 @@ class SiameseTransformerLayer(TransformerLayer):
         self.mlp_y_norm = build_norm(submodules.mlp_y_norm)
 
         self.depth_scale = depth_scale(self.layer_number)
+        self.sublayer = make_sublayer(
+            self.config, (self.attn_x_norm, self.attn_y_norm, self.mlp_x_norm, self.mlp_y_norm)
+        )
         self.is_first_layer = self.layer_number == 1
         self.is_last_layer = self.layer_number == self.config.num_layers
         self.output_merge = (
@@ -106,10 +105,10 @@ class SiameseTransformerLayer(TransformerLayer):
 
     # -- streams ---------------------------------------------------------------------------
 
-    def _streams(self, hidden_states: Tensor) -> Tuple[Tensor, Tensor]:
+    def _check_width(self, hidden_states: Tensor) -> None:
         hidden_size = self.config.hidden_size
         if self.is_first_layer and hidden_states.shape[-1] == hidden_size:
-            return hidden_states, hidden_states  # x = y = embedding output
+            return  # x = y = embedding output
         if hidden_states.shape[-1] != 2 * hidden_size:
             raise ValueError(
                 f"SiameseNorm layer {self.layer_number} expected packed streams [s, b, "
@@ -118,32 +117,34 @@ class SiameseTransformerLayer(TransformerLayer):
                 "hidden_size wide: pass p2p_communicator=SiameseP2PCommunicator(pp_group, "
                 "config) or set config.variable_seq_lengths=True."
             )
-        return split_streams(hidden_states, hidden_size)
 
-    def _sublayer_input(self, x: Tensor, y: Tensor, x_norm, y_norm, input_norm):
-        """(u, InputNorm(u + PreNorm(y)), checkpoint or None)."""
+    def _sublayer_input(self, hidden_states: Tensor, x_norm, y_norm, input_norm):
+        """(state for the residual update, InputNorm(PostNorm(x) + PreNorm(y)), checkpoint or None)."""
+        self._check_width(hidden_states)
 
-        def stream_norms(x_: Tensor, y_: Tensor) -> Tuple[Tensor, Tensor]:
-            u_ = x_norm(x_)
-            return u_, input_norm(sublayer_input(u_, y_norm(y_)))
+        def stream_norms(streams: Tensor):
+            state, normed = self.sublayer.norms(streams, x_norm, y_norm, input_norm)
+            return (*state, normed)
 
         if not self.recompute_stream_norms:
-            return (*stream_norms(x, y), None)
+            *state, normed = stream_norms(hidden_states)
+            return state, normed, None
         # CheckpointWithoutOutput treats any fp8 argument but None as "FP8 on" (and then
         # needs Transformer Engine), so pass config.fp8 itself: None when FP8 is off.
         checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
-        u, normed = checkpoint.checkpoint(stream_norms, x, y)
-        return u, normed, checkpoint
+        *state, normed = checkpoint.checkpoint(stream_norms, hidden_states)
+        return state, normed, checkpoint
 
-    def _residual(self, output_with_bias, u: Tensor, y: Tensor, norm_checkpoint):
+    def _residual(self, output_with_bias, state, streams: Tensor, norm_checkpoint) -> Tensor:
         output, bias = output_with_bias
-        z = bias_dropout(output, bias, self.hidden_dropout, self.training)
-        x, y = residual_update(u, y, z, self.depth_scale)
+        packed = self.sublayer.residual(
+            state, streams, output, bias, self.hidden_dropout, self.training, self.depth_scale
+        )
         if norm_checkpoint is not None:
-            # u and the sublayer input are recomputed when the sublayer's output gradient
-            # arrives; u is dead from here on (the residual adds do not save it).
+            # the norms' outputs are recomputed when the sublayer's output gradient arrives;
+            # they are dead from here on (the residual update does not save them)
             norm_checkpoint.discard_output_and_register_recompute(output)
-        return x, y
+        return packed
 
     # -- sublayers -------------------------------------------------------------------------
 
@@ -161,9 +162,8 @@ class SiameseTransformerLayer(TransformerLayer):
     ):
         """Attention sublayer on packed streams; returns ``(packed [s, b, 2h], context)``."""
         inference_context = deprecate_inference_params(inference_context, inference_params)
-        x, y = self._streams(hidden_states)
-        u, normed, norm_checkpoint = self._sublayer_input(
-            x, y, self.attn_x_norm, self.attn_y_norm, self.input_layernorm
+        state, normed, norm_checkpoint = self._sublayer_input(
+            hidden_states, self.attn_x_norm, self.attn_y_norm, self.input_layernorm
         )
         attention_output_with_bias = self.self_attention(
             normed,
@@ -171,22 +171,22 @@ class SiameseTransformerLayer(TransformerLayer):
             inference_context=inference_context,
             **attention_kwargs,
         )
-        x, y = self._residual(attention_output_with_bias, u, y, norm_checkpoint)
-        return pack_streams(x, y), context
+        packed = self._residual(attention_output_with_bias, state, hidden_states, norm_checkpoint)
+        return packed, context
 
     def _forward_mlp(self, hidden_states: Tensor, inference_context=None, padding_mask=None):
         """MLP sublayer; returns packed streams, or the merged ``[s, b, h]`` if this layer merges."""
-        x, y = self._streams(hidden_states)
-        u, normed, norm_checkpoint = self._sublayer_input(
-            x, y, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm
+        state, normed, norm_checkpoint = self._sublayer_input(
+            hidden_states, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm
         )
         mlp_output_with_bias = (
             self._checkpointed_mlp(normed, padding_mask)
             if self.recompute_mlp
             else self.mlp(normed, padding_mask=padding_mask)
         )
-        x, y = self._residual(mlp_output_with_bias, u, y, norm_checkpoint)
-        output = self.output_merge(x, y) if self.output_merge is not None else pack_streams(x, y)
+        output = self._residual(mlp_output_with_bias, state, hidden_states, norm_checkpoint)
+        if self.output_merge is not None:
+            output = self.output_merge(*split_streams(output, self.config.hidden_size))
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
 
     def _checkpointed_mlp(self, normed: Tensor, padding_mask: Optional[Tensor]):

@@ -102,19 +102,32 @@ def saved_activation_bytes(config):
     return total
 
 
-def test_selective_recompute_keeps_fewer_activations(megatron_single_rank):
-    baseline = saved_activation_bytes(config_with())
+# one [s, b, h] fp32 activation
+SUBLAYER_BYTES = CASE.seq_length * CASE.micro_batch_size * CASE.hidden_size * 4
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_selective_recompute_keeps_fewer_activations(megatron_single_rank, fused):
+    plain = config_with(siamese_fused_ops=fused)
+    baseline = saved_activation_bytes(plain)
     norms = saved_activation_bytes(
-        config_with(recompute_granularity="selective", recompute_modules=["layernorm"])
+        config_with(siamese_fused_ops=fused, recompute_granularity="selective", recompute_modules=["layernorm"])
     )
     both = saved_activation_bytes(
-        config_with(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
+        config_with(siamese_fused_ops=fused, recompute_granularity="selective",
+                    recompute_modules=["layernorm", "mlp"])
     )
-    # "layernorm" frees u, PostNorm(x) + PreNorm(y) and InputNorm's output: three [s, b, h]
-    # tensors per sublayer, minus u kept as a checkpoint input
-    sublayer_bytes = CASE.seq_length * CASE.micro_batch_size * CASE.hidden_size * 4
-    assert baseline - norms >= 2 * sublayer_bytes * 2 * CASE.num_layers
+    # "layernorm" drops InputNorm's output per sublayer, and on the PyTorch path also its
+    # input u + PreNorm(y), which the fused op never keeps
+    freed_per_sublayer = 1 if fused else 2
+    assert baseline - norms >= freed_per_sublayer * SUBLAYER_BYTES * 2 * CASE.num_layers
     assert both < norms
+
+
+def test_fused_ops_keep_fewer_activations_than_pytorch(megatron_single_rank):
+    torch_path = saved_activation_bytes(config_with(siamese_fused_ops=False))
+    fused_path = saved_activation_bytes(config_with(siamese_fused_ops=True))
+    assert torch_path - fused_path >= SUBLAYER_BYTES * 2 * CASE.num_layers
 
 
 UNSUPPORTED = {

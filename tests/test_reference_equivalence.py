@@ -70,9 +70,10 @@ def build_pair(case: ModelCase):
     return model, reference
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_logits_and_gradients_match_reference(megatron_single_rank, variant):
-    case = VARIANTS[variant]
+def test_logits_and_gradients_match_reference(megatron_single_rank, variant, fused):
+    case = dataclasses.replace(VARIANTS[variant], fused=fused)
     model, reference = build_pair(case)
     batch = microbatches(case)[0]
     args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
@@ -100,9 +101,10 @@ def test_reference_depth_scale_uses_one_based_layer_number():
     assert scales == pytest.approx([2 ** 0.5, 4 ** 0.5, 6 ** 0.5])
 
 
-def test_dropout_mask_is_shared_by_both_streams(megatron_single_rank):
+@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
+def test_dropout_mask_is_shared_by_both_streams(megatron_single_rank, fused):
     """With dropout on, y' - y must equal c * (x' - u): the same z reached both streams."""
-    case = dataclasses.replace(ModelCase(), num_layers=1)
+    case = dataclasses.replace(ModelCase(), num_layers=1, fused=fused)
     config = dataclasses.replace(transformer_config(case, Layout()), hidden_dropout=0.5)
     (model,) = build_gpt_chunks(config, "siamese", case.vocab_size, case.seq_length)
     layer = model.decoder.layers[0]

@@ -12,8 +12,8 @@ global 1-based layer number L (Megatron's ``layer_number``), c = sqrt(2 L):
 with x = y = embedding output before the first layer and
 out = FinalNorm(NormX(x) + NormY(y)) after the last one.
 
-Norms are computed in fp32 and cast back to the input dtype, as Megatron's fused and
-Transformer Engine norms do.
+Norms are computed in fp32 (fp64 for double inputs) and cast back to the input dtype, as
+Megatron's fused and Transformer Engine norms do.
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ def normalize(
     """LayerNorm or RMSNorm over the last dimension; gamma is ``1 + weight`` when zero-centred."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-    x32 = x.float()
-    gamma = weight.float() + 1.0 if zero_centered_gamma else weight.float()
+    compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for double inputs
+    x32 = x.to(compute)
+    gamma = weight.to(compute) + 1.0 if zero_centered_gamma else weight.to(compute)
     if normalization == "LayerNorm":
         mean = x32.mean(dim=-1, keepdim=True)
         centered = x32 - mean
         var = centered.pow(2).mean(dim=-1, keepdim=True)
         out = centered * torch.rsqrt(var + eps) * gamma
         if bias is not None:
-            out = out + bias.float()
+            out = out + bias.to(compute)
     else:
         if bias is not None:
             raise ValueError("RMSNorm has no bias")

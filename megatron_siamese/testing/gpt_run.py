@@ -60,6 +60,7 @@ class ModelCase:
     # Megatron's default communicator with shape exchange (the Megatron-LM way).
     siamese_p2p: bool = True
     fault: Optional[str] = None  # a bug from testing.faults planted on every rank
+    fused: Optional[bool] = None  # SiameseTransformerConfig.siamese_fused_ops
 
 
 @dataclass
@@ -90,7 +91,8 @@ class RankResult:
 
 def transformer_config(case: ModelCase, layout: Layout):
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_siamese.config import SiameseTransformerConfig
 
     dtype = DTYPES[case.dtype]
     recompute = {
@@ -98,7 +100,8 @@ def transformer_config(case: ModelCase, layout: Layout):
         "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
         "selective": dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"]),
     }[layout.recompute]
-    return TransformerConfig(
+    return SiameseTransformerConfig(
+        siamese_fused_ops=case.fused,
         num_layers=case.num_layers,
         hidden_size=case.hidden_size,
         num_attention_heads=case.num_attention_heads,

@@ -57,6 +57,7 @@ class TrainArgs:
     data_prefix: Optional[str] = None  # an indexed dataset of byte tokens; default: embedded KJV
     dtype: str = "fp32"
     recompute: str = "none"  # none | full | selective
+    fused_ops: Optional[bool] = None  # None: the extension's fused ops where they can run
     progress: bool = True
 
     def __post_init__(self):
@@ -103,7 +104,8 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 8) -> int:
 
 def transformer_config(args: TrainArgs):
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_siamese.config import SiameseTransformerConfig
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     recompute = {
@@ -111,7 +113,8 @@ def transformer_config(args: TrainArgs):
         "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
         "selective": dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"]),
     }[args.recompute]
-    return TransformerConfig(
+    return SiameseTransformerConfig(
+        siamese_fused_ops=args.fused_ops,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,

@@ -1,0 +1,460 @@
+// CPU kernels for the SiameseNorm fused ops.
+//
+// Rows are processed independently with at::parallel_for; each row is converted once to
+// scratch in the accumulation type (fp32; fp64 for double inputs) and all math runs there
+// with at::vec::Vectorized. Weight gradients are summed
+// per fixed block of rows into fp32 partials and the partials are added in block order, so
+// results are deterministic for a given thread count (and do not depend on which thread
+// ran which block).
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "dual_norm.h"
+
+namespace megatron_siamese {
+namespace {
+
+// All math runs in the accumulation type A: float for float/bfloat16/half inputs, double
+// for double (used by the fp64 gradcheck).
+
+template <typename T, typename A>
+inline void load_row(A* dst, const T* src, int64_t n) {
+  at::vec::convert(src, dst, n);
+}
+
+template <typename T, typename A>
+inline void store_row(T* dst, const A* src, int64_t n) {
+  at::vec::convert(src, dst, n);
+}
+
+// A row as A values: the row itself when T is A (no copy), else converted into `scratch`.
+template <typename T, typename A>
+inline const A* as_acc(const T* row, A* scratch, int64_t n) {
+  if constexpr (std::is_same_v<T, A>) {
+    return row;
+  } else {
+    load_row(scratch, row, n);
+    return scratch;
+  }
+}
+
+// Where to compute an output row: in place when T is A, else in `scratch` (then finish_row).
+template <typename T, typename A>
+inline A* out_acc(T* row, A* scratch) {
+  if constexpr (std::is_same_v<T, A>) return row;
+  else return scratch;
+}
+
+template <typename T, typename A>
+inline void finish_row(T* row, const A* computed, int64_t n) {
+  if constexpr (!std::is_same_v<T, A>) store_row(row, computed, n);
+}
+
+template <typename A>
+struct Gammas {
+  // gamma (with the zero-centred +1 applied) and beta pointers in A, or null.
+  const A *gx, *bx, *gy, *by, *gi, *bi;
+};
+
+template <typename A>
+struct GammaStorage {
+  std::vector<A> x, y, in, bias;  // bias: x, y, in betas, h each
+  Gammas<A> ptrs;
+  GammaStorage(const NormWeights& w, int64_t h) : bias(3 * h) {
+    auto gamma = [&](const torch::Tensor& t, std::vector<A>& keep) -> const A* {
+      if (!t.defined()) return nullptr;
+      const A* src = t.data_ptr<A>();
+      keep.assign(src, src + h);
+      if (w.zero_centered_gamma) for (auto& v : keep) v += A(1);
+      return keep.data();
+    };
+    auto beta = [&](const torch::Tensor& t, int64_t slot) -> const A* {
+      if (!t.defined()) return nullptr;
+      std::copy(t.data_ptr<A>(), t.data_ptr<A>() + h, bias.data() + slot * h);
+      return bias.data() + slot * h;
+    };
+    ptrs = Gammas<A>{gamma(w.x_weight, x), beta(w.x_bias, 0), gamma(w.y_weight, y), beta(w.y_bias, 1),
+                     gamma(w.in_weight, in), beta(w.in_bias, 2)};
+  }
+};
+
+// -- fused per-row loops -------------------------------------------------------------------
+
+// Calls f(i, count) for consecutive vector chunks of [0, n); count < Vec::size() only at the
+// tail, where loads zero-fill the missing lanes.
+template <typename A, typename F>
+inline void vec_loop(int64_t n, F&& f) {
+  using Vec = at::vec::Vectorized<A>;
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) f(i, Vec::size());
+  if (i < n) f(i, n - i);
+}
+
+template <typename A>
+inline at::vec::Vectorized<A> ld(const A* p, int64_t i, int64_t count) {
+  using Vec = at::vec::Vectorized<A>;
+  return count == Vec::size() ? Vec::loadu(p + i) : Vec::loadu(p + i, count);
+}
+
+template <typename A>
+inline at::vec::Vectorized<A> ld_or(const A* p, A fallback, int64_t i, int64_t count) {
+  return p ? ld(p, i, count) : at::vec::Vectorized<A>(fallback);
+}
+
+template <typename A>
+inline void st(const at::vec::Vectorized<A>& v, A* p, int64_t i, int64_t count) {
+  if (count == at::vec::Vectorized<A>::size()) v.store(p + i);
+  else v.store(p + i, count);
+}
+
+// Zeroes the lanes past `count` (tail chunks), so they do not enter sums.
+template <typename A>
+inline at::vec::Vectorized<A> valid(const at::vec::Vectorized<A>& v, int64_t count) {
+  using Vec = at::vec::Vectorized<A>;
+  return count == Vec::size() ? v : Vec::set(Vec(A(0)), v, count);
+}
+
+template <typename A>
+inline A reduce(const at::vec::Vectorized<A>& v) {
+  return at::vec::vec_reduce_all<A>(std::plus<at::vec::Vectorized<A>>(), v);
+}
+
+// rstd from a sum of squares of centred values
+template <typename A>
+inline A rstd_of(A centred_squares, int64_t n, A eps) {
+  return A(1) / std::sqrt(centred_squares / n + eps);
+}
+
+// -- dual_norm forward ---------------------------------------------------------------------
+
+template <typename T, typename A>
+void forward_rows(const T* streams, const StreamRows& g, const Gammas<A>& w, bool has_input_norm,
+                  bool rms, A eps, T* base, T* normed, A* stats) {
+  using Vec = at::vec::Vectorized<A>;
+  const int64_t h = g.hidden, width = g.width();
+  at::parallel_for(0, g.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> scratch(4 * h);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* x = streams + r * width;
+      const T* y = g.packed ? x + h : x;
+      T* base_row = base + r * 2 * h;
+      T* normed_row = normed + r * h;
+      const A* xf = as_acc(x, scratch.data(), h);
+      const A* yf = as_acc(y, scratch.data() + h, h);
+      A* u_out = out_acc(base_row, scratch.data() + 2 * h);
+      A* a = out_acc(normed_row, scratch.data() + 3 * h);
+      // pass 1: means (two-pass statistics stay accurate under large offsets)
+      A mx = 0, my = 0;
+      if (!rms) {
+        Vec sx(A(0)), sy(A(0));
+        vec_loop<A>(h, [&](int64_t i, int64_t c) { sx += ld(xf, i, c), sy += ld(yf, i, c); });
+        mx = reduce(sx) / h, my = reduce(sy) / h;
+      }
+      // pass 2: centred squares
+      Vec qx(A(0)), qy(A(0));
+      const Vec vmx(mx), vmy(my);
+      vec_loop<A>(h, [&](int64_t i, int64_t c) {
+        const Vec cx = valid(ld(xf, i, c) - vmx, c), cy = valid(ld(yf, i, c) - vmy, c);
+        qx = at::vec::fmadd(cx, cx, qx), qy = at::vec::fmadd(cy, cy, qy);
+      });
+      const A rx = rstd_of(reduce(qx), h, eps), ry = rstd_of(reduce(qy), h, eps);
+      // pass 3: u = PostNorm(x) (into xf), a = u + PreNorm(y), and a's sum
+      const Vec vrx(rx), vry(ry);
+      Vec sa(A(0));
+      vec_loop<A>(h, [&](int64_t i, int64_t c) {
+        const Vec u = at::vec::fmadd((ld(xf, i, c) - vmx) * vrx, ld_or(w.gx, A(1), i, c), ld_or(w.bx, A(0), i, c));
+        const Vec yn = at::vec::fmadd((ld(yf, i, c) - vmy) * vry, ld_or(w.gy, A(1), i, c), ld_or(w.by, A(0), i, c));
+        const Vec av = valid(u + yn, c);
+        st(u, u_out, i, c);
+        st(av, a, i, c);
+        sa += av;
+      });
+      finish_row(base_row, u_out, h);
+      std::copy(y, y + h, base_row + h);
+      A ma = 0, ra = 0;
+      if (has_input_norm) {
+        ma = rms ? A(0) : reduce(sa) / h;
+        const Vec vma(ma);
+        Vec qa(A(0));
+        vec_loop<A>(h, [&](int64_t i, int64_t c) {
+          const Vec ca = valid(ld(a, i, c) - vma, c);
+          qa = at::vec::fmadd(ca, ca, qa);
+        });
+        ra = rstd_of(reduce(qa), h, eps);
+        const Vec vra(ra);
+        vec_loop<A>(h, [&](int64_t i, int64_t c) {
+          st(at::vec::fmadd((ld(a, i, c) - vma) * vra, ld_or(w.gi, A(1), i, c), ld_or(w.bi, A(0), i, c)), a, i, c);
+        });
+      }
+      finish_row(normed_row, a, h);
+      A* s = stats + r * kStatsPerRow;
+      s[0] = mx, s[1] = rx, s[2] = my, s[3] = ry, s[4] = ma, s[5] = ra;
+    }
+  });
+}
+
+// -- dual_norm backward --------------------------------------------------------------------
+
+// Rows are split into fixed blocks, each summing weight gradients into its own partial, and
+// the partials are added in block order: deterministic for a given thread count.
+inline std::pair<int64_t, int64_t> row_blocks(int64_t rows) {
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, at::get_num_threads()));
+  return {blocks, (rows + blocks - 1) / blocks};
+}
+
+// With normalized value n, gamma-scaled gradient t = dL/dnorm_out * gamma:
+//   dL/dinput = rstd * (t - mean(t) - n * mean(t * n))   (RMSNorm: without mean(t)).
+template <typename T, typename A>
+void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, const A* stats,
+                   const StreamRows& g, const Gammas<A>& w, bool has_input_norm, bool rms,
+                   T* grad_streams, A* weight_grads) {
+  using Vec = at::vec::Vectorized<A>;
+  const int64_t h = g.hidden, width = g.width(), rows = g.rows;
+  const auto [blocks, rows_per_block] = row_blocks(rows);
+  std::vector<A> partials(blocks * 6 * h, A(0));
+  at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::vector<A> scratch(10 * h);
+    A *nx = scratch.data(), *ny = nx + h, *t = ny + h, *na = t + h, *ty = na + h, *convert = ty + h;
+    for (int64_t block = block_begin; block < block_end; ++block) {
+      A* part = partials.data() + block * 6 * h;
+      A *dgx = part, *dbx = part + h, *dgy = part + 2 * h, *dby = part + 3 * h, *dgi = part + 4 * h,
+        *dbi = part + 5 * h;
+      const int64_t end = std::min(rows, (block + 1) * rows_per_block);
+      for (int64_t r = block * rows_per_block; r < end; ++r) {
+        const A* s = stats + r * kStatsPerRow;
+        const Vec mx(s[0]), rx(s[1]), my(s[2]), ry(s[3]), ma(s[4]), ra(s[5]);
+        const T* x = streams + r * width;
+        const A* xs = as_acc(x, convert, h);
+        const A* ys = as_acc(g.packed ? x + h : x, convert + h, h);
+        const A* ga = as_acc(grad_normed + r * h, convert + 2 * h, h);
+        const A* gu = as_acc(grad_base + r * 2 * h, convert + 3 * h, h);
+        const A* gyid = as_acc(grad_base + r * 2 * h + h, convert + 4 * h, h);
+        // pass 1: normalized x and y; the input norm's weight gradients and reduction terms
+        Vec s_t(A(0)), s_tn(A(0));
+        vec_loop<A>(h, [&](int64_t i, int64_t c) {
+          const Vec vnx = (ld(xs, i, c) - mx) * rx, vny = (ld(ys, i, c) - my) * ry;
+          st(vnx, nx, i, c);
+          st(vny, ny, i, c);
+          if (has_input_norm) {
+            const Vec u = at::vec::fmadd(vnx, ld_or(w.gx, A(1), i, c), ld_or(w.bx, A(0), i, c));
+            const Vec yn = at::vec::fmadd(vny, ld_or(w.gy, A(1), i, c), ld_or(w.by, A(0), i, c));
+            const Vec vna = valid((u + yn - ma) * ra, c), vga = ld(ga, i, c);
+            st(at::vec::fmadd(vga, vna, ld(dgi, i, c)), dgi, i, c);
+            if (w.bi) st(ld(dbi, i, c) + vga, dbi, i, c);
+            const Vec vt = vga * ld_or(w.gi, A(1), i, c);
+            st(vt, t, i, c);
+            st(vna, na, i, c);
+            s_t += vt, s_tn = at::vec::fmadd(vt, vna, s_tn);
+          }
+        });
+        // pass 2: dL/da; dL/du = residual gradient + dL/da; PreNorm(y)'s output gradient is dL/da
+        const Vec mean_t(rms ? A(0) : reduce(s_t) / h), mean_tn(reduce(s_tn) / h);
+        Vec s_tx(A(0)), s_txn(A(0)), s_ty(A(0)), s_tyn(A(0));
+        vec_loop<A>(h, [&](int64_t i, int64_t c) {
+          const Vec vga = has_input_norm ? ra * (ld(t, i, c) - mean_t - ld(na, i, c) * mean_tn) : ld(ga, i, c);
+          const Vec vgu = ld(gu, i, c) + vga, vnx = ld(nx, i, c), vny = ld(ny, i, c);
+          st(at::vec::fmadd(vgu, vnx, ld(dgx, i, c)), dgx, i, c);
+          if (w.bx) st(ld(dbx, i, c) + vgu, dbx, i, c);
+          st(at::vec::fmadd(vga, vny, ld(dgy, i, c)), dgy, i, c);
+          if (w.by) st(ld(dby, i, c) + vga, dby, i, c);
+          const Vec vtx = vgu * ld_or(w.gx, A(1), i, c), vty = vga * ld_or(w.gy, A(1), i, c);
+          st(vtx, t, i, c);
+          st(vty, ty, i, c);
+          s_tx += vtx, s_txn = at::vec::fmadd(vtx, vnx, s_txn);
+          s_ty += vty, s_tyn = at::vec::fmadd(vty, vny, s_tyn);
+        });
+        // pass 3: gradients of x and y (plus y's identity-path gradient)
+        const Vec mtx(rms ? A(0) : reduce(s_tx) / h), mtnx(reduce(s_txn) / h);
+        const Vec mty(rms ? A(0) : reduce(s_ty) / h), mtny(reduce(s_tyn) / h);
+        T* out = grad_streams + r * width;
+        // nx / ny are not read again after their element: outputs may overwrite them
+        A* gx_out = out_acc(out, nx);
+        A* gy_out = g.packed ? out_acc(out + h, ny) : ny;
+        vec_loop<A>(h, [&](int64_t i, int64_t c) {
+          const Vec vnx = ld(nx, i, c), vny = ld(ny, i, c);
+          const Vec gx_in = rx * (ld(t, i, c) - mtx - vnx * mtnx);
+          const Vec gy_in = ry * (ld(ty, i, c) - mty - vny * mtny) + ld(gyid, i, c);
+          st(g.packed ? gx_in : gx_in + gy_in, gx_out, i, c);
+          st(gy_in, gy_out, i, c);
+        });
+        finish_row(out, gx_out, h);
+        if (g.packed) finish_row(out + h, gy_out, h);
+      }
+    }
+  });
+  for (int64_t block = 0; block < blocks; ++block) {
+    const A* part = partials.data() + block * 6 * h;
+    for (int64_t i = 0; i < 6 * h; ++i) weight_grads[i] += part[i];
+  }
+}
+
+// -- dual_residual -------------------------------------------------------------------------
+
+// keep[i] = mask[i] ? scale : 0 (the dropout factor), as a row of A
+template <typename A>
+inline void dropout_factors(A* keep, const bool* mask, A scale, int64_t h) {
+  for (int64_t i = 0; i < h; ++i) keep[i] = mask[i] ? scale : A(0);
+}
+
+template <typename T, typename A>
+void residual_rows(const T* base, const T* out, const A* bias, const bool* mask, A scale, A inv_c,
+                   int64_t rows, int64_t h, T* packed) {
+  using Vec = at::vec::Vectorized<A>;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> scratch(4 * h);
+    A *z = scratch.data(), *bx = z + h, *by = bx + h, *keep = by + h;
+    const Vec c(inv_c);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(z, out + r * h, h);
+      load_row(bx, base + r * 2 * h, h);
+      load_row(by, base + r * 2 * h + h, h);
+      if (mask) dropout_factors(keep, mask + r * h, scale, h);
+      vec_loop<A>(h, [&](int64_t i, int64_t cnt) {
+        Vec vz = ld(z, i, cnt) + ld_or(bias, A(0), i, cnt);
+        if (mask) vz = vz * ld(keep, i, cnt);
+        st(at::vec::fmadd(vz, c, ld(bx, i, cnt)), bx, i, cnt);
+        st(ld(by, i, cnt) + vz, by, i, cnt);
+      });
+      store_row(packed + r * 2 * h, bx, h);
+      store_row(packed + r * 2 * h + h, by, h);
+    }
+  });
+}
+
+template <typename T, typename A>
+void residual_backward_rows(const T* grad, const bool* mask, A scale, A inv_c, int64_t rows, int64_t h,
+                            T* grad_out, A* grad_bias) {
+  using Vec = at::vec::Vectorized<A>;
+  const auto [blocks, rows_per_block] = row_blocks(rows);
+  std::vector<A> partials(grad_bias ? blocks * h : 0, A(0));
+  at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::vector<A> scratch(3 * h);
+    A *gz = scratch.data(), *gy = gz + h, *keep = gy + h;
+    const Vec c(inv_c);
+    for (int64_t block = block_begin; block < block_end; ++block) {
+      A* part = grad_bias ? partials.data() + block * h : nullptr;
+      const int64_t end = std::min(rows, (block + 1) * rows_per_block);
+      for (int64_t r = block * rows_per_block; r < end; ++r) {
+        load_row(gz, grad + r * 2 * h, h);
+        load_row(gy, grad + r * 2 * h + h, h);
+        if (mask) dropout_factors(keep, mask + r * h, scale, h);
+        vec_loop<A>(h, [&](int64_t i, int64_t cnt) {
+          Vec g = at::vec::fmadd(ld(gz, i, cnt), c, ld(gy, i, cnt));  // dL/dz
+          if (mask) g = g * ld(keep, i, cnt);
+          if (part) st(ld(part, i, cnt) + g, part, i, cnt);
+          st(g, gz, i, cnt);
+        });
+        store_row(grad_out + r * h, gz, h);
+      }
+    }
+  });
+  if (grad_bias)
+    for (int64_t block = 0; block < blocks; ++block)
+      for (int64_t i = 0; i < h; ++i) grad_bias[i] += partials[block * h + i];
+}
+
+// -- op entry points -----------------------------------------------------------------------
+
+#define SIAMESE_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> dual_norm_cpu(
+    const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_weight,
+    const c10::optional<torch::Tensor>& x_bias, const torch::Tensor& y_weight,
+    const c10::optional<torch::Tensor>& y_bias, const c10::optional<torch::Tensor>& in_weight,
+    const c10::optional<torch::Tensor>& in_bias, double eps, bool rms, bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden);
+  const NormWeights weights = accumulation_weights(x_weight, x_bias, y_weight, y_bias, in_weight, in_bias,
+                                                   hidden, rms, zero_centered_gamma, accumulation_type(streams));
+  auto base = torch::empty({geometry.rows, 2 * hidden}, streams.options());
+  auto normed = torch::empty({geometry.rows, hidden}, streams.options());
+  auto stats = torch::empty({geometry.rows, kStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
+  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cpu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    GammaStorage<A> gammas(weights, hidden);
+    forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), geometry, gammas.ptrs, weights.has_input_norm(),
+                              rms, static_cast<A>(eps), base.data_ptr<scalar_t>(),
+                              normed.data_ptr<scalar_t>(), stats.data_ptr<A>());
+  });
+  return {base, normed, stats};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> dual_norm_backward_cpu(
+    const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
+    const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_weight,
+    const c10::optional<torch::Tensor>& x_bias, const torch::Tensor& y_weight,
+    const c10::optional<torch::Tensor>& y_bias, const c10::optional<torch::Tensor>& in_weight,
+    const c10::optional<torch::Tensor>& in_bias, bool rms, bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden);
+  const NormWeights weights = accumulation_weights(x_weight, x_bias, y_weight, y_bias, in_weight, in_bias,
+                                                   hidden, rms, zero_centered_gamma, accumulation_type(streams));
+  check_backward_inputs(grad_base, grad_normed, stats, streams, geometry);
+  auto gb = grad_base.to(streams.scalar_type()).contiguous();
+  auto gn = grad_normed.to(streams.scalar_type()).contiguous();
+  auto grad_streams = torch::empty_like(streams);
+  auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
+  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cpu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    GammaStorage<A> gammas(weights, hidden);
+    backward_rows<scalar_t, A>(gb.data_ptr<scalar_t>(), gn.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(),
+                               stats.data_ptr<A>(), geometry, gammas.ptrs, weights.has_input_norm(), rms,
+                               grad_streams.data_ptr<scalar_t>(), weight_grads.data_ptr<A>());
+  });
+  return {grad_streams, weight_grads};
+}
+
+torch::Tensor dual_residual_cpu(const torch::Tensor& base, const torch::Tensor& out,
+                                const c10::optional<torch::Tensor>& bias,
+                                const c10::optional<torch::Tensor>& mask, double scale, double inv_c) {
+  check_residual(base, out, bias, mask);
+  const int64_t rows = out.size(0), h = out.size(1);
+  auto b = base.contiguous(), o = out.contiguous();
+  const auto acc = accumulation_type(out);
+  torch::Tensor bias_acc = bias.has_value() && bias->defined() ? bias->to(acc).contiguous() : torch::Tensor();
+  torch::Tensor m = mask.has_value() && mask->defined() ? mask->contiguous() : torch::Tensor();
+  auto packed = torch::empty_like(b);
+  SIAMESE_DISPATCH(out.scalar_type(), "dual_residual_cpu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    residual_rows<scalar_t, A>(b.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(),
+                               bias_acc.defined() ? bias_acc.data_ptr<A>() : nullptr,
+                               m.defined() ? m.data_ptr<bool>() : nullptr, static_cast<A>(scale),
+                               static_cast<A>(inv_c), rows, h, packed.data_ptr<scalar_t>());
+  });
+  return packed;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> dual_residual_backward_cpu(
+    const torch::Tensor& grad, const c10::optional<torch::Tensor>& mask, double scale, double inv_c,
+    bool has_bias) {
+  check_residual_grad(grad, mask);
+  const int64_t rows = grad.size(0), h = grad.size(1) / 2;
+  auto g = grad.contiguous();
+  torch::Tensor m = mask.has_value() && mask->defined() ? mask->contiguous() : torch::Tensor();
+  auto grad_out = torch::empty({rows, h}, grad.options());
+  auto grad_bias = torch::zeros({has_bias ? h : 0}, grad.options().dtype(accumulation_type(grad)));
+  SIAMESE_DISPATCH(grad.scalar_type(), "dual_residual_backward_cpu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    residual_backward_rows<scalar_t, A>(g.data_ptr<scalar_t>(), m.defined() ? m.data_ptr<bool>() : nullptr,
+                                        static_cast<A>(scale), static_cast<A>(inv_c), rows, h,
+                                        grad_out.data_ptr<scalar_t>(),
+                                        has_bias ? grad_bias.data_ptr<A>() : nullptr);
+  });
+  return {grad_out, grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_siamese, CPU, m) {
+  m.impl("dual_norm", &dual_norm_cpu);
+  m.impl("dual_norm_backward", &dual_norm_backward_cpu);
+  m.impl("dual_residual", &dual_residual_cpu);
+  m.impl("dual_residual_backward", &dual_residual_backward_cpu);
+}
+
+}  // namespace megatron_siamese

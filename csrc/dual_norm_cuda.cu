@@ -1,0 +1,528 @@
+// CUDA kernels for the SiameseNorm fused ops.
+//
+// dual_norm forward: one thread block per row. Each thread keeps its slice of x and y in
+// registers (ITERS chunks of VEC elements, loaded with 16-byte vector loads when the row is
+// aligned, element by element at a predicated tail otherwise), so the row is read from HBM
+// once. Statistics use two passes over the registers (mean, then centred squares) and
+// block reductions (warp shuffles, then one shared-memory step read in a fixed order).
+//
+// dual_norm backward: a grid of blocks strides over rows; per row it recomputes the
+// normalized values from the saved statistics and reduces the three norms' backward terms
+// in two block reductions. Weight gradients accumulate per thread in fp32 registers over all
+// rows a block visits, are written as per-block partials and summed over blocks in block
+// order by a finalize kernel: deterministic.
+//
+// dual_residual: element-wise, vectorized when aligned; the bias gradient is a column sum.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "dual_norm.h"
+
+namespace megatron_siamese {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kMaxThreads = 1024;
+constexpr int kMaxPerThread = 32;  // elements of a row one thread holds
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+// Loads VEC consecutive elements starting at row[e] as A; elements at or past n read as 0.
+template <typename T, typename A, int VEC>
+__device__ __forceinline__ void load(const T* row, int64_t e, int64_t n, A* out) {
+  if (VEC > 1 && e + VEC <= n) {
+    Pack<T, VEC> p = *reinterpret_cast<const Pack<T, VEC>*>(row + e);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = static_cast<A>(p.v[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = e + k < n ? static_cast<A>(row[e + k]) : A(0);
+  }
+}
+
+template <typename T, typename A, int VEC>
+__device__ __forceinline__ void store(T* row, int64_t e, int64_t n, const A* in) {
+  if (VEC > 1 && e + VEC <= n) {
+    Pack<T, VEC> p;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) p.v[k] = static_cast<T>(in[k]);
+    *reinterpret_cast<Pack<T, VEC>*>(row + e) = p;
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k)
+      if (e + k < n) row[e + k] = static_cast<T>(in[k]);
+  }
+}
+
+// Sums K values over the block; every thread gets the totals (summed in a fixed order).
+template <typename A, int K>
+__device__ __forceinline__ void block_sum(A (&v)[K], A* shared /* [kWarp * K] */) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffff, v[k], offset);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  __syncthreads();  // the previous reduction's readers are done with `shared`
+  if (lane == 0)
+#pragma unroll
+    for (int k = 0; k < K; ++k) shared[warp * K + k] = v[k];
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    v[k] = A(0);
+    for (int w = 0; w < warps; ++w) v[k] += shared[w * K + k];
+  }
+}
+
+template <typename A>
+struct Params {
+  const A *gx, *bx, *gy, *by, *gi, *bi;  // gamma already includes the zero-centred +1
+  bool rms, input_norm, packed;
+  int64_t rows, hidden;
+  A eps;
+};
+
+template <typename A>
+__device__ __forceinline__ A weight_at(const A* w, int64_t e, int64_t n, A fallback) {
+  return w != nullptr && e < n ? w[e] : fallback;
+}
+
+// -- dual_norm forward ---------------------------------------------------------------------
+
+template <typename T, typename A, int VEC, int ITERS>
+__global__ void dual_norm_forward_kernel(const T* __restrict__ streams, Params<A> p, T* __restrict__ base,
+                                         T* __restrict__ normed, A* __restrict__ stats) {
+  __shared__ A shared[kWarp * 2];
+  const int64_t h = p.hidden, width = p.packed ? 2 * h : h;
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+    const T* x = streams + r * width;
+    const T* y = p.packed ? x + h : x;
+    A xr[ITERS][VEC], yr[ITERS][VEC];
+    A sums[2] = {A(0), A(0)};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t e = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+      load<T, A, VEC>(x, e, h, xr[it]);
+      load<T, A, VEC>(y, e, h, yr[it]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sums[0] += xr[it][k], sums[1] += yr[it][k];
+    }
+    A mx = A(0), my = A(0);
+    if (!p.rms) {
+      block_sum<A, 2>(sums, shared);
+      mx = sums[0] / h, my = sums[1] / h;
+    }
+    A squares[2] = {A(0), A(0)};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t e = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k)
+        if (e + k < h) {
+          const A cx = xr[it][k] - mx, cy = yr[it][k] - my;
+          squares[0] += cx * cx, squares[1] += cy * cy;
+        }
+    }
+    block_sum<A, 2>(squares, shared);
+    const A rx = A(1) / sqrt(squares[0] / h + p.eps), ry = A(1) / sqrt(squares[1] / h + p.eps);
+    T* base_row = base + r * 2 * h;
+    A suma[1] = {A(0)};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t e0 = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+      store<T, A, VEC>(base_row + h, e0, h, yr[it]);  // the identity path's base: y itself
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const int64_t e = e0 + k;
+        const A u = (xr[it][k] - mx) * rx * weight_at(p.gx, e, h, A(1)) + weight_at(p.bx, e, h, A(0));
+        const A yn = (yr[it][k] - my) * ry * weight_at(p.gy, e, h, A(1)) + weight_at(p.by, e, h, A(0));
+        xr[it][k] = u;
+        yr[it][k] = e < h ? u + yn : A(0);  // a
+        suma[0] += yr[it][k];
+      }
+      store<T, A, VEC>(base_row, e0, h, xr[it]);
+    }
+    A ma = A(0), ra = A(0);
+    if (p.input_norm) {
+      if (!p.rms) {
+        block_sum<A, 1>(suma, shared);
+        ma = suma[0] / h;
+      }
+      A sq[1] = {A(0)};
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int64_t e = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          if (e + k < h) sq[0] += (yr[it][k] - ma) * (yr[it][k] - ma);
+      }
+      block_sum<A, 1>(sq, shared);
+      ra = A(1) / sqrt(sq[0] / h + p.eps);
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int64_t e0 = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          yr[it][k] = (yr[it][k] - ma) * ra * weight_at(p.gi, e0 + k, h, A(1)) + weight_at(p.bi, e0 + k, h, A(0));
+      }
+    }
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+      store<T, A, VEC>(normed + r * h, (int64_t(it) * blockDim.x + threadIdx.x) * VEC, h, yr[it]);
+    if (threadIdx.x == 0) {
+      A* s = stats + r * kStatsPerRow;
+      s[0] = mx, s[1] = rx, s[2] = my, s[3] = ry, s[4] = ma, s[5] = ra;
+    }
+  }
+}
+
+// -- dual_norm backward --------------------------------------------------------------------
+
+template <typename T, typename A, int VEC, int ITERS>
+__global__ void dual_norm_backward_kernel(const T* __restrict__ grad_base, const T* __restrict__ grad_normed,
+                                          const T* __restrict__ streams, const A* __restrict__ stats,
+                                          Params<A> p, T* __restrict__ grad_streams,
+                                          A* __restrict__ partials /* [gridDim.x, 6, h] */) {
+  __shared__ A shared[kWarp * 4];
+  const int64_t h = p.hidden, width = p.packed ? 2 * h : h;
+  A acc[6][ITERS][VEC];
+#pragma unroll
+  for (int w = 0; w < 6; ++w)
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[w][it][k] = A(0);
+
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+    const A* s = stats + r * kStatsPerRow;
+    const A mx = s[0], rx = s[1], my = s[2], ry = s[3], ma = s[4], ra = s[5];
+    const T* x = streams + r * width;
+    const T* y = p.packed ? x + h : x;
+    A nx[ITERS][VEC], ny[ITERS][VEC], ga[ITERS][VEC], gu[ITERS][VEC];
+    A red[2] = {A(0), A(0)};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t e0 = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+      load<T, A, VEC>(x, e0, h, nx[it]);
+      load<T, A, VEC>(y, e0, h, ny[it]);
+      load<T, A, VEC>(grad_normed + r * h, e0, h, ga[it]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const int64_t e = e0 + k;
+        nx[it][k] = e < h ? (nx[it][k] - mx) * rx : A(0);
+        ny[it][k] = e < h ? (ny[it][k] - my) * ry : A(0);
+        if (p.input_norm) {
+          const A u = nx[it][k] * weight_at(p.gx, e, h, A(1)) + weight_at(p.bx, e, h, A(0));
+          const A yn = ny[it][k] * weight_at(p.gy, e, h, A(1)) + weight_at(p.by, e, h, A(0));
+          const A na = e < h ? (u + yn - ma) * ra : A(0);
+          acc[4][it][k] += ga[it][k] * na;
+          acc[5][it][k] += ga[it][k];
+          const A t = ga[it][k] * weight_at(p.gi, e, h, A(1));
+          red[0] += t, red[1] += t * na;
+          gu[it][k] = na;  // kept until the input norm's backward below
+        }
+      }
+    }
+    if (p.input_norm) {
+      block_sum<A, 2>(red, shared);
+      const A mean_t = p.rms ? A(0) : red[0] / h, mean_tn = red[1] / h;
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int64_t e0 = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const A t = ga[it][k] * weight_at(p.gi, e0 + k, h, A(1));
+          ga[it][k] = ra * (t - mean_t - gu[it][k] * mean_tn);  // dL/da
+        }
+      }
+    }
+    // dL/du = residual-path gradient + dL/da; PreNorm(y)'s output gradient is dL/da
+    A red4[4] = {A(0), A(0), A(0), A(0)};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t e0 = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+      load<T, A, VEC>(grad_base + r * 2 * h, e0, h, gu[it]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const int64_t e = e0 + k;
+        gu[it][k] += ga[it][k];
+        acc[0][it][k] += gu[it][k] * nx[it][k];
+        acc[1][it][k] += gu[it][k];
+        acc[2][it][k] += ga[it][k] * ny[it][k];
+        acc[3][it][k] += ga[it][k];
+        const A tx = gu[it][k] * weight_at(p.gx, e, h, A(1));
+        const A ty = ga[it][k] * weight_at(p.gy, e, h, A(1));
+        red4[0] += tx, red4[1] += tx * nx[it][k], red4[2] += ty, red4[3] += ty * ny[it][k];
+      }
+    }
+    block_sum<A, 4>(red4, shared);
+    const A mtx = p.rms ? A(0) : red4[0] / h, mtnx = red4[1] / h;
+    const A mty = p.rms ? A(0) : red4[2] / h, mtny = red4[3] / h;
+    T* out = grad_streams + r * width;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t e0 = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+      A gy_id[VEC], gx_in[VEC], gy_in[VEC];
+      load<T, A, VEC>(grad_base + r * 2 * h + h, e0, h, gy_id);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const int64_t e = e0 + k;
+        const A tx = gu[it][k] * weight_at(p.gx, e, h, A(1));
+        const A ty = ga[it][k] * weight_at(p.gy, e, h, A(1));
+        gx_in[k] = rx * (tx - mtx - nx[it][k] * mtnx);
+        gy_in[k] = ry * (ty - mty - ny[it][k] * mtny) + gy_id[k];
+        if (!p.packed) gx_in[k] += gy_in[k];
+      }
+      store<T, A, VEC>(out, e0, h, gx_in);
+      if (p.packed) store<T, A, VEC>(out + h, e0, h, gy_in);
+    }
+  }
+  A* part = partials + int64_t(blockIdx.x) * 6 * h;
+#pragma unroll
+  for (int w = 0; w < 6; ++w)
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int64_t e0 = (int64_t(it) * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k)
+        if (e0 + k < h) part[w * h + e0 + k] = acc[w][it][k];
+    }
+}
+
+template <typename A>
+__global__ void sum_partials_kernel(const A* __restrict__ partials, int64_t blocks, int64_t columns,
+                                    A* __restrict__ out) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= columns) return;
+  A total = A(0);
+  for (int64_t b = 0; b < blocks; ++b) total += partials[b * columns + c];  // block order
+  out[c] = total;
+}
+
+// -- dual_residual -------------------------------------------------------------------------
+
+template <typename T, typename A>
+__global__ void dual_residual_kernel(const T* __restrict__ base, const T* __restrict__ out,
+                                     const A* __restrict__ bias, const bool* __restrict__ mask, A scale,
+                                     A inv_c, int64_t rows, int64_t h, T* __restrict__ packed) {
+  const int64_t n = rows * h;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / h, c = i % h;
+    A z = static_cast<A>(out[i]) + (bias ? bias[c] : A(0));
+    if (mask) z = mask[i] ? z * scale : A(0);
+    const int64_t b = r * 2 * h + c;
+    packed[b] = static_cast<T>(static_cast<A>(base[b]) + z * inv_c);
+    packed[b + h] = static_cast<T>(static_cast<A>(base[b + h]) + z);
+  }
+}
+
+template <typename T, typename A>
+__global__ void dual_residual_backward_kernel(const T* __restrict__ grad, const bool* __restrict__ mask, A scale,
+                                              A inv_c, int64_t rows, int64_t h, T* __restrict__ grad_out) {
+  const int64_t n = rows * h;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / h, c = i % h, b = r * 2 * h + c;
+    A gz = static_cast<A>(grad[b]) * inv_c + static_cast<A>(grad[b + h]);
+    if (mask) gz = mask[i] ? gz * scale : A(0);
+    grad_out[i] = static_cast<T>(gz);
+  }
+}
+
+// -- launch helpers ------------------------------------------------------------------------
+
+struct Launch {
+  int vec, iters, threads;
+};
+
+// Vector width from alignment, then the fewest register chunks per thread that cover the
+// row with at most kMaxThreads threads (at least ~8 elements per thread).
+template <typename T>
+Launch plan(int64_t hidden, std::initializer_list<const void*> pointers) {
+  int vec = 16 / sizeof(T);
+  bool aligned = hidden % vec == 0;
+  for (const void* ptr : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  if (!aligned) vec = 1;
+  int iters = std::max(1, 8 / vec);
+  while (int64_t(iters) * vec * kMaxThreads < hidden) iters *= 2;
+  TORCH_CHECK(iters * vec <= kMaxPerThread,
+              "dual_norm (CUDA): hidden size ", hidden, " is larger than the kernel supports (",
+              kMaxThreads * kMaxPerThread, "); use the PyTorch path (siamese_fused_ops=False)");
+  const int64_t per_block = int64_t(iters) * vec;
+  int threads = static_cast<int>((hidden + per_block - 1) / per_block);
+  threads = std::max(kWarp, (threads + kWarp - 1) / kWarp * kWarp);
+  return {vec, iters, threads};
+}
+
+// Calls f.template operator()<VEC, ITERS>() for the planned configuration.
+template <typename T, typename F>
+void dispatch_plan(const Launch& launch, F&& f) {
+  constexpr int V = 16 / sizeof(T);
+#define SIAMESE_CASE(VEC_, ITERS_) \
+  if (launch.vec == VEC_ && launch.iters == ITERS_) return f.template operator()<VEC_, ITERS_>();
+  if constexpr (V == 8) { SIAMESE_CASE(8, 1) SIAMESE_CASE(8, 2) SIAMESE_CASE(8, 4) }
+  if constexpr (V == 4) { SIAMESE_CASE(4, 2) SIAMESE_CASE(4, 4) SIAMESE_CASE(4, 8) }
+  if constexpr (V == 2) { SIAMESE_CASE(2, 4) SIAMESE_CASE(2, 8) SIAMESE_CASE(2, 16) }
+  SIAMESE_CASE(1, 8) SIAMESE_CASE(1, 16) SIAMESE_CASE(1, 32)
+#undef SIAMESE_CASE
+  TORCH_CHECK(false, "dual_norm (CUDA): no kernel for vec=", launch.vec, " iters=", launch.iters);
+}
+
+template <typename A>
+Params<A> make_params(const NormWeights& w, const StreamRows& g, double eps, std::vector<torch::Tensor>& keep) {
+  auto gamma = [&](const torch::Tensor& t) -> const A* {
+    if (!t.defined()) return nullptr;
+    keep.push_back(w.zero_centered_gamma ? t + 1 : t);
+    return keep.back().data_ptr<A>();
+  };
+  auto beta = [](const torch::Tensor& t) -> const A* { return t.defined() ? t.data_ptr<A>() : nullptr; };
+  return Params<A>{gamma(w.x_weight), beta(w.x_bias), gamma(w.y_weight), beta(w.y_bias), gamma(w.in_weight),
+                   beta(w.in_bias), w.rms, w.has_input_norm(), g.packed, g.rows, g.hidden, static_cast<A>(eps)};
+}
+
+int grid_for_rows(int64_t rows) {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(sms) * 8)));
+}
+
+#define SIAMESE_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
+
+// -- op entry points -----------------------------------------------------------------------
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> dual_norm_cuda(
+    const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_weight,
+    const c10::optional<torch::Tensor>& x_bias, const torch::Tensor& y_weight,
+    const c10::optional<torch::Tensor>& y_bias, const c10::optional<torch::Tensor>& in_weight,
+    const c10::optional<torch::Tensor>& in_bias, double eps, bool rms, bool zero_centered_gamma) {
+  const c10::cuda::CUDAGuard guard(streams.device());
+  const StreamRows geometry = check_streams(streams, hidden);
+  const NormWeights weights = accumulation_weights(x_weight, x_bias, y_weight, y_bias, in_weight, in_bias,
+                                                   hidden, rms, zero_centered_gamma, accumulation_type(streams));
+  auto base = torch::empty({geometry.rows, 2 * hidden}, streams.options());
+  auto normed = torch::empty({geometry.rows, hidden}, streams.options());
+  auto stats = torch::empty({geometry.rows, kStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
+  if (geometry.rows == 0) return {base, normed, stats};
+  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cuda", [&] {
+    using A = at::opmath_type<scalar_t>;
+    std::vector<torch::Tensor> keep;
+    const Params<A> params = make_params<A>(weights, geometry, eps, keep);
+    const Launch launch = plan<scalar_t>(hidden, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()});
+    const int grid = static_cast<int>(std::min<int64_t>(geometry.rows, 65535 * 32));
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    dispatch_plan<scalar_t>(launch, [&]<int VEC, int ITERS>() {
+      dual_norm_forward_kernel<scalar_t, A, VEC, ITERS><<<grid, launch.threads, 0, stream>>>(
+          streams.data_ptr<scalar_t>(), params, base.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(),
+          stats.data_ptr<A>());
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {base, normed, stats};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> dual_norm_backward_cuda(
+    const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
+    const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_weight,
+    const c10::optional<torch::Tensor>& x_bias, const torch::Tensor& y_weight,
+    const c10::optional<torch::Tensor>& y_bias, const c10::optional<torch::Tensor>& in_weight,
+    const c10::optional<torch::Tensor>& in_bias, bool rms, bool zero_centered_gamma) {
+  const c10::cuda::CUDAGuard guard(streams.device());
+  const StreamRows geometry = check_streams(streams, hidden);
+  const NormWeights weights = accumulation_weights(x_weight, x_bias, y_weight, y_bias, in_weight, in_bias,
+                                                   hidden, rms, zero_centered_gamma, accumulation_type(streams));
+  check_backward_inputs(grad_base, grad_normed, stats, streams, geometry);
+  auto gb = grad_base.to(streams.scalar_type()).contiguous();
+  auto gn = grad_normed.to(streams.scalar_type()).contiguous();
+  auto grad_streams = torch::empty_like(streams);
+  auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
+  if (geometry.rows == 0) return {grad_streams, weight_grads};
+  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cuda", [&] {
+    using A = at::opmath_type<scalar_t>;
+    std::vector<torch::Tensor> keep;
+    const Params<A> params = make_params<A>(weights, geometry, 0.0, keep);
+    const Launch launch = plan<scalar_t>(
+        hidden, {gb.data_ptr(), gn.data_ptr(), streams.data_ptr(), grad_streams.data_ptr()});
+    const int grid = grid_for_rows(geometry.rows);
+    auto partials = torch::empty({grid, 6, hidden}, weight_grads.options());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    dispatch_plan<scalar_t>(launch, [&]<int VEC, int ITERS>() {
+      dual_norm_backward_kernel<scalar_t, A, VEC, ITERS><<<grid, launch.threads, 0, stream>>>(
+          gb.data_ptr<scalar_t>(), gn.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(), stats.data_ptr<A>(),
+          params, grad_streams.data_ptr<scalar_t>(), partials.data_ptr<A>());
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t columns = 6 * hidden;
+    sum_partials_kernel<A><<<static_cast<int>((columns + 255) / 256), 256, 0, stream>>>(
+        partials.data_ptr<A>(), grid, columns, weight_grads.data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {grad_streams, weight_grads};
+}
+
+torch::Tensor dual_residual_cuda(const torch::Tensor& base, const torch::Tensor& out,
+                                 const c10::optional<torch::Tensor>& bias,
+                                 const c10::optional<torch::Tensor>& mask, double scale, double inv_c) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_residual(base, out, bias, mask);
+  const int64_t rows = out.size(0), h = out.size(1);
+  auto b = base.contiguous(), o = out.contiguous();
+  const auto acc = accumulation_type(out);
+  torch::Tensor bias_acc = bias.has_value() && bias->defined() ? bias->to(acc).contiguous() : torch::Tensor();
+  torch::Tensor m = mask.has_value() && mask->defined() ? mask->contiguous() : torch::Tensor();
+  auto packed = torch::empty_like(b);
+  if (rows * h == 0) return packed;
+  SIAMESE_DISPATCH(out.scalar_type(), "dual_residual_cuda", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const int grid = static_cast<int>(std::min<int64_t>((rows * h + 255) / 256, 65535));
+    dual_residual_kernel<scalar_t, A><<<grid, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        b.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), bias_acc.defined() ? bias_acc.data_ptr<A>() : nullptr,
+        m.defined() ? m.data_ptr<bool>() : nullptr, static_cast<A>(scale), static_cast<A>(inv_c), rows, h,
+        packed.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return packed;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> dual_residual_backward_cuda(
+    const torch::Tensor& grad, const c10::optional<torch::Tensor>& mask, double scale, double inv_c,
+    bool has_bias) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  check_residual_grad(grad, mask);
+  const int64_t rows = grad.size(0), h = grad.size(1) / 2;
+  auto g = grad.contiguous();
+  torch::Tensor m = mask.has_value() && mask->defined() ? mask->contiguous() : torch::Tensor();
+  auto grad_out = torch::empty({rows, h}, grad.options());
+  if (rows * h > 0) {
+    SIAMESE_DISPATCH(grad.scalar_type(), "dual_residual_backward_cuda", [&] {
+      using A = at::opmath_type<scalar_t>;
+      const int grid = static_cast<int>(std::min<int64_t>((rows * h + 255) / 256, 65535));
+      dual_residual_backward_kernel<scalar_t, A><<<grid, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          g.data_ptr<scalar_t>(), m.defined() ? m.data_ptr<bool>() : nullptr, static_cast<A>(scale),
+          static_cast<A>(inv_c), rows, h, grad_out.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  // a column sum in the accumulation type: ATen's reduction is deterministic
+  auto grad_bias = has_bias ? grad_out.to(accumulation_type(grad)).sum(0)
+                            : torch::empty({0}, grad.options().dtype(accumulation_type(grad)));
+  return {grad_out, grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_siamese, CUDA, m) {
+  m.impl("dual_norm", &dual_norm_cuda);
+  m.impl("dual_norm_backward", &dual_norm_backward_cuda);
+  m.impl("dual_residual", &dual_residual_cuda);
+  m.impl("dual_residual_backward", &dual_residual_backward_cuda);
+}
+
+}  // namespace megatron_siamese

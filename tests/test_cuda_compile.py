@@ -1,0 +1,39 @@
+"""The CUDA kernels cannot run here, but they must compile: nvcc, sm_90, torch's headers."""
+
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.cpp_extension as cpp_extension
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cuda_kernels_compile_for_sm90(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        if os.environ.get("MEGATRON_SIAMESE_SKIP_NVCC") == "1":
+            pytest.skip("MEGATRON_SIAMESE_SKIP_NVCC=1 and no nvcc on PATH")
+        pytest.fail("nvcc is not on PATH: the CUDA kernels must compile in CI")
+    # A CPU wheel of torch ships the CUDA headers but not the one header its CMake build
+    # generates for CUDA builds; this is that header's content.
+    shim = tmp_path / "include" / "c10" / "cuda" / "impl"
+    shim.mkdir(parents=True)
+    (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    command = [
+        nvcc, "-std=c++20", "-O3", "-arch=sm_90", "-c", str(ROOT / "csrc" / "dual_norm_cuda.cu"),
+        "-o", str(tmp_path / "dual_norm_cuda.o"), f"-I{tmp_path / 'include'}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        f"-I{sysconfig.get_paths()['include']}",
+        *cpp_extension.COMMON_NVCC_FLAGS,
+        "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        "-Xcompiler", "-fPIC",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert (tmp_path / "dual_norm_cuda.o").stat().st_size > 0

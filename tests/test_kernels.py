@@ -1,0 +1,252 @@
+"""The fused dual-norm / dual-residual ops (csrc/) against the plain PyTorch reference."""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_siamese import ops
+from megatron_siamese.reference import functional as reference
+
+
+def test_extension_is_built():
+    """The suite below needs the compiled ops; a missing build must fail, not skip."""
+    assert ops.load_error() is None
+
+
+if ops.load_error() is None:
+    from megatron_siamese.ops import fused
+
+EPS = 1e-5
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and ops.has_cuda_kernels() else [])
+
+
+def make_inputs(rows, hidden, packed=True, rms=False, input_norm=True, dtype=torch.float32,
+                device="cpu", offset=0.0, weight_dtype=None, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    width = 2 * hidden if packed else hidden
+    streams = (torch.randn(rows, width, generator=generator) * 2 + offset).to(device, dtype)
+    weight_dtype = weight_dtype or dtype
+
+    def vector(scale, center):
+        return (torch.randn(hidden, generator=generator) * scale + center).to(device, weight_dtype)
+
+    weights = [vector(0.3, 1.0), None if rms else vector(0.3, 0.0),
+               vector(0.3, 1.0), None if rms else vector(0.3, 0.0),
+               vector(0.3, 1.0) if input_norm else None,
+               None if (rms or not input_norm) else vector(0.3, 0.0)]
+    return streams, weights
+
+
+def reference_dual_norm(streams, hidden, weights, rms, zero_centered=False, compute=None):
+    """The reference composition, optionally in another dtype."""
+    compute = compute or streams.dtype
+    s = streams.to(compute)
+    w = [None if t is None else t.to(compute) for t in weights]
+    x, y = (s[:, :hidden], s[:, hidden:]) if s.shape[1] == 2 * hidden else (s, s)
+    kind = "RMSNorm" if rms else "LayerNorm"
+    norm = lambda t, g, b: reference.normalize(t, g, b, normalization=kind, eps=EPS,
+                                               zero_centered_gamma=zero_centered)
+    u = norm(x, w[0], w[1])
+    a = reference.sublayer_input(u, norm(y, w[2], w[3]))
+    normed = norm(a, w[4], w[5]) if w[4] is not None else a
+    return torch.cat([u, y], dim=-1), normed
+
+
+def fused_dual_norm(streams, hidden, weights, rms, zero_centered=False):
+    return fused.dual_norm(streams, hidden, *weights, EPS, rms, zero_centered)
+
+
+# -- gradients: fp64 gradcheck ------------------------------------------------------------
+
+@pytest.mark.parametrize("packed,rms,input_norm,zero_centered",
+                         list(itertools.product([True, False], [False, True], [True, False], [False, True])))
+def test_dual_norm_gradcheck_fp64(packed, rms, input_norm, zero_centered):
+    streams, weights = make_inputs(5, 7, packed, rms, input_norm, dtype=torch.float64)
+    inputs = [streams] + [w for w in weights if w is not None]
+    for t in inputs:
+        t.requires_grad_(True)
+
+    def run(streams, *present):
+        it = iter(present)
+        full = [None if w is None else next(it) for w in weights]
+        base, normed = fused_dual_norm(streams, 7, full, rms, zero_centered)
+        return base, normed
+
+    assert torch.autograd.gradcheck(run, tuple(inputs), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_bias,with_mask", list(itertools.product([True, False], [True, False])))
+def test_dual_residual_gradcheck_fp64(with_bias, with_mask):
+    generator = torch.Generator().manual_seed(1)
+    base = torch.randn(4, 10, dtype=torch.float64, generator=generator, requires_grad=True)
+    out = torch.randn(4, 5, dtype=torch.float64, generator=generator, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True) if with_bias else None
+    mask = (torch.rand(4, 5, generator=generator) > 0.3) if with_mask else None
+    inputs = (base, out) + ((bias,) if with_bias else ())
+
+    def run(base, out, *maybe_bias):
+        return fused.dual_residual(base, out, maybe_bias[0] if maybe_bias else None, mask, 1.25, 0.5)
+
+    assert torch.autograd.gradcheck(run, inputs, eps=1e-6, atol=1e-6)
+
+
+# -- values against the reference, every dtype -------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hidden", [1, 7, 123, 1000, 3000])
+@pytest.mark.parametrize("rms", [False, True])
+def test_dual_norm_matches_reference_fp32(device, hidden, rms):
+    streams, weights = make_inputs(9, hidden, rms=rms, device=device)
+    for t in [streams] + weights:
+        if t is not None:
+            t.requires_grad_(True)
+    base, normed = fused_dual_norm(streams, hidden, weights, rms)
+    ref_base, ref_normed = reference_dual_norm(streams, hidden, weights, rms)
+    torch.testing.assert_close(base, ref_base, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(normed, ref_normed, rtol=1e-5, atol=1e-5)
+    grads = [torch.randn_like(base), torch.randn_like(normed)]
+    present = [t for t in [streams] + weights if t is not None]
+    got = torch.autograd.grad((base, normed), present, grads)
+    expected = torch.autograd.grad((ref_base, ref_normed), present, grads)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4 * max(1.0, float(e.abs().max())))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [7, 1000])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_16bit_error_at_most_twice_pytorch_error(device, dtype, hidden, rms, zero_centered):
+    """As flash-attention tests its norms: against an fp32 reference, the fused op's error is
+    at most twice the error of the same-dtype PyTorch composition (plus a hair for ties)."""
+    streams32, weights32 = make_inputs(16, hidden, rms=rms, device=device, weight_dtype=torch.float32)
+    streams = streams32.to(dtype)
+    weights = [None if w is None else w.to(dtype) for w in weights32]
+    gold = reference_dual_norm(streams, hidden, weights, rms, zero_centered, compute=torch.float64)
+    torch_way = reference_dual_norm(streams, hidden, weights, rms, zero_centered)
+    ours = fused_dual_norm(streams, hidden, weights, rms, zero_centered)
+    for o, t, g in zip(ours, torch_way, gold):
+        ours_error = float((o.double() - g).abs().max())
+        torch_error = float((t.double() - g).abs().max())
+        assert ours_error <= 2 * torch_error + 1e-6 * float(g.abs().max()), (ours_error, torch_error)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [0, 1])
+def test_zero_and_one_rows(device, rows):
+    streams, weights = make_inputs(rows, 9, device=device)
+    streams.requires_grad_(True)
+    base, normed = fused_dual_norm(streams, 9, weights, rms=False)
+    assert base.shape == (rows, 18) and normed.shape == (rows, 9)
+    ref_base, ref_normed = reference_dual_norm(streams, 9, weights, rms=False)
+    torch.testing.assert_close(normed, ref_normed, rtol=1e-5, atol=1e-5)
+    (normed.sum() + base.sum()).backward()
+    assert streams.grad.shape == streams.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_mean_offset_is_normalized_stably(device):
+    """Two-pass statistics: a row offset of 1e4 with unit spread still normalizes to fp32 accuracy."""
+    streams, weights = make_inputs(8, 256, offset=1e4, device=device)
+    _, normed = fused_dual_norm(streams, 256, weights, rms=False)
+    _, expected = reference_dual_norm(streams.double(), 256, [w.double() for w in weights], rms=False)
+    torch.testing.assert_close(normed.double(), expected, rtol=2e-3, atol=2e-3)
+    # a one-pass E[x^2] - E[x]^2 in fp32 would have lost the spread entirely at this offset
+    assert normed.std() > 0.1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_is_deterministic(device):
+    streams, weights = make_inputs(64, 100, device=device)
+    for t in [streams] + weights:
+        t.requires_grad_(True)
+
+    def grads():
+        base, normed = fused_dual_norm(streams, 100, weights, rms=False)
+        return torch.autograd.grad((base.sum() + normed.square().sum(),), [streams] + weights)
+
+    first, second = grads(), grads()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_dual_residual_matches_reference():
+    generator = torch.Generator().manual_seed(3)
+    hidden, c = 123, 2.0 ** 0.5
+    u, y, out = (torch.randn(6, hidden, generator=generator, requires_grad=True) for _ in range(3))
+    bias = torch.randn(hidden, generator=generator, requires_grad=True)
+    mask = torch.rand(6, hidden, generator=generator) > 0.2
+    base = torch.cat([u, y], dim=-1)
+    packed = fused.dual_residual(base, out, bias, mask, 1 / 0.8, 1 / c)
+    z = (out + bias) * mask / 0.8
+    expected = torch.cat(reference.residual_update(u, y, z, c), dim=-1)
+    torch.testing.assert_close(packed, expected)
+    g = torch.randn_like(packed)
+    for got, want in zip(torch.autograd.grad(packed, (u, y, out, bias), g),
+                         torch.autograd.grad(expected, (u, y, out, bias), g)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# -- torch.library contracts ---------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_dual_norm(device):
+    for packed, rms in itertools.product([True, False], [False, True]):
+        streams, weights = make_inputs(4, 6, packed, rms, device=device)
+        streams.requires_grad_(True)
+        for w in weights:
+            if w is not None:
+                w.requires_grad_(True)
+        torch.library.opcheck(torch.ops.megatron_siamese.dual_norm.default,
+                              (streams, 6, *weights, EPS, rms, False))
+
+
+def test_opcheck_dual_residual():
+    base = torch.randn(4, 10, requires_grad=True)
+    out = torch.randn(4, 5, requires_grad=True)
+    bias = torch.randn(5, requires_grad=True)
+    mask = torch.rand(4, 5) > 0.5
+    torch.library.opcheck(torch.ops.megatron_siamese.dual_residual.default, (base, out, bias, mask, 2.0, 0.5))
+    torch.library.opcheck(torch.ops.megatron_siamese.dual_residual.default, (base, out, None, None, 1.0, 0.5))
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    streams, weights = make_inputs(8, 32)
+    streams.requires_grad_(True)
+    out = torch.randn(8, 32)
+
+    def sublayer(streams):
+        base, normed = fused_dual_norm(streams, 32, weights, rms=False)
+        return fused.dual_residual(base, normed * 0.5 + out, None, None, 1.0, 0.5)
+
+    eager = sublayer(streams)
+    (grad_eager,) = torch.autograd.grad(eager.square().sum(), streams)
+    compiled = torch.compile(sublayer, fullgraph=True, backend="aot_eager")(streams)
+    (grad_compiled,) = torch.autograd.grad(compiled.square().sum(), streams)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(grad_compiled, grad_eager)
+
+
+# -- the layer's choice ----------------------------------------------------------------------
+
+def test_layer_uses_fused_ops_by_default_and_refuses_to_fake_them(megatron_single_rank, monkeypatch):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_siamese.specs import get_siamese_layer_local_spec
+    from megatron_siamese.sublayer import FusedSublayer, TorchSublayer
+    from megatron_siamese.testing.gpt_run import ModelCase, transformer_config
+    from megatron_siamese.testing.layouts import Layout
+    import dataclasses
+
+    config = transformer_config(ModelCase(), Layout())
+
+    def layer(**changes):
+        return build_module(get_siamese_layer_local_spec(), config=dataclasses.replace(config, **changes))
+
+    assert isinstance(layer().sublayer, FusedSublayer)
+    assert isinstance(layer(siamese_fused_ops=False).sublayer, TorchSublayer)
+    monkeypatch.setattr(ops, "unavailable_reason", lambda device: "no kernels for this test")
+    assert isinstance(layer().sublayer, TorchSublayer)  # automatic: the PyTorch path
+    with pytest.raises(RuntimeError, match="no kernels for this test.*siamese_fused_ops=False"):
+        layer(siamese_fused_ops=True)
