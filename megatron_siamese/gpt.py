@@ -8,7 +8,8 @@ tests build models from:
   (the last layer merges the streams, the final norm is single-stream);
 * ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from ``get_gpt_layer_local_spec``,
   with its norms built as ``megatron_siamese.norms.Norm`` (the same math as torch's
-  LayerNorm/RMSNorm, but usable under sequence parallelism without apex).
+  LayerNorm/RMSNorm, but usable under sequence parallelism without apex);
+* ``post``: Post-Norm on Megatron's ``TransformerLayer`` (``post_norm.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_siamese.norms import Norm
+from megatron_siamese.post_norm import get_post_norm_block_spec
 from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec
 
 
@@ -42,6 +44,7 @@ NORM_SCHEMES: Dict[str, Callable[[TransformerConfig, Optional[int]], object]] = 
     "siamese": get_siamese_block_spec,
     "siamese-layer": lambda config, vp_stage=None: siamese_layer_spec,
     "pre": get_pre_norm_block_spec,
+    "post": get_post_norm_block_spec,
 }
 
 

@@ -51,7 +51,9 @@ class TrainArgs:
     seed: int = 1234
     eval_interval: int = 100
     eval_iters: int = 8
-    save_interval: Optional[int] = None
+    save_interval: Optional[int] = None  # save a checkpoint every N steps (and at the end)
+    load: Optional[str] = None  # a checkpoint directory, or a directory with a `latest` file
+    stop_step: Optional[int] = None  # stop (saving a checkpoint) after this step, e.g. preemption
     output_dir: str = "runs/default"
     cache_dir: str = ".cache/megatron_siamese"
     data_prefix: Optional[str] = None  # an indexed dataset of byte tokens; default: embedded KJV
@@ -65,6 +67,8 @@ class TrainArgs:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs --tp > 1")
+        if self.stop_step is not None and not 0 < self.stop_step <= self.steps:
+            raise ValueError(f"stop_step={self.stop_step} must lie in (0, steps={self.steps}]")
         self.num_microbatches  # validates the batch sizes
 
     @property
@@ -86,8 +90,9 @@ class TrainArgs:
 class RunSummary:
     args: dict
     steps_done: int
-    train_losses: List[float] = field(default_factory=list)  # per step
+    train_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
     val_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
+    checkpoints: List[str] = field(default_factory=list)
     tokens_per_second: float = 0.0
     peak_memory_mb: float = 0.0
     seconds: float = 0.0
@@ -96,10 +101,17 @@ class RunSummary:
 # -- setup -------------------------------------------------------------------------------
 
 
-def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 8) -> int:
-    """Megatron pads the vocabulary to a multiple of 8 * TP so it splits evenly."""
-    step = multiple * tp
-    return int(math.ceil(vocab_size / step) * step)
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 64) -> int:
+    """The vocabulary padded to a multiple of 64, whatever the TP size.
+
+    The padded rows are real logits in the softmax, so their number must not change with
+    the layout: a checkpoint then loads at any TP size dividing it and computes the same
+    losses (Megatron-LM pads to a multiple of 128 * TP, which ties checkpoints to TP).
+    """
+    padded = int(math.ceil(vocab_size / multiple) * multiple)
+    if padded % tp:
+        raise ValueError(f"tp={tp} must divide the padded vocabulary size {padded}")
+    return padded
 
 
 def transformer_config(args: TrainArgs):
@@ -236,6 +248,10 @@ class Trainer:
         self._pipeline_kwargs = self._pipeline_communication()
         self._build_data()
         self.step = 0
+        if args.load:
+            from megatron_siamese.training import checkpoint
+
+            checkpoint.load(self, args.load)
 
     def _pipeline_communication(self) -> dict:
         if self.args.pp == 1 or not self.args.norm.startswith("siamese"):
@@ -259,14 +275,14 @@ class Trainer:
             embedded_corpus(args.cache_dir)  # built once, by one rank
         torch.distributed.barrier()
         prefix = args.data_prefix or embedded_corpus(args.cache_dir)
-        evaluations = args.steps // args.eval_interval + 1
         train, valid = build_gpt_datasets(
             prefix,
             self.tokenizer,
             args.seq_length,
             args.seed,
             train_samples=args.steps * args.global_batch_size,
-            valid_samples=evaluations * args.eval_iters * args.global_batch_size,
+            # one fixed validation set: losses compare across steps, runs and layouts
+            valid_samples=args.eval_iters * args.global_batch_size,
             cache_dir=os.path.join(args.cache_dir, "indices"),
         )
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -320,11 +336,8 @@ class Trainer:
     def evaluate(self) -> float:
         for chunk in self.model:
             chunk.eval()
-        evaluation = self.step // self.args.eval_interval
         losses = [
-            self._forward_backward(
-                self.valid_data.step(evaluation * self.args.eval_iters + i), forward_only=True
-            )
+            self._forward_backward(self.valid_data.step(i), forward_only=True)
             for i in range(self.args.eval_iters)
         ]
         return sum(losses) / len(losses)
@@ -348,9 +361,13 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
     from megatron.core import parallel_state
 
+    from megatron_siamese.training import checkpoint
+
     trainer = Trainer(args)
     rank0 = torch.distributed.get_rank() == 0
     summary = RunSummary(args=asdict(args), steps_done=0)
+    last_step = args.stop_step or args.steps
+    checkpoint_dir = os.path.join(args.output_dir, "checkpoints")
     bar = None
     if rank0 and args.progress:
         from tqdm import tqdm
@@ -359,15 +376,20 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     tokens_per_step = args.global_batch_size * args.seq_length
     start = time.perf_counter()
     timed_steps, timed_seconds = 0, 0.0
-    while trainer.step < args.steps:
+    first_step = trainer.step
+    while trainer.step < last_step:
         t0 = time.perf_counter()
         stats = trainer.train_step()
         elapsed = time.perf_counter() - t0
-        if trainer.step > 1:  # the first step includes one-time setup costs
+        if trainer.step > first_step + 1:  # the first step includes one-time setup costs
             timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
-        summary.train_losses.append(stats["loss"])
-        if trainer.step % args.eval_interval == 0 or trainer.step == args.steps:
+        summary.train_losses[trainer.step] = stats["loss"]
+        if trainer.step % args.eval_interval == 0 or trainer.step == last_step:
             summary.val_losses[trainer.step] = trainer.evaluate()
+        if (args.save_interval and trainer.step % args.save_interval == 0) or (
+            trainer.step == last_step and (args.save_interval or args.stop_step)
+        ):
+            summary.checkpoints.append(checkpoint.save(trainer, checkpoint_dir))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(
@@ -379,6 +401,8 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             )
     if bar is not None:
         bar.close()
+    if trainer.step not in summary.val_losses:  # e.g. a loaded checkpoint evaluated as is
+        summary.val_losses[trainer.step] = trainer.evaluate()
     summary.steps_done = trainer.step
     summary.seconds = time.perf_counter() - start
     summary.tokens_per_second = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
@@ -405,12 +429,16 @@ def train(args: TrainArgs) -> RunSummary:
     return launch(train_rank, args.world_size, args, timeout_s=24 * 3600)[0]
 
 
+def _last(losses: Dict[int, float]) -> str:
+    return f"{losses[max(losses)]:.4f}" if losses else "-"
+
+
 def format_summary(summary: RunSummary) -> str:
     lines = [
         f"norm={summary.args['norm']} steps={summary.steps_done} "
         f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}",
-        f"final train loss {summary.train_losses[-1]:.4f}  "
-        f"final val loss {summary.val_losses[max(summary.val_losses)]:.4f}",
+        f"final train loss {_last(summary.train_losses)}  "
+        f"final val loss {_last(summary.val_losses)}",
         f"{summary.tokens_per_second:.0f} tokens/s  peak memory {summary.peak_memory_mb:.0f} MB/rank  "
         f"wall {summary.seconds:.0f}s",
     ]

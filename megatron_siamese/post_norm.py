@@ -1,0 +1,61 @@
+"""The Post-Norm baseline on Megatron's stock TransformerLayer.
+
+Megatron-Core has Pre-Norm only. Post-Norm (the original Transformer's
+``x = Norm(x + Sublayer(x))``) is Megatron's own ``TransformerLayer`` with its input norms
+set to identity and a norm applied to the residual stream after each bias-dropout-add; the
+stream leaving the last layer is already normalized, so the block's final norm is identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.utils import make_viewless_tensor
+
+from megatron_siamese.norms import Norm
+
+
+@dataclass
+class PostNormTransformerLayerSubmodules(TransformerLayerSubmodules):
+    post_attn_norm: Union[ModuleSpec, type] = IdentityOp
+    post_mlp_norm: Union[ModuleSpec, type] = IdentityOp
+
+
+class PostNormTransformerLayer(TransformerLayer):
+    """Megatron's TransformerLayer with each sublayer's norm after its residual add."""
+
+    def __init__(self, config: TransformerConfig, submodules: PostNormTransformerLayerSubmodules, **kwargs):
+        super().__init__(config=config, submodules=submodules, **kwargs)
+        norm_kwargs = dict(config=self.config, hidden_size=self.config.hidden_size, eps=self.config.layernorm_epsilon)
+        self.post_attn_norm = build_module(submodules.post_attn_norm, **norm_kwargs)
+        self.post_mlp_norm = build_module(submodules.post_mlp_norm, **norm_kwargs)
+
+    def _forward_attention(self, *args, **kwargs):
+        hidden_states, context = super()._forward_attention(*args, **kwargs)
+        return self.post_attn_norm(hidden_states), context
+
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None):
+        output = self.post_mlp_norm(super()._forward_mlp(hidden_states, inference_context, padding_mask))
+        return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
+
+
+def get_post_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
+    stock = get_gpt_layer_local_spec(normalization=config.normalization)
+    submodules = PostNormTransformerLayerSubmodules(
+        **{**vars(stock.submodules), "input_layernorm": IdentityOp, "pre_mlp_layernorm": IdentityOp},
+        post_attn_norm=Norm,
+        post_mlp_norm=Norm,
+    )
+    layer_spec = ModuleSpec(module=PostNormTransformerLayer, submodules=submodules)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=IdentityOp)
