@@ -94,11 +94,12 @@ def make_sublayer(config, stream_norms):
     """
     from megatron_siamese import ops
     from megatron_siamese.config import FUSED_OPS_ENV, fused_ops_requested
+    from megatron_siamese.testing import cpu_harness
 
     requested = fused_ops_requested(config)
     if requested is False:
         return TorchSublayer(config.hidden_size)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not cpu_harness.is_installed() else "cpu"
     reason = ops.unavailable_reason(device)
     if reason is None and not all(type(norm) is Norm for norm in stream_norms):
         reason = "the layer's stream norms are not megatron_siamese.norms.Norm modules"

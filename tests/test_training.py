@@ -37,11 +37,13 @@ def test_training_reduces_loss(tmp_path, cache, layout):
     assert summary.val_losses[8] < summary.val_losses[4] < summary.train_losses[1]
 
 
-def test_resume_continues_bit_identically(tmp_path, cache):
-    straight = run(tmp_path, cache, "straight", tp=2)
-    first = run(tmp_path, cache, "resumed", tp=2, stop_step=4)
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=1, dp=2, distributed_optimizer=True)],
+                         ids=["tp2", "dp2-distributed-optimizer"])
+def test_resume_continues_bit_identically(tmp_path, cache, layout):
+    straight = run(tmp_path, cache, "straight", **layout)
+    first = run(tmp_path, cache, "resumed", stop_step=4, **layout)
     assert first.steps_done == 4 and len(first.checkpoints) == 1
-    second = run(tmp_path, cache, "resumed", tp=2, load=str(tmp_path / "resumed" / "checkpoints"))
+    second = run(tmp_path, cache, "resumed", load=str(tmp_path / "resumed" / "checkpoints"), **layout)
     assert sorted(second.train_losses) == [5, 6, 7, 8]
     for step in range(5, 9):
         assert second.train_losses[step] == straight.train_losses[step]  # bitwise

@@ -45,8 +45,22 @@ def _metadata(trainer) -> dict:
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
     }
     if trainer.args.distributed_optimizer:
-        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+        metadata["distrib_optim_sharding_type"] = distributed_optimizer_format()
     return metadata
+
+
+def distributed_optimizer_format() -> str:
+    """How the distributed optimizer's state is checkpointed.
+
+    "fully_reshardable" reshards over TP, PP and DP, but megatron-core 0.16.1 cannot load it
+    into torch.optim's Adam (its loader copies into every per-parameter state entry and torch
+    keeps ``step`` there: KeyError 'step'), which is the Adam used without apex or Transformer
+    Engine (CPU). There the format is "dp_reshardable" (Megatron-LM's default): it reshards
+    over DP only, so a TP/PP change needs the non-distributed optimizer's checkpoint.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    return "fully_reshardable" if distrib_optimizer.HAVE_APEX_OR_TE else "dp_reshardable"
 
 
 def _models(trainer):
@@ -95,17 +109,54 @@ def resolve(path: str) -> str:
     raise FileNotFoundError(f"no checkpoint at {path} (neither a {LATEST} file nor metadata.json)")
 
 
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer its Adam state before describing it for loading.
+
+    torch.optim.Adam creates its state at the first step; without apex or Transformer
+    Engine, megatron-core 0.16.1's DistributedOptimizer reads that state (its ``step``) while
+    building the loading description and asserts when there is none. Megatron's own helper
+    fills it with one zero-gradient step at the scheduler's initial learning rate; loading then
+    overwrites the state and the parameters.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(inner, "_init_optimizer_states_with_dummy_values") and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_step_count(optimizer, step: int) -> None:
+    """torch.optim.Adam's per-parameter ``step`` (its bias correction) after a load.
+
+    Two megatron-core 0.16.1 problems meet here when torch's Adam is used (no apex, no
+    Transformer Engine): the distributed optimizer's parameter-state load copies the loading
+    template's placeholder ``step`` over the restored one, and the restored one is a single
+    tensor shared by every parameter, which Adam then increments once per parameter per
+    step. Each parameter gets its own tensor holding the training step (every step of this
+    trainer updates: fp32/bf16 never skip one).
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].new_tensor(float(step))
+
+
 def load(trainer, path: str) -> int:
     """Load into the trainer's current layout; returns the checkpoint's step."""
     from megatron.core import dist_checkpointing
 
     checkpoint = resolve(path)
+    _materialize_optimizer_state(trainer.optimizer)
     loaded = dist_checkpointing.load(sharded_state_dict(trainer, is_loading=True), checkpoint)
     for key, module in _models(trainer):
         module.load_state_dict(loaded[key])
-    trainer.optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # fp32 distributed-optimizer state is copied into parameter views
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
     trainer.scheduler.load_state_dict(loaded["scheduler"])
     trainer.step = int(loaded["step"])
+    _restore_adam_step_count(trainer.optimizer, trainer.step)
     return trainer.step
 
 

@@ -1,0 +1,77 @@
+"""Run a Megatron-LM script (e.g. pretrain_gpt.py) on CPU with gloo, for trying the
+``--spec`` path without a GPU:
+
+    torchrun --nproc-per-node 4 -m megatron_siamese.testing.megatron_lm \\
+        /path/to/Megatron-LM/pretrain_gpt.py --distributed-backend gloo \\
+        --spec megatron_siamese.specs siamese_layer_spec ...
+
+It installs the CPU harness (and sets MEGATRON_SIAMESE_CPU_HARNESS=1, so helper processes
+that re-import the main module, like the torch_dist checkpoint writer, get it too), then
+runs the script as ``__main__``. On GPUs none of this is needed: run the script itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Read by torch at import: set before anything imports it. Megatron-LM warms up its
+# jit fusions with torch.compile, which has no CPU compiler setup to rely on here.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+import contextlib  # noqa: E402
+import runpy  # noqa: E402
+import sys  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+
+from megatron_siamese.testing import cpu_harness  # noqa: E402
+
+
+class _HostStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    os.environ[cpu_harness.ENV_VAR] = "1"
+    cpu_harness.install()
+    # Megatron-LM's training loop (not megatron-core) asserts CUDA and reads device
+    # properties and memory statistics; with the harness installed the rest of what it asks
+    # of CUDA is served on CPU.
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1  # it sets up model parallelism only with a device
+    torch.cuda.set_device = lambda *args, **kwargs: None
+    torch.cuda.get_device_properties = lambda *args, **kwargs: SimpleNamespace(
+        major=9, minor=0, name="CPU (megatron_siamese harness)", total_memory=0, multi_processor_count=1
+    )
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(torch.cuda, name, lambda *args, **kwargs: 0)
+    torch.cuda.reset_peak_memory_stats = lambda *args, **kwargs: None
+    # CPU work is in program order: streams are nothing to wait for
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    script = os.path.abspath(sys.argv[1])
+    sys.argv = [script, *sys.argv[2:]]
+    sys.path.insert(0, os.path.dirname(script))
+    try:  # its legacy fused-kernel hook only probes nvcc's version (and needs CUDA_HOME)
+        from megatron.legacy import fused_kernels
+
+        fused_kernels.load = lambda args: None
+    except ImportError:
+        pass
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
