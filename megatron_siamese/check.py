@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                             default=getattr(ModelCase, field),
                             help=f"model/data size (default: %(default)s)")
     parser.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    parser.add_argument("--variant", choices=["standard", "hybrid"], default="standard",
+                        help="SiameseNorm block: the paper's (standard) or the authors' hybrid variant")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--list", action="store_true", help="print the default layouts and exit")
     return parser
@@ -161,6 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     case = ModelCase(
         norm=SPECS[options.spec], dtype=options.dtype, normalization=options.normalization,
+        variant=options.variant,
         **{f: getattr(options, f) for f in (
             "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
             "ffn_hidden_size", "vocab_size", "seq_length", "micro_batch_size",

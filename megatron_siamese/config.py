@@ -9,6 +9,7 @@ from typing import Optional
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 FUSED_OPS_ENV = "MEGATRON_SIAMESE_FUSED_OPS"
+VARIANTS = ("standard", "hybrid")
 
 
 @dataclass
@@ -20,6 +21,18 @@ class SiameseTransformerConfig(TransformerConfig):
     whenever the extension provides kernels for this device, True insists (and fails with the
     reason when it cannot), False always runs the PyTorch composition. Without this field
     (a plain TransformerConfig, e.g. from Megatron-LM) MEGATRON_SIAMESE_FUSED_OPS=1/0 decides."""
+
+    siamese_variant: str = "standard"
+    """"standard" (the paper's block) or "hybrid" (the authors' OLMo variant: per-channel
+    scale and QK-norm on the attention side, reference/functional.py). The hybrid variant
+    needs qk_layernorm=True, which this config sets for it."""
+
+    def __post_init__(self):
+        if self.siamese_variant not in VARIANTS:
+            raise ValueError(f"siamese_variant must be one of {VARIANTS}, got {self.siamese_variant!r}")
+        if self.siamese_variant == "hybrid":
+            self.qk_layernorm = True
+        super().__post_init__()
 
 
 def fused_ops_requested(config: TransformerConfig) -> Optional[bool]:

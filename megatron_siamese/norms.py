@@ -23,7 +23,7 @@ from torch import Tensor
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_siamese.reference.functional import NORMALIZATIONS
+from megatron_siamese.reference.functional import NORMALIZATIONS, channel_scale
 
 
 class Norm(MegatronModule):
@@ -77,3 +77,22 @@ class Norm(MegatronModule):
 
     def extra_repr(self) -> str:
         return f"{self.normalization}({self.hidden_size}, eps={self.eps})"
+
+
+class ChannelScale(MegatronModule):
+    """The hybrid variant's learnable per-channel scale c1 on the X stream (ones at init).
+
+    Used in a stream-norm slot, it marks that the residual keeps the unscaled input
+    (``residual_is_input``): the sublayer sees ``c1 * x`` but the X stream continues from x.
+    """
+
+    residual_is_input = True
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(config=config)
+        self.hidden_size = hidden_size
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return channel_scale(x, self.weight)

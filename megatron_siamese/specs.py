@@ -31,7 +31,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_siamese.layer import SiameseTransformerLayer, SiameseTransformerLayerSubmodules
 from megatron_siamese.merge import SiameseFinalNorm, StreamMerge
-from megatron_siamese.norms import Norm
+from megatron_siamese.config import VARIANTS
+from megatron_siamese.norms import ChannelScale, Norm
 
 # The local spec keeps Megatron's mapping of the input norms onto the names Transformer
 # Engine's fused LayerNorm-Linear modules use, so checkpoints move between the two.
@@ -41,20 +42,25 @@ _TE_COMPATIBLE_KEYS = {
 }
 
 
-def get_siamese_layer_local_spec(merge_at_output: bool = False) -> ModuleSpec:
+def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "standard") -> ModuleSpec:
     """Layer spec on Megatron-Core's own (non-Transformer-Engine) modules.
 
     Args:
         merge_at_output: the last global layer merges the streams (for block specs whose
             final norm is a stock single-stream norm, e.g. Megatron-LM's ``--spec``).
+        variant: "standard", or "hybrid" (per-channel scale instead of the attention
+            PostNorm and InputNorm, QK-norm in attention; needs config.qk_layernorm).
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    hybrid = variant == "hybrid"
     backend = LocalSpecProvider()
     return ModuleSpec(
         module=SiameseTransformerLayer,
         submodules=SiameseTransformerLayerSubmodules(
-            attn_x_norm=Norm,
+            attn_x_norm=ChannelScale if hybrid else Norm,
             attn_y_norm=Norm,
-            input_layernorm=Norm,
+            input_layernorm=IdentityOp if hybrid else Norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
@@ -62,8 +68,8 @@ def get_siamese_layer_local_spec(merge_at_output: bool = False) -> ModuleSpec:
                     linear_qkv=backend.column_parallel_linear(),
                     core_attention=backend.core_attention(),
                     linear_proj=backend.row_parallel_linear(),
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
+                    q_layernorm=Norm if hybrid else IdentityOp,
+                    k_layernorm=Norm if hybrid else IdentityOp,
                 ),
             ),
             mlp_x_norm=Norm,
@@ -79,8 +85,13 @@ def get_siamese_layer_local_spec(merge_at_output: bool = False) -> ModuleSpec:
 def get_siamese_block_spec(
     config: TransformerConfig, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
 ) -> TransformerBlockSubmodules:
-    """Block spec for this pipeline stage (and virtual stage): layers plus a merging final norm."""
-    layer_spec = get_siamese_layer_local_spec(merge_at_output=False)
+    """Block spec for this pipeline stage (and virtual stage): layers plus a merging final norm.
+
+    The variant comes from ``config.siamese_variant`` (SiameseTransformerConfig; "standard"
+    for a plain TransformerConfig).
+    """
+    variant = getattr(config, "siamese_variant", "standard")
+    layer_spec = get_siamese_layer_local_spec(merge_at_output=False, variant=variant)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
         layer_specs=[layer_spec] * num_layers, layer_norm=SiameseFinalNorm
@@ -89,3 +100,5 @@ def get_siamese_block_spec(
 
 # For Megatron-LM: pretrain_gpt.py --spec megatron_siamese.specs siamese_layer_spec
 siamese_layer_spec = get_siamese_layer_local_spec(merge_at_output=True)
+# ... and the hybrid variant (with --qk-layernorm)
+siamese_hybrid_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, variant="hybrid")

@@ -37,14 +37,18 @@ class TorchSublayer:
     def norms(self, streams: Tensor, x_norm, y_norm, input_norm) -> Tuple[Tuple[Tensor, ...], Tensor]:
         x, y = _first_layer_or_split(streams, self.hidden)
         u = x_norm(x)
-        return (u,), input_norm(sublayer_input(u, y_norm(y)))
+        normed = input_norm(sublayer_input(u, y_norm(y)))
+        # the hybrid variant's ChannelScale feeds c1 * x to the sublayer but the X stream
+        # continues from x itself, which `residual` takes from the streams (no state: what
+        # recompute releases must never alias the input)
+        return (() if getattr(x_norm, "residual_is_input", False) else (u,)), normed
 
     def residual(self, state, streams: Tensor, out: Tensor, bias: Optional[Tensor], dropout: float,
                  training: bool, depth_scale: float) -> Tensor:
-        (u,) = state
-        _, y = _first_layer_or_split(streams, self.hidden)
+        x, y = _first_layer_or_split(streams, self.hidden)
+        base = state[0] if state else x
         z = bias_dropout(out, bias, dropout, training)
-        return pack_streams(*residual_update(u, y, z, depth_scale))
+        return pack_streams(*residual_update(base, y, z, depth_scale))
 
 
 class FusedSublayer:

@@ -49,10 +49,6 @@ def _problems(config: TransformerConfig) -> List[str]:
             "only standard self-attention is supported: set multi_latent_attention=False and "
             "experimental_attention_variant=None."
         )
-    if config.qk_layernorm:
-        problems.append(
-            "qk_layernorm is not supported by the SiameseNorm specs yet. Set it to False."
-        )
     if config.apply_residual_connection_post_layernorm:
         problems.append(
             "apply_residual_connection_post_layernorm conflicts with SiameseNorm's own residual "
@@ -61,11 +57,30 @@ def _problems(config: TransformerConfig) -> List[str]:
     return problems
 
 
+def _spec_problems(config: TransformerConfig, submodules) -> List[str]:
+    problems = []
+    if getattr(submodules, "cross_attention", IdentityOp) is not IdentityOp:
+        problems.append("cross-attention is not supported: SiameseNorm layers are decoder-only.")
+    attention = getattr(getattr(submodules, "self_attention", None), "submodules", None)
+    has_qk_norm = attention is not None and getattr(attention, "q_layernorm", IdentityOp) is not IdentityOp
+    if config.qk_layernorm and not has_qk_norm:
+        problems.append(
+            "qk_layernorm is set but this SiameseNorm spec has no QK-norm (only the hybrid "
+            "variant does). Set qk_layernorm=False, or use the hybrid variant."
+        )
+    if has_qk_norm and not config.qk_layernorm:
+        problems.append(
+            "the hybrid variant normalizes queries and keys, and Megatron sums their norm "
+            "gradients over TP only with qk_layernorm: set qk_layernorm=True (--qk-layernorm)."
+        )
+    return problems
+
+
 def check_supported(config: TransformerConfig, submodules=None) -> None:
     """Raise UnsupportedConfigError listing every unsupported setting in ``config``."""
     problems = _problems(config)
-    if submodules is not None and getattr(submodules, "cross_attention", IdentityOp) is not IdentityOp:
-        problems.append("cross-attention is not supported: SiameseNorm layers are decoder-only.")
+    if submodules is not None:
+        problems += _spec_problems(config, submodules)
     if problems:
         raise UnsupportedConfigError(
             "SiameseNorm cannot build this layer:\n- " + "\n- ".join(problems)

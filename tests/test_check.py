@@ -26,6 +26,12 @@ def test_bf16_matrix_passes_against_its_own_noise():
     assert set(statuses(rows).values()) == {"PASS"}
 
 
+def test_hybrid_variant_matrix_passes():
+    rows = run_check(ModelCase(variant="hybrid"), ["tp2", "tp2-sp", "pp2-vpp2", "dp2-do", "sel", "tp2-pp2-sp"],
+                     "siamese")
+    assert set(statuses(rows).values()) == {"PASS"}
+
+
 def test_depth_scale_from_local_layer_index_fails_pipeline_layouts_only():
     rows = run_check(ModelCase(), ["tp2", "dp2", "pp2", "pp2-vpp2"], "siamese",
                      fault="local-depth-scale")

@@ -12,6 +12,15 @@ global 1-based layer number L (Megatron's ``layer_number``), c = sqrt(2 L):
 with x = y = embedding output before the first layer and
 out = FinalNorm(NormX(x) + NormY(y)) after the last one.
 
+The hybrid variant (the authors' OLMo code) builds the attention sublayer's X side like
+HybridNorm: no PostNorm and no InputNorm there, a learnable per-channel scale c1 (ones at
+init) on x instead, and QK-norm inside attention:
+
+    z = dropout(Attention_QKNorm(c1 * x + PreNorm_attn(y)) + bias)
+    x = x + z / c;  y = y + z
+
+and its MLP sublayer is the standard one above (PostNorm before the MLP).
+
 Norms are computed in fp32 (fp64 for double inputs) and cast back to the input dtype, as
 Megatron's fused and Transformer Engine norms do.
 """
@@ -79,6 +88,11 @@ def bias_dropout(out: Tensor, bias: Optional[Tensor], p: float, training: bool) 
 def residual_update(u: Tensor, y: Tensor, z: Tensor, c: float) -> Tuple[Tensor, Tensor]:
     """x' = u + z / c (depth-scaled, X stream), y' = y + z (identity, Y stream)."""
     return u + z / c, y + z
+
+
+def channel_scale(x: Tensor, scale: Tensor) -> Tensor:
+    """c1 * x: the hybrid variant's X-side attention input (the residual keeps x itself)."""
+    return x * scale
 
 
 def merge_streams(x_normed: Tensor, y_normed: Tensor) -> Tensor:

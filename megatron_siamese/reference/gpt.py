@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from megatron_siamese.reference.functional import (
     bias_dropout,
+    channel_scale,
     depth_scale,
     merge_streams,
     normalize,
@@ -54,6 +55,7 @@ class ReferenceGPTConfig:
     share_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    variant: str = "standard"  # or "hybrid": see reference/functional.py
 
     def __post_init__(self):
         self.ffn_hidden_size = self.ffn_hidden_size or 4 * self.hidden_size
@@ -63,6 +65,8 @@ class ReferenceGPTConfig:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}")
         if self.position_embedding_type not in ("learned_absolute", "rope"):
             raise ValueError("position_embedding_type must be 'learned_absolute' or 'rope'")
+        if self.variant not in ("standard", "hybrid"):
+            raise ValueError("variant must be 'standard' or 'hybrid'")
 
     @classmethod
     def from_megatron(cls, config, vocab_size: int, max_sequence_length: int, **overrides):
@@ -88,6 +92,7 @@ class ReferenceGPTConfig:
             activation=activation,
             hidden_dropout=config.hidden_dropout,
             attention_dropout=config.attention_dropout,
+            variant=getattr(config, "siamese_variant", "standard"),
         )
         fields.update(overrides)
         return cls(**fields)
@@ -168,6 +173,9 @@ class ReferenceAttention(nn.Module):
         self.proj_bias = (
             nn.Parameter(torch.zeros(config.hidden_size)) if config.add_bias_linear else None
         )
+        qk_norm = config.variant == "hybrid"
+        self.q_layernorm = ReferenceNorm(config, head_dim) if qk_norm else None
+        self.k_layernorm = ReferenceNorm(config, head_dim) if qk_norm else None
 
     def forward(self, x: Tensor, rope) -> Tensor:
         """x: [b, s, h] -> (attention output without bias, bias)."""
@@ -178,6 +186,8 @@ class ReferenceAttention(nn.Module):
         mixed = self.linear_qkv(x).view(b, s, groups, (per_group + 2) * head_dim)
         q, k, v = mixed.split([per_group * head_dim, head_dim, head_dim], dim=-1)
         q = q.reshape(b, s, heads, head_dim)
+        if self.q_layernorm is not None:  # per head, before RoPE, as Megatron's SelfAttention
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k = k.repeat_interleave(per_group, dim=2)
@@ -212,14 +222,24 @@ class ReferenceMLP(nn.Module):
         return self.linear_fc2(hidden), self.fc2_bias
 
 
+class ReferenceChannelScale(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(config.hidden_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return channel_scale(x, self.weight)
+
+
 class ReferenceSiameseLayer(nn.Module):
     def __init__(self, config: ReferenceGPTConfig, layer_number: int):
         super().__init__()
         self.config = config
         self.depth_scale = depth_scale(layer_number)
-        self.attn_x_norm = ReferenceNorm(config)
+        hybrid = config.variant == "hybrid"
+        self.attn_x_norm = ReferenceChannelScale(config) if hybrid else ReferenceNorm(config)
         self.attn_y_norm = ReferenceNorm(config)
-        self.input_layernorm = ReferenceNorm(config)
+        self.input_layernorm = nn.Identity() if hybrid else ReferenceNorm(config)
         self.self_attention = ReferenceAttention(config)
         self.mlp_x_norm = ReferenceNorm(config)
         self.mlp_y_norm = ReferenceNorm(config)
@@ -230,7 +250,9 @@ class ReferenceSiameseLayer(nn.Module):
         u = x_norm(x)
         out, bias = sublayer(input_norm(sublayer_input(u, y_norm(y))), *args)
         z = bias_dropout(out, bias, self.config.hidden_dropout, self.training)
-        return residual_update(u, y, z, self.depth_scale)
+        # the hybrid variant's channel scale shapes the input only; x carries on unscaled
+        base = x if isinstance(x_norm, ReferenceChannelScale) else u
+        return residual_update(base, y, z, self.depth_scale)
 
     def forward(self, x: Tensor, y: Tensor, rope):
         x, y = self._sublayer(

@@ -61,6 +61,7 @@ class ModelCase:
     siamese_p2p: bool = True
     fault: Optional[str] = None  # a bug from testing.faults planted on every rank
     fused: Optional[bool] = None  # SiameseTransformerConfig.siamese_fused_ops
+    variant: str = "standard"  # SiameseTransformerConfig.siamese_variant
 
 
 @dataclass
@@ -102,6 +103,7 @@ def transformer_config(case: ModelCase, layout: Layout):
     }[layout.recompute]
     return SiameseTransformerConfig(
         siamese_fused_ops=case.fused,
+        siamese_variant=case.variant,
         num_layers=case.num_layers,
         hidden_size=case.hidden_size,
         num_attention_heads=case.num_attention_heads,
