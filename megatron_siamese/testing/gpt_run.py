@@ -62,6 +62,7 @@ class ModelCase:
     fault: Optional[str] = None  # a bug from testing.faults planted on every rank
     fused: Optional[bool] = None  # SiameseTransformerConfig.siamese_fused_ops
     variant: str = "standard"  # SiameseTransformerConfig.siamese_variant
+    transformer_impl: str = "local"  # "transformer_engine" for the TE spec (GPUs)
 
 
 @dataclass
@@ -128,6 +129,7 @@ def transformer_config(case: ModelCase, layout: Layout):
             torch.cuda.is_available() if case.batch_p2p_comm is None else case.batch_p2p_comm
         ),
         use_cpu_initialization=True,
+        transformer_impl=case.transformer_impl,
         **recompute,
     )
 
