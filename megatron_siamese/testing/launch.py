@@ -13,6 +13,7 @@ import io
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
@@ -73,6 +74,22 @@ def _worker(rank, world_size, backend, port, timeout_s, fn, args, results):
             torch.distributed.destroy_process_group()
 
 
+def _next_result(results, procs, timeout_s: float):
+    """The next rank's report; fails at once when a rank died without one (a crash, a
+    signal, a script without a ``__main__`` guard re-running itself under spawn)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs)
+                    if proc.exitcode not in (None, 0)]
+            if dead:
+                raise RankFailed(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting "
+                                 "(see its stderr above)") from None
+    raise RankFailed(f"no result from some rank within {timeout_s:.0f}s")
+
+
 def launch(
     fn: Callable[..., Any],
     world_size: int,
@@ -98,10 +115,7 @@ def launch(
     values: List[Any] = [None] * world_size
     try:
         for _ in range(world_size):
-            try:
-                rank, ok, value = results.get(timeout=timeout_s)
-            except queue.Empty:
-                raise RankFailed(f"no result from some rank within {timeout_s:.0f}s") from None
+            rank, ok, value = _next_result(results, procs, timeout_s)
             if not ok:
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
             values[rank] = torch.load(io.BytesIO(value), weights_only=False)
