@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "num_microbatches", "seed"):
         parser.add_argument("--" + field.replace("_", "-"), type=int,
                             default=getattr(ModelCase, field),
-                            help=f"model/data size (default: %(default)s)")
+                            help="model/data size (default: %(default)s)")
     parser.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     parser.add_argument("--variant", choices=["standard", "hybrid"], default="standard",
                         help="SiameseNorm block: the paper's (standard) or the authors' hybrid variant")

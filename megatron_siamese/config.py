@@ -11,6 +11,20 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 FUSED_OPS_ENV = "MEGATRON_SIAMESE_FUSED_OPS"
 VARIANTS = ("standard", "hybrid")
 
+# the activation-recompute presets our runs and checks use, as TransformerConfig fields
+RECOMPUTE_PRESETS = {
+    "none": {},
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"]),
+}
+
+
+def recompute_options(preset: str) -> dict:
+    """TransformerConfig keyword arguments for one of RECOMPUTE_PRESETS."""
+    if preset not in RECOMPUTE_PRESETS:
+        raise ValueError(f"recompute must be one of {tuple(RECOMPUTE_PRESETS)}, got {preset!r}")
+    return dict(RECOMPUTE_PRESETS[preset])
+
 
 @dataclass
 class SiameseTransformerConfig(TransformerConfig):

@@ -11,9 +11,8 @@ from megatron_siamese.reference.gpt import (
     ReferenceGPTConfig,
     megatron_to_reference_names,
 )
-from megatron_siamese.testing.gpt_run import ModelCase, microbatches, transformer_config
+from megatron_siamese.testing.gpt_run import ModelCase, build_seeded_chunks, microbatches, transformer_config
 from megatron_siamese.testing.layouts import Layout
-from megatron_siamese.testing.sharding import seed_parameters
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -53,15 +52,7 @@ VARIANTS = {
 
 def build_pair(case: ModelCase):
     config = transformer_config(case, Layout())
-    (model,) = build_gpt_chunks(
-        config,
-        case.norm,
-        case.vocab_size,
-        case.seq_length,
-        case.position_embedding_type,
-        case.share_embeddings_and_output_weights,
-    )
-    seed_parameters([model], case.seed, 0, 1, case.zero_centered_gamma)
+    (model,) = build_seeded_chunks(case, config)
     reference = ReferenceGPT(
         ReferenceGPTConfig.from_megatron(
             config,

@@ -1,6 +1,5 @@
 """The training command: a few steps under TP and PP, checkpoints, resume and resharding."""
 
-import dataclasses
 import math
 
 import numpy

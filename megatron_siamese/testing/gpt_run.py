@@ -94,14 +94,10 @@ class RankResult:
 def transformer_config(case: ModelCase, layout: Layout):
     import torch.nn.functional as F
 
-    from megatron_siamese.config import SiameseTransformerConfig
+    from megatron_siamese.config import SiameseTransformerConfig, recompute_options
 
     dtype = DTYPES[case.dtype]
-    recompute = {
-        "none": {},
-        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-        "selective": dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"]),
-    }[layout.recompute]
+    recompute = recompute_options(layout.recompute)
     return SiameseTransformerConfig(
         siamese_fused_ops=case.fused,
         siamese_variant=case.variant,
@@ -132,6 +128,22 @@ def transformer_config(case: ModelCase, layout: Layout):
         transformer_impl=case.transformer_impl,
         **recompute,
     )
+
+
+def build_seeded_chunks(case: ModelCase, config, tp_rank: int = 0, tp: int = 1):
+    """The case's GPT chunks for this rank, weights seeded from their global names."""
+    from megatron_siamese.gpt import build_gpt_chunks
+
+    chunks = build_gpt_chunks(
+        config,
+        case.norm,
+        case.vocab_size,
+        case.seq_length,
+        case.position_embedding_type,
+        case.share_embeddings_and_output_weights,
+    )
+    seed_parameters(chunks, case.seed, tp_rank, tp, case.zero_centered_gamma)
+    return chunks
 
 
 def initialize_model_parallel(layout: Layout, seed: int) -> None:
@@ -229,7 +241,6 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_siamese.gpt import build_gpt_chunks
     from megatron_siamese.pipeline import SiameseP2PCommunicator
 
     if case.fault:
@@ -239,15 +250,7 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
     initialize_model_parallel(layout, case.seed)
     config = transformer_config(case, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    chunks = build_gpt_chunks(
-        config,
-        case.norm,
-        case.vocab_size,
-        case.seq_length,
-        case.position_embedding_type,
-        case.share_embeddings_and_output_weights,
-    )
-    seed_parameters(chunks, case.seed, tp_rank, layout.tp, case.zero_centered_gamma)
+    chunks = build_seeded_chunks(case, config, tp_rank, layout.tp)
     if config.bf16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
