@@ -1,8 +1,8 @@
 """Distributed checkpoints with megatron.core.dist_checkpointing (torch_dist format).
 
 A checkpoint holds every model chunk's ``sharded_state_dict`` (global layer indices, TP shards
-described by offsets), the optimizer's state sharded against it (the distributed optimizer in
-its fully reshardable form), the LR scheduler and the step. Loading builds the same sharded
+described by offsets), the optimizer's state sharded against it (for the distributed
+optimizer in the format ``distributed_optimizer_format`` picks), the LR scheduler and the step. Loading builds the same sharded
 description for the *current* layout and lets dist_checkpointing fetch the matching slices,
 so a checkpoint saved at TP2 x PP2 loads at TP1 x PP1 and the reverse.
 
@@ -34,6 +34,9 @@ def require_psutil() -> None:
             "megatron.core.dist_checkpointing's torch_dist writer hangs without psutil: "
             "pip install psutil"
         ) from error
+
+
+MODEL_ONLY = "model_only"  # common-state flag: the checkpoint holds no optimizer state
 
 
 def _metadata(trainer) -> dict:
@@ -69,19 +72,25 @@ def _models(trainer):
             for i, chunk in enumerate(trainer.model)]
 
 
-def sharded_state_dict(trainer, is_loading: bool) -> dict:
+def sharded_state_dict(trainer, is_loading: bool, model_only: bool = False) -> dict:
     metadata = _metadata(trainer)
     state = {key: module.sharded_state_dict(metadata=metadata) for key, module in _models(trainer)}
-    state["optimizer"] = trainer.optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata=metadata
-    )
-    state["scheduler"] = trainer.scheduler.state_dict()
     state["step"] = trainer.step
+    state[MODEL_ONLY] = model_only
+    if not model_only:
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=metadata
+        )
+        state["scheduler"] = trainer.scheduler.state_dict()
     return state
 
 
-def save(trainer, directory: str) -> str:
-    """Save the trainer's state under ``directory/step_<N>`` and point ``latest`` at it."""
+def save(trainer, directory: str, model_only: bool = False) -> str:
+    """Save the trainer's state under ``directory/step_<N>`` and point ``latest`` at it.
+
+    ``model_only``: weights and step without optimizer or scheduler (a converted model, e.g. an
+    upcycled one); loading it starts a fresh optimizer, like Megatron-LM's ``--no-load-optim``.
+    """
     from megatron.core import dist_checkpointing
 
     require_psutil()
@@ -89,7 +98,7 @@ def save(trainer, directory: str) -> str:
     if torch.distributed.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False), path)
+    dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(directory, LATEST), "w") as out:
@@ -148,10 +157,19 @@ def load(trainer, path: str) -> int:
     from megatron.core import dist_checkpointing
 
     checkpoint = resolve(path)
-    _materialize_optimizer_state(trainer.optimizer)
-    loaded = dist_checkpointing.load(sharded_state_dict(trainer, is_loading=True), checkpoint)
+    model_only = bool(dist_checkpointing.load_common_state_dict(checkpoint).get(MODEL_ONLY, False))
+    if not model_only:
+        _materialize_optimizer_state(trainer.optimizer)
+    loaded = dist_checkpointing.load(
+        sharded_state_dict(trainer, is_loading=True, model_only=model_only), checkpoint
+    )
     for key, module in _models(trainer):
         module.load_state_dict(loaded[key])
+    if model_only:  # a fresh optimizer; the schedule continues from the checkpoint's step
+        trainer.step = int(loaded["step"])
+        if trainer.step:
+            trainer.scheduler.step(increment=trainer.step)
+        return trainer.step
     with torch.no_grad():  # fp32 distributed-optimizer state is copied into parameter views
         trainer.optimizer.load_state_dict(loaded["optimizer"])
     trainer.scheduler.load_state_dict(loaded["scheduler"])
