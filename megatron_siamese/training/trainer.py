@@ -28,6 +28,7 @@ class TrainArgs:
     """Everything a run needs; the CLI maps its flags one to one onto these fields."""
 
     norm: str = "siamese"  # a scheme of megatron_siamese.gpt.NORM_SCHEMES
+    variant: str = "standard"  # SiameseNorm block: standard, or the authors' hybrid
     tp: int = 2
     pp: int = 1
     vpp: Optional[int] = None
@@ -60,6 +61,11 @@ class TrainArgs:
     dtype: str = "fp32"
     recompute: str = "none"  # none | full | selective
     fused_ops: Optional[bool] = None  # None: the extension's fused ops where they can run
+    task: str = "lm"  # lm: the corpus; addition(-reversed): synthetic addition (research/arithmetic.py)
+    addition_digits: int = 3  # operands of up to this many digits (task=addition*)
+    transformer_impl: str = "local"  # or "transformer_engine": TE GEMMs and attention (GPUs)
+    fp8: Optional[str] = None  # "hybrid" or "e4m3": Transformer Engine FP8 (with transformer_engine)
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | mxfp8 (Blackwell), as Megatron names them
     progress: bool = True
 
     def __post_init__(self):
@@ -67,6 +73,10 @@ class TrainArgs:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs --tp > 1")
+        if self.task not in ("lm", "addition", "addition-reversed"):
+            raise ValueError(f"task must be lm, addition or addition-reversed, got {self.task!r}")
+        if self.task != "lm" and (self.tp, self.pp) != (1, 1):
+            raise ValueError("the addition task's greedy evaluation runs at tp=1, pp=1")
         if self.stop_step is not None and not 0 < self.stop_step <= self.steps:
             raise ValueError(f"stop_step={self.stop_step} must lie in (0, steps={self.steps}]")
         self.num_microbatches  # validates the batch sizes
@@ -93,6 +103,8 @@ class RunSummary:
     train_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
     val_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
     checkpoints: List[str] = field(default_factory=list)
+    diverged: bool = False  # a non-finite training loss stopped the run
+    accuracy: Optional[float] = None  # exact match on held-out problems (task=addition)
     tokens_per_second: float = 0.0
     peak_memory_mb: float = 0.0
     seconds: float = 0.0
@@ -117,16 +129,13 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 64) -> int:
 def transformer_config(args: TrainArgs):
     import torch.nn.functional as F
 
-    from megatron_siamese.config import SiameseTransformerConfig
+    from megatron_siamese.config import SiameseTransformerConfig, recompute_options
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    recompute = {
-        "none": {},
-        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-        "selective": dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"]),
-    }[args.recompute]
+    recompute = recompute_options(args.recompute)
     return SiameseTransformerConfig(
         siamese_fused_ops=args.fused_ops,
+        siamese_variant=args.variant,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -145,6 +154,9 @@ def transformer_config(args: TrainArgs):
         pipeline_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        transformer_impl=args.transformer_impl,
+        fp8=args.fp8,
+        fp8_recipe=args.fp8_recipe,
         # gloo + interleaved schedule + batched p2p gives wrong results (docs/parallelism.md)
         batch_p2p_comm=torch.cuda.is_available(),
         init_method_std=0.02,
@@ -271,10 +283,16 @@ class Trainer:
         from megatron_siamese.training.data import MicrobatchReader, build_gpt_datasets
 
         args = self.args
+        if args.task != "lm":
+            from megatron_siamese.research.arithmetic import TASKS, addition_corpus
+
+            corpus = partial(addition_corpus, reverse=TASKS[args.task], digits=args.addition_digits)
+        else:
+            corpus = embedded_corpus
         if torch.distributed.get_rank() == 0 and args.data_prefix is None:
-            embedded_corpus(args.cache_dir)  # built once, by one rank
+            corpus(args.cache_dir)  # built once, by one rank
         torch.distributed.barrier()
-        prefix = args.data_prefix or embedded_corpus(args.cache_dir)
+        prefix = args.data_prefix or corpus(args.cache_dir)
         train, valid = build_gpt_datasets(
             prefix,
             self.tokenizer,
@@ -384,6 +402,9 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         if trainer.step > first_step + 1:  # the first step includes one-time setup costs
             timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
         summary.train_losses[trainer.step] = stats["loss"]
+        if not math.isfinite(stats["loss"]):
+            summary.diverged = True
+            break
         if trainer.step % args.eval_interval == 0 or trainer.step == last_step:
             summary.val_losses[trainer.step] = trainer.evaluate()
         if (args.save_interval and trainer.step % args.save_interval == 0) or (
@@ -401,8 +422,16 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             )
     if bar is not None:
         bar.close()
-    if trainer.step not in summary.val_losses:  # e.g. a loaded checkpoint evaluated as is
-        summary.val_losses[trainer.step] = trainer.evaluate()
+    if trainer.step not in summary.val_losses and not summary.diverged:
+        summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
+    if args.task != "lm" and not summary.diverged:
+        from megatron_siamese.research.arithmetic import TASKS, exact_match_accuracy
+        from megatron_siamese.testing.gpt_run import unwrap
+
+        for chunk in trainer.model:
+            chunk.eval()
+        summary.accuracy = exact_match_accuracy(unwrap(trainer.model[0]), reverse=TASKS[args.task],
+                                                digits=args.addition_digits)
     summary.steps_done = trainer.step
     summary.seconds = time.perf_counter() - start
     summary.tokens_per_second = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
@@ -442,4 +471,8 @@ def format_summary(summary: RunSummary) -> str:
         f"{summary.tokens_per_second:.0f} tokens/s  peak memory {summary.peak_memory_mb:.0f} MB/rank  "
         f"wall {summary.seconds:.0f}s",
     ]
+    if summary.diverged:
+        lines.append(f"DIVERGED: non-finite training loss at step {max(summary.train_losses)}")
+    if summary.accuracy is not None:
+        lines.append(f"exact-match accuracy on held-out problems: {summary.accuracy:.3f}")
     return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Pre-Norm upcycling: a stock Megatron Pre-Norm model becomes a SiameseNorm model.
+
+Every weight the two share keeps its value (embeddings, attention, MLP, the sublayers'
+InputNorms, the final norm). The X branch is switched off: every PostNorm and NormX gets
+gamma = 0 and beta = 0, so u = PostNorm(x) = 0 never reaches a sublayer and the merge sees
+only NormY(y). The Y branch's new norms (PreNorm, NormY) are plain (gamma = 1, beta = 0).
+Each sublayer then computes InputNorm(Norm(y)) where Pre-Norm computed InputNorm(y): the
+same function up to normalizing an already normalized vector, an O(eps / variance) change
+(tests/test_research.py: fp32 precision with a small eps, ~1e-3 relative at eps = 1e-5 on a
+trained model). Training continues from there and opens the X branch by itself.
+
+Works on the model weights of any Megatron torch_dist checkpoint of the stock local or
+Transformer Engine GPT layer (both store their InputNorms under TE's names); anything the
+SiameseNorm GPT has no place for (MoE, QK-norm, MLA, biases it does not expect) is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict
+
+import torch
+
+X_BRANCH = ("attn_x_norm.", "mlp_x_norm.", "merge.x_norm.", "output_merge.x_norm.")
+Y_BRANCH = ("attn_y_norm.", "mlp_y_norm.", "merge.y_norm.", "output_merge.y_norm.")
+
+
+def upcycled_state(pre_norm: Dict[str, torch.Tensor], siamese: Dict[str, torch.Tensor],
+                   zero_centered_gamma: bool) -> Dict[str, torch.Tensor]:
+    """The SiameseNorm state dict computing (up to eps) what the Pre-Norm state computes."""
+    gamma_off, gamma_plain = (-1.0, 0.0) if zero_centered_gamma else (0.0, 1.0)
+    unexpected = sorted(k for k in pre_norm if k not in siamese and not k.endswith("_extra_state"))
+    if unexpected:
+        raise ValueError(
+            f"cannot upcycle: the Pre-Norm checkpoint has weights with no SiameseNorm place: {unexpected[:5]} "
+            "(MoE, QK-norm, MLA and other layer types are not supported; match the model flags)"
+        )
+    state = {}
+    for name, tensor in siamese.items():
+        if name.endswith("_extra_state"):
+            state[name] = tensor
+        elif name in pre_norm:
+            if pre_norm[name].shape != tensor.shape:
+                raise ValueError(f"cannot upcycle {name}: shape {tuple(pre_norm[name].shape)} in the "
+                                 f"checkpoint, {tuple(tensor.shape)} in the SiameseNorm model")
+            state[name] = pre_norm[name].clone()
+        elif any(part in name for part in X_BRANCH):
+            state[name] = torch.full_like(tensor, gamma_off if name.endswith("weight") else 0.0)
+        elif any(part in name for part in Y_BRANCH):
+            state[name] = torch.full_like(tensor, gamma_plain if name.endswith("weight") else 0.0)
+        else:
+            raise ValueError(f"cannot upcycle: the checkpoint has no weight for {name}")
+    return state
+
+
+def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
+    from megatron.core import dist_checkpointing
+
+    from megatron_siamese.testing.gpt_run import unwrap
+    from megatron_siamese.training import checkpoint
+    from megatron_siamese.training.trainer import Trainer
+
+    pre = Trainer(pre_args)
+    pre_model = unwrap(pre.model[0])
+    try:  # model weights only: works for our checkpoints and Megatron-LM's alike
+        loaded = dist_checkpointing.load(pre_model.sharded_state_dict(), checkpoint.resolve(pre_checkpoint))
+    except Exception as error:
+        raise ValueError(
+            f"cannot read a stock Pre-Norm GPT from {pre_checkpoint} with these model flags "
+            f"(layers, hidden size, heads, normalization, vocabulary): {error}"
+        ) from error
+    # the load also returns the checkpoint's common (non-sharded) entries: step, scheduler, ...
+    model_keys = pre_model.state_dict().keys()
+    pre_model.load_state_dict({k: v for k, v in loaded.items() if k in model_keys})
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    siamese = Trainer(siamese_args)
+    model = unwrap(siamese.model[0])
+    model.load_state_dict(upcycled_state(pre_model.state_dict(), model.state_dict(),
+                                         pre_model.config.layernorm_zero_centered_gamma))
+    path = checkpoint.save(siamese, siamese_args.output_dir + "/checkpoints", model_only=True)
+    parallel_state.destroy_model_parallel()
+    return path
+
+
+def upcycle(args, pre_checkpoint: str) -> str:
+    """Write a step-0 SiameseNorm checkpoint (fresh optimizer) to ``args.output_dir/checkpoints``
+    from the Pre-Norm checkpoint; ``args`` describes the model (TP=PP=1)."""
+    from megatron_siamese.testing.launch import launch
+
+    if (args.tp, args.pp) != (1, 1):
+        raise ValueError("upcycle at tp=1, pp=1; the checkpoint reshards afterwards")
+    pre_args = dataclasses.replace(args, norm="pre", load=None)
+    siamese_args = dataclasses.replace(args, norm="siamese", variant="standard", load=None)
+    return launch(_upcycle_rank, 1, pre_args, siamese_args, pre_checkpoint)[0]
