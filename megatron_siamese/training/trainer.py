@@ -333,10 +333,9 @@ class Trainer:
         total = torch.tensor([local, float(len(losses))], dtype=torch.float64)
         if torch.cuda.is_available():
             total = total.cuda()
-        if parallel_state.get_tensor_model_parallel_rank() == 0:  # count each replica once
-            torch.distributed.all_reduce(total)
-        else:
-            torch.distributed.all_reduce(torch.zeros_like(total))
+        if parallel_state.get_tensor_model_parallel_rank() != 0:  # count each replica once
+            total = torch.zeros_like(total)
+        torch.distributed.all_reduce(total)  # every rank gets the sum (stages without a loss too)
         return float(total[0] / total[1])
 
     def train_step(self) -> Dict[str, float]:
