@@ -23,14 +23,40 @@ namespace {
 // All math runs in the accumulation type A: float for float/bfloat16/half inputs, double
 // for double (used by the fp64 gradcheck).
 
+// 16-bit rows to and from fp32 with vector conversions: at::vec::convert has a vectorized
+// float -> bfloat16 path but converts bfloat16/half -> float (and float -> half) one scalar
+// at a time, which made the 16-bit kernels compute-bound.
 template <typename T, typename A>
 inline void load_row(A* dst, const T* src, int64_t n) {
-  at::vec::convert(src, dst, n);
+  if constexpr (at::vec::is_reduced_floating_point_v<T> && std::is_same_v<A, float>) {
+    using VecT = at::vec::Vectorized<T>;
+    using VecA = at::vec::Vectorized<A>;
+    int64_t i = 0;
+    for (; i + VecT::size() <= n; i += VecT::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + VecA::size());
+    }
+    for (; i < n; ++i) dst[i] = static_cast<A>(src[i]);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
 }
 
 template <typename T, typename A>
 inline void store_row(T* dst, const A* src, int64_t n) {
-  at::vec::convert(src, dst, n);
+  if constexpr (at::vec::is_reduced_floating_point_v<T> && std::is_same_v<A, float>) {
+    using VecT = at::vec::Vectorized<T>;
+    using VecA = at::vec::Vectorized<A>;
+    int64_t i = 0;
+    for (; i + VecT::size() <= n; i += VecT::size()) {
+      at::vec::convert_from_float<T>(VecA::loadu(src + i), VecA::loadu(src + i + VecA::size()))
+          .store(dst + i);
+    }
+    for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
 }
 
 // A row as A values: the row itself when T is A (no copy), else converted into `scratch`.
