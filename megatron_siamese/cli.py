@@ -88,7 +88,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             sub.add_argument("--compare-load", default=None,
                              help="a Pre-Norm checkpoint of the same size for the effective-depth probes")
     study_parser = commands.add_parser(
-        "study", help="the small-scale reproduction study (about 35 minutes on 2 CPU cores)")
+        "study", help="the small-scale reproduction study (about 42 minutes on 2 CPU cores)")
     study_parser.add_argument("--output-dir", default="runs/study")
     study_parser.add_argument("--cache-dir", default=".cache/megatron_siamese")
     study_parser.add_argument("--steps", type=int, default=None,

@@ -6,7 +6,7 @@ import numpy
 import pytest
 import torch
 
-from megatron_siamese.training.corpus import ByteTokenizer, build_indexed_dataset
+from megatron_siamese.training.corpus import ByteTokenizer, build_indexed_dataset, unigram_entropy
 from megatron_siamese.training.data import build_gpt_datasets
 from megatron_siamese.training.trainer import TrainArgs, train
 
@@ -78,6 +78,14 @@ def test_data_pipeline_on_a_small_text(tmp_path):
     windows = {tuple(stream[i:i + 16]) for i in range(len(stream) - 15)}
     assert tuple(tokens.tolist()) in windows
     assert tokenizer.detokenize(tokens.tolist()).strip()
+
+
+def test_unigram_entropy_counts_every_document(tmp_path):
+    tokenizer = ByteTokenizer()
+    prefix = build_indexed_dataset(["aab", "ab"], str(tmp_path / "ab"), tokenizer)
+    # tokens: a a b EOD a b EOD -> a 3/7, b 2/7, EOD 2/7
+    p = numpy.array([3, 2, 2]) / 7
+    assert unigram_entropy(prefix) == pytest.approx(float(-(p * numpy.log(p)).sum()), rel=1e-12)
 
 
 def test_compare_runs_every_scheme_on_identical_data(tmp_path, cache):

@@ -71,6 +71,15 @@ def failed(summary: RunSummary, vocabulary: int = 320) -> bool:
     return summary.diverged or not math.isfinite(final) or final > math.log(vocabulary)
 
 
+STUCK_MARGIN = 0.1  # nats per token
+
+
+def stuck(summary: RunSummary, unigram_entropy: float) -> bool:
+    """Trained but never got past token frequencies: within STUCK_MARGIN of the corpus's
+    unigram entropy (Post-Norm's typical failure)."""
+    return not failed(summary) and _final_val(summary) > unigram_entropy - STUCK_MARGIN
+
+
 def run_study(plan: StudyPlan, echo=print) -> dict:
     unknown = sorted(set(plan.schemes + plan.arithmetic_schemes) - set(SCHEMES))
     if unknown:
@@ -93,8 +102,11 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
 
     with ThreadPoolExecutor(max_workers=plan.workers) as pool:
         list(pool.map(run, jobs))
+    from megatron_siamese.training.corpus import embedded_corpus, unigram_entropy
+
     study = {"plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "base"},
              "base": dataclasses.asdict(plan.base), "runs": results,
+             "unigram_entropy": unigram_entropy(embedded_corpus(plan.cache_dir)),
              "seconds": time.perf_counter() - start}
     os.makedirs(plan.output_dir, exist_ok=True)
     with open(os.path.join(plan.output_dir, "study.json"), "w") as out:
@@ -121,8 +133,10 @@ def _summary_from(d: dict) -> RunSummary:
 
 def tables(study: dict) -> str:
     plan = study["plan"]
+    entropy = study["unigram_entropy"]
     lines = ["Final validation loss (nats per byte), mean ± std over seeds that did not diverge; "
-             "diverged runs counted separately.", "",
+             "diverged runs counted separately; stuck: ended within "
+             f"{STUCK_MARGIN} of the corpus's unigram entropy ({entropy:.3f}).", "",
              "| scheme | " + " | ".join(f"lr {lr:g}" for lr in plan["learning_rates"]) + " |",
              "| --- |" + " --- |" * len(plan["learning_rates"])]
     for scheme in plan["schemes"]:
@@ -133,7 +147,8 @@ def tables(study: dict) -> str:
             bad = len(summaries) - len(ok)
             cell = (f"{statistics.mean(ok):.3f} ± {statistics.stdev(ok) if len(ok) > 1 else 0:.3f}"
                     if ok else "-")
-            cells.append(cell + (f" ({bad} diverged)" if bad else ""))
+            stalled = sum(stuck(s, entropy) for s in summaries)
+            cells.append(cell + (f" ({bad} diverged)" if bad else "") + (f" ({stalled} stuck)" if stalled else ""))
         lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
     lines += ["", f"{plan['arithmetic_task']} of up to {plan['arithmetic_digits']}-digit numbers (exact match "
               f"on 500 held-out problems, lr {plan['arithmetic_lr']:g}, {plan['arithmetic_steps']} steps):", "",

@@ -99,3 +99,20 @@ def embedded_corpus(cache_dir: str) -> str:
         os.makedirs(cache_dir, exist_ok=True)
         build_indexed_dataset(documents, prefix, ByteTokenizer())
     return prefix
+
+
+def unigram_entropy(prefix: str) -> float:
+    """Entropy in nats of the token frequencies of an indexed dataset: the loss of a model that
+    learned nothing but how often each token occurs."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    counts = np.zeros(0, dtype=np.int64)
+    for i in range(len(dataset)):
+        document = np.bincount(dataset[i])
+        if len(document) > len(counts):
+            counts = np.pad(counts, (0, len(document) - len(counts)))
+        counts[: len(document)] += document
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
