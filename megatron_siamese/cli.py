@@ -84,6 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                        ("analyze", "stream analysis of a SiameseNorm checkpoint")):
         sub = commands.add_parser(name, help=text)
         _add_dataclass_flags(sub, TrainArgs, TRAIN_HELP)
+        sub.set_defaults(tp=1, progress=False)  # single rank; checkpoints reshard on load
         if name == "analyze":
             sub.add_argument("--compare-load", default=None,
                              help="a Pre-Norm checkpoint of the same size for the effective-depth probes")
@@ -108,9 +109,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     options = parser.parse_args(argv)
 
     if options.command in ("upcycle", "analyze"):
+        if (options.tp, options.pp, options.vpp, options.dp) != (1, 1, None, 1):
+            parser.error(f"{options.command} runs on one rank: drop --tp/--pp/--vpp/--dp (any saved "
+                         "layout loads at tp=1, pp=1)")
         fields = {f.name for f in dataclasses.fields(TrainArgs)}
-        args = TrainArgs(**{k: v for k, v in vars(options).items() if k in fields and k not in ("tp", "load")},
-                         tp=1, progress=False)
+        args = TrainArgs(**{k: v for k, v in vars(options).items() if k in fields and k != "load"})
         if options.command == "upcycle":
             from megatron_siamese.research.upcycle import upcycle
 

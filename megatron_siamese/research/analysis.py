@@ -178,7 +178,7 @@ def format_tables(results: dict) -> str:
     for i in range(len(lens["x"])):
         lines.append(f"{i + 1:>5}  {lens['x'][i]:>11.3f}  {lens['y'][i]:>11.3f}  {lens['merge'][i]:>15.3f}  "
                      f"{magnitude['x'][i]:>6.2f}  {magnitude['y'][i]:>6.2f}")
-    lines += ["", "effective depth: loss increase when a block is skipped / the last k% are dropped"]
+    lines += ["", "effective depth: loss increase when one block is skipped / the last k of n blocks are dropped"]
     for label, r in results.items():
         depth = r["depth"]
         lines.append(f"{label:>8}: base loss {depth['base'][0]:.3f}; skip block " +
@@ -194,29 +194,35 @@ def plot(results: dict, directory: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     s = results["siamese"]
 
     def by_position(values):
         return list(range(1, len(values) + 1)), values
 
-    figures = {  # name: (x label, [(series label, (xs, ys))])
-        "contribution.png": ("sublayer (attention, MLP per block)",
-                             [("X share, weights", by_position(s["x_share_weights"])),
-                              ("X share, activations", by_position(s["x_share_activations"]))]),
-        "logit_lens.png": ("block", [(f"decode from {k}", by_position(v)) for k, v in s["logit_lens"].items()]),
-        "magnitude.png": ("block", [(f"RMS of {k}", by_position(v)) for k, v in s["magnitude"].items()]),
-        "depth.png": ("block skipped", [(f"{label}: skip one block", by_position(r["depth"]["skip_block"]))
-                                        for label, r in results.items()]),
-        "pruning.png": ("last blocks dropped", [(f"{label}: drop the last k blocks",
-                                                 (r["depth"]["pruned_blocks"], r["depth"]["prune_last"]))
-                                                for label, r in results.items()]),
+    loss_increase = "loss increase (nats)"
+    figures = {  # name: (x label, y label, [(series label, (xs, ys))])
+        "contribution.png": ("sublayer (attention, MLP per block)", "share of the X stream", [
+            ("X share, weights", by_position(s["x_share_weights"])),
+            ("X share, activations", by_position(s["x_share_activations"]))]),
+        "logit_lens.png": ("block", "next-token loss (nats)", [
+            (f"decode from {k}", by_position(v)) for k, v in s["logit_lens"].items()]),
+        "magnitude.png": ("block", "RMS after the block", [
+            (f"RMS of {k}", by_position(v)) for k, v in s["magnitude"].items()]),
+        "depth.png": ("block skipped", loss_increase, [
+            (f"{label}: skip one block", by_position(r["depth"]["skip_block"])) for label, r in results.items()]),
+        "pruning.png": ("last blocks dropped", loss_increase, [
+            (f"{label}: drop the last k blocks", (r["depth"]["pruned_blocks"], r["depth"]["prune_last"]))
+            for label, r in results.items()]),
     }
-    for name, (xlabel, series) in figures.items():
+    for name, (xlabel, ylabel, series) in figures.items():
         figure, axis = plt.subplots(figsize=(6, 4))
         for label, (xs, ys) in series:
             axis.plot(xs, ys, "o-", label=label)
         axis.set_xlabel(xlabel)
+        axis.set_ylabel(ylabel)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
         axis.legend()
         figure.tight_layout()
