@@ -68,6 +68,11 @@ TRAIN_HELP = {
 }
 
 
+def _train_args(options: argparse.Namespace) -> TrainArgs:
+    fields = {f.name for f in dataclasses.fields(TrainArgs)}
+    return TrainArgs(**{k: v for k, v in vars(options).items() if k in fields})
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-siamese", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,8 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if (options.tp, options.pp, options.vpp, options.dp) != (1, 1, None, 1):
             parser.error(f"{options.command} runs on one rank: drop --tp/--pp/--vpp/--dp (any saved "
                          "layout loads at tp=1, pp=1)")
-        fields = {f.name for f in dataclasses.fields(TrainArgs)}
-        args = TrainArgs(**{k: v for k, v in vars(options).items() if k in fields and k != "load"})
+        args = dataclasses.replace(_train_args(options), load=None)  # --load is what they read
         if options.command == "upcycle":
             from megatron_siamese.research.upcycle import upcycle
 
@@ -143,8 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if options.command == "train":
         from megatron_siamese.training.trainer import format_summary, train
 
-        fields = {f.name for f in dataclasses.fields(TrainArgs)}
-        args = TrainArgs(**{k: v for k, v in vars(options).items() if k in fields})
+        args = _train_args(options)
         if options.compare:
             from megatron_siamese.training.compare import compare
 
