@@ -1,11 +1,11 @@
 // CPU kernels for the SiameseNorm fused ops.
 //
-// Rows are processed independently with at::parallel_for; each row is converted once to
-// scratch in the accumulation type (fp32; fp64 for double inputs) and all math runs there
-// with at::vec::Vectorized. Weight gradients are summed
-// per fixed block of rows into fp32 partials and the partials are added in block order, so
-// results are deterministic for a given thread count (and do not depend on which thread
-// ran which block).
+// Rows are processed independently with at::parallel_for; all math runs in the accumulation
+// type (fp32; fp64 for double inputs) with at::vec::Vectorized. The forward reads 16-bit rows
+// straight into fp32 vectors; the backward converts each row once into fp32 scratch. Weight
+// gradients are summed per fixed block of rows into fp32 partials and the partials are added
+// in block order, so results are deterministic for a given thread count (and do not depend on
+// which thread ran which block).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -128,6 +128,26 @@ inline at::vec::Vectorized<A> ld(const A* p, int64_t i, int64_t count) {
   return count == Vec::size() ? Vec::loadu(p + i) : Vec::loadu(p + i, count);
 }
 
+// A vector of A lanes from a row of T: 16-bit rows convert in registers, so the forward needs
+// no fp32 copy of its inputs.
+template <typename A, typename T>
+inline at::vec::Vectorized<A> load_acc(const T* p, int64_t i, int64_t count) {
+  using Vec = at::vec::Vectorized<A>;
+  if constexpr (std::is_same_v<T, A>) {
+    return ld(p, i, count);
+  } else {
+    static_assert(at::vec::is_reduced_floating_point_v<T> && std::is_same_v<A, float>);
+    if (count == Vec::size()) {
+      Vec out;
+      at::vec::load_to_float<T>(p + i, out);
+      return out;
+    }
+    A lanes[Vec::size()] = {};  // the tail: missing lanes zero, as ld's
+    for (int64_t j = 0; j < count; ++j) lanes[j] = static_cast<A>(p[i + j]);
+    return Vec::loadu(lanes);
+  }
+}
+
 template <typename A>
 inline at::vec::Vectorized<A> ld_or(const A* p, A fallback, int64_t i, int64_t count) {
   return p ? ld(p, i, count) : at::vec::Vectorized<A>(fallback);
@@ -165,37 +185,35 @@ void forward_rows(const T* streams, const StreamRows& g, const Gammas<A>& w, boo
   using Vec = at::vec::Vectorized<A>;
   const int64_t h = g.hidden, width = g.width();
   at::parallel_for(0, g.rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> scratch(4 * h);
+    std::vector<A> scratch(2 * h);  // u and a in A; x and y are read in place
     for (int64_t r = begin; r < end; ++r) {
       const T* x = streams + r * width;
       const T* y = g.packed ? x + h : x;
       T* base_row = base + r * 2 * h;
       T* normed_row = normed + r * h;
-      const A* xf = as_acc(x, scratch.data(), h);
-      const A* yf = as_acc(y, scratch.data() + h, h);
-      A* u_out = out_acc(base_row, scratch.data() + 2 * h);
-      A* a = out_acc(normed_row, scratch.data() + 3 * h);
+      A* u_out = out_acc(base_row, scratch.data());
+      A* a = out_acc(normed_row, scratch.data() + h);
       // pass 1: means (two-pass statistics stay accurate under large offsets)
       A mx = 0, my = 0;
       if (!rms) {
         Vec sx(A(0)), sy(A(0));
-        vec_loop<A>(h, [&](int64_t i, int64_t c) { sx += ld(xf, i, c), sy += ld(yf, i, c); });
+        vec_loop<A>(h, [&](int64_t i, int64_t c) { sx += load_acc<A>(x, i, c), sy += load_acc<A>(y, i, c); });
         mx = reduce(sx) / h, my = reduce(sy) / h;
       }
       // pass 2: centred squares
       Vec qx(A(0)), qy(A(0));
       const Vec vmx(mx), vmy(my);
       vec_loop<A>(h, [&](int64_t i, int64_t c) {
-        const Vec cx = valid(ld(xf, i, c) - vmx, c), cy = valid(ld(yf, i, c) - vmy, c);
+        const Vec cx = valid(load_acc<A>(x, i, c) - vmx, c), cy = valid(load_acc<A>(y, i, c) - vmy, c);
         qx = at::vec::fmadd(cx, cx, qx), qy = at::vec::fmadd(cy, cy, qy);
       });
       const A rx = rstd_of(reduce(qx), h, eps), ry = rstd_of(reduce(qy), h, eps);
-      // pass 3: u = PostNorm(x) (into xf), a = u + PreNorm(y), and a's sum
+      // pass 3: u = PostNorm(x), a = u + PreNorm(y), and a's sum
       const Vec vrx(rx), vry(ry);
       Vec sa(A(0));
       vec_loop<A>(h, [&](int64_t i, int64_t c) {
-        const Vec u = at::vec::fmadd((ld(xf, i, c) - vmx) * vrx, ld_or(w.gx, A(1), i, c), ld_or(w.bx, A(0), i, c));
-        const Vec yn = at::vec::fmadd((ld(yf, i, c) - vmy) * vry, ld_or(w.gy, A(1), i, c), ld_or(w.by, A(0), i, c));
+        const Vec u = at::vec::fmadd((load_acc<A>(x, i, c) - vmx) * vrx, ld_or(w.gx, A(1), i, c), ld_or(w.bx, A(0), i, c));
+        const Vec yn = at::vec::fmadd((load_acc<A>(y, i, c) - vmy) * vry, ld_or(w.gy, A(1), i, c), ld_or(w.by, A(0), i, c));
         const Vec av = valid(u + yn, c);
         st(u, u_out, i, c);
         st(av, a, i, c);

@@ -115,7 +115,7 @@ def test_dual_norm_matches_reference_fp32(device, hidden, rms):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hidden", [7, 1000])
+@pytest.mark.parametrize("hidden", [7, 123, 1000])  # tail only, vectors + tail, vectors only
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_16bit_error_at_most_twice_pytorch_error(device, dtype, hidden, rms, zero_centered):
