@@ -23,9 +23,9 @@ namespace {
 // All math runs in the accumulation type A: float for float/bfloat16/half inputs, double
 // for double (used by the fp64 gradcheck).
 
-// 16-bit rows to and from fp32 with vector conversions: at::vec::convert has a vectorized
-// float -> bfloat16 path but converts bfloat16/half -> float (and float -> half) one scalar
-// at a time, which made the 16-bit kernels compute-bound.
+// 16-bit rows to and from fp32 with vector conversions: at::vec::convert has vectorized
+// float -> bfloat16/half paths but converts bfloat16/half -> float one scalar at a time,
+// which made the 16-bit kernels compute-bound.
 template <typename T, typename A>
 inline void load_row(A* dst, const T* src, int64_t n) {
   if constexpr (at::vec::is_reduced_floating_point_v<T> && std::is_same_v<A, float>) {
