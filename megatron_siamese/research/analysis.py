@@ -9,11 +9,12 @@ module whose output can be observed):
 * logit lens per stream: next-token loss when decoding at each block from x alone
   (FinalNorm(NormX(x))), y alone (FinalNorm(NormY(y))) and the merge;
 * stream magnitude by depth: RMS of x and y after every block;
-* effective depth: loss when each block is skipped, and when the last k% are dropped with
-  no fine-tuning (the layer-pruning probe); with ``--compare-load`` a Pre-Norm checkpoint gets
-  the same probes side by side.
+* effective depth: loss when each block is skipped, and when the last k blocks are dropped
+  with no fine-tuning (the layer-pruning probe); with ``--compare-load`` a Pre-Norm checkpoint
+  gets the same probes side by side.
 
-Prints tables and writes contribution.png, logit_lens.png, magnitude.png and depth.png.
+Prints tables and writes contribution.png, logit_lens.png, magnitude.png, depth.png and
+pruning.png.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def _forward(model, batch):
     return model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]).mean().item()
 
 
+def _mean_loss(model, batches) -> float:
+    return sum(_forward(model, b) for b in batches) / len(batches)
+
+
 @contextmanager
 def skipped(model, indices):
     """Blocks at ``indices`` pass their input through (the first SiameseNorm block still
@@ -67,23 +72,25 @@ def skipped(model, indices):
 
 
 def effective_depth(model, batches) -> Dict[str, List[float]]:
-    base = sum(_forward(model, b) for b in batches) / len(batches)
+    base = _mean_loss(model, batches)
     layers = len(model.decoder.layers)
     per_block = []
     for i in range(layers):
         with skipped(model, [i]):
-            per_block.append(sum(_forward(model, b) for b in batches) / len(batches) - base)
+            per_block.append(_mean_loss(model, batches) - base)
     # distinct block counts: on shallow models several fractions round to the same count
     counts = sorted({max(1, round(fraction * layers)) for fraction in PRUNE_FRACTIONS})
     pruned = []
     for k in counts:
         with skipped(model, range(layers - k, layers)):
-            pruned.append(sum(_forward(model, b) for b in batches) / len(batches) - base)
+            pruned.append(_mean_loss(model, batches) - base)
     return {"base": [base], "skip_block": per_block, "prune_last": pruned, "pruned_blocks": counts}
 
 
 def stream_probes(model, batches) -> Dict[str, list]:
     """Contributions, logit lens and magnitudes of a SiameseNorm model (block spec)."""
+    from megatron_siamese.norms import Norm
+
     h = model.config.hidden_size
     final = model.decoder.final_layernorm
     captured: Dict[str, list] = {}
@@ -107,8 +114,6 @@ def stream_probes(model, batches) -> Dict[str, list]:
             for i in range(len(layers)):
                 packed = captured[f"out{i}"][0]
                 x, y = packed[..., :h], packed[..., h:]
-                from megatron_siamese.norms import Norm
-
                 views = {"x": Norm.forward(final, final.merge.x_norm(x)),
                          "y": Norm.forward(final, final.merge.y_norm(y)),
                          "merge": final(packed)}

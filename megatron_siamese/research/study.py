@@ -61,13 +61,9 @@ def _args(plan: StudyPlan, scheme: str, lr: float, seed: int, task: str) -> Trai
     return dataclasses.replace(plan.base, **changes)
 
 
-def _final_val(summary: RunSummary) -> float:
-    return summary.val_losses[max(summary.val_losses)] if summary.val_losses else float("nan")
-
-
 def failed(summary: RunSummary, vocabulary: int = 320) -> bool:
     """Diverged: a non-finite loss, or ending no better than a uniform guess."""
-    final = _final_val(summary)
+    final = summary.final_val_loss
     return summary.diverged or not math.isfinite(final) or final > math.log(vocabulary)
 
 
@@ -77,7 +73,7 @@ STUCK_MARGIN = 0.1  # nats per token
 def stuck(summary: RunSummary, unigram_entropy: float) -> bool:
     """Trained but never got past token frequencies: within STUCK_MARGIN of the corpus's
     unigram entropy (Post-Norm's typical failure)."""
-    return not failed(summary) and _final_val(summary) > unigram_entropy - STUCK_MARGIN
+    return not failed(summary) and summary.final_val_loss > unigram_entropy - STUCK_MARGIN
 
 
 def run_study(plan: StudyPlan, echo=print) -> dict:
@@ -96,7 +92,7 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
         summary = train(_args(plan, scheme, lr, seed, task))
         key = f"{task}|{scheme}|{lr:g}|{seed}"
         results[key] = dataclasses.asdict(summary)
-        echo(f"[{time.perf_counter() - start:6.0f}s] {key}: val {_final_val(summary):.4f}"
+        echo(f"[{time.perf_counter() - start:6.0f}s] {key}: val {summary.final_val_loss:.4f}"
              f"{' DIVERGED' if failed(summary) else ''}"
              f"{'' if summary.accuracy is None else f' accuracy {summary.accuracy:.3f}'}")
 
@@ -143,7 +139,7 @@ def tables(study: dict) -> str:
         cells = []
         for lr in plan["learning_rates"]:
             summaries = [_summary_from(r) for r in _runs(study, "lm", scheme, lr)]
-            ok = [_final_val(s) for s in summaries if not failed(s)]
+            ok = [s.final_val_loss for s in summaries if not failed(s)]
             bad = len(summaries) - len(ok)
             cell = (f"{statistics.mean(ok):.3f} ± {statistics.stdev(ok) if len(ok) > 1 else 0:.3f}"
                     if ok else "-")
@@ -158,7 +154,7 @@ def tables(study: dict) -> str:
         accuracies = [s.accuracy for s in summaries if s.accuracy is not None]
         lines.append(f"| {scheme} | {', '.join(f'{a:.3f}' for a in accuracies)} | "
                      f"{statistics.mean(accuracies) if accuracies else float('nan'):.3f} | "
-                     f"{statistics.mean(_final_val(s) for s in summaries):.3f} |")
+                     f"{statistics.mean(s.final_val_loss for s in summaries):.3f} |")
     lines += ["", f"Wall time: {study['seconds'] / 60:.1f} min."]
     return "\n".join(lines) + "\n"
 

@@ -54,7 +54,7 @@ def upcycled_state(pre_norm: Dict[str, torch.Tensor], siamese: Dict[str, torch.T
 
 
 def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
 
     from megatron_siamese.testing.gpt_run import unwrap
     from megatron_siamese.training import checkpoint
@@ -72,8 +72,6 @@ def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
     # the load also returns the checkpoint's common (non-sharded) entries: step, scheduler, ...
     model_keys = pre_model.state_dict().keys()
     pre_model.load_state_dict({k: v for k, v in loaded.items() if k in model_keys})
-    from megatron.core import parallel_state
-
     parallel_state.destroy_model_parallel()
     siamese = Trainer(siamese_args)
     model = unwrap(siamese.model[0])

@@ -27,9 +27,7 @@ def run_comparison(args: TrainArgs, norms: List[str]) -> Dict[str, RunSummary]:
 def format_table(summaries: Dict[str, RunSummary]) -> str:
     lines = [f"{'norm':<14} {'train loss':>10} {'val loss':>9} {'tokens/s':>9} {'peak MB/rank':>12}"]
     for norm, s in summaries.items():
-        train_loss = s.train_losses[max(s.train_losses)] if s.train_losses else float("nan")
-        val_loss = s.val_losses[max(s.val_losses)]
-        lines.append(f"{norm:<14} {train_loss:>10.4f} {val_loss:>9.4f} {s.tokens_per_second:>9.0f} "
+        lines.append(f"{norm:<14} {s.final_train_loss:>10.4f} {s.final_val_loss:>9.4f} {s.tokens_per_second:>9.0f} "
                      f"{s.peak_memory_mb:>12.0f}")
     return "\n".join(lines)
 

@@ -109,6 +109,19 @@ class RunSummary:
     peak_memory_mb: float = 0.0
     seconds: float = 0.0
 
+    @property
+    def final_train_loss(self) -> float:
+        return _last(self.train_losses)
+
+    @property
+    def final_val_loss(self) -> float:
+        return _last(self.val_losses)
+
+
+def _last(losses: Dict[int, float]) -> float:
+    """The loss at the latest step; nan when there is none."""
+    return losses[max(losses)] if losses else float("nan")
+
 
 # -- setup -------------------------------------------------------------------------------
 
@@ -417,7 +430,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
                 lr=f"{stats['lr']:.2e}",
                 gnorm=f"{stats['grad_norm']:.2f}",
                 tok_s=f"{tokens_per_step / elapsed:.0f}",
-                val=f"{summary.val_losses[max(summary.val_losses)]:.3f}" if summary.val_losses else "-",
+                val=_shown(summary.val_losses, 3),
             )
     if bar is not None:
         bar.close()
@@ -457,16 +470,15 @@ def train(args: TrainArgs) -> RunSummary:
     return launch(train_rank, args.world_size, args, timeout_s=24 * 3600)[0]
 
 
-def _last(losses: Dict[int, float]) -> str:
-    return f"{losses[max(losses)]:.4f}" if losses else "-"
+def _shown(losses: Dict[int, float], digits: int = 4) -> str:
+    return f"{_last(losses):.{digits}f}" if losses else "-"
 
 
 def format_summary(summary: RunSummary) -> str:
     lines = [
         f"norm={summary.args['norm']} steps={summary.steps_done} "
         f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}",
-        f"final train loss {_last(summary.train_losses)}  "
-        f"final val loss {_last(summary.val_losses)}",
+        f"final train loss {_shown(summary.train_losses)}  final val loss {_shown(summary.val_losses)}",
         f"{summary.tokens_per_second:.0f} tokens/s  peak memory {summary.peak_memory_mb:.0f} MB/rank  "
         f"wall {summary.seconds:.0f}s",
     ]
