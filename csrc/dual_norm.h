@@ -1,4 +1,4 @@
-// SiameseNorm fused ops: shared declarations for the CPU and CUDA implementations.
+// SiameseNorm fused ops: what the host layer (ops.cpp) hands the per-device kernels.
 //
 // The math is megatron_siamese/reference/functional.py; per sublayer, with the two
 // streams stored packed as rows [x | y] of width 2h (or one row x = y of width h, at the
@@ -11,25 +11,40 @@
 // "base" is what the residual update adds to. Returning it as one packed tensor lets the
 // residual op's backward hand dual_norm's backward the identity-path gradient of y
 // without a copy: grad_base is exactly the gradient of the packed output.
+//
+// ops.cpp checks every argument, prepares the weights, allocates the outputs and returns
+// early on empty inputs; a device's kernels (CpuKernels in dual_norm_cpu.cpp, CudaKernels in
+// dual_norm_cuda.cu) only launch on checked, contiguous, non-empty tensors.
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <torch/types.h>
-
-#include <tuple>
 
 namespace megatron_siamese {
 
 // Per-row fp32 statistics: mean and rstd of x, y and a (means are 0 for RMSNorm).
 constexpr int64_t kStatsPerRow = 6;
 
+// The norms' affine parameters as the kernels apply them: contiguous, in the accumulation
+// type (fp32; fp64 for double streams), gamma already 1 + w for zero-centred weights.
+// Betas (and the input norm) may be undefined.
 struct NormWeights {
-  // In the accumulation type (fp32; fp64 for double streams), contiguous; bias and
-  // input-norm tensors may be undefined.
-  torch::Tensor x_weight, x_bias, y_weight, y_bias, in_weight, in_bias;
+  torch::Tensor x_gamma, x_beta, y_gamma, y_beta, in_gamma, in_beta;
   bool rms = false;
-  bool zero_centered_gamma = false;
-  bool has_input_norm() const { return in_weight.defined(); }
+  bool has_input_norm() const { return in_gamma.defined(); }
 };
+
+// NormWeights' tensors as pointers of the accumulation type A (null where undefined).
+template <typename A>
+struct WeightPointers {
+  const A *gx, *bx, *gy, *by, *gi, *bi;
+};
+
+template <typename A>
+WeightPointers<A> pointers_of(const NormWeights& w) {
+  auto p = [](const torch::Tensor& t) -> const A* { return t.defined() ? t.data_ptr<A>() : nullptr; };
+  return {p(w.x_gamma), p(w.x_beta), p(w.y_gamma), p(w.y_beta), p(w.in_gamma), p(w.in_beta)};
+}
 
 // Row geometry of the packed streams.
 struct StreamRows {
@@ -39,22 +54,39 @@ struct StreamRows {
   int64_t width() const { return packed ? 2 * hidden : hidden; }
 };
 
+// The dtypes every kernel is instantiated for.
+#define SIAMESE_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
+
 // float for float/bfloat16/half, double for double: where statistics and weight gradients live.
 inline at::ScalarType accumulation_type(const torch::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-StreamRows check_streams(const torch::Tensor& streams, int64_t hidden);
-void check_backward_inputs(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
-                           const torch::Tensor& stats, const torch::Tensor& streams,
-                           const StreamRows& geometry);
-void check_residual(const torch::Tensor& base, const torch::Tensor& out,
-                    const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& mask);
-void check_residual_grad(const torch::Tensor& grad, const c10::optional<torch::Tensor>& mask);
-NormWeights accumulation_weights(const torch::Tensor& x_weight, const c10::optional<torch::Tensor>& x_bias,
-                         const torch::Tensor& y_weight, const c10::optional<torch::Tensor>& y_bias,
-                         const c10::optional<torch::Tensor>& in_weight,
-                         const c10::optional<torch::Tensor>& in_bias, int64_t hidden, bool rms,
-                         bool zero_centered_gamma, at::ScalarType accumulation);
+// One device's kernel launchers. Outputs are allocated by the host layer: base, normed and
+// stats [rows, 6]; grad_streams and weight_grads [6, h] (zeroed, rows of absent weights stay
+// zero); packed; grad_out and grad_bias [h] (zeroed; undefined without a bias). Optional
+// inputs (bias in the accumulation type, mask) may be undefined.
+#define MEGATRON_SIAMESE_KERNELS                                                                      \
+  static void dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w,     \
+                        double eps, torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats); \
+  static void dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,   \
+                                 const torch::Tensor& streams, const torch::Tensor& stats,           \
+                                 const StreamRows& g, const NormWeights& w,                          \
+                                 torch::Tensor& grad_streams, torch::Tensor& weight_grads);          \
+  static void dual_residual(const torch::Tensor& base, const torch::Tensor& out,                     \
+                            const torch::Tensor& bias, const torch::Tensor& mask, double scale,      \
+                            double inv_c, torch::Tensor& packed);                                    \
+  static void dual_residual_backward(const torch::Tensor& grad, const torch::Tensor& mask,           \
+                                     double scale, double inv_c, torch::Tensor& grad_out,            \
+                                     torch::Tensor& grad_bias);
+
+struct CpuKernels {
+  MEGATRON_SIAMESE_KERNELS
+};
+
+struct CudaKernels {  // defined only in builds with CUDA (dual_norm_cuda.cu, WITH_CUDA)
+  MEGATRON_SIAMESE_KERNELS
+};
 
 }  // namespace megatron_siamese

@@ -11,7 +11,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #include <vector>
 
@@ -81,34 +80,6 @@ template <typename T, typename A>
 inline void finish_row(T* row, const A* computed, int64_t n) {
   if constexpr (!std::is_same_v<T, A>) store_row(row, computed, n);
 }
-
-template <typename A>
-struct Gammas {
-  // gamma (with the zero-centred +1 applied) and beta pointers in A, or null.
-  const A *gx, *bx, *gy, *by, *gi, *bi;
-};
-
-template <typename A>
-struct GammaStorage {
-  std::vector<A> x, y, in, bias;  // bias: x, y, in betas, h each
-  Gammas<A> ptrs;
-  GammaStorage(const NormWeights& w, int64_t h) : bias(3 * h) {
-    auto gamma = [&](const torch::Tensor& t, std::vector<A>& keep) -> const A* {
-      if (!t.defined()) return nullptr;
-      const A* src = t.data_ptr<A>();
-      keep.assign(src, src + h);
-      if (w.zero_centered_gamma) for (auto& v : keep) v += A(1);
-      return keep.data();
-    };
-    auto beta = [&](const torch::Tensor& t, int64_t slot) -> const A* {
-      if (!t.defined()) return nullptr;
-      std::copy(t.data_ptr<A>(), t.data_ptr<A>() + h, bias.data() + slot * h);
-      return bias.data() + slot * h;
-    };
-    ptrs = Gammas<A>{gamma(w.x_weight, x), beta(w.x_bias, 0), gamma(w.y_weight, y), beta(w.y_bias, 1),
-                     gamma(w.in_weight, in), beta(w.in_bias, 2)};
-  }
-};
 
 // -- fused per-row loops -------------------------------------------------------------------
 
@@ -180,7 +151,7 @@ inline A rstd_of(A centred_squares, int64_t n, A eps) {
 // -- dual_norm forward ---------------------------------------------------------------------
 
 template <typename T, typename A>
-void forward_rows(const T* streams, const StreamRows& g, const Gammas<A>& w, bool has_input_norm,
+void forward_rows(const T* streams, const StreamRows& g, const WeightPointers<A>& w, bool has_input_norm,
                   bool rms, A eps, T* base, T* normed, A* stats) {
   using Vec = at::vec::Vectorized<A>;
   const int64_t h = g.hidden, width = g.width();
@@ -256,7 +227,7 @@ inline std::pair<int64_t, int64_t> row_blocks(int64_t rows) {
 //   dL/dinput = rstd * (t - mean(t) - n * mean(t * n))   (RMSNorm: without mean(t)).
 template <typename T, typename A>
 void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, const A* stats,
-                   const StreamRows& g, const Gammas<A>& w, bool has_input_norm, bool rms,
+                   const StreamRows& g, const WeightPointers<A>& w, bool has_input_norm, bool rms,
                    T* grad_streams, A* weight_grads) {
   using Vec = at::vec::Vectorized<A>;
   const int64_t h = g.hidden, width = g.width(), rows = g.rows;
@@ -403,102 +374,57 @@ void residual_backward_rows(const T* grad, const bool* mask, A scale, A inv_c, i
       for (int64_t i = 0; i < h; ++i) grad_bias[i] += partials[block * h + i];
 }
 
-// -- op entry points -----------------------------------------------------------------------
+// -- launchers -----------------------------------------------------------------------------
 
-#define SIAMESE_DISPATCH(TYPE, NAME, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> dual_norm_cpu(
-    const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_weight,
-    const c10::optional<torch::Tensor>& x_bias, const torch::Tensor& y_weight,
-    const c10::optional<torch::Tensor>& y_bias, const c10::optional<torch::Tensor>& in_weight,
-    const c10::optional<torch::Tensor>& in_bias, double eps, bool rms, bool zero_centered_gamma) {
-  const StreamRows geometry = check_streams(streams, hidden);
-  const NormWeights weights = accumulation_weights(x_weight, x_bias, y_weight, y_bias, in_weight, in_bias,
-                                                   hidden, rms, zero_centered_gamma, accumulation_type(streams));
-  auto base = torch::empty({geometry.rows, 2 * hidden}, streams.options());
-  auto normed = torch::empty({geometry.rows, hidden}, streams.options());
-  auto stats = torch::empty({geometry.rows, kStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
-  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cpu", [&] {
-    using A = at::opmath_type<scalar_t>;
-    GammaStorage<A> gammas(weights, hidden);
-    forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), geometry, gammas.ptrs, weights.has_input_norm(),
-                              rms, static_cast<A>(eps), base.data_ptr<scalar_t>(),
-                              normed.data_ptr<scalar_t>(), stats.data_ptr<A>());
-  });
-  return {base, normed, stats};
-}
-
-std::tuple<torch::Tensor, torch::Tensor> dual_norm_backward_cpu(
-    const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
-    const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_weight,
-    const c10::optional<torch::Tensor>& x_bias, const torch::Tensor& y_weight,
-    const c10::optional<torch::Tensor>& y_bias, const c10::optional<torch::Tensor>& in_weight,
-    const c10::optional<torch::Tensor>& in_bias, bool rms, bool zero_centered_gamma) {
-  const StreamRows geometry = check_streams(streams, hidden);
-  const NormWeights weights = accumulation_weights(x_weight, x_bias, y_weight, y_bias, in_weight, in_bias,
-                                                   hidden, rms, zero_centered_gamma, accumulation_type(streams));
-  check_backward_inputs(grad_base, grad_normed, stats, streams, geometry);
-  auto gb = grad_base.to(streams.scalar_type()).contiguous();
-  auto gn = grad_normed.to(streams.scalar_type()).contiguous();
-  auto grad_streams = torch::empty_like(streams);
-  auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
-  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cpu", [&] {
-    using A = at::opmath_type<scalar_t>;
-    GammaStorage<A> gammas(weights, hidden);
-    backward_rows<scalar_t, A>(gb.data_ptr<scalar_t>(), gn.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(),
-                               stats.data_ptr<A>(), geometry, gammas.ptrs, weights.has_input_norm(), rms,
-                               grad_streams.data_ptr<scalar_t>(), weight_grads.data_ptr<A>());
-  });
-  return {grad_streams, weight_grads};
-}
-
-torch::Tensor dual_residual_cpu(const torch::Tensor& base, const torch::Tensor& out,
-                                const c10::optional<torch::Tensor>& bias,
-                                const c10::optional<torch::Tensor>& mask, double scale, double inv_c) {
-  check_residual(base, out, bias, mask);
-  const int64_t rows = out.size(0), h = out.size(1);
-  auto b = base.contiguous(), o = out.contiguous();
-  const auto acc = accumulation_type(out);
-  torch::Tensor bias_acc = bias.has_value() && bias->defined() ? bias->to(acc).contiguous() : torch::Tensor();
-  torch::Tensor m = mask.has_value() && mask->defined() ? mask->contiguous() : torch::Tensor();
-  auto packed = torch::empty_like(b);
-  SIAMESE_DISPATCH(out.scalar_type(), "dual_residual_cpu", [&] {
-    using A = at::opmath_type<scalar_t>;
-    residual_rows<scalar_t, A>(b.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(),
-                               bias_acc.defined() ? bias_acc.data_ptr<A>() : nullptr,
-                               m.defined() ? m.data_ptr<bool>() : nullptr, static_cast<A>(scale),
-                               static_cast<A>(inv_c), rows, h, packed.data_ptr<scalar_t>());
-  });
-  return packed;
-}
-
-std::tuple<torch::Tensor, torch::Tensor> dual_residual_backward_cpu(
-    const torch::Tensor& grad, const c10::optional<torch::Tensor>& mask, double scale, double inv_c,
-    bool has_bias) {
-  check_residual_grad(grad, mask);
-  const int64_t rows = grad.size(0), h = grad.size(1) / 2;
-  auto g = grad.contiguous();
-  torch::Tensor m = mask.has_value() && mask->defined() ? mask->contiguous() : torch::Tensor();
-  auto grad_out = torch::empty({rows, h}, grad.options());
-  auto grad_bias = torch::zeros({has_bias ? h : 0}, grad.options().dtype(accumulation_type(grad)));
-  SIAMESE_DISPATCH(grad.scalar_type(), "dual_residual_backward_cpu", [&] {
-    using A = at::opmath_type<scalar_t>;
-    residual_backward_rows<scalar_t, A>(g.data_ptr<scalar_t>(), m.defined() ? m.data_ptr<bool>() : nullptr,
-                                        static_cast<A>(scale), static_cast<A>(inv_c), rows, h,
-                                        grad_out.data_ptr<scalar_t>(),
-                                        has_bias ? grad_bias.data_ptr<A>() : nullptr);
-  });
-  return {grad_out, grad_bias};
+template <typename A>
+const A* data_or_null(const torch::Tensor& t) {
+  return t.defined() ? t.data_ptr<A>() : nullptr;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_siamese, CPU, m) {
-  m.impl("dual_norm", &dual_norm_cpu);
-  m.impl("dual_norm_backward", &dual_norm_backward_cpu);
-  m.impl("dual_residual", &dual_residual_cpu);
-  m.impl("dual_residual_backward", &dual_residual_backward_cpu);
+void CpuKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps,
+                           torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
+  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cpu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), g, pointers_of<A>(w), w.has_input_norm(), w.rms,
+                              static_cast<A>(eps), base.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(),
+                              stats.data_ptr<A>());
+  });
+}
+
+void CpuKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
+                                    const torch::Tensor& streams, const torch::Tensor& stats, const StreamRows& g,
+                                    const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
+  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cpu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    backward_rows<scalar_t, A>(grad_base.data_ptr<scalar_t>(), grad_normed.data_ptr<scalar_t>(),
+                               streams.data_ptr<scalar_t>(), stats.data_ptr<A>(), g, pointers_of<A>(w),
+                               w.has_input_norm(), w.rms, grad_streams.data_ptr<scalar_t>(),
+                               weight_grads.data_ptr<A>());
+  });
+}
+
+void CpuKernels::dual_residual(const torch::Tensor& base, const torch::Tensor& out, const torch::Tensor& bias,
+                               const torch::Tensor& mask, double scale, double inv_c, torch::Tensor& packed) {
+  SIAMESE_DISPATCH(out.scalar_type(), "dual_residual_cpu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    residual_rows<scalar_t, A>(base.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), data_or_null<A>(bias),
+                               mask.defined() ? mask.data_ptr<bool>() : nullptr, static_cast<A>(scale),
+                               static_cast<A>(inv_c), out.size(0), out.size(1), packed.data_ptr<scalar_t>());
+  });
+}
+
+void CpuKernels::dual_residual_backward(const torch::Tensor& grad, const torch::Tensor& mask, double scale,
+                                        double inv_c, torch::Tensor& grad_out, torch::Tensor& grad_bias) {
+  SIAMESE_DISPATCH(grad.scalar_type(), "dual_residual_backward_cpu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    residual_backward_rows<scalar_t, A>(grad.data_ptr<scalar_t>(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
+                                        static_cast<A>(scale), static_cast<A>(inv_c), grad_out.size(0),
+                                        grad_out.size(1), grad_out.data_ptr<scalar_t>(),
+                                        grad_bias.defined() ? grad_bias.data_ptr<A>() : nullptr);
+  });
 }
 
 }  // namespace megatron_siamese

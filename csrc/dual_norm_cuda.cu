@@ -18,7 +18,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "dual_norm.h"
 
@@ -82,8 +81,7 @@ __device__ __forceinline__ void block_sum(A (&v)[K], A* shared /* [kWarp * K] */
 }
 
 template <typename A>
-struct Params {
-  const A *gx, *bx, *gy, *by, *gi, *bi;  // gamma already includes the zero-centred +1
+struct Params : WeightPointers<A> {
   bool rms, input_norm, packed;
   int64_t rows, hidden;
   A eps;
@@ -375,15 +373,8 @@ void dispatch_plan(const Launch& launch, F&& f) {
 }
 
 template <typename A>
-Params<A> make_params(const NormWeights& w, const StreamRows& g, double eps, std::vector<torch::Tensor>& keep) {
-  auto gamma = [&](const torch::Tensor& t) -> const A* {
-    if (!t.defined()) return nullptr;
-    keep.push_back(w.zero_centered_gamma ? t + 1 : t);
-    return keep.back().data_ptr<A>();
-  };
-  auto beta = [](const torch::Tensor& t) -> const A* { return t.defined() ? t.data_ptr<A>() : nullptr; };
-  return Params<A>{gamma(w.x_weight), beta(w.x_bias), gamma(w.y_weight), beta(w.y_bias), gamma(w.in_weight),
-                   beta(w.in_bias), w.rms, w.has_input_norm(), g.packed, g.rows, g.hidden, static_cast<A>(eps)};
+Params<A> make_params(const NormWeights& w, const StreamRows& g, double eps) {
+  return Params<A>{pointers_of<A>(w), w.rms, w.has_input_norm(), g.packed, g.rows, g.hidden, static_cast<A>(eps)};
 }
 
 int grid_for_rows(int64_t rows) {
@@ -393,30 +384,19 @@ int grid_for_rows(int64_t rows) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(sms) * 8)));
 }
 
-#define SIAMESE_DISPATCH(TYPE, NAME, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
-// -- op entry points -----------------------------------------------------------------------
+}  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> dual_norm_cuda(
-    const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_weight,
-    const c10::optional<torch::Tensor>& x_bias, const torch::Tensor& y_weight,
-    const c10::optional<torch::Tensor>& y_bias, const c10::optional<torch::Tensor>& in_weight,
-    const c10::optional<torch::Tensor>& in_bias, double eps, bool rms, bool zero_centered_gamma) {
+// -- launchers -----------------------------------------------------------------------------
+
+void CudaKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps,
+                            torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
   const c10::cuda::CUDAGuard guard(streams.device());
-  const StreamRows geometry = check_streams(streams, hidden);
-  const NormWeights weights = accumulation_weights(x_weight, x_bias, y_weight, y_bias, in_weight, in_bias,
-                                                   hidden, rms, zero_centered_gamma, accumulation_type(streams));
-  auto base = torch::empty({geometry.rows, 2 * hidden}, streams.options());
-  auto normed = torch::empty({geometry.rows, hidden}, streams.options());
-  auto stats = torch::empty({geometry.rows, kStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
-  if (geometry.rows == 0) return {base, normed, stats};
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
-    std::vector<torch::Tensor> keep;
-    const Params<A> params = make_params<A>(weights, geometry, eps, keep);
-    const Launch launch = plan<scalar_t>(hidden, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()});
-    const int grid = static_cast<int>(std::min<int64_t>(geometry.rows, 65535 * 32));
+    const Params<A> params = make_params<A>(w, g, eps);
+    const Launch launch = plan<scalar_t>(g.hidden, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()});
+    const int grid = static_cast<int>(std::min<int64_t>(g.rows, 65535 * 32));
     auto stream = c10::cuda::getCurrentCUDAStream();
     dispatch_plan<scalar_t>(launch, [&]<int VEC, int ITERS>() {
       dual_norm_forward_kernel<scalar_t, A, VEC, ITERS><<<grid, launch.threads, 0, stream>>>(
@@ -425,104 +405,62 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> dual_norm_cuda(
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {base, normed, stats};
 }
 
-std::tuple<torch::Tensor, torch::Tensor> dual_norm_backward_cuda(
-    const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
-    const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_weight,
-    const c10::optional<torch::Tensor>& x_bias, const torch::Tensor& y_weight,
-    const c10::optional<torch::Tensor>& y_bias, const c10::optional<torch::Tensor>& in_weight,
-    const c10::optional<torch::Tensor>& in_bias, bool rms, bool zero_centered_gamma) {
+void CudaKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
+                                     const torch::Tensor& streams, const torch::Tensor& stats, const StreamRows& g,
+                                     const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
   const c10::cuda::CUDAGuard guard(streams.device());
-  const StreamRows geometry = check_streams(streams, hidden);
-  const NormWeights weights = accumulation_weights(x_weight, x_bias, y_weight, y_bias, in_weight, in_bias,
-                                                   hidden, rms, zero_centered_gamma, accumulation_type(streams));
-  check_backward_inputs(grad_base, grad_normed, stats, streams, geometry);
-  auto gb = grad_base.to(streams.scalar_type()).contiguous();
-  auto gn = grad_normed.to(streams.scalar_type()).contiguous();
-  auto grad_streams = torch::empty_like(streams);
-  auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
-  if (geometry.rows == 0) return {grad_streams, weight_grads};
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
-    std::vector<torch::Tensor> keep;
-    const Params<A> params = make_params<A>(weights, geometry, 0.0, keep);
+    const Params<A> params = make_params<A>(w, g, 0.0);
     const Launch launch = plan<scalar_t>(
-        hidden, {gb.data_ptr(), gn.data_ptr(), streams.data_ptr(), grad_streams.data_ptr()});
-    const int grid = grid_for_rows(geometry.rows);
-    auto partials = torch::empty({grid, 6, hidden}, weight_grads.options());
+        g.hidden, {grad_base.data_ptr(), grad_normed.data_ptr(), streams.data_ptr(), grad_streams.data_ptr()});
+    const int grid = grid_for_rows(g.rows);
+    auto partials = torch::empty({grid, 6, g.hidden}, weight_grads.options());
     auto stream = c10::cuda::getCurrentCUDAStream();
     dispatch_plan<scalar_t>(launch, [&]<int VEC, int ITERS>() {
       dual_norm_backward_kernel<scalar_t, A, VEC, ITERS><<<grid, launch.threads, 0, stream>>>(
-          gb.data_ptr<scalar_t>(), gn.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(), stats.data_ptr<A>(),
-          params, grad_streams.data_ptr<scalar_t>(), partials.data_ptr<A>());
+          grad_base.data_ptr<scalar_t>(), grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(),
+          stats.data_ptr<A>(), params, grad_streams.data_ptr<scalar_t>(), partials.data_ptr<A>());
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int64_t columns = 6 * hidden;
+    const int64_t columns = 6 * g.hidden;
     sum_partials_kernel<A><<<static_cast<int>((columns + 255) / 256), 256, 0, stream>>>(
         partials.data_ptr<A>(), grid, columns, weight_grads.data_ptr<A>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {grad_streams, weight_grads};
 }
 
-torch::Tensor dual_residual_cuda(const torch::Tensor& base, const torch::Tensor& out,
-                                 const c10::optional<torch::Tensor>& bias,
-                                 const c10::optional<torch::Tensor>& mask, double scale, double inv_c) {
+void CudaKernels::dual_residual(const torch::Tensor& base, const torch::Tensor& out, const torch::Tensor& bias,
+                                const torch::Tensor& mask, double scale, double inv_c, torch::Tensor& packed) {
   const c10::cuda::CUDAGuard guard(out.device());
-  check_residual(base, out, bias, mask);
   const int64_t rows = out.size(0), h = out.size(1);
-  auto b = base.contiguous(), o = out.contiguous();
-  const auto acc = accumulation_type(out);
-  torch::Tensor bias_acc = bias.has_value() && bias->defined() ? bias->to(acc).contiguous() : torch::Tensor();
-  torch::Tensor m = mask.has_value() && mask->defined() ? mask->contiguous() : torch::Tensor();
-  auto packed = torch::empty_like(b);
-  if (rows * h == 0) return packed;
   SIAMESE_DISPATCH(out.scalar_type(), "dual_residual_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
     const int grid = static_cast<int>(std::min<int64_t>((rows * h + 255) / 256, 65535));
     dual_residual_kernel<scalar_t, A><<<grid, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        b.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), bias_acc.defined() ? bias_acc.data_ptr<A>() : nullptr,
-        m.defined() ? m.data_ptr<bool>() : nullptr, static_cast<A>(scale), static_cast<A>(inv_c), rows, h,
+        base.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), bias.defined() ? bias.data_ptr<A>() : nullptr,
+        mask.defined() ? mask.data_ptr<bool>() : nullptr, static_cast<A>(scale), static_cast<A>(inv_c), rows, h,
         packed.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return packed;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> dual_residual_backward_cuda(
-    const torch::Tensor& grad, const c10::optional<torch::Tensor>& mask, double scale, double inv_c,
-    bool has_bias) {
+void CudaKernels::dual_residual_backward(const torch::Tensor& grad, const torch::Tensor& mask, double scale,
+                                         double inv_c, torch::Tensor& grad_out, torch::Tensor& grad_bias) {
   const c10::cuda::CUDAGuard guard(grad.device());
-  check_residual_grad(grad, mask);
-  const int64_t rows = grad.size(0), h = grad.size(1) / 2;
-  auto g = grad.contiguous();
-  torch::Tensor m = mask.has_value() && mask->defined() ? mask->contiguous() : torch::Tensor();
-  auto grad_out = torch::empty({rows, h}, grad.options());
-  if (rows * h > 0) {
-    SIAMESE_DISPATCH(grad.scalar_type(), "dual_residual_backward_cuda", [&] {
-      using A = at::opmath_type<scalar_t>;
-      const int grid = static_cast<int>(std::min<int64_t>((rows * h + 255) / 256, 65535));
-      dual_residual_backward_kernel<scalar_t, A><<<grid, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          g.data_ptr<scalar_t>(), m.defined() ? m.data_ptr<bool>() : nullptr, static_cast<A>(scale),
-          static_cast<A>(inv_c), rows, h, grad_out.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  }
+  const int64_t rows = grad_out.size(0), h = grad_out.size(1);
+  SIAMESE_DISPATCH(grad.scalar_type(), "dual_residual_backward_cuda", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const int grid = static_cast<int>(std::min<int64_t>((rows * h + 255) / 256, 65535));
+    dual_residual_backward_kernel<scalar_t, A><<<grid, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        grad.data_ptr<scalar_t>(), mask.defined() ? mask.data_ptr<bool>() : nullptr, static_cast<A>(scale),
+        static_cast<A>(inv_c), rows, h, grad_out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
   // a column sum in the accumulation type: ATen's reduction is deterministic
-  auto grad_bias = has_bias ? grad_out.to(accumulation_type(grad)).sum(0)
-                            : torch::empty({0}, grad.options().dtype(accumulation_type(grad)));
-  return {grad_out, grad_bias};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(megatron_siamese, CUDA, m) {
-  m.impl("dual_norm", &dual_norm_cuda);
-  m.impl("dual_norm_backward", &dual_norm_backward_cuda);
-  m.impl("dual_residual", &dual_residual_cuda);
-  m.impl("dual_residual_backward", &dual_residual_backward_cuda);
+  if (grad_bias.defined()) grad_bias.copy_(grad_out.to(grad_bias.scalar_type()).sum(0));
 }
 
 }  // namespace megatron_siamese

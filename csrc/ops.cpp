@@ -1,5 +1,6 @@
-// Operator schemas for torch.library, argument checks shared by the CPU and CUDA kernels,
-// and the (empty) pybind11 module that makes the extension importable.
+// The one host layer of the SiameseNorm fused ops: operator schemas for torch.library, the
+// argument checks, weight preparation, output allocation and empty-input handling, shared by
+// every device; each device contributes only kernel launchers (dual_norm.h).
 //
 // Python registers fake (meta) implementations and autograd for these ops
 // (megatron_siamese/ops/fused.py), so torch.compile traces through them and
@@ -10,6 +11,13 @@
 #include "dual_norm.h"
 
 namespace megatron_siamese {
+namespace {
+
+using OptionalTensor = c10::optional<torch::Tensor>;
+
+torch::Tensor defined_or_empty(const OptionalTensor& t) {
+  return t.has_value() && t->defined() ? *t : torch::Tensor();
+}
 
 StreamRows check_streams(const torch::Tensor& streams, int64_t hidden) {
   TORCH_CHECK(streams.dim() == 2, "dual_norm: streams must be 2-D [rows, width], got ",
@@ -27,80 +35,136 @@ StreamRows check_streams(const torch::Tensor& streams, int64_t hidden) {
   return StreamRows{streams.size(0), hidden, width == 2 * hidden};
 }
 
-void check_backward_inputs(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
-                           const torch::Tensor& stats, const torch::Tensor& streams,
-                           const StreamRows& geometry) {
-  TORCH_CHECK(grad_base.dim() == 2 && grad_base.size(0) == geometry.rows &&
-                  grad_base.size(1) == 2 * geometry.hidden,
+// A weight vector as the kernels read it: [h], on the streams' device, in the accumulation
+// type, contiguous; a gamma gets its +1 when stored zero-centred.
+torch::Tensor prepared(const OptionalTensor& t, const torch::Tensor& streams, int64_t hidden,
+                       const char* name, bool is_gamma, bool zero_centered_gamma) {
+  torch::Tensor w = defined_or_empty(t);
+  if (!w.defined()) return w;
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == hidden, "dual_norm: ", name, " must have shape [", hidden,
+              "], got ", w.sizes());
+  TORCH_CHECK(w.device() == streams.device(), "dual_norm: ", name, " is on ", w.device(),
+              ", the streams on ", streams.device());
+  w = w.to(accumulation_type(streams));
+  return (is_gamma && zero_centered_gamma ? w + 1 : w).contiguous();
+}
+
+NormWeights prepare_weights(const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_weight,
+                            const OptionalTensor& x_bias, const torch::Tensor& y_weight,
+                            const OptionalTensor& y_bias, const OptionalTensor& in_weight,
+                            const OptionalTensor& in_bias, bool rms, bool zero_centered_gamma) {
+  NormWeights w;
+  w.x_gamma = prepared(x_weight, streams, hidden, "x_weight", true, zero_centered_gamma);
+  w.y_gamma = prepared(y_weight, streams, hidden, "y_weight", true, zero_centered_gamma);
+  w.in_gamma = prepared(in_weight, streams, hidden, "in_weight", true, zero_centered_gamma);
+  w.x_beta = prepared(x_bias, streams, hidden, "x_bias", false, false);
+  w.y_beta = prepared(y_bias, streams, hidden, "y_bias", false, false);
+  w.in_beta = prepared(in_bias, streams, hidden, "in_bias", false, false);
+  w.rms = rms;
+  const bool biased = w.x_beta.defined();
+  TORCH_CHECK(biased == w.y_beta.defined() && (!w.has_input_norm() || biased == w.in_beta.defined()),
+              "dual_norm: give biases for all norms or for none");
+  TORCH_CHECK(!(rms && biased), "dual_norm: RMSNorm has no bias");
+  TORCH_CHECK(w.has_input_norm() || !w.in_beta.defined(), "dual_norm: in_bias without in_weight");
+  return w;
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> dual_norm(
+    const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_weight, const OptionalTensor& x_bias,
+    const torch::Tensor& y_weight, const OptionalTensor& y_bias, const OptionalTensor& in_weight,
+    const OptionalTensor& in_bias, double eps, bool rms, bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden);
+  const NormWeights weights = prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight,
+                                              in_bias, rms, zero_centered_gamma);
+  auto base = torch::empty({geometry.rows, 2 * hidden}, streams.options());
+  auto normed = torch::empty({geometry.rows, hidden}, streams.options());
+  auto stats = torch::empty({geometry.rows, kStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
+  if (geometry.rows > 0) Kernels::dual_norm(streams, geometry, weights, eps, base, normed, stats);
+  return {base, normed, stats};
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor> dual_norm_backward(
+    const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
+    const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_weight, const OptionalTensor& x_bias,
+    const torch::Tensor& y_weight, const OptionalTensor& y_bias, const OptionalTensor& in_weight,
+    const OptionalTensor& in_bias, bool rms, bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden);
+  const NormWeights weights = prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight,
+                                              in_bias, rms, zero_centered_gamma);
+  TORCH_CHECK(grad_base.dim() == 2 && grad_base.size(0) == geometry.rows && grad_base.size(1) == 2 * hidden,
               "dual_norm_backward: grad_base must be [rows, 2 * hidden], got ", grad_base.sizes());
-  TORCH_CHECK(grad_normed.dim() == 2 && grad_normed.size(0) == geometry.rows &&
-                  grad_normed.size(1) == geometry.hidden,
+  TORCH_CHECK(grad_normed.dim() == 2 && grad_normed.size(0) == geometry.rows && grad_normed.size(1) == hidden,
               "dual_norm_backward: grad_normed must be [rows, hidden], got ", grad_normed.sizes());
   TORCH_CHECK(stats.dim() == 2 && stats.size(0) == geometry.rows && stats.size(1) == kStatsPerRow &&
                   stats.scalar_type() == accumulation_type(streams) && stats.is_contiguous(),
               "dual_norm_backward: stats must be the forward's [rows, 6] statistics");
   TORCH_CHECK(grad_base.device() == streams.device() && grad_normed.device() == streams.device(),
               "dual_norm_backward: tensors must be on one device");
+  auto gb = grad_base.to(streams.scalar_type()).contiguous();
+  auto gn = grad_normed.to(streams.scalar_type()).contiguous();
+  auto grad_streams = torch::empty_like(streams);
+  auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
+  if (geometry.rows > 0)
+    Kernels::dual_norm_backward(gb, gn, streams, stats, geometry, weights, grad_streams, weight_grads);
+  return {grad_streams, weight_grads};
 }
 
-void check_residual(const torch::Tensor& base, const torch::Tensor& out,
-                    const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& mask) {
-  TORCH_CHECK(out.dim() == 2 && base.dim() == 2 && base.size(0) == out.size(0) &&
-                  base.size(1) == 2 * out.size(1),
+template <class Kernels>
+torch::Tensor dual_residual(const torch::Tensor& base, const torch::Tensor& out, const OptionalTensor& bias,
+                            const OptionalTensor& mask, double scale, double inv_c) {
+  TORCH_CHECK(out.dim() == 2 && base.dim() == 2 && base.size(0) == out.size(0) && base.size(1) == 2 * out.size(1),
               "dual_residual: base must be [rows, 2h] and out [rows, h]; got ", base.sizes(), " and ",
               out.sizes());
   TORCH_CHECK(base.scalar_type() == out.scalar_type(), "dual_residual: base and out dtypes differ");
   TORCH_CHECK(base.device() == out.device(), "dual_residual: base and out are on different devices");
-  if (bias.has_value() && bias->defined())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out.size(1), "dual_residual: bias must be [h]");
-  if (mask.has_value() && mask->defined())
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->sizes() == out.sizes(),
+  torch::Tensor b = defined_or_empty(bias), m = defined_or_empty(mask);
+  if (b.defined()) {
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == out.size(1), "dual_residual: bias must be [h]");
+    b = b.to(accumulation_type(out)).contiguous();
+  }
+  if (m.defined()) {
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.sizes() == out.sizes(),
                 "dual_residual: mask must be bool with out's shape");
+    m = m.contiguous();
+  }
+  auto base_c = base.contiguous();
+  auto packed = torch::empty_like(base_c);
+  if (out.numel() > 0) Kernels::dual_residual(base_c, out.contiguous(), b, m, scale, inv_c, packed);
+  return packed;
 }
 
-void check_residual_grad(const torch::Tensor& grad, const c10::optional<torch::Tensor>& mask) {
-  TORCH_CHECK(grad.dim() == 2 && grad.size(1) % 2 == 0,
-              "dual_residual_backward: grad must be [rows, 2h], got ", grad.sizes());
-  if (mask.has_value() && mask->defined())
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->size(0) == grad.size(0) &&
-                    mask->size(1) * 2 == grad.size(1),
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor> dual_residual_backward(const torch::Tensor& grad, const OptionalTensor& mask,
+                                                                double scale, double inv_c, bool has_bias) {
+  TORCH_CHECK(grad.dim() == 2 && grad.size(1) % 2 == 0, "dual_residual_backward: grad must be [rows, 2h], got ",
+              grad.sizes());
+  const int64_t rows = grad.size(0), h = grad.size(1) / 2;
+  torch::Tensor m = defined_or_empty(mask);
+  if (m.defined()) {
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.size(0) == rows && m.size(1) == h,
                 "dual_residual_backward: mask must be bool [rows, h]");
+    m = m.contiguous();
+  }
+  auto grad_out = torch::empty({rows, h}, grad.options());
+  auto grad_bias = torch::zeros({has_bias ? h : 0}, grad.options().dtype(accumulation_type(grad)));
+  if (rows * h > 0) {
+    torch::Tensor bias_grad = has_bias ? grad_bias : torch::Tensor();
+    Kernels::dual_residual_backward(grad.contiguous(), m, scale, inv_c, grad_out, bias_grad);
+  }
+  return {grad_out, grad_bias};
 }
 
-static torch::Tensor weight_vector(const torch::Tensor& t, int64_t hidden, const char* name,
-                                   at::ScalarType accumulation) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == hidden, "dual_norm: ", name, " must have shape [",
-              hidden, "], got ", t.sizes());
-  return t.to(accumulation).contiguous();
+template <class Kernels>
+void register_kernels(torch::Library& m) {
+  m.impl("dual_norm", &dual_norm<Kernels>);
+  m.impl("dual_norm_backward", &dual_norm_backward<Kernels>);
+  m.impl("dual_residual", &dual_residual<Kernels>);
+  m.impl("dual_residual_backward", &dual_residual_backward<Kernels>);
 }
 
-static torch::Tensor optional_weight(const c10::optional<torch::Tensor>& t, int64_t hidden,
-                                     const char* name, at::ScalarType accumulation) {
-  return t.has_value() && t->defined() ? weight_vector(*t, hidden, name, accumulation) : torch::Tensor();
-}
-
-NormWeights accumulation_weights(const torch::Tensor& x_weight, const c10::optional<torch::Tensor>& x_bias,
-                         const torch::Tensor& y_weight, const c10::optional<torch::Tensor>& y_bias,
-                         const c10::optional<torch::Tensor>& in_weight,
-                         const c10::optional<torch::Tensor>& in_bias, int64_t hidden, bool rms,
-                         bool zero_centered_gamma, at::ScalarType accumulation) {
-  NormWeights w;
-  w.x_weight = weight_vector(x_weight, hidden, "x_weight", accumulation);
-  w.y_weight = weight_vector(y_weight, hidden, "y_weight", accumulation);
-  w.x_bias = optional_weight(x_bias, hidden, "x_bias", accumulation);
-  w.y_bias = optional_weight(y_bias, hidden, "y_bias", accumulation);
-  w.in_weight = optional_weight(in_weight, hidden, "in_weight", accumulation);
-  w.in_bias = optional_weight(in_bias, hidden, "in_bias", accumulation);
-  w.rms = rms;
-  w.zero_centered_gamma = zero_centered_gamma;
-  const bool biased = w.x_bias.defined();
-  TORCH_CHECK(biased == w.y_bias.defined() && (!w.has_input_norm() || biased == w.in_bias.defined()),
-              "dual_norm: give biases for all norms or for none");
-  TORCH_CHECK(!(rms && biased), "dual_norm: RMSNorm has no bias");
-  TORCH_CHECK(w.has_input_norm() || !w.in_bias.defined(), "dual_norm: in_bias without in_weight");
-  return w;
-}
-
+}  // namespace
 }  // namespace megatron_siamese
 
 TORCH_LIBRARY(megatron_siamese, m) {
@@ -128,6 +192,16 @@ TORCH_LIBRARY(megatron_siamese, m) {
       "dual_residual_backward(Tensor grad, Tensor? mask, float scale, float inv_c, "
       "bool has_bias) -> (Tensor grad_out, Tensor grad_bias)");
 }
+
+TORCH_LIBRARY_IMPL(megatron_siamese, CPU, m) {
+  megatron_siamese::register_kernels<megatron_siamese::CpuKernels>(m);
+}
+
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(megatron_siamese, CUDA, m) {
+  megatron_siamese::register_kernels<megatron_siamese::CudaKernels>(m);
+}
+#endif
 
 // The ops are reached through torch.ops.megatron_siamese; importing this module loads them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

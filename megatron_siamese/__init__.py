@@ -9,32 +9,30 @@ Python API::
 Megatron-LM: ``pretrain_gpt.py --spec megatron_siamese.specs siamese_layer_spec``.
 """
 
-from megatron_siamese.testing.cpu_harness import install_if_requested as _install_if_requested
-
-_install_if_requested()
-
-from megatron_siamese.layer import SiameseTransformerLayer, SiameseTransformerLayerSubmodules  # noqa: E402
-from megatron_siamese.merge import SiameseFinalNorm, StreamMerge  # noqa: E402
-from megatron_siamese.norms import Norm  # noqa: E402
-from megatron_siamese.pipeline import SiameseP2PCommunicator  # noqa: E402
-from megatron_siamese.specs import (  # noqa: E402
+from megatron_siamese.layer import SiameseTransformerLayer, SiameseTransformerLayerSubmodules
+from megatron_siamese.merge import SiameseFinalNorm, StreamMerge
+from megatron_siamese.norms import TorchNorm
+from megatron_siamese.pipeline import SiameseP2PCommunicator
+from megatron_siamese.specs import (
     get_siamese_block_spec,
     get_siamese_layer_local_spec,
+    get_siamese_layer_te_spec,
     siamese_layer_spec,
 )
-from megatron_siamese.support import UnsupportedConfigError  # noqa: E402
+from megatron_siamese.support import UnsupportedConfigError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Norm",
     "SiameseFinalNorm",
     "SiameseP2PCommunicator",
     "SiameseTransformerLayer",
     "SiameseTransformerLayerSubmodules",
     "StreamMerge",
+    "TorchNorm",
     "UnsupportedConfigError",
     "get_siamese_block_spec",
     "get_siamese_layer_local_spec",
+    "get_siamese_layer_te_spec",
     "siamese_layer_spec",
 ]

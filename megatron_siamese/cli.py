@@ -34,12 +34,13 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict) -> N
             parser.add_argument(flag, type=kind, default=default, help=helps.get(f.name))
 
 
-_OPTIONAL_INTS = {"vpp", "ffn_hidden_size", "save_interval", "stop_step"}
+_OPTIONAL_INTS = {"vpp", "ffn_hidden_size", "num_query_groups", "save_interval", "stop_step"}
 _OPTIONAL_BOOLS = {"fused_ops"}
 
 TRAIN_HELP = {
     "norm": "residual scheme: siamese (SiameseNorm), siamese-layer (the --spec layer object), "
-            "pre (Megatron's stock Pre-Norm layer), post (Post-Norm on Megatron's layer)",
+            "siamese-hybrid (the authors' QK-norm variant), pre (Megatron's stock Pre-Norm layer), "
+            "post (Post-Norm on Megatron's layer)",
     "tp": "tensor-parallel size", "pp": "pipeline-parallel size",
     "vpp": "virtual pipeline stages per pipeline rank (interleaved 1F1B)",
     "dp": "data-parallel size", "sp": "sequence parallelism (needs tp > 1)",
@@ -57,7 +58,6 @@ TRAIN_HELP = {
     "cache_dir": "where the tokenized corpus and dataset indices are cached",
     "data_prefix": "an indexed dataset (.bin/.idx prefix) of byte tokens instead of the embedded corpus",
     "dtype": "fp32 or bf16", "recompute": "activation recompute: none, full or selective",
-    "variant": "SiameseNorm block: standard (the paper's) or hybrid (the authors' QK-norm variant)",
     "task": "lm (the corpus), or synthetic addition: addition (sum written normally) or "
             "addition-reversed (sum written least significant digit first); addition needs tp=pp=1 "
             "and reports exact-match accuracy on held-out problems",
@@ -108,7 +108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               help="comma-separated peak learning rates (default: 1e-3,4e-3,1.6e-2)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["check"]:
-        from megatron_siamese.check import main as check_main
+        from megatron_siamese.check.command import main as check_main
 
         return check_main(argv[1:])
     options = parser.parse_args(argv)

@@ -7,9 +7,10 @@ streams from it. The math is ``reference.functional``; this module only wires it
 Megatron's layer structure:
 
 * ``_forward_attention`` / ``_forward_mlp`` are overridden (they are the hooks Megatron's
-  full recompute, CUDA-graph capture and ``forward`` all go through), each running
-  ``u = PostNorm(x)``, ``InputNorm(u + PreNorm(y))``, the shared sublayer, and the dual
-  residual update with one dropout mask;
+  full recompute, CUDA-graph capture and ``forward`` all go through), each running one
+  SiameseNorm sublayer (``_siamese_sublayer``): the stream norms ``(base, normed)``, the
+  shared sublayer, and the dual residual update with one dropout mask, through the fused ops
+  or the PyTorch composition (``stream_arithmetic.py``);
 * selective recompute "layernorm" discards the stream norms' outputs and recomputes them
   in backward, "mlp" checkpoints the MLP, as the base layer does for its single stream;
 * ``c = sqrt(2 * layer_number)`` uses Megatron's global 1-based layer number, so every
@@ -19,7 +20,7 @@ Megatron's layer structure:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -38,8 +39,8 @@ from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
 from megatron_siamese.pipeline import require_wide_pipeline_tensors
 from megatron_siamese.reference.functional import depth_scale
+from megatron_siamese.stream_arithmetic import StreamArithmetic, dropout_mask
 from megatron_siamese.streams import split_streams
-from megatron_siamese.sublayer import make_sublayer
 from megatron_siamese.support import check_supported
 
 
@@ -87,7 +88,7 @@ class SiameseTransformerLayer(TransformerLayer):
         self.mlp_y_norm = build_norm(submodules.mlp_y_norm)
 
         self.depth_scale = depth_scale(self.layer_number)
-        self.sublayer = make_sublayer(
+        self.stream_arithmetic = StreamArithmetic(
             self.config, (self.attn_x_norm, self.attn_y_norm, self.mlp_x_norm, self.mlp_y_norm)
         )
         self.is_first_layer = self.layer_number == 1
@@ -118,28 +119,26 @@ class SiameseTransformerLayer(TransformerLayer):
                 "config) or set config.variable_seq_lengths=True."
             )
 
-    def _sublayer_input(self, hidden_states: Tensor, x_norm, y_norm, input_norm):
-        """(state for the residual update, InputNorm(PostNorm(x) + PreNorm(y)), checkpoint or None)."""
+    def _siamese_sublayer(self, hidden_states: Tensor, x_norm, y_norm, input_norm,
+                          sublayer: Callable[[Tensor], Tuple[Tensor, Optional[Tensor]]]) -> Tensor:
+        """One sublayer on packed streams: norms, ``sublayer(normed) -> (out, bias)``, dual residual."""
         self._check_width(hidden_states)
+        arithmetic = self.stream_arithmetic.on(hidden_states.device)
 
-        def stream_norms(streams: Tensor):
-            state, normed = self.sublayer.norms(streams, x_norm, y_norm, input_norm)
-            return (*state, normed)
+        def norms(streams: Tensor):
+            return arithmetic.norms(streams, x_norm, y_norm, input_norm)
 
-        if not self.recompute_stream_norms:
-            *state, normed = stream_norms(hidden_states)
-            return state, normed, None
-        # CheckpointWithoutOutput treats any fp8 argument but None as "FP8 on" (and then
-        # needs Transformer Engine), so pass config.fp8 itself: None when FP8 is off.
-        checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
-        *state, normed = checkpoint.checkpoint(stream_norms, hidden_states)
-        return state, normed, checkpoint
-
-    def _residual(self, output_with_bias, state, streams: Tensor, norm_checkpoint) -> Tensor:
-        output, bias = output_with_bias
-        packed = self.sublayer.residual(
-            state, streams, output, bias, self.hidden_dropout, self.training, self.depth_scale
-        )
+        norm_checkpoint = None
+        if self.recompute_stream_norms:
+            # CheckpointWithoutOutput treats any fp8 argument but None as "FP8 on" (and then
+            # needs Transformer Engine), so pass config.fp8 itself: None when FP8 is off.
+            norm_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
+            base, normed = norm_checkpoint.checkpoint(norms, hidden_states)
+        else:
+            base, normed = norms(hidden_states)
+        output, bias = sublayer(normed)
+        mask, scale = dropout_mask(output, self.hidden_dropout, self.training)
+        packed = arithmetic.residual(base, output, bias, mask, scale, 1.0 / self.depth_scale)
         if norm_checkpoint is not None:
             # the norms' outputs are recomputed when the sublayer's output gradient arrives;
             # they are dead from here on (the residual update does not save them)
@@ -162,29 +161,31 @@ class SiameseTransformerLayer(TransformerLayer):
     ):
         """Attention sublayer on packed streams; returns ``(packed [s, b, 2h], context)``."""
         inference_context = deprecate_inference_params(inference_context, inference_params)
-        state, normed, norm_checkpoint = self._sublayer_input(
-            hidden_states, self.attn_x_norm, self.attn_y_norm, self.input_layernorm
+
+        def attention(normed: Tensor):
+            return self.self_attention(
+                normed, attention_mask=attention_mask, inference_context=inference_context, **attention_kwargs
+            )
+
+        packed = self._siamese_sublayer(
+            hidden_states, self.attn_x_norm, self.attn_y_norm, self.input_layernorm, attention
         )
-        attention_output_with_bias = self.self_attention(
-            normed,
-            attention_mask=attention_mask,
-            inference_context=inference_context,
-            **attention_kwargs,
-        )
-        packed = self._residual(attention_output_with_bias, state, hidden_states, norm_checkpoint)
         return packed, context
 
-    def _forward_mlp(self, hidden_states: Tensor, inference_context=None, padding_mask=None):
-        """MLP sublayer; returns packed streams, or the merged ``[s, b, h]`` if this layer merges."""
-        state, normed, norm_checkpoint = self._sublayer_input(
-            hidden_states, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm
+    def _forward_mlp(self, hidden_states: Tensor, inference_context=None, padding_mask=None, **unused: Any):
+        """MLP sublayer; returns packed streams, or the merged ``[s, b, h]`` if this layer merges.
+
+        Newer Megatron passes more keywords (``packed_seq_params``, ...) that the MLP does not use.
+        """
+
+        def mlp(normed: Tensor):
+            if self.recompute_mlp:
+                return self._checkpointed_mlp(normed, padding_mask)
+            return self.mlp(normed, padding_mask=padding_mask)
+
+        output = self._siamese_sublayer(
+            hidden_states, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm, mlp
         )
-        mlp_output_with_bias = (
-            self._checkpointed_mlp(normed, padding_mask)
-            if self.recompute_mlp
-            else self.mlp(normed, padding_mask=padding_mask)
-        )
-        output = self._residual(mlp_output_with_bias, state, hidden_states, norm_checkpoint)
         if self.output_merge is not None:
             output = self.output_merge(*split_streams(output, self.config.hidden_size))
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)

@@ -7,7 +7,7 @@ from torch import Tensor
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_siamese.norms import Norm
+from megatron_siamese.norms import TorchNorm
 from megatron_siamese.reference.functional import merge_streams
 from megatron_siamese.streams import split_streams
 
@@ -18,14 +18,14 @@ class StreamMerge(MegatronModule):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
         super().__init__(config=config)
         self.hidden_size = hidden_size
-        self.x_norm = Norm(config=config, hidden_size=hidden_size, eps=eps)
-        self.y_norm = Norm(config=config, hidden_size=hidden_size, eps=eps)
+        self.x_norm = TorchNorm(config=config, hidden_size=hidden_size, eps=eps)
+        self.y_norm = TorchNorm(config=config, hidden_size=hidden_size, eps=eps)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         return merge_streams(self.x_norm(x), self.y_norm(y))
 
 
-class SiameseFinalNorm(Norm):
+class SiameseFinalNorm(TorchNorm):
     """The block's final norm for the Python block spec: merges the streams, then normalizes.
 
     Its own ``weight``/``bias`` are FinalNorm (named like any Megatron final norm); the

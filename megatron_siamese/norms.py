@@ -1,7 +1,7 @@
 """Norm modules that honour Megatron-Core's norm contract.
 
 Megatron builds every norm as ``build_module(spec, config=..., hidden_size=..., eps=...)``.
-``Norm`` follows ``config.normalization`` (LayerNorm or RMSNorm) and
+``TorchNorm`` follows ``config.normalization`` (LayerNorm or RMSNorm) and
 ``config.layernorm_zero_centered_gamma``, accepts (and ignores) the fused-kernel knobs
 ``persist_layer_norm`` / ``memory_efficient_layer_norm`` instead of asserting on them, and
 tags its parameters with ``sequence_parallel`` so that ``finalize_model_grads``
@@ -26,8 +26,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_siamese.reference.functional import NORMALIZATIONS, channel_scale
 
 
-class Norm(MegatronModule):
-    """LayerNorm or RMSNorm over the last dimension, per ``config.normalization``."""
+class TorchNorm(MegatronModule):
+    """LayerNorm or RMSNorm over the last dimension, per ``config.normalization``, on torch's
+    kernels, usable under sequence parallelism (Megatron's ``WrappedTorchNorm`` refuses it)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__(config=config)

@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_siamese.norms import Norm
+from megatron_siamese.norms import TorchNorm
 
 
 @dataclass
@@ -53,8 +53,8 @@ def get_post_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] 
     stock = get_gpt_layer_local_spec(normalization=config.normalization)
     submodules = PostNormTransformerLayerSubmodules(
         **{**vars(stock.submodules), "input_layernorm": IdentityOp, "pre_mlp_layernorm": IdentityOp},
-        post_attn_norm=Norm,
-        post_mlp_norm=Norm,
+        post_attn_norm=TorchNorm,
+        post_mlp_norm=TorchNorm,
     )
     layer_spec = ModuleSpec(module=PostNormTransformerLayer, submodules=submodules)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)

@@ -1,5 +1,11 @@
 """Module specs: how a stock ``GPTModel`` is built with SiameseNorm layers.
 
+Every SiameseNorm layer spec is derived from Megatron's own GPT layer spec
+(``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``): the layer
+class becomes ``SiameseTransformerLayer``, the norm slots take ``TorchNorm`` (SP-capable) and
+the four stream norms are added; attention, MLP, bias-dropout and Megatron's checkpoint key
+map (which names the local InputNorms like TE's fused LayerNorm-Linear) stay Megatron's.
+
 Two ways in, both with no edits to Megatron:
 
 * Python API -- ``get_siamese_block_spec(config, vp_stage=None)`` returns
@@ -11,17 +17,18 @@ Two ways in, both with no edits to Megatron:
   last global layer merges the streams itself (``output_merge``) and the stock final
   norm is FinalNorm. The merge norms are checkpointed as one unstacked tensor, so every
   stacked layer parameter is the same across layers and checkpoints reshard over TP/PP.
+
+Variants are spec choices: ``variant="standard"`` (the paper's block) or ``"hybrid"`` (the
+authors' OLMo variant: a per-channel scale instead of the attention PostNorm and InputNorm,
+QK-norm in attention; local modules only, and the config needs ``qk_layernorm=True``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
-from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -30,17 +37,35 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_siamese import te
 from megatron_siamese.layer import SiameseTransformerLayer, SiameseTransformerLayerSubmodules
 from megatron_siamese.merge import SiameseFinalNorm, StreamMerge
-from megatron_siamese.config import VARIANTS
-from megatron_siamese.norms import ChannelScale, Norm
+from megatron_siamese.norms import ChannelScale, TorchNorm
+from megatron_siamese.support import UnsupportedConfigError
 
-# The local spec keeps Megatron's mapping of the input norms onto the names Transformer
-# Engine's fused LayerNorm-Linear modules use, so checkpoints move between the two.
-_TE_COMPATIBLE_KEYS = {
-    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-}
+VARIANTS = ("standard", "hybrid")
+
+
+def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=TorchNorm, **slots) -> ModuleSpec:
+    """Megatron's layer spec ``stock`` as a SiameseNorm layer: its submodules, ``slots`` replaced,
+    plus the stream norms (and the output merge for single-stream final norms)."""
+    return ModuleSpec(
+        module=SiameseTransformerLayer,
+        params=dict(stock.params),
+        submodules=SiameseTransformerLayerSubmodules(
+            **{**vars(stock.submodules), **slots},
+            attn_x_norm=attn_x_norm,
+            attn_y_norm=TorchNorm,
+            mlp_x_norm=TorchNorm,
+            mlp_y_norm=TorchNorm,
+            output_merge=StreamMerge if merge_at_output else None,
+        ),
+    )
+
+
+def _with_qk_norm(attention: ModuleSpec, norm) -> ModuleSpec:
+    submodules = dataclasses.replace(attention.submodules, q_layernorm=norm, k_layernorm=norm)
+    return dataclasses.replace(attention, submodules=submodules)
 
 
 def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "standard") -> ModuleSpec:
@@ -49,98 +74,45 @@ def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "
     Args:
         merge_at_output: the last global layer merges the streams (for block specs whose
             final norm is a stock single-stream norm, e.g. Megatron-LM's ``--spec``).
-        variant: "standard", or "hybrid" (per-channel scale instead of the attention
-            PostNorm and InputNorm, QK-norm in attention; needs config.qk_layernorm).
+        variant: "standard", or "hybrid" (see the module docstring).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     hybrid = variant == "hybrid"
-    backend = LocalSpecProvider()
-    return ModuleSpec(
-        module=SiameseTransformerLayer,
-        submodules=SiameseTransformerLayerSubmodules(
-            attn_x_norm=ChannelScale if hybrid else Norm,
-            attn_y_norm=Norm,
-            input_layernorm=IdentityOp if hybrid else Norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=backend.column_parallel_linear(),
-                    core_attention=backend.core_attention(),
-                    linear_proj=backend.row_parallel_linear(),
-                    q_layernorm=Norm if hybrid else IdentityOp,
-                    k_layernorm=Norm if hybrid else IdentityOp,
-                ),
-            ),
-            mlp_x_norm=Norm,
-            mlp_y_norm=Norm,
-            pre_mlp_layernorm=Norm,
-            mlp=get_mlp_module_spec_for_backend(backend=backend),
-            output_merge=StreamMerge if merge_at_output else None,
-            sharded_state_dict_keys_map=dict(_TE_COMPATIBLE_KEYS),
-        ),
-    )
-
-
-TE_MODULE = "megatron.core.extensions.transformer_engine"
-
-
-def _te(name: str) -> ModuleSpec:
-    """A Transformer Engine module named by path: resolved only when a layer is built, so
-    importing this package (and building the local spec) never needs Transformer Engine."""
-    return ModuleSpec(module=(TE_MODULE, name))
-
-
-def transformer_engine_error() -> Optional[str]:
-    """None when Transformer Engine can be used, else why not."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-
-        from megatron.core.extensions import transformer_engine  # noqa: F401
-    except Exception as error:  # ImportError, or TE's own errors without a GPU
-        return f"Transformer Engine is not available ({type(error).__name__}: {error})"
-    return None
+    stock = get_gpt_layer_local_spec(qk_layernorm=hybrid)
+    slots = dict(input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
+    if hybrid:
+        slots.update(input_layernorm=IdentityOp,
+                     self_attention=_with_qk_norm(stock.submodules.self_attention, TorchNorm))
+    return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale if hybrid else TorchNorm, **slots)
 
 
 def get_siamese_layer_te_spec(merge_at_output: bool = False) -> ModuleSpec:
     """Layer spec on Transformer Engine: FP8-capable GEMMs and TE's attention.
 
-    ``linear_qkv`` and ``linear_fc1`` are TELayerNormColumnParallelLinear, so each sublayer's
-    InputNorm is fused with the FP8 cast and the GEMM (the layer hands them
-    ``PostNorm(x) + PreNorm(y)``); the X/Y stream norms are ours (the fused dual-norm op on
+    Megatron's TE layer fuses each sublayer's InputNorm with the FP8 cast and the GEMM
+    (``TELayerNormColumnParallelLinear`` for ``linear_qkv`` / ``linear_fc1``); the layer hands
+    it ``PostNorm(x) + PreNorm(y)``. The X/Y stream norms are ours (the fused dual-norm op on
     CUDA). Checkpoint names match the local spec's, which maps its input norms onto these.
     """
-    return ModuleSpec(
-        module=SiameseTransformerLayer,
-        submodules=SiameseTransformerLayerSubmodules(
-            attn_x_norm=Norm,
-            attn_y_norm=Norm,
-            input_layernorm=IdentityOp,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=_te("TELayerNormColumnParallelLinear"),
-                    core_attention=_te("TEDotProductAttention"),
-                    linear_proj=_te("TERowParallelLinear"),
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
-            mlp_x_norm=Norm,
-            mlp_y_norm=Norm,
-            pre_mlp_layernorm=IdentityOp,
-            mlp=ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(
-                    linear_fc1=_te("TELayerNormColumnParallelLinear"),
-                    linear_fc2=_te("TERowParallelLinear"),
-                ),
-            ),
-            output_merge=StreamMerge if merge_at_output else None,
-        ),
-    )
+    reason = te.unavailable_reason()
+    if reason:
+        raise UnsupportedConfigError(
+            f"the SiameseNorm Transformer Engine spec needs Transformer Engine, but {reason}. "
+            "Use the local spec (get_siamese_layer_local_spec / siamese_layer_spec, "
+            "transformer_impl='local') or install Transformer Engine."
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return siamese_layer_from(get_gpt_layer_with_transformer_engine_spec(), merge_at_output)
+
+
+class TransformerEngineUnavailableLayer(SiameseTransformerLayer):
+    """Stands in for ``siamese_te_layer_spec`` where Transformer Engine cannot be imported:
+    Megatron-LM can import the spec everywhere, and building it says what to change."""
+
+    def __init__(self, *args, **kwargs):
+        get_siamese_layer_te_spec()  # raises with the reason
 
 
 def uses_transformer_engine(config: TransformerConfig, use_transformer_engine: Optional[bool]) -> bool:
@@ -150,11 +122,11 @@ def uses_transformer_engine(config: TransformerConfig, use_transformer_engine: O
         if use_transformer_engine is None
         else use_transformer_engine
     )
-    if wanted and (error := transformer_engine_error()):
+    if wanted and (reason := te.unavailable_reason()):
         raise RuntimeError(
             f"the Transformer Engine SiameseNorm spec was requested (transformer_impl="
             f"{config.transformer_impl!r}, Megatron's default, or use_transformer_engine=True) "
-            f"but {error}. Set transformer_impl='local' (--transformer-impl local) or pass "
+            f"but {reason}. Set transformer_impl='local' (--transformer-impl local) or pass "
             "use_transformer_engine=False for Megatron's own modules."
         )
     return wanted
@@ -165,15 +137,13 @@ def get_siamese_block_spec(
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
     use_transformer_engine: Optional[bool] = None,
+    variant: str = "standard",
 ) -> TransformerBlockSubmodules:
     """Block spec for this pipeline stage (and virtual stage): layers plus a merging final norm.
 
     Transformer Engine or local modules per ``use_transformer_engine``, else per
-    ``config.transformer_impl``; the variant per ``config.siamese_variant``
-    (SiameseTransformerConfig; "standard" for a plain TransformerConfig; the hybrid variant is
-    local only).
+    ``config.transformer_impl``; the hybrid variant is local only.
     """
-    variant = getattr(config, "siamese_variant", "standard")
     if uses_transformer_engine(config, use_transformer_engine):
         if variant != "standard":
             raise ValueError(f"the {variant} variant has no Transformer Engine spec yet; use transformer_impl='local'")
@@ -188,7 +158,11 @@ def get_siamese_block_spec(
 
 # For Megatron-LM: pretrain_gpt.py --spec megatron_siamese.specs siamese_layer_spec
 siamese_layer_spec = get_siamese_layer_local_spec(merge_at_output=True)
-# ... its Transformer Engine form (FP8 GEMMs, TE attention; needs TE when the model is built)
-siamese_te_layer_spec = get_siamese_layer_te_spec(merge_at_output=True)
+# ... its Transformer Engine form (FP8 GEMMs, TE attention; refuses to build without TE)
+siamese_te_layer_spec = (
+    dataclasses.replace(siamese_layer_spec, module=TransformerEngineUnavailableLayer)
+    if te.unavailable_reason()
+    else get_siamese_layer_te_spec(merge_at_output=True)
+)
 # ... and the hybrid variant (local modules, with --qk-layernorm)
 siamese_hybrid_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, variant="hybrid")

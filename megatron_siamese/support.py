@@ -57,30 +57,8 @@ def _problems(config: TransformerConfig) -> List[str]:
     return problems
 
 
-def _module_paths(spec) -> List[tuple]:
-    """Every (module path, name) a spec tree names lazily."""
-    found = []
-    module = getattr(spec, "module", None)
-    if isinstance(module, tuple):
-        found.append(module)
-    children = getattr(spec, "submodules", spec)
-    if children is not None and hasattr(children, "__dataclass_fields__"):
-        for name in children.__dataclass_fields__:
-            found += _module_paths(getattr(children, name))
-    return found
-
-
 def _spec_problems(config: TransformerConfig, submodules) -> List[str]:
     problems = []
-    from megatron_siamese.specs import TE_MODULE, transformer_engine_error
-
-    if any(path == TE_MODULE for path, _ in _module_paths(submodules)):
-        error = transformer_engine_error()
-        if error:
-            problems.append(
-                f"this is the Transformer Engine spec but {error}. Use the local spec "
-                "(siamese_layer_spec / transformer_impl='local') or install Transformer Engine."
-            )
     if getattr(submodules, "cross_attention", IdentityOp) is not IdentityOp:
         problems.append("cross-attention is not supported: SiameseNorm layers are decoder-only.")
     attention = getattr(getattr(submodules, "self_attention", None), "submodules", None)

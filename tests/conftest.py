@@ -1,4 +1,4 @@
-"""Shared fixtures. Multi-rank tests launch their own processes (megatron_siamese.testing.launch);
+"""Shared fixtures. Multi-rank tests launch their own processes (megatron_siamese.runtime.launch);
 single-rank tests run Megatron in this process on CPU through the CPU harness."""
 
 import os
@@ -13,11 +13,11 @@ def megatron_single_rank():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_siamese.testing import cpu_harness
-    from megatron_siamese.testing.launch import free_port
+    from megatron_siamese.runtime import cpu_shim
+    from megatron_siamese.runtime.launch import free_port
 
     if not torch.cuda.is_available():
-        cpu_harness.install()
+        cpu_shim.install()
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())

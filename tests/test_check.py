@@ -2,8 +2,8 @@
 
 import pytest
 
-from megatron_siamese.check import DEFAULT_LAYOUTS, main, run_check
-from megatron_siamese.testing.gpt_run import ModelCase
+from megatron_siamese.check.command import DEFAULT_LAYOUTS, main, run_check
+from megatron_siamese.check.step import ModelCase
 
 
 def statuses(rows):
@@ -27,8 +27,8 @@ def test_bf16_matrix_passes_against_its_own_noise():
 
 
 def test_hybrid_variant_matrix_passes():
-    rows = run_check(ModelCase(variant="hybrid"), ["tp2", "tp2-sp", "pp2-vpp2", "dp2-do", "sel", "tp2-pp2-sp"],
-                     "siamese")
+    rows = run_check(ModelCase(norm="siamese-hybrid"),
+                     ["tp2", "tp2-sp", "pp2-vpp2", "dp2-do", "sel", "tp2-pp2-sp"], "siamese-hybrid")
     assert set(statuses(rows).values()) == {"PASS"}
 
 
@@ -47,10 +47,9 @@ def test_norms_without_sequence_parallel_flag_fail_sp_layouts_only():
     assert "norm" in rows[1].detail
 
 
-def test_cli_exit_status_and_table(capsys, monkeypatch):
+def test_cli_exit_status_and_table(capsys):
     assert main(["--layouts", "tp2-sp", "--num-layers", "2"]) == 0
-    monkeypatch.setenv("MEGATRON_SIAMESE_PLANT_FAULT", "no-sp-flag")
-    assert main(["--layouts", "tp2-sp", "--num-layers", "2"]) == 1
+    assert main(["--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"]) == 1
     out = capsys.readouterr().out
     assert "tolerance (fp32)" in out and "PASS" in out and "FAIL" in out
 

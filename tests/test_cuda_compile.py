@@ -37,3 +37,15 @@ def test_cuda_kernels_compile_for_sm90(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-5000:]
     assert (tmp_path / "dual_norm_cuda.o").stat().st_size > 0
+
+
+def test_host_layer_registers_cuda_kernels_when_built_with_cuda():
+    """ops.cpp as a CUDA build compiles it (-DWITH_CUDA): the CUDA registration must type-check."""
+    command = [
+        "g++", "-std=c++20", "-fsyntax-only", "-DWITH_CUDA", str(ROOT / "csrc" / "ops.cpp"),
+        *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-5000:]

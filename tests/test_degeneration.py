@@ -18,10 +18,10 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-from megatron_siamese.gpt import build_gpt_chunks
-from megatron_siamese.testing.gpt_run import ModelCase, microbatches, transformer_config
-from megatron_siamese.testing.layouts import Layout
-from megatron_siamese.testing.sharding import seed_parameters
+from megatron_siamese.models import build_gpt_chunks
+from megatron_siamese.check.step import ModelCase, case_config, microbatches
+from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.check.sharding import seed_parameters
 
 def stock_pre_norm(case, config):
     model = GPTModel(
@@ -65,7 +65,7 @@ def degenerate_siamese_from(stock, case, config):
                                            (1e-5, dict(rtol=2e-3, atol=2e-3))])
 def test_zero_x_branch_is_stock_pre_norm(megatron_single_rank, norm, normalization, eps, tolerance):
     case = ModelCase(norm=norm, normalization=normalization)
-    config = dataclasses.replace(transformer_config(case, Layout()), layernorm_epsilon=eps)
+    config = dataclasses.replace(case_config(case, Layout()), layernorm_epsilon=eps)
     stock = stock_pre_norm(case, config)
     siamese = degenerate_siamese_from(stock, case, config)
     batch = microbatches(case)[0]

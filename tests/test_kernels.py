@@ -39,18 +39,10 @@ def make_inputs(rows, hidden, packed=True, rms=False, input_norm=True, dtype=tor
 
 
 def reference_dual_norm(streams, hidden, weights, rms, zero_centered=False, compute=None):
-    """The reference composition, optionally in another dtype."""
+    """reference.dual_norm (the op's signature), optionally computed in another dtype."""
     compute = compute or streams.dtype
-    s = streams.to(compute)
     w = [None if t is None else t.to(compute) for t in weights]
-    x, y = (s[:, :hidden], s[:, hidden:]) if s.shape[1] == 2 * hidden else (s, s)
-    kind = "RMSNorm" if rms else "LayerNorm"
-    norm = lambda t, g, b: reference.normalize(t, g, b, normalization=kind, eps=EPS,
-                                               zero_centered_gamma=zero_centered)
-    u = norm(x, w[0], w[1])
-    a = reference.sublayer_input(u, norm(y, w[2], w[3]))
-    normed = norm(a, w[4], w[5]) if w[4] is not None else a
-    return torch.cat([u, y], dim=-1), normed
+    return reference.dual_norm(streams.to(compute), hidden, *w, EPS, rms, zero_centered)
 
 
 def fused_dual_norm(streams, hidden, weights, rms, zero_centered=False):
@@ -180,7 +172,8 @@ def test_dual_residual_matches_reference():
     base = torch.cat([u, y], dim=-1)
     packed = fused.dual_residual(base, out, bias, mask, 1 / 0.8, 1 / c)
     z = (out + bias) * mask / 0.8
-    expected = torch.cat(reference.residual_update(u, y, z, c), dim=-1)
+    expected = torch.cat([u + z / c, y + z], dim=-1)  # the formula itself
+    torch.testing.assert_close(reference.dual_residual(base, out, bias, mask, 1 / 0.8, 1 / c), expected)
     torch.testing.assert_close(packed, expected)
     g = torch.randn_like(packed)
     for got, want in zip(torch.autograd.grad(packed, (u, y, out, bias), g),
@@ -231,22 +224,31 @@ def test_torch_compile_traces_without_graph_breaks():
 # -- the layer's choice ----------------------------------------------------------------------
 
 def test_layer_uses_fused_ops_by_default_and_refuses_to_fake_them(megatron_single_rank, monkeypatch):
-    from megatron.core.transformer.spec_utils import build_module
-
-    from megatron_siamese.specs import get_siamese_layer_local_spec
-    from megatron_siamese.sublayer import FusedSublayer, TorchSublayer
-    from megatron_siamese.testing.gpt_run import ModelCase, transformer_config
-    from megatron_siamese.testing.layouts import Layout
     import dataclasses
 
-    config = transformer_config(ModelCase(), Layout())
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_siamese.check.step import ModelCase, case_config
+    from megatron_siamese.runtime.layout import Layout
+    from megatron_siamese.specs import get_siamese_layer_local_spec
+    from megatron_siamese.stream_arithmetic import FusedStreamArithmetic, TorchStreamArithmetic
+
+    config = case_config(ModelCase(), Layout())
+    cpu = torch.device("cpu")
 
     def layer(**changes):
         return build_module(get_siamese_layer_local_spec(), config=dataclasses.replace(config, **changes))
 
-    assert isinstance(layer().sublayer, FusedSublayer)
-    assert isinstance(layer(siamese_fused_ops=False).sublayer, TorchSublayer)
+    assert isinstance(layer().stream_arithmetic.on(cpu), FusedStreamArithmetic)
+    assert isinstance(layer(siamese_fused_ops=False).stream_arithmetic.on(cpu), TorchStreamArithmetic)
+    # the device comes from the tensors: a device without kernels takes the PyTorch path ...
     monkeypatch.setattr(ops, "unavailable_reason", lambda device: "no kernels for this test")
-    assert isinstance(layer().sublayer, TorchSublayer)  # automatic: the PyTorch path
+    assert isinstance(layer().stream_arithmetic.on(cpu), TorchStreamArithmetic)
+    # ... unless the fused ops were insisted on: then it fails with the reason
+    forced = layer(siamese_fused_ops=True)
     with pytest.raises(RuntimeError, match="no kernels for this test.*siamese_fused_ops=False"):
+        forced.stream_arithmetic.on(cpu)
+    # without the extension at all, insisting fails at construction
+    monkeypatch.setattr(ops, "load_error", lambda: "no extension for this test")
+    with pytest.raises(RuntimeError, match="no extension for this test"):
         layer(siamese_fused_ops=True)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_siamese.testing.launch import RankFailed, launch
+from megatron_siamese.runtime.launch import RankFailed, launch
 
 
 def _rank_and_world():

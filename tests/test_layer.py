@@ -7,18 +7,18 @@ import torch
 
 from megatron.core.transformer.spec_utils import build_module
 
-from megatron_siamese import Norm, UnsupportedConfigError
-from megatron_siamese.gpt import build_gpt_chunks
+from megatron_siamese import TorchNorm, UnsupportedConfigError
+from megatron_siamese.models import build_gpt_chunks
 from megatron_siamese.reference.functional import normalize
 from megatron_siamese.specs import get_siamese_layer_local_spec
-from megatron_siamese.testing.gpt_run import ModelCase, microbatches, transformer_config
-from megatron_siamese.testing.layouts import Layout
+from megatron_siamese.check.step import ModelCase, case_config, microbatches
+from megatron_siamese.runtime.layout import Layout
 
 CASE = ModelCase(num_layers=2)
 
 
 def config_with(**changes):
-    return dataclasses.replace(transformer_config(CASE, Layout()), **changes)
+    return dataclasses.replace(case_config(CASE, Layout()), **changes)
 
 
 def build_layer(config, layer_number=1):
@@ -59,7 +59,7 @@ def test_norm_contract(megatron_single_rank, normalization, zero_centered, seque
         sequence_parallel=sequence_parallel,
         persist_layer_norm=True,  # Megatron-LM's default: accepted, not asserted on
     )
-    norm = build_module(Norm, config=config, hidden_size=16, eps=1e-6)
+    norm = build_module(TorchNorm, config=config, hidden_size=16, eps=1e-6)
     assert (norm.bias is not None) == (normalization == "LayerNorm")
     assert torch.all(norm.weight == (0.0 if zero_centered else 1.0))
     assert all(p.sequence_parallel is sequence_parallel for p in norm.parameters())

@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 
-from megatron_siamese.testing.compare import TOLERANCES, compare, replica_disagreements
-from megatron_siamese.testing.gpt_run import ModelCase, run_layout
-from megatron_siamese.testing.layouts import parse_layout
+from megatron_siamese.check.compare import TOLERANCES, compare, replica_disagreements
+from megatron_siamese.check.step import ModelCase, run_layout
+from megatron_siamese.runtime.layout import parse_layout
 
 # the PyTorch path here; the check matrix (test_check.py) runs the fused ops
-CASE = ModelCase(fused=False)
+CASE = ModelCase(fused_ops=False)
 _results = {}
 
 

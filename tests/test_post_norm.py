@@ -2,13 +2,13 @@
 
 import torch
 
-from megatron_siamese.testing.gpt_run import ModelCase, build_seeded_chunks, microbatches, transformer_config
-from megatron_siamese.testing.layouts import Layout
+from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
+from megatron_siamese.runtime.layout import Layout
 
 
 def test_post_norm_layer_normalizes_after_each_residual_add(megatron_single_rank):
     case = ModelCase(norm="post", position_embedding_type="learned_absolute")
-    (model,) = build_seeded_chunks(case, transformer_config(case, Layout()))
+    (model,) = build_seeded_chunks(case, case_config(case, Layout()))
     batch = microbatches(case)[0]
     mask = batch["attention_mask"]
     x = model.embedding(batch["tokens"], batch["position_ids"])

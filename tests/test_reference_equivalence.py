@@ -5,14 +5,14 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_siamese.gpt import build_gpt_chunks
+from megatron_siamese.models import build_gpt_chunks
 from megatron_siamese.reference.gpt import (
     ReferenceGPT,
     ReferenceGPTConfig,
     megatron_to_reference_names,
 )
-from megatron_siamese.testing.gpt_run import ModelCase, build_seeded_chunks, microbatches, transformer_config
-from megatron_siamese.testing.layouts import Layout
+from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
+from megatron_siamese.runtime.layout import Layout
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -39,9 +39,9 @@ VARIANTS = {
         num_query_groups=4,
     ),
     "layer-spec-layernorm": ModelCase(norm="siamese-layer"),
-    "hybrid-layernorm": ModelCase(variant="hybrid"),
+    "hybrid-layernorm": ModelCase(norm="siamese-hybrid"),
     "hybrid-rmsnorm-gelu-learned": ModelCase(
-        variant="hybrid", normalization="RMSNorm", gated_linear_unit=False,
+        norm="siamese-hybrid", normalization="RMSNorm", gated_linear_unit=False,
         position_embedding_type="learned_absolute",
     ),
     "layer-spec-rmsnorm-gelu": ModelCase(
@@ -51,7 +51,7 @@ VARIANTS = {
 
 
 def build_pair(case: ModelCase):
-    config = transformer_config(case, Layout())
+    config = case_config(case, Layout())
     (model,) = build_seeded_chunks(case, config)
     reference = ReferenceGPT(
         ReferenceGPTConfig.from_megatron(
@@ -60,6 +60,7 @@ def build_pair(case: ModelCase):
             case.seq_length,
             position_embedding_type=case.position_embedding_type,
             share_embeddings_and_output_weights=case.share_embeddings_and_output_weights,
+            variant="hybrid" if case.norm == "siamese-hybrid" else "standard",
         )
     )
     reference.load_megatron_state_dict(model.state_dict())
@@ -69,9 +70,9 @@ def build_pair(case: ModelCase):
 @pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_and_gradients_match_reference(megatron_single_rank, variant, fused):
-    case = dataclasses.replace(VARIANTS[variant], fused=fused)
-    if case.variant == "hybrid" and fused:  # the fused ops implement the standard block only
-        with pytest.raises(RuntimeError, match="not megatron_siamese.norms.Norm"):
+    case = dataclasses.replace(VARIANTS[variant], fused_ops=fused)
+    if case.norm == "siamese-hybrid" and fused:  # the fused ops implement the standard block only
+        with pytest.raises(RuntimeError, match="not megatron_siamese.norms.TorchNorm"):
             build_pair(case)
         return
     model, reference = build_pair(case)
@@ -104,8 +105,8 @@ def test_reference_depth_scale_uses_one_based_layer_number():
 @pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
 def test_dropout_mask_is_shared_by_both_streams(megatron_single_rank, fused):
     """With dropout on, y' - y must equal c * (x' - u): the same z reached both streams."""
-    case = dataclasses.replace(ModelCase(), num_layers=1, fused=fused)
-    config = dataclasses.replace(transformer_config(case, Layout()), hidden_dropout=0.5)
+    case = dataclasses.replace(ModelCase(), num_layers=1, fused_ops=fused)
+    config = dataclasses.replace(case_config(case, Layout()), hidden_dropout=0.5)
     (model,) = build_gpt_chunks(config, "siamese", case.vocab_size, case.seq_length)
     layer = model.decoder.layers[0]
     layer.train()

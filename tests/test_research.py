@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_siamese.gpt import build_gpt_chunks
+from megatron_siamese.models import build_gpt_chunks
 from megatron_siamese.research.arithmetic import exact_match_accuracy, line, split
 from megatron_siamese.research.upcycle import upcycled_state
-from megatron_siamese.testing.gpt_run import ModelCase, microbatches, transformer_config
-from megatron_siamese.testing.layouts import Layout
-from megatron_siamese.testing.sharding import seed_parameters
+from megatron_siamese.check.step import ModelCase, case_config, microbatches
+from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.check.sharding import seed_parameters
 from megatron_siamese.training.trainer import TrainArgs, train
 
 
@@ -19,7 +19,7 @@ from megatron_siamese.training.trainer import TrainArgs, train
 def test_upcycled_model_computes_the_pre_norm_function(megatron_single_rank, normalization, zero_centered):
     case = ModelCase(normalization=normalization, zero_centered_gamma=zero_centered)
     # a tiny eps: normalizing twice then differs from once only by rounding (module docstring)
-    config = dataclasses.replace(transformer_config(case, Layout()), layernorm_epsilon=1e-12)
+    config = dataclasses.replace(case_config(case, Layout()), layernorm_epsilon=1e-12)
     (pre,) = build_gpt_chunks(config, "pre", case.vocab_size, case.seq_length)
     (siamese,) = build_gpt_chunks(config, "siamese", case.vocab_size, case.seq_length)
     seed_parameters([pre], case.seed, 0, 1, zero_centered)
@@ -31,7 +31,7 @@ def test_upcycled_model_computes_the_pre_norm_function(megatron_single_rank, nor
 
 
 def test_upcycling_refuses_weights_it_cannot_place(megatron_single_rank):
-    config = transformer_config(ModelCase(), Layout())
+    config = case_config(ModelCase(), Layout())
     (siamese,) = build_gpt_chunks(config, "siamese", 128, 16)
     state = dict(siamese.state_dict())
     state["decoder.layers.0.self_attention.q_layernorm.weight"] = torch.ones(8)

@@ -1,52 +1,67 @@
 """The Transformer Engine spec without Transformer Engine: imports, clear errors, checkpoint names.
 
-The TE spec's numerics (TE vs local outputs, FP8 training) need a GPU: bench/gpu/validate.sh.
+The TE spec's numerics (TE vs local outputs, FP8 training) need a GPU: bench/gpu/.
 """
 
 import dataclasses
 
 import pytest
 
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import build_module
 
-from megatron_siamese import specs
-from megatron_siamese.gpt import build_gpt_chunks
+from megatron_siamese import specs, te
+from megatron_siamese.check.step import ModelCase, case_config
+from megatron_siamese.layer import SiameseTransformerLayer
+from megatron_siamese.models import build_gpt_chunks
+from megatron_siamese.norms import TorchNorm
+from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.support import UnsupportedConfigError
-from megatron_siamese.testing.gpt_run import ModelCase, transformer_config
-from megatron_siamese.testing.layouts import Layout
 
-needs_no_te = pytest.mark.skipif(
-    specs.transformer_engine_error() is None, reason="Transformer Engine is installed here"
-)
+needs_no_te = pytest.mark.skipif(te.unavailable_reason() is None, reason="Transformer Engine is installed here")
 
 
-def test_package_and_local_spec_import_without_transformer_engine():
-    assert specs.siamese_layer_spec.submodules.input_layernorm is not None
-    # the TE spec object exists (Megatron-LM's --spec imports it) but names TE lazily
-    assert all(isinstance(s.module, tuple) for s in (
-        specs.siamese_te_layer_spec.submodules.self_attention.submodules.linear_qkv,
-        specs.siamese_te_layer_spec.submodules.mlp.submodules.linear_fc1))
+def test_local_spec_is_megatrons_with_the_layer_and_norm_slots_replaced():
+    stock = get_gpt_layer_local_spec().submodules
+    ours = specs.siamese_layer_spec
+    assert ours.module is SiameseTransformerLayer
+    siamese = ours.submodules
+    # Megatron's attention, MLP, bias-dropout and checkpoint key map, as Megatron builds them
+    assert siamese.self_attention.module is stock.self_attention.module
+    assert vars(siamese.self_attention.submodules) == vars(stock.self_attention.submodules)
+    assert siamese.mlp.module is stock.mlp.module
+    assert vars(siamese.mlp.submodules) == vars(stock.mlp.submodules)
+    assert siamese.sharded_state_dict_keys_map == stock.sharded_state_dict_keys_map
+    # our norms in every norm slot (SP-capable), the merge on the last layer for --spec
+    for slot in ("input_layernorm", "pre_mlp_layernorm", "attn_x_norm", "attn_y_norm", "mlp_x_norm", "mlp_y_norm"):
+        assert getattr(siamese, slot) is TorchNorm, slot
+    assert siamese.output_merge is not None
+
+
+@needs_no_te
+def test_te_layer_spec_imports_everywhere_and_refuses_to_build_without_te(megatron_single_rank):
+    # Megatron-LM imports `siamese_te_layer_spec` by name: it must exist without TE ...
+    assert issubclass(specs.siamese_te_layer_spec.module, SiameseTransformerLayer)
+    config = case_config(ModelCase(), Layout())
+    # ... and building it says what to change
+    with pytest.raises(UnsupportedConfigError, match="Transformer Engine spec.*siamese_layer_spec"):
+        build_module(specs.siamese_te_layer_spec, config=config, layer_number=1)
+    with pytest.raises(UnsupportedConfigError, match="Transformer Engine spec.*siamese_layer_spec"):
+        specs.get_siamese_layer_te_spec()
 
 
 @needs_no_te
 def test_block_spec_for_transformer_engine_says_what_to_change(megatron_single_rank):
-    config = dataclasses.replace(transformer_config(ModelCase(), Layout()), transformer_impl="transformer_engine")
+    config = dataclasses.replace(case_config(ModelCase(), Layout()), transformer_impl="transformer_engine")
     with pytest.raises(RuntimeError, match="transformer_impl='local'"):
         specs.get_siamese_block_spec(config)
     local = specs.get_siamese_block_spec(config, use_transformer_engine=False)
-    assert local.layer_specs[0].submodules.input_layernorm is not None
-
-
-@needs_no_te
-def test_building_the_te_layer_without_te_is_refused(megatron_single_rank):
-    config = transformer_config(ModelCase(), Layout())
-    with pytest.raises(UnsupportedConfigError, match="Transformer Engine spec.*siamese_layer_spec"):
-        build_module(specs.siamese_te_layer_spec, config=config, layer_number=1)
+    assert local.layer_specs[0].submodules.input_layernorm is TorchNorm
 
 
 def test_local_checkpoint_names_are_the_te_names(megatron_single_rank):
     """The local spec saves its InputNorms under TE's fused LayerNorm-Linear names."""
-    config = transformer_config(ModelCase(num_layers=2), Layout())
+    config = case_config(ModelCase(num_layers=2), Layout())
     (model,) = build_gpt_chunks(config, "siamese", 128, 16)
     # the keys dist_checkpointing stores are the ShardedTensors' own, not the dict's
     keys = {sharded.key for sharded in model.sharded_state_dict().values() if hasattr(sharded, "key")}

@@ -21,48 +21,111 @@ ops = torch.ops.megatron_siamese
 
 
 # -- fake (meta) implementations -----------------------------------------------------------
+# They check what the C++ host layer checks (csrc/ops.cpp), so torch.compile and meta
+# tensors reject a wrong call at trace time with the same message as the kernels would.
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _accumulation(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _check_streams(streams: Tensor, hidden: int) -> None:
+    torch._check(streams.dim() == 2, lambda: f"dual_norm: streams must be 2-D [rows, width], got {tuple(streams.shape)}")
+    torch._check(hidden > 0, lambda: f"dual_norm: hidden must be positive, got {hidden}")
+    torch._check(streams.shape[1] in (hidden, 2 * hidden),
+                 lambda: f"dual_norm: streams width must be hidden (first layer) or 2 * hidden (packed "
+                         f"[x | y]); got width {streams.shape[1]} for hidden {hidden}")
+    torch._check(streams.dtype in _FLOATS,
+                 lambda: f"dual_norm: streams must be float32, bfloat16, float16 or float64, got {streams.dtype}")
+
+
+def _check_weights(streams: Tensor, hidden: int, rms: bool, **weights: Optional[Tensor]) -> None:
+    for name, w in weights.items():
+        if w is not None:
+            torch._check(w.dim() == 1 and w.shape[0] == hidden,
+                         lambda: f"dual_norm: {name} must have shape [{hidden}], got {tuple(w.shape)}")
+            torch._check(w.device == streams.device, lambda: f"dual_norm: {name} is not on the streams' device")
+    biased = weights["x_bias"] is not None
+    torch._check(biased == (weights["y_bias"] is not None)
+                 and (weights["in_weight"] is None or biased == (weights["in_bias"] is not None)),
+                 lambda: "dual_norm: give biases for all norms or for none")
+    torch._check(not (rms and biased), lambda: "dual_norm: RMSNorm has no bias")
+    torch._check(weights["in_weight"] is not None or weights["in_bias"] is None,
+                 lambda: "dual_norm: in_bias without in_weight")
 
 
 @torch.library.register_fake("megatron_siamese::dual_norm")
 def _dual_norm_fake(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms,
                     zero_centered_gamma):
+    _check_streams(streams, hidden)
+    _check_weights(streams, hidden, rms, x_weight=x_weight, x_bias=x_bias, y_weight=y_weight, y_bias=y_bias,
+                   in_weight=in_weight, in_bias=in_bias)
     rows = streams.shape[0]
     return (
         streams.new_empty((rows, 2 * hidden)),
         streams.new_empty((rows, hidden)),
-        streams.new_empty((rows, 6), dtype=torch.float32),
+        streams.new_empty((rows, 6), dtype=_accumulation(streams)),
     )
 
 
 @torch.library.register_fake("megatron_siamese::dual_norm_backward")
 def _dual_norm_backward_fake(grad_base, grad_normed, streams, stats, hidden, *weights_and_flags):
-    return torch.empty_like(streams), streams.new_empty((6, hidden), dtype=torch.float32)
+    _check_streams(streams, hidden)
+    rows = streams.shape[0]
+    torch._check(tuple(grad_base.shape) == (rows, 2 * hidden),
+                 lambda: f"dual_norm_backward: grad_base must be [rows, 2 * hidden], got {tuple(grad_base.shape)}")
+    torch._check(tuple(grad_normed.shape) == (rows, hidden),
+                 lambda: f"dual_norm_backward: grad_normed must be [rows, hidden], got {tuple(grad_normed.shape)}")
+    torch._check(tuple(stats.shape) == (rows, 6) and stats.dtype == _accumulation(streams),
+                 lambda: "dual_norm_backward: stats must be the forward's [rows, 6] statistics")
+    torch._check(grad_base.device == streams.device and grad_normed.device == streams.device,
+                 lambda: "dual_norm_backward: tensors must be on one device")
+    return torch.empty_like(streams), streams.new_empty((6, hidden), dtype=_accumulation(streams))
 
 
 @torch.library.register_fake("megatron_siamese::dual_residual")
 def _dual_residual_fake(base, out, bias, mask, scale, inv_c):
+    torch._check(out.dim() == 2 and base.dim() == 2 and base.shape[0] == out.shape[0]
+                 and base.shape[1] == 2 * out.shape[1],
+                 lambda: f"dual_residual: base must be [rows, 2h] and out [rows, h]; got {tuple(base.shape)} "
+                         f"and {tuple(out.shape)}")
+    torch._check(base.dtype == out.dtype, lambda: "dual_residual: base and out dtypes differ")
+    torch._check(base.device == out.device, lambda: "dual_residual: base and out are on different devices")
+    if bias is not None:
+        torch._check(bias.dim() == 1 and bias.shape[0] == out.shape[1], lambda: "dual_residual: bias must be [h]")
+    if mask is not None:
+        torch._check(mask.dtype == torch.bool and mask.shape == out.shape,
+                     lambda: "dual_residual: mask must be bool with out's shape")
     return torch.empty_like(base)
 
 
 @torch.library.register_fake("megatron_siamese::dual_residual_backward")
 def _dual_residual_backward_fake(grad, mask, scale, inv_c, has_bias):
+    torch._check(grad.dim() == 2 and grad.shape[1] % 2 == 0,
+                 lambda: f"dual_residual_backward: grad must be [rows, 2h], got {tuple(grad.shape)}")
     rows, width = grad.shape
+    if mask is not None:
+        torch._check(mask.dtype == torch.bool and tuple(mask.shape) == (rows, width // 2),
+                     lambda: "dual_residual_backward: mask must be bool [rows, h]")
     return (
         grad.new_empty((rows, width // 2)),
-        grad.new_empty((width // 2,) if has_bias else (0,), dtype=torch.float32),
+        grad.new_empty((width // 2,) if has_bias else (0,), dtype=_accumulation(grad)),
     )
 
 
 # -- autograd ------------------------------------------------------------------------------
-
-_WEIGHT_ARGS = ("x_weight", "x_bias", "y_weight", "y_bias", "in_weight", "in_bias")
+# Each setup saves only what the backward needs for the inputs that ask for a gradient.
 
 
 def _dual_norm_setup(ctx, inputs, output):
     streams, hidden, *weights, eps, rms, zero_centered_gamma = inputs
     _, _, stats = output
     ctx.hidden, ctx.rms, ctx.zero_centered_gamma = hidden, rms, zero_centered_gamma
-    ctx.save_for_backward(streams, stats, *weights)
+    # one kernel computes every gradient, so any gradient asked for needs all of these
+    if any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4, 5, 6, 7)):
+        ctx.save_for_backward(streams, stats, *weights)
 
 
 def _dual_norm_backward(ctx, grad_base, grad_normed, _grad_stats):
@@ -74,8 +137,9 @@ def _dual_norm_backward(ctx, grad_base, grad_normed, _grad_stats):
     grad_streams, weight_grads = ops.dual_norm_backward(
         grad_base, grad_normed, streams, stats, ctx.hidden, *weights, ctx.rms, ctx.zero_centered_gamma
     )
-    grads = [None if w is None else g.to(w.dtype) for w, g in zip(weights, weight_grads)]
-    return (grad_streams, None, *grads, None, None, None)
+    grads = [None if w is None or not ctx.needs_input_grad[2 + i] else g.to(w.dtype)
+             for i, (w, g) in enumerate(zip(weights, weight_grads))]
+    return (grad_streams if ctx.needs_input_grad[0] else None, None, *grads, None, None, None)
 
 
 torch.library.register_autograd(
@@ -87,17 +151,21 @@ def _dual_residual_setup(ctx, inputs, output):
     base, out, bias, mask, scale, inv_c = inputs
     ctx.scale, ctx.inv_c = scale, inv_c
     ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.save_for_backward(mask)
+    # the mask shapes the gradients of out and bias; base's gradient is the incoming one
+    ctx.save_for_backward(mask if (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]) else None)
 
 
 def _dual_residual_backward(ctx, grad):
-    (mask,) = ctx.saved_tensors
-    grad_out, grad_bias = ops.dual_residual_backward(
-        grad, mask, ctx.scale, ctx.inv_c, ctx.bias_dtype is not None
-    )
-    grad_bias = None if ctx.bias_dtype is None else grad_bias.to(ctx.bias_dtype)
+    grad_out = grad_bias = None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        (mask,) = ctx.saved_tensors
+        grad_out, grad_bias = ops.dual_residual_backward(
+            grad, mask, ctx.scale, ctx.inv_c, ctx.bias_dtype is not None
+        )
+        grad_bias = grad_bias.to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        grad_out = grad_out if ctx.needs_input_grad[1] else None
     # d(out_packed)/d(base) is the identity: the packed gradient is base's gradient
-    return grad, grad_out, grad_bias, None, None, None
+    return grad if ctx.needs_input_grad[0] else None, grad_out, grad_bias, None, None, None
 
 
 torch.library.register_autograd(

@@ -21,20 +21,32 @@ init) on x instead, and QK-norm inside attention:
 
 and its MLP sublayer is the standard one above (PostNorm before the MLP).
 
-Norms are computed in fp32 (fp64 for double inputs) and cast back to the input dtype, as
-Megatron's fused and Transformer Engine norms do.
+The sublayer's element-wise work is written once, as the fused ops split it
+(``megatron_siamese.ops``, csrc/), with the ops' own signatures:
+
+* ``dual_norm`` (``hybrid_dual_norm`` for the hybrid attention side): packed streams in,
+  ``base = [u | y]`` (what the residual adds to) and the sublayer's normalized input out;
+* ``dual_residual``: ``base + [z / c | z]`` with ``z = (out + bias) * mask * scale``.
+
+``stream_norms`` is the same composition over any norm callables; the layer's PyTorch path
+runs it with its norm modules. Norms are computed in fp32 (fp64 for double inputs) and cast
+back to the input dtype, as Megatron's fused and Transformer Engine norms do; so is the
+residual update, which the fused op also rounds once.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_siamese.streams import pack_streams, split_streams
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+NormFn = Callable[[Tensor], Tensor]
 
 
 def normalize(
@@ -49,7 +61,7 @@ def normalize(
     """LayerNorm or RMSNorm over the last dimension; gamma is ``1 + weight`` when zero-centred."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-    compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for double inputs
+    compute = _compute_dtype(x)
     x32 = x.to(compute)
     gamma = weight.to(compute) + 1.0 if zero_centered_gamma else weight.to(compute)
     if normalization == "LayerNorm":
@@ -73,26 +85,109 @@ def depth_scale(layer_number: int) -> float:
     return math.sqrt(2.0 * layer_number)
 
 
-def sublayer_input(x_normed: Tensor, y_normed: Tensor) -> Tensor:
-    """a = PostNorm(x) + PreNorm(y): what the sublayer's InputNorm receives."""
-    return x_normed + y_normed
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)  # fp32, or fp64 for double inputs
 
 
-def bias_dropout(out: Tensor, bias: Optional[Tensor], p: float, training: bool) -> Tensor:
-    """z = dropout(out + bias), Megatron's bias-dropout semantics without the add."""
-    if bias is not None:
-        out = out + bias
-    return F.dropout(out, p=p, training=training) if p > 0.0 else out
+def _streams_of(streams: Tensor, hidden: int) -> Tuple[Tensor, Tensor]:
+    """(x, y) of packed ``[..., 2h]`` streams, or x = y for the first layer's ``[..., h]``."""
+    if streams.shape[-1] == hidden:
+        return streams, streams
+    return split_streams(streams, hidden)
 
 
-def residual_update(u: Tensor, y: Tensor, z: Tensor, c: float) -> Tuple[Tensor, Tensor]:
-    """x' = u + z / c (depth-scaled, X stream), y' = y + z (identity, Y stream)."""
-    return u + z / c, y + z
+def stream_norms(
+    streams: Tensor,
+    hidden: int,
+    post_norm: NormFn,
+    pre_norm: NormFn,
+    input_norm: Optional[NormFn],
+    *,
+    residual_keeps_x: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """A sublayer's norm half over any norm callables: ``(base, normed)``.
+
+    ``base = [u | y]`` with ``u = PostNorm(x)``, ``normed = InputNorm(u + PreNorm(y))``
+    (``u + PreNorm(y)`` when ``input_norm`` is None, e.g. when Transformer Engine fuses
+    it into the next GEMM). ``residual_keeps_x``: the hybrid variant's attention side,
+    where ``post_norm`` is the channel scale c1 and the X stream continues from x itself.
+    """
+    x, y = _streams_of(streams, hidden)
+    u = post_norm(x)
+    a = u + pre_norm(y)
+    normed = a if input_norm is None else input_norm(a)
+    return pack_streams(x if residual_keeps_x else u, y), normed
+
+
+def _norm_fn(weight: Tensor, bias: Optional[Tensor], eps: float, rms: bool, zero_centered_gamma: bool) -> NormFn:
+    kind = "RMSNorm" if rms else "LayerNorm"
+    return lambda t: normalize(t, weight, bias, normalization=kind, eps=eps, zero_centered_gamma=zero_centered_gamma)
+
+
+def dual_norm(
+    streams: Tensor,
+    hidden: int,
+    x_weight: Tensor,
+    x_bias: Optional[Tensor],
+    y_weight: Tensor,
+    y_bias: Optional[Tensor],
+    in_weight: Optional[Tensor],
+    in_bias: Optional[Tensor],
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Reference of ``ops.dual_norm``: ``(base = [PostNorm(x) | y], InputNorm(PostNorm(x) + PreNorm(y)))``
+    for streams ``[..., 2h]`` (or ``[..., h]``: x = y); without ``in_weight`` no InputNorm."""
+    input_norm = None if in_weight is None else _norm_fn(in_weight, in_bias, eps, rms, zero_centered_gamma)
+    return stream_norms(
+        streams,
+        hidden,
+        _norm_fn(x_weight, x_bias, eps, rms, zero_centered_gamma),
+        _norm_fn(y_weight, y_bias, eps, rms, zero_centered_gamma),
+        input_norm,
+    )
 
 
 def channel_scale(x: Tensor, scale: Tensor) -> Tensor:
     """c1 * x: the hybrid variant's X-side attention input (the residual keeps x itself)."""
     return x * scale
+
+
+def hybrid_dual_norm(
+    streams: Tensor,
+    hidden: int,
+    x_scale: Tensor,
+    y_weight: Tensor,
+    y_bias: Optional[Tensor],
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> Tuple[Tensor, Tensor]:
+    """The hybrid variant's attention side: ``(base = [x | y], c1 * x + PreNorm(y))``, no InputNorm."""
+    return stream_norms(
+        streams,
+        hidden,
+        lambda x: channel_scale(x, x_scale),
+        _norm_fn(y_weight, y_bias, eps, rms, zero_centered_gamma),
+        None,
+        residual_keeps_x=True,
+    )
+
+
+def dual_residual(
+    base: Tensor, out: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float, inv_c: float
+) -> Tensor:
+    """Reference of ``ops.dual_residual``: ``base + [z / c | z]`` with ``z = (out + bias) * mask * scale``
+    (no mask: no dropout), for ``base [..., 2h]`` and ``out [..., h]``."""
+    compute = _compute_dtype(out)
+    z = out.to(compute)
+    if bias is not None:
+        z = z + bias.to(compute)
+    if mask is not None:
+        z = z * mask * scale
+    u, y = split_streams(base, out.shape[-1])
+    return pack_streams((u.to(compute) + z * inv_c).to(base.dtype), (y.to(compute) + z).to(base.dtype))
 
 
 def merge_streams(x_normed: Tensor, y_normed: Tensor) -> Tensor:

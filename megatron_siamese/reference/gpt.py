@@ -20,14 +20,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_siamese.reference.functional import (
-    bias_dropout,
     channel_scale,
     depth_scale,
+    dual_norm,
+    dual_residual,
+    hybrid_dual_norm,
     merge_streams,
     normalize,
-    residual_update,
-    sublayer_input,
 )
+from megatron_siamese.streams import split_streams
 
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
@@ -92,7 +93,6 @@ class ReferenceGPTConfig:
             activation=activation,
             hidden_dropout=config.hidden_dropout,
             attention_dropout=config.attention_dropout,
-            variant=getattr(config, "siamese_variant", "standard"),
         )
         fields.update(overrides)
         return cls(**fields)
@@ -239,28 +239,34 @@ class ReferenceSiameseLayer(nn.Module):
         hybrid = config.variant == "hybrid"
         self.attn_x_norm = ReferenceChannelScale(config) if hybrid else ReferenceNorm(config)
         self.attn_y_norm = ReferenceNorm(config)
-        self.input_layernorm = nn.Identity() if hybrid else ReferenceNorm(config)
+        self.input_layernorm = None if hybrid else ReferenceNorm(config)
         self.self_attention = ReferenceAttention(config)
         self.mlp_x_norm = ReferenceNorm(config)
         self.mlp_y_norm = ReferenceNorm(config)
         self.pre_mlp_layernorm = ReferenceNorm(config)
         self.mlp = ReferenceMLP(config)
 
-    def _sublayer(self, x, y, x_norm, y_norm, input_norm, sublayer, *args):
-        u = x_norm(x)
-        out, bias = sublayer(input_norm(sublayer_input(u, y_norm(y))), *args)
-        z = bias_dropout(out, bias, self.config.hidden_dropout, self.training)
-        # the hybrid variant's channel scale shapes the input only; x carries on unscaled
-        base = x if isinstance(x_norm, ReferenceChannelScale) else u
-        return residual_update(base, y, z, self.depth_scale)
+    def _norms(self, streams: Tensor, x_norm, y_norm, input_norm):
+        cfg = self.config
+        common = (cfg.layernorm_epsilon, cfg.normalization == "RMSNorm", cfg.layernorm_zero_centered_gamma)
+        if isinstance(x_norm, ReferenceChannelScale):
+            return hybrid_dual_norm(streams, cfg.hidden_size, x_norm.weight, y_norm.weight, y_norm.bias, *common)
+        return dual_norm(streams, cfg.hidden_size, x_norm.weight, x_norm.bias, y_norm.weight, y_norm.bias,
+                         input_norm.weight, input_norm.bias, *common)
 
-    def forward(self, x: Tensor, y: Tensor, rope):
-        x, y = self._sublayer(
-            x, y, self.attn_x_norm, self.attn_y_norm, self.input_layernorm, self.self_attention, rope
-        )
-        return self._sublayer(
-            x, y, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm, self.mlp
-        )
+    def _sublayer(self, streams: Tensor, x_norm, y_norm, input_norm, sublayer, *args) -> Tensor:
+        base, normed = self._norms(streams, x_norm, y_norm, input_norm)
+        out, bias = sublayer(normed, *args)
+        p = self.config.hidden_dropout
+        mask = (torch.empty_like(out, dtype=torch.bool).bernoulli_(1.0 - p)
+                if self.training and p > 0.0 else None)
+        return dual_residual(base, out, bias, mask, 1.0 / (1.0 - p), 1.0 / self.depth_scale)
+
+    def forward(self, streams: Tensor, rope) -> Tensor:
+        """Packed streams [b, s, 2h] (the embedding [b, s, h] at the first layer) -> [b, s, 2h]."""
+        streams = self._sublayer(streams, self.attn_x_norm, self.attn_y_norm, self.input_layernorm,
+                                 self.self_attention, rope)
+        return self._sublayer(streams, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm, self.mlp)
 
 
 class ReferenceEmbedding(nn.Module):
@@ -316,10 +322,10 @@ class ReferenceGPT(nn.Module):
             if self.config.position_embedding_type == "rope"
             else None
         )
-        x = y = hidden
+        streams = hidden  # x = y = the embedding
         for layer in self.decoder.layers:
-            x, y = layer(x, y, rope)
-        out = self.decoder.final_layernorm(x, y)
+            streams = layer(streams, rope)
+        out = self.decoder.final_layernorm(*split_streams(streams, self.config.hidden_size))
         head = (
             self.embedding.word_embeddings.weight
             if self.output_layer is None

@@ -89,7 +89,7 @@ def effective_depth(model, batches) -> Dict[str, List[float]]:
 
 def stream_probes(model, batches) -> Dict[str, list]:
     """Contributions, logit lens and magnitudes of a SiameseNorm model (block spec)."""
-    from megatron_siamese.norms import Norm
+    from megatron_siamese.norms import TorchNorm
 
     h = model.config.hidden_size
     final = model.decoder.final_layernorm
@@ -114,8 +114,8 @@ def stream_probes(model, batches) -> Dict[str, list]:
             for i in range(len(layers)):
                 packed = captured[f"out{i}"][0]
                 x, y = packed[..., :h], packed[..., h:]
-                views = {"x": Norm.forward(final, final.merge.x_norm(x)),
-                         "y": Norm.forward(final, final.merge.y_norm(y)),
+                views = {"x": TorchNorm.forward(final, final.merge.x_norm(x)),
+                         "y": TorchNorm.forward(final, final.merge.y_norm(y)),
                          "merge": final(packed)}
                 for key, hidden in views.items():
                     lens[key][i] += _loss_from_hidden(model, hidden, batch["labels"]) / len(batches)
@@ -139,9 +139,6 @@ def stream_probes(model, batches) -> Dict[str, list]:
 
 
 def _analyze_rank(args, compare_load: Optional[str], batches: int):
-    from megatron.core import parallel_state
-
-    from megatron_siamese.testing.gpt_run import unwrap
     from megatron_siamese.training.trainer import Trainer
 
     results = {}
@@ -150,19 +147,19 @@ def _analyze_rank(args, compare_load: Optional[str], batches: int):
         runs.append(("pre", dataclasses.replace(args, norm="pre", load=compare_load)))
     for label, run_args in runs:
         trainer = Trainer(run_args)
-        model = unwrap(trainer.model[0])
-        model.eval()
+        trainer.gpt.train(False)
+        model = trainer.gpt.chunks[0]
         data = [{k: v.to(torch.cuda.current_device()) for k, v in b.items()} for b in _batches(trainer, batches)]
         with torch.no_grad():
             results[label] = {"depth": effective_depth(model, data)}
             if label == "siamese":
                 results[label].update(stream_probes(model, data))
-        parallel_state.destroy_model_parallel()
+        trainer.gpt.close()
     return results
 
 
 def analyze(args, compare_load: Optional[str] = None, batches: int = 2) -> dict:
-    from megatron_siamese.testing.launch import launch
+    from megatron_siamese.runtime.launch import launch
 
     if (args.tp, args.pp) != (1, 1) or not args.load:
         raise ValueError("analyze a checkpoint (--load) at tp=1, pp=1")

@@ -21,12 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_siamese.training.trainer import RunSummary, TrainArgs, train
 
-SCHEMES = {  # label: (norm, variant)
-    "pre": ("pre", "standard"),
-    "post": ("post", "standard"),
-    "siamese": ("siamese", "standard"),
-    "siamese-hybrid": ("siamese", "hybrid"),
-}
+SCHEMES = ("pre", "post", "siamese", "siamese-hybrid")  # residual schemes of megatron_siamese.models
 
 
 @dataclasses.dataclass
@@ -50,9 +45,8 @@ class StudyPlan:
 
 
 def _args(plan: StudyPlan, scheme: str, lr: float, seed: int, task: str) -> TrainArgs:
-    norm, variant = SCHEMES[scheme]
     name = f"{task}-{scheme}-lr{lr:g}-seed{seed}"
-    changes = dict(norm=norm, variant=variant, lr=lr, min_lr=lr / 10, seed=seed, task=task,
+    changes = dict(norm=scheme, lr=lr, min_lr=lr / 10, seed=seed, task=task,
                    cache_dir=plan.cache_dir, output_dir=os.path.join(plan.output_dir, name))
     if task != "lm":
         changes.update(steps=plan.arithmetic_steps, seq_length=64, addition_digits=plan.arithmetic_digits,

@@ -54,14 +54,13 @@ def upcycled_state(pre_norm: Dict[str, torch.Tensor], siamese: Dict[str, torch.T
 
 
 def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
-    from megatron_siamese.testing.gpt_run import unwrap
     from megatron_siamese.training import checkpoint
     from megatron_siamese.training.trainer import Trainer
 
     pre = Trainer(pre_args)
-    pre_model = unwrap(pre.model[0])
+    pre_model = pre.gpt.chunks[0]
     try:  # model weights only: works for our checkpoints and Megatron-LM's alike
         loaded = dist_checkpointing.load(pre_model.sharded_state_dict(), checkpoint.resolve(pre_checkpoint))
     except Exception as error:
@@ -72,23 +71,23 @@ def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
     # the load also returns the checkpoint's common (non-sharded) entries: step, scheduler, ...
     model_keys = pre_model.state_dict().keys()
     pre_model.load_state_dict({k: v for k, v in loaded.items() if k in model_keys})
-    parallel_state.destroy_model_parallel()
+    pre.gpt.close()
     siamese = Trainer(siamese_args)
-    model = unwrap(siamese.model[0])
+    model = siamese.gpt.chunks[0]
     model.load_state_dict(upcycled_state(pre_model.state_dict(), model.state_dict(),
                                          pre_model.config.layernorm_zero_centered_gamma))
     path = checkpoint.save(siamese, siamese_args.output_dir + "/checkpoints", model_only=True)
-    parallel_state.destroy_model_parallel()
+    siamese.gpt.close()
     return path
 
 
 def upcycle(args, pre_checkpoint: str) -> str:
     """Write a step-0 SiameseNorm checkpoint (fresh optimizer) to ``args.output_dir/checkpoints``
     from the Pre-Norm checkpoint; ``args`` describes the model (TP=PP=1)."""
-    from megatron_siamese.testing.launch import launch
+    from megatron_siamese.runtime.launch import launch
 
     if (args.tp, args.pp) != (1, 1):
         raise ValueError("upcycle at tp=1, pp=1; the checkpoint reshards afterwards")
     pre_args = dataclasses.replace(args, norm="pre", load=None)
-    siamese_args = dataclasses.replace(args, norm="siamese", variant="standard", load=None)
+    siamese_args = dataclasses.replace(args, norm="siamese", load=None)
     return launch(_upcycle_rank, 1, pre_args, siamese_args, pre_checkpoint)[0]

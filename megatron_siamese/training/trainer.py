@@ -1,11 +1,10 @@
 """Pretraining with Megatron-Core's own machinery, SiameseNorm or a stock baseline.
 
-Per rank: Megatron's process groups, ``GPTModel`` chunks (one per virtual pipeline
-stage) from ``megatron_siamese.gpt``, Megatron's ``DistributedDataParallel`` and
-(distributed) optimizer, ``OptimizerParamScheduler`` (linear warmup, cosine decay),
-``get_forward_backward_func`` over microbatches, GPTDataset data, periodic validation,
-and distributed checkpoints (``megatron_siamese.training.checkpoint``). ``train(args)``
-launches the ranks (gloo on CPU, NCCL on GPUs) or, under ``torchrun``, runs this rank.
+Per rank: the model, DistributedDataParallel, (distributed) optimizer and schedule of
+``runtime.gpt.MegatronGPT``, Megatron's ``OptimizerParamScheduler`` (linear warmup, cosine
+decay), GPTDataset data, periodic validation, and distributed checkpoints
+(``megatron_siamese.training.checkpoint``). ``train(args)`` launches the ranks (gloo on
+CPU, NCCL on GPUs) or, under ``torchrun``, runs this rank.
 """
 
 from __future__ import annotations
@@ -20,27 +19,22 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megatron_siamese.runtime.gpt import MegatronGPT, ModelSettings
+from megatron_siamese.runtime.launch import run_on_ranks
+from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
 
 
-@dataclass
-class TrainArgs:
-    """Everything a run needs; the CLI maps its flags one to one onto these fields."""
+@dataclass(frozen=True)
+class TrainArgs(ModelSettings):
+    """Everything a run needs (the model: ModelSettings); the CLI maps its flags onto these fields."""
 
-    norm: str = "siamese"  # a scheme of megatron_siamese.gpt.NORM_SCHEMES
-    variant: str = "standard"  # SiameseNorm block: standard, or the authors' hybrid
     tp: int = 2
     pp: int = 1
     vpp: Optional[int] = None
     dp: int = 1
     sp: bool = False
     distributed_optimizer: bool = False
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None
-    normalization: str = "RMSNorm"
-    seq_length: int = 128
     micro_batch_size: int = 8
     global_batch_size: int = 16
     steps: int = 300
@@ -58,14 +52,9 @@ class TrainArgs:
     output_dir: str = "runs/default"
     cache_dir: str = ".cache/megatron_siamese"
     data_prefix: Optional[str] = None  # an indexed dataset of byte tokens; default: embedded KJV
-    dtype: str = "fp32"
     recompute: str = "none"  # none | full | selective
-    fused_ops: Optional[bool] = None  # None: the extension's fused ops where they can run
     task: str = "lm"  # lm: the corpus; addition(-reversed): synthetic addition (research/arithmetic.py)
     addition_digits: int = 3  # operands of up to this many digits (task=addition*)
-    transformer_impl: str = "local"  # or "transformer_engine": TE GEMMs and attention (GPUs)
-    fp8: Optional[str] = None  # "hybrid" or "e4m3": Transformer Engine FP8 (with transformer_engine)
-    fp8_recipe: str = "delayed"  # delayed | tensorwise | mxfp8 (Blackwell), as Megatron names them
     progress: bool = True
 
     def __post_init__(self):
@@ -80,6 +69,11 @@ class TrainArgs:
         if self.stop_step is not None and not 0 < self.stop_step <= self.steps:
             raise ValueError(f"stop_step={self.stop_step} must lie in (0, steps={self.steps}]")
         self.num_microbatches  # validates the batch sizes
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, dp=self.dp, sp=self.sp,
+                      distributed_optimizer=self.distributed_optimizer, recompute=self.recompute)
 
     @property
     def world_size(self) -> int:
@@ -139,118 +133,23 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 64) -> int:
     return padded
 
 
-def transformer_config(args: TrainArgs):
-    import torch.nn.functional as F
-
-    from megatron_siamese.config import SiameseTransformerConfig, recompute_options
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    recompute = recompute_options(args.recompute)
-    return SiameseTransformerConfig(
-        siamese_fused_ops=args.fused_ops,
-        siamese_variant=args.variant,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        normalization=args.normalization,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        virtual_pipeline_model_parallel_size=args.vpp,
-        sequence_parallel=args.sp,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype is torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        transformer_impl=args.transformer_impl,
-        fp8=args.fp8,
-        fp8_recipe=args.fp8_recipe,
-        # gloo + interleaved schedule + batched p2p gives wrong results (docs/parallelism.md)
-        batch_p2p_comm=torch.cuda.is_available(),
-        init_method_std=0.02,
-        **recompute,
-    )
-
-
-def _loss_func(loss_mask, output):
-    loss = (output.float() * loss_mask).sum() / loss_mask.sum()
-    return loss, {"loss": loss.detach().clone()}
-
-
-def _forward_step(data_iterator, model):
-    batch = {k: v.to(torch.cuda.current_device()) for k, v in next(data_iterator).items()}
-    output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
-    return output, partial(_loss_func, batch["loss_mask"])
-
-
 class Trainer:
     """One rank's view of a run."""
 
     def __init__(self, args: TrainArgs):
-        from megatron.core import parallel_state
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        from megatron.core.transformer.module import Float16Module
-
-        from megatron_siamese.gpt import build_gpt_chunks
 
         self.args = args
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=args.tp,
-            pipeline_model_parallel_size=args.pp,
-            virtual_pipeline_model_parallel_size=args.vpp,
-        )
-        torch.manual_seed(args.seed)
-        model_parallel_cuda_manual_seed(args.seed)
-        self.config = config = transformer_config(args)
         self.tokenizer = ByteTokenizer()
-        chunks = build_gpt_chunks(
-            config,
-            args.norm,
+        self.gpt = MegatronGPT(
+            args,
+            args.layout,
             padded_vocab_size(self.tokenizer.vocab_size, args.tp),
-            args.seq_length,
+            dict(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=0.9,
+                 adam_beta2=0.95, clip_grad=args.clip_grad),
+            args.seed,
         )
-        if torch.cuda.is_available():
-            chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
-        if config.bf16:
-            chunks = [Float16Module(config, chunk) for chunk in chunks]
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=args.dp > 1,
-            use_distributed_optimizer=args.distributed_optimizer,
-        )
-        self.model = [
-            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
-            for i, chunk in enumerate(chunks)
-        ]
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=args.lr,
-                min_lr=args.min_lr,
-                weight_decay=args.weight_decay,
-                adam_beta1=0.9,
-                adam_beta2=0.95,
-                clip_grad=args.clip_grad,
-                bf16=config.bf16,
-                params_dtype=config.params_dtype,
-                use_distributed_optimizer=args.distributed_optimizer,
-            ),
-            self.model,
-        )
+        self.config, self.model, self.optimizer = self.gpt.config, self.gpt.model, self.gpt.optimizer
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
@@ -264,31 +163,12 @@ class Trainer:
             wd_incr_steps=args.steps,
             wd_incr_style="constant",
         )
-        config.finalize_model_grads_func = finalize_model_grads
-        if ddp_config.overlap_grad_reduce:  # as Megatron-LM's training loop wires it
-            no_sync = [chunk.no_sync for chunk in self.model]
-            grad_sync = [chunk.start_grad_sync for chunk in self.model]
-            config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-            config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-        self._pipeline_kwargs = self._pipeline_communication()
         self._build_data()
         self.step = 0
         if args.load:
             from megatron_siamese.training import checkpoint
 
             checkpoint.load(self, args.load)
-
-    def _pipeline_communication(self) -> dict:
-        if self.args.pp == 1 or not self.args.norm.startswith("siamese"):
-            return {}
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        from megatron_siamese.pipeline import SiameseP2PCommunicator
-
-        groups = ProcessGroupCollection.use_mpu_process_groups()
-        return dict(
-            p2p_communicator=SiameseP2PCommunicator(groups.pp, self.config), pg_collection=groups
-        )
 
     def _build_data(self):
         from megatron.core import parallel_state
@@ -323,20 +203,7 @@ class Trainer:
     # -- steps ---------------------------------------------------------------------------
 
     def _forward_backward(self, microbatches, forward_only: bool) -> float:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        iterators = [iter(microbatches) for _ in self.model]
-        losses = get_forward_backward_func()(
-            forward_step_func=_forward_step,
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(microbatches),
-            seq_length=self.args.seq_length,
-            micro_batch_size=self.args.micro_batch_size,
-            forward_only=forward_only,
-            **self._pipeline_kwargs,
-        )
-        return self._global_mean_loss(losses)
+        return self._global_mean_loss(self.gpt.forward_backward(microbatches, forward_only))
 
     def _global_mean_loss(self, losses) -> float:
         """The mean microbatch loss of the global batch, on every rank."""
@@ -352,10 +219,8 @@ class Trainer:
         return float(total[0] / total[1])
 
     def train_step(self) -> Dict[str, float]:
-        for chunk in self.model:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self.gpt.train()
+        self.gpt.zero_grad()
         loss = self._forward_backward(self.train_data.step(self.step), forward_only=False)
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
@@ -364,8 +229,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        for chunk in self.model:
-            chunk.eval()
+        self.gpt.train(False)
         losses = [
             self._forward_backward(self.valid_data.step(i), forward_only=True)
             for i in range(self.args.eval_iters)
@@ -389,8 +253,6 @@ class Trainer:
 
 def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
-    from megatron.core import parallel_state
-
     from megatron_siamese.training import checkpoint
 
     trainer = Trainer(args)
@@ -438,36 +300,21 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
     if args.task != "lm" and not summary.diverged:
         from megatron_siamese.research.arithmetic import TASKS, exact_match_accuracy
-        from megatron_siamese.testing.gpt_run import unwrap
 
-        for chunk in trainer.model:
-            chunk.eval()
-        summary.accuracy = exact_match_accuracy(unwrap(trainer.model[0]), reverse=TASKS[args.task],
+        trainer.gpt.train(False)
+        summary.accuracy = exact_match_accuracy(trainer.gpt.chunks[0], reverse=TASKS[args.task],
                                                 digits=args.addition_digits)
     summary.steps_done = trainer.step
     summary.seconds = time.perf_counter() - start
     summary.tokens_per_second = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
     summary.peak_memory_mb = trainer.peak_memory_mb()
-    parallel_state.destroy_model_parallel()
+    trainer.gpt.close()
     return summary if rank0 else None
 
 
 def train(args: TrainArgs) -> RunSummary:
     """Run ``args`` on its ranks: launched here, or this rank of a torchrun job."""
-    if "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ and not torch.distributed.is_initialized():
-        from megatron_siamese.testing.launch import default_backend
-
-        if int(os.environ["WORLD_SIZE"]) != args.world_size:
-            raise ValueError(
-                f"torchrun started {os.environ['WORLD_SIZE']} ranks; tp*pp*dp = {args.world_size}"
-            )
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch.distributed.init_process_group(backend=default_backend())
-        return train_rank(args)
-    from megatron_siamese.testing.launch import launch
-
-    return launch(train_rank, args.world_size, args, timeout_s=24 * 3600)[0]
+    return run_on_ranks(train_rank, args.world_size, args, timeout_s=24 * 3600)
 
 
 def _shown(losses: Dict[int, float], digits: int = 4) -> str:

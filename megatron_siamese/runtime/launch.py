@@ -1,10 +1,11 @@
 """Launch a function on N ranks: CPU processes with gloo, or GPUs with NCCL when CUDA is present.
 
 ``launch(fn, world_size, *args)`` spawns ``world_size`` processes, initializes
-``torch.distributed`` in each (on CPU it installs the CPU harness first), calls
+``torch.distributed`` in each (on CPU it installs the CPU shim first), calls
 ``fn(*args)`` and returns the per-rank return values in rank order. A failing rank's
 traceback is re-raised in the caller and the other ranks are terminated, so a broken
-layout fails fast instead of hanging.
+layout fails fast instead of hanging. ``run_on_ranks`` does the same, or, inside a
+``torchrun`` job, runs ``fn`` as this rank.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.multiprocessing as mp
 
-from megatron_siamese.testing import cpu_harness
+from megatron_siamese.runtime import cpu_shim
 
 
 class RankFailed(RuntimeError):
@@ -39,7 +40,7 @@ def default_backend() -> str:
 
 
 def init_distributed(rank: int, world_size: int, backend: str, port: int, timeout_s: float) -> None:
-    """Initialize torch.distributed for this rank (CPU harness first when on gloo)."""
+    """Initialize torch.distributed for this rank (the CPU shim first when on gloo)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -51,8 +52,8 @@ def init_distributed(rank: int, world_size: int, backend: str, port: int, timeou
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
-        os.environ[cpu_harness.ENV_VAR] = "1"  # inherited by helper processes
-        cpu_harness.install()
+        os.environ[cpu_shim.ENV_VAR] = "1"  # inherited by helper processes
+        cpu_shim.install()
     torch.distributed.init_process_group(
         backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
@@ -126,3 +127,24 @@ def launch(
                 proc.terminate()
                 proc.join()
     return values
+
+
+def in_torchrun() -> bool:
+    """This process is one rank of a ``torchrun`` job (and has not joined it yet)."""
+    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ and not torch.distributed.is_initialized()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> Any:
+    """Rank 0's result of ``fn(*args)`` on ``world_size`` ranks: launched here, or, under
+    ``torchrun``, this rank joining the job (then this rank's own result)."""
+    if not in_torchrun():
+        return launch(fn, world_size, *args, timeout_s=timeout_s)[0]
+    if int(os.environ["WORLD_SIZE"]) != world_size:
+        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} ranks; this run needs {world_size}")
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        cpu_shim.install()
+    torch.distributed.init_process_group(backend=backend)
+    return fn(*args)

@@ -20,16 +20,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from typing import List, Optional
 
 import torch
 
-from megatron_siamese.testing.compare import TOLERANCES, Comparison, compare
-from megatron_siamese.testing.gpt_run import ModelCase, run_layout
-from megatron_siamese.testing.layouts import Layout, parse_layout
+from megatron_siamese.check.compare import TOLERANCES, Comparison, compare
+from megatron_siamese.check.faults import FAULTS
+from megatron_siamese.check.step import ModelCase, run_layout
+from megatron_siamese.runtime.layout import Layout, parse_layout
 
 # The CPU matrix: every kind of parallelism, recompute, and their combinations.
 DEFAULT_LAYOUTS = [
@@ -40,6 +40,7 @@ DEFAULT_LAYOUTS = [
 SPECS = {
     "siamese": "siamese",  # SiameseNorm, Python API block spec
     "siamese-layer": "siamese-layer",  # SiameseNorm, the Megatron-LM --spec layer object
+    "siamese-hybrid": "siamese-hybrid",  # the authors' hybrid variant
     "stock": "pre",  # Megatron's stock Pre-Norm layer: the control
 }
 
@@ -135,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated layout names (default: the CPU matrix: %(default)s)")
     parser.add_argument("--spec", choices=sorted(SPECS), default="siamese",
                         help="siamese: SiameseNorm via the Python API; siamese-layer: via the layer "
-                             "spec object Megatron-LM's --spec imports; stock: Megatron's stock "
-                             "Pre-Norm layer, as a control for the harness itself")
+                             "spec object Megatron-LM's --spec imports; siamese-hybrid: the authors' "
+                             "hybrid variant; stock: Megatron's stock Pre-Norm layer, as a control "
+                             "for the check itself")
     parser.add_argument("--dtype", choices=sorted(TOLERANCES), default="fp32",
                         help="parameter and activation dtype (bf16 uses mixed precision with fp32 "
                              "main grads and params); sets the tolerance")
@@ -149,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                             default=getattr(ModelCase, field),
                             help="model/data size (default: %(default)s)")
     parser.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    parser.add_argument("--variant", choices=["standard", "hybrid"], default="standard",
-                        help="SiameseNorm block: the paper's (standard) or the authors' hybrid variant")
+    parser.add_argument("--plant-fault", choices=sorted(FAULTS), default=None,
+                        help="plant a known bug on every rank to see the check fail (%(choices)s)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--list", action="store_true", help="print the default layouts and exit")
     return parser
@@ -163,7 +165,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     case = ModelCase(
         norm=SPECS[options.spec], dtype=options.dtype, normalization=options.normalization,
-        variant=options.variant,
         **{f: getattr(options, f) for f in (
             "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
             "ffn_hidden_size", "vocab_size", "seq_length", "micro_batch_size",
@@ -176,9 +177,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"tolerance ({case.dtype}): {tolerance.describe()}; errors shown are max|a-b| / max|ref|")
     print(HEADER)
     start = time.perf_counter()
-    # test-only: plant a bug from megatron_siamese.testing.faults to see the check fail
-    fault = os.environ.get("MEGATRON_SIAMESE_PLANT_FAULT") or None
-    rows = run_check(case, layouts, options.spec, backend=options.backend, fault=fault)
+    rows = run_check(case, layouts, options.spec, backend=options.backend, fault=options.plant_fault)
     passed = sum(r.status == "PASS" for r in rows)
     bad = [r for r in rows if r.status in ("FAIL", "ERROR")]
     skipped = sum(r.status == "SKIP" for r in rows)

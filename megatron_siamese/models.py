@@ -1,19 +1,22 @@
-"""Building stock Megatron ``GPTModel`` chunks for this rank, with a chosen residual scheme.
+"""Residual schemes, and stock Megatron ``GPTModel`` chunks built with one of them.
 
-``NORM_SCHEMES`` names the block specs that the trainer, the correctness check and the
-tests build models from:
+``SCHEMES`` names the block specs that the trainer, the correctness check and the tests
+build models from:
 
 * ``siamese``: SiameseNorm via the Python API (``get_siamese_block_spec``);
 * ``siamese-layer``: SiameseNorm via the layer spec object Megatron-LM's ``--spec`` names
   (the last layer merges the streams, the final norm is single-stream);
+* ``siamese-hybrid``: the authors' hybrid variant (Python API, local modules, QK-norm);
 * ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from ``get_gpt_layer_local_spec``,
-  with its norms built as ``megatron_siamese.norms.Norm`` (the same math as torch's
-  LayerNorm/RMSNorm, but usable under sequence parallelism without apex);
+  with its norms built as ``TorchNorm`` (the same math as torch's LayerNorm/RMSNorm, but
+  usable under sequence parallelism without apex);
 * ``post``: Post-Norm on Megatron's ``TransformerLayer`` (``post_norm.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 from megatron.core import parallel_state
@@ -25,7 +28,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_siamese.norms import Norm
+from megatron_siamese.norms import TorchNorm
 from megatron_siamese.post_norm import get_post_norm_block_spec
 from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec
 
@@ -33,24 +36,33 @@ from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec
 def get_pre_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
     """Megatron's stock Pre-Norm layer (local modules) with SP-capable norms."""
     layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    layer_spec.submodules.input_layernorm = Norm
-    layer_spec.submodules.pre_mlp_layernorm = Norm
+    layer_spec.submodules.input_layernorm = TorchNorm
+    layer_spec.submodules.pre_mlp_layernorm = TorchNorm
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=Norm)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm)
 
 
-NORM_SCHEMES: Dict[str, Callable[[TransformerConfig, Optional[int]], object]] = {
-    "siamese": get_siamese_block_spec,
-    "siamese-layer": lambda config, vp_stage=None: siamese_layer_spec,
-    "pre": get_pre_norm_block_spec,
-    "post": get_post_norm_block_spec,
+@dataclass(frozen=True)
+class Scheme:
+    """A residual scheme: its block spec, and the TransformerConfig settings it needs."""
+
+    block_spec: Callable[[TransformerConfig, Optional[int]], object]
+    config: Dict[str, object] = field(default_factory=dict)
+
+
+SCHEMES: Dict[str, Scheme] = {
+    "siamese": Scheme(get_siamese_block_spec),
+    "siamese-layer": Scheme(lambda config, vp_stage=None: siamese_layer_spec),
+    "siamese-hybrid": Scheme(partial(get_siamese_block_spec, variant="hybrid"), {"qk_layernorm": True}),
+    "pre": Scheme(get_pre_norm_block_spec),
+    "post": Scheme(get_post_norm_block_spec),
 }
 
 
-def block_spec(norm: str, config: TransformerConfig, vp_stage: Optional[int] = None):
-    if norm not in NORM_SCHEMES:
-        raise ValueError(f"unknown norm scheme {norm!r}; choose one of {sorted(NORM_SCHEMES)}")
-    return NORM_SCHEMES[norm](config, vp_stage)
+def scheme(name: str) -> Scheme:
+    if name not in SCHEMES:
+        raise ValueError(f"unknown residual scheme {name!r}; choose one of {', '.join(SCHEMES)}")
+    return SCHEMES[name]
 
 
 def build_gpt_chunks(
@@ -61,7 +73,8 @@ def build_gpt_chunks(
     position_embedding_type: str = "rope",
     share_embeddings_and_output_weights: bool = True,
 ) -> List[GPTModel]:
-    """This rank's GPTModel chunks: one per virtual pipeline stage (one without VPP)."""
+    """This rank's GPTModel chunks with scheme ``norm``: one per virtual pipeline stage."""
+    block_spec = scheme(norm).block_spec
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -69,7 +82,7 @@ def build_gpt_chunks(
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=block_spec(norm, config, stage),
+                transformer_layer_spec=block_spec(config, stage),
                 vocab_size=vocab_size,
                 max_sequence_length=max_sequence_length,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

@@ -25,10 +25,8 @@ What ``install()`` changes, and only while it is installed:
   tracker on CPU changes bookkeeping only, not which numbers CPU ops draw.
 
 It refuses to install when CUDA is available: on a GPU machine Megatron must run on
-the GPU, never through this shim. Set ``MEGATRON_SIAMESE_CPU_HARNESS=1`` to have it
-installed whenever ``megatron_siamese`` is imported; child processes inherit that
-variable, which matters for helpers that re-import the main module (the torch_dist
-checkpoint writer does).
+the GPU, never through this shim. Only the launcher (``runtime/launch.py``, for gloo
+ranks), the Megatron-LM CPU runner (``runtime/megatron_lm.py``) and the tests install it.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-ENV_VAR = "MEGATRON_SIAMESE_CPU_HARNESS"
+ENV_VAR = "MEGATRON_SIAMESE_CPU_SHIM"  # set in the ranks it is installed in (inherited by their helpers)
 
 _lock = threading.Lock()
 _state: Dict[str, Any] = {}
@@ -148,8 +146,8 @@ def install() -> None:
             return
         if torch.cuda.is_available():
             raise RuntimeError(
-                "megatron_siamese CPU harness refused: CUDA is available, so Megatron must run "
-                f"on the GPU. Unset {ENV_VAR} and do not call cpu_harness.install() on GPU machines."
+                "megatron_siamese CPU shim refused: CUDA is available, so Megatron must run "
+                "on the GPU; do not call cpu_shim.install() on GPU machines."
             )
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0)
@@ -181,9 +179,3 @@ def installed():
     finally:
         if not already:
             uninstall()
-
-
-def install_if_requested() -> None:
-    """Install when the environment asks for it (see module docstring)."""
-    if os.environ.get(ENV_VAR, "") not in ("", "0"):
-        install()

@@ -1,4 +1,4 @@
-"""Parallel layouts: how one model is split over ranks, and their names.
+"""Parallel layouts: how one model is split over ranks (and recomputes), and their names.
 
 A layout name reads like ``tp2-pp2-sp`` or ``pp2-vpp2-full``: the parallel sizes
 (``tp``, ``pp``, ``vpp``, ``cp``, ``dp``), then flags: ``sp`` (sequence parallel),
@@ -12,7 +12,13 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
-RECOMPUTE = ("none", "full", "selective")
+# the activation-recompute presets, as TransformerConfig fields
+RECOMPUTE_PRESETS = {
+    "none": {},
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"]),
+}
+RECOMPUTE = tuple(RECOMPUTE_PRESETS)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,10 @@ class Layout:
             raise ValueError("a virtual pipeline needs pp > 1")
         if self.distributed_optimizer and self.dp == 1:
             raise ValueError("the distributed optimizer needs dp > 1 to shard anything")
+
+    def recompute_options(self) -> dict:
+        """This layout's recompute preset as TransformerConfig keyword arguments."""
+        return dict(RECOMPUTE_PRESETS[self.recompute])
 
     @property
     def world_size(self) -> int:

@@ -1,13 +1,12 @@
 """Run a Megatron-LM script (e.g. pretrain_gpt.py) on CPU with gloo, for trying the
 ``--spec`` path without a GPU:
 
-    torchrun --nproc-per-node 4 -m megatron_siamese.testing.megatron_lm \\
+    torchrun --nproc-per-node 4 -m megatron_siamese.runtime.megatron_lm \\
         /path/to/Megatron-LM/pretrain_gpt.py --distributed-backend gloo \\
         --spec megatron_siamese.specs siamese_layer_spec ...
 
-It installs the CPU harness (and sets MEGATRON_SIAMESE_CPU_HARNESS=1, so helper processes
-that re-import the main module, like the torch_dist checkpoint writer, get it too), then
-runs the script as ``__main__``. On GPUs none of this is needed: run the script itself.
+It installs the CPU shim, then runs the script as ``__main__``. On GPUs none of this is
+needed: run the script itself.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 
-from megatron_siamese.testing import cpu_harness  # noqa: E402
+from megatron_siamese.runtime import cpu_shim  # noqa: E402
 
 
 class _HostStream:
@@ -43,16 +42,16 @@ class _HostStream:
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
-    os.environ[cpu_harness.ENV_VAR] = "1"
-    cpu_harness.install()
+    os.environ[cpu_shim.ENV_VAR] = "1"
+    cpu_shim.install()
     # Megatron-LM's training loop (not megatron-core) asserts CUDA and reads device
-    # properties and memory statistics; with the harness installed the rest of what it asks
+    # properties and memory statistics; with the shim installed the rest of what it asks
     # of CUDA is served on CPU.
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1  # it sets up model parallelism only with a device
     torch.cuda.set_device = lambda *args, **kwargs: None
     torch.cuda.get_device_properties = lambda *args, **kwargs: SimpleNamespace(
-        major=9, minor=0, name="CPU (megatron_siamese harness)", total_memory=0, multi_processor_count=1
+        major=9, minor=0, name="CPU (megatron_siamese shim)", total_memory=0, multi_processor_count=1
     )
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *args, **kwargs: 0)

@@ -1,4 +1,4 @@
-"""Planted bugs, for proving that the correctness check can fail.
+"""Planted bugs, for proving that the correctness check can fail (``check --plant-fault``).
 
 Each fault is a realistic mistake a SiameseNorm integration could make, applied by
 patching this process's classes before the model is built (``run_rank`` does it on every
@@ -28,14 +28,14 @@ def _norms_without_sequence_parallel_flag() -> None:
     """Norm parameters not tagged ``sequence_parallel``: their SP gradients stay partial."""
     from megatron_siamese import norms
 
-    original_init = norms.Norm.__init__
+    original_init = norms.TorchNorm.__init__
 
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         for param in self.parameters():
             param.sequence_parallel = False
 
-    norms.Norm.__init__ = init
+    norms.TorchNorm.__init__ = init
 
 
 FAULTS: Dict[str, Callable[[], None]] = {

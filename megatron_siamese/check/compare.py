@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_siamese.testing.gpt_run import StepResult
+from megatron_siamese.check.step import StepResult
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,279 @@
+"""One training step of a tiny GPT under a parallel layout, reported layout-independently.
+
+``run_rank(case, layout)`` runs on every rank of a launched job: it builds this rank's
+``MegatronGPT`` (Megatron's process groups, model chunks, DistributedDataParallel and
+optimizer; ``runtime/gpt.py``) with every parameter overwritten by its global-name-seeded
+value, runs the schedule over the case's global batch (each DP rank its share of the
+microbatches), lets ``finalize_model_grads`` reduce gradients, takes one optimizer step, and
+returns what it holds locally: per-microbatch losses, gradients (the range it owns under the
+distributed optimizer) and updated parameters. ``assemble(results)`` then puts the ranks'
+pieces back together into global tensors keyed by global parameter name, so any two
+layouts can be compared tensor by tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from megatron_siamese.check.sharding import global_parameters, seed_parameters, unshard
+from megatron_siamese.runtime.gpt import MegatronGPT, ModelSettings, transformer_config, unwrap
+from megatron_siamese.runtime.layout import Layout
+
+
+@dataclass(frozen=True)
+class ModelCase(ModelSettings):
+    """A tiny GPT and its data: everything but the parallel layout."""
+
+    hidden_size: int = 32
+    num_query_groups: Optional[int] = 2
+    ffn_hidden_size: Optional[int] = 64
+    seq_length: int = 16
+    normalization: str = "LayerNorm"
+    add_bias_linear: bool = True
+    vocab_size: int = 128
+    micro_batch_size: int = 2
+    num_microbatches: int = 4  # global: split over DP ranks
+    seed: int = 1234
+    # Adam (the distributed optimizer supports nothing else). Its first step is
+    # lr * g / (|g| + eps); a large eps keeps that sensitive to the gradient's scale.
+    lr: float = 0.1
+    adam_eps: float = 1.0
+    clip_grad: float = 1.0
+    # None: Megatron's default (batched) on GPUs, off on gloo, where interleaved + batched
+    # p2p gives wrong results even for the stock layer (docs/parallelism.md)
+    batch_p2p_comm: Optional[bool] = None
+    # PP>1: hand the schedule SiameseP2PCommunicator (the Python API way); False leaves
+    # Megatron's default communicator with shape exchange (the Megatron-LM way).
+    siamese_p2p: bool = True
+    fault: Optional[str] = None  # a bug from check.faults planted on every rank
+
+
+@dataclass
+class Piece:
+    """A rank's local view of one global tensor."""
+
+    values: Tensor  # flattened; for a ranged piece only [start, start + len)
+    start: int
+    local_shape: Tuple[int, ...]
+    tp_rank: int
+    tensor_parallel: bool
+    partition_dim: int
+    partition_stride: int
+
+
+@dataclass
+class RankResult:
+    rank: int
+    tp_rank: int
+    losses: Dict[int, float] = field(default_factory=dict)  # global microbatch -> loss
+    grads: Dict[str, Piece] = field(default_factory=dict)
+    params: Dict[str, Piece] = field(default_factory=dict)
+    grad_norm: Optional[float] = None
+
+
+# -- setup -------------------------------------------------------------------------------
+
+
+def microbatches(case: ModelCase) -> List[Dict[str, Tensor]]:
+    """The global batch: ``num_microbatches`` microbatches of random tokens."""
+    generator = torch.Generator().manual_seed(case.seed)
+    shape = (case.num_microbatches, case.micro_batch_size, case.seq_length + 1)
+    tokens = torch.randint(0, case.vocab_size, shape, generator=generator)
+    positions = torch.arange(case.seq_length).expand(case.micro_batch_size, -1)
+    causal = torch.ones(case.seq_length, case.seq_length, dtype=torch.bool).triu(1)
+    return [
+        dict(
+            tokens=t[:, :-1].contiguous(),
+            labels=t[:, 1:].contiguous(),
+            position_ids=positions.contiguous(),
+            attention_mask=causal[None, None],
+            loss_mask=torch.ones(case.micro_batch_size, case.seq_length),
+        )
+        for t in tokens
+    ]
+
+
+def config_overrides(case: ModelCase) -> dict:
+    """The case's TransformerConfig settings beyond its ModelSettings."""
+    return {} if case.batch_p2p_comm is None else {"batch_p2p_comm": case.batch_p2p_comm}
+
+
+def case_config(case: ModelCase, layout: Layout):
+    """The case's SiameseTransformerConfig under ``layout``."""
+    return transformer_config(case, layout, **config_overrides(case))
+
+
+def build_seeded_chunks(case: ModelCase, config, tp_rank: int = 0, tp: int = 1):
+    """The case's GPT chunks for this rank (unwrapped), weights seeded from their global names."""
+    from megatron_siamese.models import build_gpt_chunks
+
+    chunks = build_gpt_chunks(config, case.norm, case.vocab_size, case.seq_length,
+                              case.position_embedding_type, case.share_embeddings_and_output_weights)
+    seed_parameters(chunks, case.seed, tp_rank, tp, case.zero_centered_gamma)
+    return chunks
+
+
+def seeded_gpt(case: ModelCase, layout: Layout) -> MegatronGPT:
+    """This rank's MegatronGPT for the case, weights seeded from their global names."""
+    from megatron.core import parallel_state
+
+    def seed(chunks):
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        seed_parameters(chunks, case.seed, tp_rank, layout.tp, case.zero_centered_gamma)
+
+    optimizer = dict(lr=case.lr, adam_eps=case.adam_eps, weight_decay=0.0, clip_grad=case.clip_grad)
+    return MegatronGPT(case, layout, case.vocab_size, optimizer, case.seed, init_weights=seed,
+                       siamese_p2p=case.siamese_p2p, **config_overrides(case))
+
+
+def _pieces(chunks, tensor_of, optimizer, tp_rank) -> Dict[str, Piece]:
+    pieces = {}
+    for chunk in chunks:
+        for name, param in global_parameters(unwrap(chunk)):
+            tensor = tensor_of(param).detach().float().reshape(-1)
+            start, end = 0, tensor.numel()
+            if optimizer is not None:
+                start, end = _owned_range(optimizer, param)
+            pieces[name] = Piece(
+                values=tensor[start:end].clone(),
+                start=start,
+                local_shape=tuple(param.shape),
+                tp_rank=tp_rank,
+                tensor_parallel=bool(getattr(param, "tensor_model_parallel", False)),
+                partition_dim=getattr(param, "partition_dim", -1),
+                partition_stride=getattr(param, "partition_stride", 1),
+            )
+    return pieces
+
+
+def _owned_range(optimizer, param) -> Tuple[int, int]:
+    """The flattened range of ``param`` whose reduced gradient this DP rank owns."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if param in getattr(opt, "model_param_gbuf_map", {}):
+            owned = opt._get_model_param_range_map(param)["param"]
+            return owned.start, owned.end
+    return 0, 0  # a parameter no range of which lives on this rank
+
+
+# -- the per-rank job --------------------------------------------------------------------
+
+
+def run_rank(case: ModelCase, layout: Layout) -> RankResult:
+    """Everything one rank does; see the module docstring."""
+    from megatron.core import parallel_state
+
+    if case.fault:
+        from megatron_siamese.check.faults import plant
+
+        plant(case.fault)
+    gpt = seeded_gpt(case, layout)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), layout.dp
+    if case.num_microbatches % dp:
+        raise ValueError(f"num_microbatches={case.num_microbatches} is not divisible by dp={dp}")
+    per_rank = case.num_microbatches // dp
+    gpt.zero_grad()
+    losses = gpt.forward_backward(microbatches(case)[dp_rank * per_rank : (dp_rank + 1) * per_rank])
+    result = RankResult(rank=torch.distributed.get_rank(), tp_rank=tp_rank)
+    if parallel_state.is_pipeline_last_stage():
+        result.losses = {dp_rank * per_rank + i: float(d["loss"]) for i, d in enumerate(losses)}
+    owner = gpt.optimizer if layout.distributed_optimizer else None
+    result.grads = _pieces(gpt.model, lambda p: p.main_grad, owner, tp_rank)
+    _, grad_norm, _ = gpt.optimizer.step()
+    result.grad_norm = None if grad_norm is None else float(grad_norm)
+    result.params = _pieces(gpt.model, lambda p: p, None, tp_rank)
+    gpt.close()
+    return result
+
+
+# -- putting ranks back together ---------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """A layout's step as global tensors."""
+
+    losses: Dict[int, float]
+    grads: Dict[str, Tensor]
+    params: Dict[str, Tensor]
+    grad_norm: Optional[float]
+    # max |difference| between copies of the same replicated tensor on different ranks
+    replica_spread: Dict[str, float]
+
+
+def _assemble(pieces_by_rank: List[Dict[str, Piece]]) -> Tuple[Dict[str, Tensor], Dict[str, float]]:
+    by_name: Dict[str, List[Piece]] = {}
+    for pieces in pieces_by_rank:
+        for name, piece in pieces.items():
+            by_name.setdefault(name, []).append(piece)
+    tensors, spread = {}, {}
+    for name, pieces in by_name.items():
+        locals_by_tp: Dict[int, List[Tensor]] = {}
+        for tp_rank in sorted({p.tp_rank for p in pieces}):
+            copies = _fill_copies([p for p in pieces if p.tp_rank == tp_rank])
+            locals_by_tp[tp_rank] = copies
+        first = pieces[0]
+        if first.tensor_parallel:
+            copies = [
+                unshard([locals_by_tp[r][i] for r in sorted(locals_by_tp)], _Meta(first))
+                for i in range(min(len(c) for c in locals_by_tp.values()))
+            ]
+        else:
+            copies = [c for tp in sorted(locals_by_tp) for c in locals_by_tp[tp]]
+        tensors[name] = copies[0]
+        spread[name] = max((float((c - copies[0]).abs().max()) for c in copies[1:]), default=0.0)
+    return tensors, spread
+
+
+class _Meta:
+    """Stands in for a parameter in ``unshard`` (only its partition attributes are read)."""
+
+    def __init__(self, piece: Piece):
+        self.tensor_model_parallel = piece.tensor_parallel
+        self.partition_dim = piece.partition_dim
+        self.partition_stride = piece.partition_stride
+
+
+def _fill_copies(pieces: List[Piece]) -> List[Tensor]:
+    """Full local tensors from pieces of one TP rank.
+
+    Whole pieces are separate copies (DP replicas, or the two holders of tied embeddings);
+    ranged pieces (distributed optimizer) are stitched into one tensor and must cover it.
+    """
+    numel = 1
+    for size in pieces[0].local_shape:
+        numel *= size
+    whole = [p for p in pieces if p.values.numel() == numel and p.start == 0]
+    if whole:
+        return [p.values.view(p.local_shape) for p in whole]
+    flat = torch.full((numel,), float("nan"))
+    for p in pieces:
+        flat[p.start : p.start + p.values.numel()] = p.values
+    if torch.isnan(flat).any():
+        raise AssertionError("distributed-optimizer shards do not cover the whole gradient")
+    return [flat.view(pieces[0].local_shape)]
+
+
+def assemble(results: List[RankResult]) -> StepResult:
+    losses: Dict[int, float] = {}
+    for result in results:
+        if result.tp_rank == 0:
+            losses.update(result.losses)
+    grads, grad_spread = _assemble([r.grads for r in results])
+    params, param_spread = _assemble([r.params for r in results])
+    spread = {f"grad:{k}": v for k, v in grad_spread.items()}
+    spread.update({f"param:{k}": v for k, v in param_spread.items()})
+    norms = [r.grad_norm for r in results if r.grad_norm is not None]
+    return StepResult(losses, grads, params, norms[0] if norms else None, spread)
+
+
+def run_layout(case: ModelCase, layout: Layout, backend: Optional[str] = None) -> StepResult:
+    """Launch ``layout.world_size`` ranks, run one step, return it as global tensors."""
+    from megatron_siamese.runtime.launch import launch
+
+    return assemble(launch(run_rank, layout.world_size, case, layout, backend=backend))
+

@@ -1,0 +1,256 @@
+"""One rank's Megatron GPT: the runtime the trainer and the parallel check share.
+
+    ModelSettings + Layout --transformer_config--> SiameseTransformerConfig
+      --models.build_gpt_chunks--> GPTModel chunks of the scheme (one per virtual stage)
+      --init_weights (optional)--> GPU, Float16Module (bf16), DistributedDataParallel
+      --> Megatron optimizer (distributed or not), finalize_model_grads and the overlapped
+          gradient sync wired as Megatron-LM wires them
+      --> get_forward_backward_func over microbatches, with SiameseP2PCommunicator when the
+          model sends packed streams between pipeline stages
+
+Everything here is Megatron's own machinery; this module only puts it together once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from megatron_siamese.runtime.layout import Layout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """A GPT's shape, residual scheme and numerics: everything but the layout and the data."""
+
+    norm: str = "siamese"  # a scheme of megatron_siamese.models.SCHEMES
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None  # 4 * hidden_size when None
+    seq_length: int = 128
+    normalization: str = "RMSNorm"
+    gated_linear_unit: bool = True  # SwiGLU; GELU without
+    position_embedding_type: str = "rope"
+    share_embeddings_and_output_weights: bool = True
+    add_bias_linear: bool = False
+    zero_centered_gamma: bool = False
+    dtype: str = "fp32"
+    fused_ops: Optional[bool] = None  # SiameseTransformerConfig.siamese_fused_ops
+    transformer_impl: str = "local"  # or "transformer_engine": TE GEMMs and attention (GPUs)
+    fp8: Optional[str] = None  # "hybrid" or "e4m3" with transformer_engine
+    fp8_recipe: str = "delayed"
+    init_method_std: float = 0.02
+
+
+def transformer_config(model: ModelSettings, layout: Layout, **overrides):
+    """The SiameseTransformerConfig of ``model`` under ``layout`` (``overrides`` win)."""
+    import torch.nn.functional as F
+
+    from megatron_siamese.config import SiameseTransformerConfig
+    from megatron_siamese.models import scheme
+
+    dtype = DTYPES[model.dtype]
+    on_gpu = torch.cuda.is_available()
+    fields = dict(
+        siamese_fused_ops=model.fused_ops,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        normalization=model.normalization,
+        layernorm_zero_centered_gamma=model.zero_centered_gamma,
+        gated_linear_unit=model.gated_linear_unit,
+        activation_func=F.silu if model.gated_linear_unit else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        transformer_impl=model.transformer_impl,
+        fp8=model.fp8,
+        fp8_recipe=model.fp8_recipe,
+        # gloo + interleaved schedule + batched p2p gives wrong results (docs/parallelism.md)
+        batch_p2p_comm=on_gpu,
+        **layout.recompute_options(),
+        **scheme(model.norm).config,
+    )
+    fields.update(overrides)
+    return SiameseTransformerConfig(**fields)
+
+
+def initialize_model_parallel(layout: Layout, seed: int) -> None:
+    """Megatron's process groups for ``layout`` and its seeded RNGs (tensor-parallel tracker too)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def packs_streams(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether these model chunks carry SiameseNorm's packed ``[s, b, 2h]`` streams."""
+    from megatron_siamese.layer import SiameseTransformerLayer
+
+    return any(isinstance(m, SiameseTransformerLayer) for chunk in chunks for m in chunk.modules())
+
+
+def pipeline_communication(chunks: Sequence[torch.nn.Module], config) -> dict:
+    """Schedule keywords: ``SiameseP2PCommunicator`` (2h-wide buffers, no shape exchange) when
+    stages send packed streams, else nothing (Megatron's own communicator)."""
+    if config.pipeline_model_parallel_size == 1 or not packs_streams(chunks):
+        return {}
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_siamese.pipeline import SiameseP2PCommunicator
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    return dict(p2p_communicator=SiameseP2PCommunicator(groups.pp, config), pg_collection=groups)
+
+
+def loss_func(loss_mask: Tensor, output: Tensor):
+    loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"loss": loss.detach().clone()}  # the schedule rescales `loss` in place
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward-step contract: a microbatch of tokens/labels/positions/mask/loss mask."""
+    batch = {k: v.to(torch.cuda.current_device()) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def unwrap(chunk):
+    """The GPTModel inside DistributedDataParallel / Float16Module wrappers."""
+    while not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
+
+
+class MegatronGPT:
+    """This rank's GPT chunks wrapped for training, their optimizer, and the schedule.
+
+    ``optimizer`` holds OptimizerConfig fields (lr, weight decay, betas, clipping, ...); Adam
+    and the precision and sharding settings come from the model and layout. ``init_weights``
+    may overwrite the freshly built chunks' parameters before they are wrapped.
+    ``siamese_p2p=False`` leaves Megatron's default communicator (with shape exchange, as
+    Megatron-LM's ``pretrain_gpt.py`` runs).
+    """
+
+    def __init__(
+        self,
+        model: ModelSettings,
+        layout: Layout,
+        vocab_size: int,
+        optimizer: Dict[str, object],
+        seed: int,
+        init_weights: Optional[Callable[[List[torch.nn.Module]], None]] = None,
+        siamese_p2p: bool = True,
+        **config_overrides,
+    ):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        from megatron_siamese.models import build_gpt_chunks
+
+        self.settings, self.layout = model, layout
+        initialize_model_parallel(layout, seed)
+        self.config = config = transformer_config(model, layout, **config_overrides)
+        chunks = build_gpt_chunks(config, model.norm, vocab_size, model.seq_length,
+                                  model.position_embedding_type, model.share_embeddings_and_output_weights)
+        if init_weights is not None:
+            init_weights(chunks)
+        if torch.cuda.is_available():
+            chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+        if config.bf16:
+            chunks = [Float16Module(config, chunk) for chunk in chunks]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=layout.dp > 1,
+            use_distributed_optimizer=layout.distributed_optimizer,
+        )
+        self.model = [
+            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
+            for i, chunk in enumerate(chunks)
+        ]
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                bf16=config.bf16,
+                params_dtype=config.params_dtype,
+                use_distributed_optimizer=layout.distributed_optimizer,
+                **optimizer,
+            ),
+            self.model,
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        if ddp_config.overlap_grad_reduce:  # as Megatron-LM's training loop wires it
+            no_sync = [chunk.no_sync for chunk in self.model]
+            grad_sync = [chunk.start_grad_sync for chunk in self.model]
+            config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+            config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+        self.pipeline_kwargs = pipeline_communication(self.chunks, config) if siamese_p2p else {}
+
+    @property
+    def chunks(self) -> List[torch.nn.Module]:
+        """The GPTModel chunks themselves (inside their wrappers)."""
+        return [unwrap(chunk) for chunk in self.model]
+
+    def train(self, mode: bool = True) -> None:
+        for chunk in self.model:
+            chunk.train(mode)
+
+    def zero_grad(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def forward_backward(self, microbatches: List[Dict[str, Tensor]], forward_only: bool = False) -> List[dict]:
+        """Megatron's schedule over this rank's microbatches; the loss dicts on the last stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iterators = [iter(microbatches) for _ in self.model]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(microbatches),
+            seq_length=self.settings.seq_length,
+            micro_batch_size=microbatches[0]["tokens"].shape[0],
+            forward_only=forward_only,
+            **self.pipeline_kwargs,
+        )
+
+    @staticmethod
+    def close() -> None:
+        """Tear down Megatron's process groups (the next run in this process builds its own)."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()

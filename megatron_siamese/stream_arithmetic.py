@@ -1,0 +1,144 @@
+"""The stream arithmetic around a SiameseNorm sublayer: fused ops or the PyTorch composition.
+
+For packed streams ``[..., 2h]`` (or ``[..., h]`` at the first layer, where x = y) both
+implementations compute, with the signatures of ``reference.functional``:
+
+    norms:     (base = [u | y], normed = InputNorm(u + PreNorm(y))),  u = PostNorm(x)
+    residual:  base + [z / c | z],  z = (out + bias) * mask * scale
+
+``TorchStreamArithmetic`` runs ``reference.functional.stream_norms`` over the layer's norm
+modules (torch's fused norm kernels) and ``reference.functional.dual_residual``;
+``FusedStreamArithmetic`` runs the extension's ``dual_norm`` / ``dual_residual`` ops
+(csrc/). ``StreamArithmetic`` picks one per device the tensors live on: the fused ops where
+the extension has kernels for that device (or always, or never, as the config asks).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from megatron_siamese import ops
+from megatron_siamese.config import FUSED_OPS_ENV, fused_ops_requested
+from megatron_siamese.norms import TorchNorm
+from megatron_siamese.reference.functional import dual_residual, stream_norms
+
+
+def dropout_mask(out: Tensor, p: float, training: bool) -> Tuple[Optional[Tensor], float]:
+    """(keep mask, 1 / (1 - p)) for hidden dropout on ``out``; (None, 1.0) when it is off.
+
+    One mask serves both streams: the same dropped-out z reaches x and y.
+    """
+    if not training or p <= 0.0:
+        return None, 1.0
+    return torch.empty_like(out, dtype=torch.bool).bernoulli_(1.0 - p), 1.0 / (1.0 - p)
+
+
+class TorchStreamArithmetic:
+    """The PyTorch composition (autograd through torch's norm kernels)."""
+
+    name = "pytorch"
+
+    def __init__(self, hidden: int):
+        self.hidden = hidden
+
+    def norms(self, streams: Tensor, x_norm, y_norm, input_norm) -> Tuple[Tensor, Tensor]:
+        # the hybrid variant's ChannelScale feeds c1 * x to the sublayer; x itself carries on
+        return stream_norms(streams, self.hidden, x_norm, y_norm, input_norm,
+                            residual_keeps_x=getattr(x_norm, "residual_is_input", False))
+
+    @staticmethod
+    def residual(base: Tensor, out: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                 inv_c: float) -> Tensor:
+        return dual_residual(base, out, bias, mask, scale, inv_c)
+
+
+class FusedStreamArithmetic:
+    """The extension's ``dual_norm`` and ``dual_residual`` ops (csrc/)."""
+
+    name = "fused"
+
+    def __init__(self, hidden: int, eps: float, rms: bool, zero_centered: bool):
+        from megatron_siamese.ops import fused
+
+        self.ops = fused
+        self.hidden = hidden
+        self.eps, self.rms, self.zero_centered = eps, rms, zero_centered
+
+    def norms(self, streams: Tensor, x_norm: TorchNorm, y_norm: TorchNorm, input_norm) -> Tuple[Tensor, Tensor]:
+        fused_input_norm = isinstance(input_norm, TorchNorm)  # else Transformer Engine fuses it downstream
+        base, normed = self.ops.dual_norm(
+            streams,
+            self.hidden,
+            x_norm.weight,
+            x_norm.bias,
+            y_norm.weight,
+            y_norm.bias,
+            input_norm.weight if fused_input_norm else None,
+            input_norm.bias if fused_input_norm else None,
+            self.eps,
+            self.rms,
+            self.zero_centered,
+        )
+        return base, (normed if fused_input_norm else input_norm(normed))
+
+    def residual(self, base: Tensor, out: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                 inv_c: float) -> Tensor:
+        return self.ops.dual_residual(base, out, bias, mask, scale, inv_c)
+
+
+Arithmetic = Union[TorchStreamArithmetic, FusedStreamArithmetic]
+
+
+class StreamArithmetic:
+    """The fused ops where they can run on the tensors' device, else the PyTorch composition.
+
+    ``config.siamese_fused_ops`` (or MEGATRON_SIAMESE_FUSED_OPS) True insists on the fused ops
+    and fails with the reason where they cannot run, False always runs PyTorch, None (default)
+    decides per device. Reasons that hold on every device (no extension, norms the ops do not
+    implement) are found at construction; a device without kernels at the first forward there.
+    """
+
+    def __init__(self, config, stream_norms: Sequence[object]):
+        self.requested = fused_ops_requested(config)
+        self.torch = TorchStreamArithmetic(config.hidden_size)
+        self.fused: Optional[FusedStreamArithmetic] = None
+        self.refusal: Optional[str] = None
+        if self.requested is not False:
+            self.refusal = ops.load_error()
+            if self.refusal is None and not all(type(norm) is TorchNorm for norm in stream_norms):
+                self.refusal = "the layer's stream norms are not megatron_siamese.norms.TorchNorm modules"
+            if self.refusal is None:
+                self.fused = FusedStreamArithmetic(
+                    config.hidden_size,
+                    config.layernorm_epsilon,
+                    rms=config.normalization == "RMSNorm",
+                    zero_centered=config.layernorm_zero_centered_gamma,
+                )
+            elif self.requested:
+                raise self._forced_error(self.refusal)
+        self._by_device: Dict[str, Arithmetic] = {}
+
+    @staticmethod
+    def _forced_error(reason: str) -> RuntimeError:
+        return RuntimeError(
+            f"fused SiameseNorm ops were requested (siamese_fused_ops=True or {FUSED_OPS_ENV}=1) "
+            f"but cannot run: {reason}. Set siamese_fused_ops=False (or {FUSED_OPS_ENV}=0) for "
+            "the PyTorch path."
+        )
+
+    def on(self, device: torch.device) -> Arithmetic:
+        """The implementation for tensors on ``device``."""
+        chosen = self._by_device.get(device.type)
+        if chosen is None:
+            chosen = self.torch
+            if self.fused is not None:
+                reason = ops.unavailable_reason(device.type)
+                if reason is None:
+                    chosen = self.fused
+                elif self.requested:
+                    raise self._forced_error(reason)
+            self._by_device[device.type] = chosen
+        return chosen

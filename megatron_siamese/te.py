@@ -1,0 +1,32 @@
+"""Transformer Engine: whether it can be used here, and naming its modules lazily.
+
+Kept apart from the specs so that the layer's support check can ask about TE without
+importing the specs (which import the layer).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+TE_MODULE = "megatron.core.extensions.transformer_engine"
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason() -> Optional[str]:
+    """None when Transformer Engine can be used, else why not."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+
+        from megatron.core.extensions import transformer_engine  # noqa: F401
+    except Exception as error:  # ImportError, or TE's own errors without a GPU
+        return f"Transformer Engine is not available ({type(error).__name__}: {error})"
+    return None
+
+
+def te_module(name: str) -> ModuleSpec:
+    """A Transformer Engine module of Megatron's TE extension, named by path: resolved only when
+    a layer is built, so a spec naming it can be imported (and refused clearly) without TE."""
+    return ModuleSpec(module=(TE_MODULE, name))
