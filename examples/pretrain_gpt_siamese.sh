@@ -8,7 +8,7 @@
 # (use siamese_te_layer_spec for the Transformer Engine variant once installed).
 #
 # CPU=1: the same run on CPU processes with gloo through megatron_siamese's CPU harness
-# (megatron_siamese.testing.megatron_lm), tiny sizes; what this repository tested with.
+# (megatron_siamese.runtime.megatron_lm), tiny sizes; what this repository tested with.
 set -euo pipefail
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (tag core_v0.16.1 matches megatron-core 0.16.1)}"
 : "${DATA:?set DATA to an indexed dataset prefix (.bin/.idx); megatron-siamese train builds one from the KJV corpus under .cache/}"
@@ -33,7 +33,7 @@ if [ "${CPU:-0}" = "1" ]; then
   # warm-up of its jit fusions. Megatron-LM's data helpers compile at start (needs pybind11).
   export TORCHDYNAMO_DISABLE=1 CUDA_DEVICE_MAX_CONNECTIONS=1
   cd "$MEGATRON_LM"
-  exec torchrun --nproc-per-node "$NPROC" -m megatron_siamese.testing.megatron_lm pretrain_gpt.py \
+  exec torchrun --nproc-per-node "$NPROC" -m megatron_siamese.runtime.megatron_lm pretrain_gpt.py \
     "${COMMON[@]}" --distributed-backend gloo --transformer-impl local --no-persist-layer-norm \
     --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion \
     --no-bias-dropout-fusion --no-rope-fusion --hidden-dropout 0 --attention-dropout 0 \

@@ -37,7 +37,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_siamese import te
+import megatron_siamese.te as te
 from megatron_siamese.layer import SiameseTransformerLayer, SiameseTransformerLayerSubmodules
 from megatron_siamese.merge import SiameseFinalNorm, StreamMerge
 from megatron_siamese.norms import ChannelScale, TorchNorm

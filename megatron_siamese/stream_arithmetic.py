@@ -20,7 +20,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from megatron_siamese import ops
+import megatron_siamese.ops as ops
 from megatron_siamese.config import FUSED_OPS_ENV, fused_ops_requested
 from megatron_siamese.norms import TorchNorm
 from megatron_siamese.reference.functional import dual_residual, stream_norms

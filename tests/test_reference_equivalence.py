@@ -20,7 +20,7 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 def assert_close_fp32(actual, expected, name=""):
     """fp32 agreement: rtol 1e-5, atol 1e-6 scaled to the tensor's magnitude when above 1
     (rounding error grows with the values summed, not with each element)."""
-    atol = FP32["atol"] * max(1.0, float(expected.abs().max()))
+    atol = FP32["atol"] * max(1.0, float(expected.detach().abs().max()))
     torch.testing.assert_close(actual, expected, rtol=FP32["rtol"], atol=atol,
                                msg=lambda m: f"{name}: {m}" if name else m)
 

@@ -33,6 +33,14 @@ from megatron_siamese.streams import split_streams
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
 
+# the fields ReferenceGPTConfig shares, by name and meaning, with Megatron's TransformerConfig
+_MEGATRON_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "kv_channels",
+    "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma", "add_bias_linear", "add_qkv_bias",
+    "gated_linear_unit", "hidden_dropout", "attention_dropout",
+)
+
+
 @dataclass
 class ReferenceGPTConfig:
     vocab_size: int
@@ -75,25 +83,8 @@ class ReferenceGPTConfig:
         activation = {F.gelu: "gelu", F.silu: "silu"}.get(config.activation_func)
         if activation is None:
             raise ValueError(f"no reference for activation {config.activation_func}")
-        fields = dict(
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            num_attention_heads=config.num_attention_heads,
-            ffn_hidden_size=config.ffn_hidden_size,
-            num_query_groups=config.num_query_groups,
-            kv_channels=config.kv_channels,
-            normalization=config.normalization,
-            layernorm_epsilon=config.layernorm_epsilon,
-            layernorm_zero_centered_gamma=config.layernorm_zero_centered_gamma,
-            add_bias_linear=config.add_bias_linear,
-            add_qkv_bias=config.add_qkv_bias,
-            gated_linear_unit=config.gated_linear_unit,
-            activation=activation,
-            hidden_dropout=config.hidden_dropout,
-            attention_dropout=config.attention_dropout,
-        )
+        fields = {name: getattr(config, name) for name in _MEGATRON_FIELDS}
+        fields.update(vocab_size=vocab_size, max_sequence_length=max_sequence_length, activation=activation)
         fields.update(overrides)
         return cls(**fields)
 
