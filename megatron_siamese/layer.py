@@ -8,19 +8,17 @@ Megatron's layer structure:
 
 * ``_forward_attention`` / ``_forward_mlp`` are overridden (they are the hooks Megatron's
   full recompute, CUDA-graph capture and ``forward`` all go through), each running one
-  SiameseNorm sublayer (``_siamese_sublayer``): the stream norms ``(base, normed)``, the
-  shared sublayer, and the dual residual update with one dropout mask, through the fused ops
-  or the PyTorch composition (``stream_arithmetic.py``);
+  SiameseNorm sublayer (``siamese_sublayer.py``);
+* a layer holds both sublayers (a GPT block) or one of them (a HybridModel ``*`` or ``-``
+  layer: the other is Megatron's ``IdentityOp`` and passes the streams through);
 * selective recompute "layernorm" discards the stream norms' outputs and recomputes them
-  in backward, "mlp" checkpoints the MLP, as the base layer does for its single stream;
-* ``c = sqrt(2 * layer_number)`` uses Megatron's global 1-based layer number, so every
-  pipeline / virtual-pipeline layout computes the same function.
+  in backward, "mlp" checkpoints the MLP, as the base layer does for its single stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -37,9 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
-from megatron_siamese.pipeline import require_wide_pipeline_tensors
-from megatron_siamese.reference.functional import depth_scale
-from megatron_siamese.stream_arithmetic import StreamArithmetic, dropout_mask
+from megatron_siamese.siamese_sublayer import SiameseSublayerMixin
 from megatron_siamese.streams import split_streams
 from megatron_siamese.support import check_supported
 
@@ -61,8 +57,8 @@ class SiameseTransformerLayerSubmodules(TransformerLayerSubmodules):
     output_merge: Optional[Union[ModuleSpec, type]] = None
 
 
-class SiameseTransformerLayer(TransformerLayer):
-    """One SiameseNorm block: attention and MLP sublayers shared by the X and Y streams."""
+class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
+    """SiameseNorm sublayers (attention, MLP, or both) shared by the X and Y streams."""
 
     def __init__(
         self,
@@ -86,64 +82,20 @@ class SiameseTransformerLayer(TransformerLayer):
         self.attn_y_norm = build_norm(submodules.attn_y_norm)
         self.mlp_x_norm = build_norm(submodules.mlp_x_norm)
         self.mlp_y_norm = build_norm(submodules.mlp_y_norm)
-
-        self.depth_scale = depth_scale(self.layer_number)
-        self.stream_arithmetic = StreamArithmetic(
-            self.config, (self.attn_x_norm, self.attn_y_norm, self.mlp_x_norm, self.mlp_y_norm)
+        self.has_attention = not isinstance(self.self_attention, IdentityOp)
+        self.has_mlp = not isinstance(self.mlp, IdentityOp)
+        if not (self.has_attention or self.has_mlp):
+            raise ValueError("a SiameseTransformerLayer needs self_attention, mlp or both in its spec")
+        stream_norms = ((self.attn_x_norm, self.attn_y_norm) if self.has_attention else ()) + (
+            (self.mlp_x_norm, self.mlp_y_norm) if self.has_mlp else ()
         )
-        self.is_first_layer = self.layer_number == 1
+        self._init_siamese(stream_norms, sublayers_per_layer=self.has_attention + self.has_mlp)
         self.is_last_layer = self.layer_number == self.config.num_layers
         self.output_merge = (
             build_norm(submodules.output_merge)
             if submodules.output_merge is not None and self.is_last_layer
             else None
         )
-        self.recompute_stream_norms = (
-            self.config.recompute_granularity == "selective"
-            and "layernorm" in self.config.recompute_modules
-        )
-        require_wide_pipeline_tensors(self.config)
-
-    # -- streams ---------------------------------------------------------------------------
-
-    def _check_width(self, hidden_states: Tensor) -> None:
-        hidden_size = self.config.hidden_size
-        if self.is_first_layer and hidden_states.shape[-1] == hidden_size:
-            return  # x = y = embedding output
-        if hidden_states.shape[-1] != 2 * hidden_size:
-            raise ValueError(
-                f"SiameseNorm layer {self.layer_number} expected packed streams [s, b, "
-                f"{2 * hidden_size}] but got {tuple(hidden_states.shape)}. If this stage "
-                "received it from a previous pipeline stage, the schedule's receive buffer was "
-                "hidden_size wide: pass p2p_communicator=SiameseP2PCommunicator(pp_group, "
-                "config) or set config.variable_seq_lengths=True."
-            )
-
-    def _siamese_sublayer(self, hidden_states: Tensor, x_norm, y_norm, input_norm,
-                          sublayer: Callable[[Tensor], Tuple[Tensor, Optional[Tensor]]]) -> Tensor:
-        """One sublayer on packed streams: norms, ``sublayer(normed) -> (out, bias)``, dual residual."""
-        self._check_width(hidden_states)
-        arithmetic = self.stream_arithmetic.on(hidden_states.device)
-
-        def norms(streams: Tensor):
-            return arithmetic.norms(streams, x_norm, y_norm, input_norm)
-
-        norm_checkpoint = None
-        if self.recompute_stream_norms:
-            # CheckpointWithoutOutput treats any fp8 argument but None as "FP8 on" (and then
-            # needs Transformer Engine), so pass config.fp8 itself: None when FP8 is off.
-            norm_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
-            base, normed = norm_checkpoint.checkpoint(norms, hidden_states)
-        else:
-            base, normed = norms(hidden_states)
-        output, bias = sublayer(normed)
-        mask, scale = dropout_mask(output, self.hidden_dropout, self.training)
-        packed = arithmetic.residual(base, output, bias, mask, scale, 1.0 / self.depth_scale)
-        if norm_checkpoint is not None:
-            # the norms' outputs are recomputed when the sublayer's output gradient arrives;
-            # they are dead from here on (the residual update does not save them)
-            norm_checkpoint.discard_output_and_register_recompute(output)
-        return packed
 
     # -- sublayers -------------------------------------------------------------------------
 
@@ -160,6 +112,8 @@ class SiameseTransformerLayer(TransformerLayer):
         **attention_kwargs: Any,
     ):
         """Attention sublayer on packed streams; returns ``(packed [s, b, 2h], context)``."""
+        if not self.has_attention:  # a HybridModel MLP layer
+            return hidden_states, context
         inference_context = deprecate_inference_params(inference_context, inference_params)
 
         def attention(normed: Tensor):
@@ -183,8 +137,10 @@ class SiameseTransformerLayer(TransformerLayer):
                 return self._checkpointed_mlp(normed, padding_mask)
             return self.mlp(normed, padding_mask=padding_mask)
 
-        output = self._siamese_sublayer(
-            hidden_states, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm, mlp
+        output = (
+            self._siamese_sublayer(hidden_states, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm, mlp)
+            if self.has_mlp
+            else hidden_states  # a HybridModel attention layer
         )
         if self.output_merge is not None:
             output = self.output_merge(*split_streams(output, self.config.hidden_size))
@@ -210,7 +166,7 @@ class SiameseTransformerLayer(TransformerLayer):
             biases[:] = [bias]
             return output
 
-        if self.config.fp8:
+        if self.config.fp8 or getattr(self.config, "fp4", None):  # fp4: megatron-core >= 0.19
             from megatron.core.extensions.transformer_engine import te_checkpoint
 
             output = te_checkpoint(

@@ -1,4 +1,4 @@
-"""Residual schemes, and stock Megatron ``GPTModel`` chunks built with one of them.
+"""Residual schemes, and stock Megatron ``GPTModel`` / ``HybridModel`` chunks built with them.
 
 ``SCHEMES`` names the block specs that the trainer, the correctness check and the tests
 build models from:
@@ -11,6 +11,9 @@ build models from:
   with its norms built as ``TorchNorm`` (the same math as torch's LayerNorm/RMSNorm, but
   usable under sequence parallelism without apex);
 * ``post``: Post-Norm on Megatron's ``TransformerLayer`` (``post_norm.py``).
+
+``build_model_chunks`` builds a ``GPTModel`` (any scheme) or a ``HybridModel`` (SiameseNorm,
+``hybrid.py``, megatron-core >= 0.19) for this rank's pipeline and virtual stages.
 """
 
 from __future__ import annotations
@@ -65,6 +68,24 @@ def scheme(name: str) -> Scheme:
     return SCHEMES[name]
 
 
+MODELS = ("gpt", "hybrid")
+
+
+def hybrid_pattern(settings) -> str:
+    """The HybridModel pattern of ``settings``: its own, or ``*-`` per GPT layer (the equivalent)."""
+    return settings.hybrid_layer_pattern or "*-" * settings.num_layers
+
+
+def pattern_layers(pattern: str) -> str:
+    """The layer symbols of a hybrid pattern, without pipeline boundaries ('|') or an MTP part ('/')."""
+    return pattern.split("/")[0].replace("|", "")
+
+
+def num_layers(settings) -> int:
+    """Megatron's num_layers: GPT blocks, or HybridModel layers (one per pattern symbol)."""
+    return len(pattern_layers(hybrid_pattern(settings))) if settings.model == "hybrid" else settings.num_layers
+
+
 def build_gpt_chunks(
     config: TransformerConfig,
     norm: str,
@@ -93,3 +114,54 @@ def build_gpt_chunks(
             )
         )
     return chunks
+
+
+def build_hybrid_chunks(
+    config: TransformerConfig,
+    norm: str,
+    pattern: str,
+    vocab_size: int,
+    max_sequence_length: int,
+    position_embedding_type: str = "rope",
+    share_embeddings_and_output_weights: bool = True,
+) -> list:
+    """This rank's SiameseNorm HybridModel chunks for ``pattern`` (cut into pipeline stages here
+    when it has no '|' of its own)."""
+    if norm != "siamese":
+        raise ValueError(f"HybridModel is built with SiameseNorm layers only (norm='siamese'), got norm={norm!r}")
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_siamese.hybrid import siamese_hybrid_stack_spec, siamese_hybrid_te_stack_spec, staged_pattern
+
+    spec = siamese_hybrid_te_stack_spec if config.transformer_impl == "transformer_engine" else siamese_hybrid_stack_spec
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    staged = staged_pattern(pattern, config.pipeline_model_parallel_size * (vpp or 1))
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(
+            HybridModel(
+                config=config,
+                hybrid_stack_spec=spec,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                hybrid_layer_pattern=staged,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                position_embedding_type=position_embedding_type,
+                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                vp_stage=stage,
+            )
+        )
+    return chunks
+
+
+def build_model_chunks(config: TransformerConfig, settings, vocab_size: int) -> list:
+    """This rank's chunks of the model ``settings`` (runtime.gpt.ModelSettings) describe."""
+    common = (vocab_size, settings.seq_length, settings.position_embedding_type,
+              settings.share_embeddings_and_output_weights)
+    if settings.model == "gpt":
+        return build_gpt_chunks(config, settings.norm, *common)
+    if settings.model == "hybrid":
+        return build_hybrid_chunks(config, settings.norm, hybrid_pattern(settings), *common)
+    raise ValueError(f"model must be one of {MODELS}, got {settings.model!r}")

@@ -10,17 +10,22 @@ SiameseNorm model with PP > 1 needs one of:
       forward_backward_func(..., p2p_communicator=SiameseP2PCommunicator(pp_group, config),
                             pg_collection=pg_collection)
 
-* shape exchange (always on as the safety net): when a SiameseNorm layer is built with
-  PP > 1 it sets ``config.variable_seq_lengths = True`` on the shared config, so a schedule
-  called without our communicator (Megatron-LM's ``pretrain_gpt.py``) exchanges tensor
-  shapes before each transfer. That costs one small p2p and a device synchronize per
-  transfer; ``SiameseP2PCommunicator`` skips it unless the user asked for variable
-  sequence lengths themselves.
+* shape exchange (the safety net): when a SiameseNorm layer is built with PP > 1 it sets
+  ``config.variable_seq_lengths = True`` on the shared config, so a schedule called without
+  our communicator (Megatron-LM's ``pretrain_gpt.py``) exchanges tensor shapes before each
+  transfer. That costs one small p2p and a device synchronize per transfer.
+  ``SiameseP2PCommunicator`` undoes it when constructed (the caller has said it hands the
+  schedule our communicator): the schedule then sizes fixed ``h`` buffers, which the
+  communicator widens, with no exchange unless the user asked for variable sequence
+  lengths themselves. (megatron-core >= 0.19 also passes empty shapes to the communicator
+  while the flag is on, so leaving it on would break the fixed-shape path.)
+
+Once it exists, hand the same communicator to every schedule call of that model (training
+and evaluation alike): a call without it would receive ``2h`` into ``h``-wide buffers again.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -50,11 +55,9 @@ class SiameseP2PCommunicator(P2PCommunicator):
     """A ``P2PCommunicator`` whose 3-D hidden-state buffers are ``2 * hidden_size`` wide."""
 
     def __init__(self, pp_group, config: TransformerConfig):
-        own_config = copy.copy(config)
-        own_config.variable_seq_lengths = getattr(
-            config, _USER_VARIABLE_SEQ_LENGTHS, config.variable_seq_lengths
-        )
-        super().__init__(pp_group, own_config)
+        if hasattr(config, _USER_VARIABLE_SEQ_LENGTHS):  # the layers' safety net: no longer needed
+            config.variable_seq_lengths = getattr(config, _USER_VARIABLE_SEQ_LENGTHS)
+        super().__init__(pp_group, config)
         self.hidden_size = config.hidden_size
 
     def _communicate(self, *, tensor_shape=None, **kwargs):

@@ -44,8 +44,8 @@ class PostNormTransformerLayer(TransformerLayer):
         hidden_states, context = super()._forward_attention(*args, **kwargs)
         return self.post_attn_norm(hidden_states), context
 
-    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None):
-        output = self.post_mlp_norm(super()._forward_mlp(hidden_states, inference_context, padding_mask))
+    def _forward_mlp(self, hidden_states, *args, **kwargs):
+        output = self.post_mlp_norm(super()._forward_mlp(hidden_states, *args, **kwargs))
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
 
 

@@ -46,18 +46,27 @@ from megatron_siamese.support import UnsupportedConfigError
 VARIANTS = ("standard", "hybrid")
 
 
-def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=TorchNorm, **slots) -> ModuleSpec:
+def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=TorchNorm, attention: bool = True,
+                       mlp: bool = True, **slots) -> ModuleSpec:
     """Megatron's layer spec ``stock`` as a SiameseNorm layer: its submodules, ``slots`` replaced,
-    plus the stream norms (and the output merge for single-stream final norms)."""
+    plus the stream norms (and the output merge for single-stream final norms).
+
+    ``attention=False`` / ``mlp=False`` drop that sublayer (a HybridModel ``-`` / ``*`` layer):
+    its module, InputNorm and stream norms become IdentityOp.
+    """
+    stream_norms = dict(attn_x_norm=attn_x_norm, attn_y_norm=TorchNorm, mlp_x_norm=TorchNorm, mlp_y_norm=TorchNorm)
+    if not attention:
+        slots.update(self_attention=IdentityOp, input_layernorm=IdentityOp)
+        stream_norms.update(attn_x_norm=IdentityOp, attn_y_norm=IdentityOp)
+    if not mlp:
+        slots.update(mlp=IdentityOp, pre_mlp_layernorm=IdentityOp)
+        stream_norms.update(mlp_x_norm=IdentityOp, mlp_y_norm=IdentityOp)
     return ModuleSpec(
         module=SiameseTransformerLayer,
         params=dict(stock.params),
         submodules=SiameseTransformerLayerSubmodules(
             **{**vars(stock.submodules), **slots},
-            attn_x_norm=attn_x_norm,
-            attn_y_norm=TorchNorm,
-            mlp_x_norm=TorchNorm,
-            mlp_y_norm=TorchNorm,
+            **stream_norms,
             output_merge=StreamMerge if merge_at_output else None,
         ),
     )

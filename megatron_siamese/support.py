@@ -49,6 +49,16 @@ def _problems(config: TransformerConfig) -> List[str]:
             "only standard self-attention is supported: set multi_latent_attention=False and "
             "experimental_attention_variant=None."
         )
+    if config.fp32_residual_connection:
+        problems.append(
+            "fp32_residual_connection keeps Megatron's single residual stream in fp32; SiameseNorm's "
+            "two streams stay in the activation dtype. Set it to False."
+        )
+    if getattr(config, "mlp_chunks_for_training", 1) > 1 or getattr(config, "mlp_chunks_for_prefill", 1) > 1:
+        problems.append(
+            "mlp_chunks_for_training / mlp_chunks_for_prefill (chunked MLP) are not implemented by "
+            "SiameseNorm layers yet. Set them to 1."
+        )
     if config.apply_residual_connection_post_layernorm:
         problems.append(
             "apply_residual_connection_post_layernorm conflicts with SiameseNorm's own residual "
@@ -62,7 +72,8 @@ def _spec_problems(config: TransformerConfig, submodules) -> List[str]:
     if getattr(submodules, "cross_attention", IdentityOp) is not IdentityOp:
         problems.append("cross-attention is not supported: SiameseNorm layers are decoder-only.")
     attention = getattr(getattr(submodules, "self_attention", None), "submodules", None)
-    has_qk_norm = attention is not None and getattr(attention, "q_layernorm", IdentityOp) is not IdentityOp
+    # Megatron's specs name an absent QK-norm IdentityOp, some (the hybrid stack's) None
+    has_qk_norm = attention is not None and getattr(attention, "q_layernorm", None) not in (None, IdentityOp)
     if config.qk_layernorm and not has_qk_norm:
         problems.append(
             "qk_layernorm is set but this SiameseNorm spec has no QK-norm (only the hybrid "

@@ -140,6 +140,9 @@ UNSUPPORTED = {
     "heterogeneous blocks": dict(heterogeneous_block_specs=True),
     # Megatron main's hyper-connections flag (absent from 0.16.1) is refused whenever set
     "hyper-connections": dict(enable_mhc_connections=True),
+    "fp32 residual": dict(fp32_residual_connection=True),
+    # megatron-core >= 0.19's chunked MLP (absent from 0.16.1) is refused whenever set
+    "chunked mlp": dict(mlp_chunks_for_training=2),
 }
 
 

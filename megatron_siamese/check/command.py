@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                             default=getattr(ModelCase, field),
                             help="model/data size (default: %(default)s)")
     parser.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    parser.add_argument("--model", choices=["gpt", "hybrid"], default="gpt",
+                        help="GPTModel, or HybridModel (megatron-core >= 0.19) with SiameseNorm sublayers")
+    parser.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
+                        help="HybridModel layers, e.g. '*-*-' (default: '*-' per --num-layers); pipeline "
+                             "layouts cut it into equal stages")
     parser.add_argument("--plant-fault", choices=sorted(FAULTS), default=None,
                         help="plant a known bug on every rank to see the check fail (%(choices)s)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -165,6 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     case = ModelCase(
         norm=SPECS[options.spec], dtype=options.dtype, normalization=options.normalization,
+        model=options.model, hybrid_layer_pattern=options.hybrid_layer_pattern,
         **{f: getattr(options, f) for f in (
             "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
             "ffn_hidden_size", "vocab_size", "seq_length", "micro_batch_size",

@@ -108,11 +108,10 @@ def case_config(case: ModelCase, layout: Layout):
 
 
 def build_seeded_chunks(case: ModelCase, config, tp_rank: int = 0, tp: int = 1):
-    """The case's GPT chunks for this rank (unwrapped), weights seeded from their global names."""
-    from megatron_siamese.models import build_gpt_chunks
+    """The case's model chunks for this rank (unwrapped), weights seeded from their global names."""
+    from megatron_siamese.models import build_model_chunks
 
-    chunks = build_gpt_chunks(config, case.norm, case.vocab_size, case.seq_length,
-                              case.position_embedding_type, case.share_embeddings_and_output_weights)
+    chunks = build_model_chunks(config, case, case.vocab_size)
     seed_parameters(chunks, case.seed, tp_rank, tp, case.zero_centered_gamma)
     return chunks
 

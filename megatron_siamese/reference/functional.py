@@ -78,11 +78,22 @@ def normalize(
     return out.to(x.dtype)
 
 
-def depth_scale(layer_number: int) -> float:
-    """c = sqrt(2 L) for the block with global 1-based layer number L."""
-    if layer_number < 1:
-        raise ValueError(f"layer_number is 1-based and global, got {layer_number}")
-    return math.sqrt(2.0 * layer_number)
+def depth_scale(block_number: int) -> float:
+    """c = sqrt(2 L) for the block with global 1-based number L."""
+    if block_number < 1:
+        raise ValueError(f"the block number is 1-based and global, got {block_number}")
+    return math.sqrt(2.0 * block_number)
+
+
+def gpt_equivalent_block(layer_number: int, sublayers_per_layer: int) -> int:
+    """The 1-based block, in a GPT of attention + MLP blocks, that global layer ``layer_number``
+    corresponds to: a GPT layer (two sublayers) is its own block; in a HybridModel stack (one
+    sublayer per layer, whatever its kind) layers 2b - 1 and 2b form block b, so a ``*-*-...``
+    pattern computes exactly the GPT's c, and every other pattern counts its depth in pairs of
+    sublayers."""
+    if sublayers_per_layer not in (1, 2):
+        raise ValueError(f"a SiameseNorm layer holds one or two sublayers, got {sublayers_per_layer}")
+    return math.ceil(layer_number * sublayers_per_layer / 2)
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:

@@ -17,7 +17,9 @@ What ``install()`` changes, and only while it is installed:
 * ``Tensor.type()`` with no argument reports the CUDA type name
   (``"torch.cuda.FloatTensor"``), which Megatron's optimizers check before accepting
   a parameter;
-* ``torch.cuda.current_device/synchronize/empty_cache`` and the CUDA RNG entry points
+* ``torch.cuda.Stream/Event/current_stream/default_stream/stream`` are host stand-ins
+  (CPU work is in program order), and
+  ``torch.cuda.current_device/synchronize/empty_cache`` and the CUDA RNG entry points
   (``get_rng_state``/``set_rng_state``/``manual_seed`` and Megatron's own
   ``_get_cuda_rng_state``/``_set_cuda_rng_state``) work against a private CPU
   ``torch.Generator`` that stands in for the GPU generator. CPU operations (dropout
@@ -122,6 +124,37 @@ def _cuda_rng_replacements(generator: torch.Generator) -> Dict[Tuple[Any, str], 
     }
 
 
+class HostStream:
+    """Stands in for a CUDA stream or event: CPU work runs in program order, so there is
+    nothing to wait for or record (megatron-core >= 0.19 syncs DDP's gradient buffers through
+    streams even without overlap)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "HostStream":
+        return event if event is not None else HostStream()
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    @staticmethod
+    def priority_range():
+        return 0, 0
+
+
 def _device_replacements() -> Dict[Tuple[Any, str], Any]:
     replacements = {(torch, name): _factory_on_cpu(getattr(torch, name)) for name in _FACTORIES}
     replacements.update(_tensor_method_replacements())
@@ -130,6 +163,11 @@ def _device_replacements() -> Dict[Tuple[Any, str], Any]:
             (torch.cuda, "current_device"): lambda: 0,
             (torch.cuda, "synchronize"): lambda device=None: None,
             (torch.cuda, "empty_cache"): lambda: None,
+            (torch.cuda, "Stream"): HostStream,
+            (torch.cuda, "Event"): HostStream,
+            (torch.cuda, "current_stream"): lambda device=None: HostStream(),
+            (torch.cuda, "default_stream"): lambda device=None: HostStream(),
+            (torch.cuda, "stream"): lambda stream=None: contextlib.nullcontext(),
         }
     )
     return replacements

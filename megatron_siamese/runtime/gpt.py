@@ -1,7 +1,7 @@
 """One rank's Megatron GPT: the runtime the trainer and the parallel check share.
 
     ModelSettings + Layout --transformer_config--> SiameseTransformerConfig
-      --models.build_gpt_chunks--> GPTModel chunks of the scheme (one per virtual stage)
+      --models.build_model_chunks--> GPTModel or HybridModel chunks (one per virtual stage)
       --init_weights (optional)--> GPU, Float16Module (bf16), DistributedDataParallel
       --> Megatron optimizer (distributed or not), finalize_model_grads and the overlapped
           gradient sync wired as Megatron-LM wires them
@@ -30,6 +30,10 @@ class ModelSettings:
     """A GPT's shape, residual scheme and numerics: everything but the layout and the data."""
 
     norm: str = "siamese"  # a scheme of megatron_siamese.models.SCHEMES
+    # "gpt" (GPTModel) or "hybrid" (HybridModel, megatron-core >= 0.19; SiameseNorm only)
+    model: str = "gpt"
+    # the HybridModel's layers, e.g. "*-*-" or "M*-M*-" (None: "*-" per layer, the GPT's equivalent)
+    hybrid_layer_pattern: Optional[str] = None
     num_layers: int = 4
     hidden_size: int = 128
     num_attention_heads: int = 4
@@ -55,13 +59,13 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
     import torch.nn.functional as F
 
     from megatron_siamese.config import SiameseTransformerConfig
-    from megatron_siamese.models import scheme
+    from megatron_siamese.models import num_layers, scheme
 
     dtype = DTYPES[model.dtype]
     on_gpu = torch.cuda.is_available()
     fields = dict(
         siamese_fused_ops=model.fused_ops,
-        num_layers=model.num_layers,
+        num_layers=num_layers(model),
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
@@ -178,13 +182,12 @@ class MegatronGPT:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
-        from megatron_siamese.models import build_gpt_chunks
+        from megatron_siamese.models import build_model_chunks
 
         self.settings, self.layout = model, layout
         initialize_model_parallel(layout, seed)
         self.config = config = transformer_config(model, layout, **config_overrides)
-        chunks = build_gpt_chunks(config, model.norm, vocab_size, model.seq_length,
-                                  model.position_embedding_type, model.share_embeddings_and_output_weights)
+        chunks = build_model_chunks(config, model, vocab_size)
         if init_weights is not None:
             init_weights(chunks)
         if torch.cuda.is_available():

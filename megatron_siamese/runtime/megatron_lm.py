@@ -18,7 +18,6 @@ import os
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
-import contextlib  # noqa: E402
 import runpy  # noqa: E402
 import sys  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -26,17 +25,6 @@ from types import SimpleNamespace  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_siamese.runtime import cpu_shim  # noqa: E402
-
-
-class _HostStream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
 
 
 def main() -> None:
@@ -56,10 +44,6 @@ def main() -> None:
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *args, **kwargs: 0)
     torch.cuda.reset_peak_memory_stats = lambda *args, **kwargs: None
-    # CPU work is in program order: streams are nothing to wait for
-    torch.cuda.Stream = _HostStream
-    torch.cuda.current_stream = torch.cuda.default_stream = lambda *args, **kwargs: _HostStream()
-    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     script = os.path.abspath(sys.argv[1])
     sys.argv = [script, *sys.argv[2:]]
     sys.path.insert(0, os.path.dirname(script))

@@ -20,16 +20,20 @@ import numpy
 import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
 
-class ByteTokenizer(MegatronLegacyTokenizer):
-    """UTF-8 bytes as tokens 0-255, end-of-document 256, padding 257."""
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0-255, end-of-document 256, padding 257.
+
+    What GPTDataset reads of a tokenizer (``vocab_size``, ``eod``); a plain class, because
+    Megatron's tokenizer base classes moved between megatron-core releases.
+    """
 
     EOD, PAD = 256, 257
 
     def __init__(self):
-        super().__init__()
+        # what dataset caches are keyed on (as Megatron's own tokenizers describe themselves)
+        self.unique_identifiers = {"class": type(self).__name__, "tokenizer_path": []}
 
     def tokenize(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))

@@ -1,0 +1,83 @@
+"""One SiameseNorm sublayer on packed streams, shared by every SiameseNorm layer class.
+
+A Megatron layer class mixes in ``SiameseSublayerMixin`` and calls ``_init_siamese`` after
+its own ``__init__``; each of its sublayers (attention, MLP, a Mamba or GDN mixer) then runs
+as ``_siamese_sublayer(streams, x_norm, y_norm, input_norm, sublayer)``:
+
+    base, normed = norms(streams)       # base = [u | y], u = PostNorm(x); normed = InputNorm(u + PreNorm(y))
+    out, bias = sublayer(normed)
+    streams = base + [z / c | z]        # z = dropout(out + bias), one mask for both streams
+
+through the fused ops or the PyTorch composition (``stream_arithmetic.py``), with selective
+"layernorm" recompute releasing the norms' outputs until the backward needs them. ``c`` comes
+from the global layer number and how many sublayers the layer holds
+(``reference.functional.gpt_equivalent_block``), so every pipeline and virtual-pipeline
+layout, and a HybridModel stack of one-sublayer layers, computes the GPT's function.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+
+from megatron_siamese.pipeline import require_wide_pipeline_tensors
+from megatron_siamese.reference.functional import depth_scale, gpt_equivalent_block
+from megatron_siamese.stream_arithmetic import StreamArithmetic, dropout_mask
+
+Sublayer = Callable[[Tensor], Tuple[Tensor, Optional[Tensor]]]
+
+
+class SiameseSublayerMixin:
+    """Needs ``self.config``, ``self.layer_number`` (global, 1-based) and ``self.hidden_dropout``."""
+
+    def _init_siamese(self, stream_norms: Sequence[object], sublayers_per_layer: int) -> None:
+        """``stream_norms``: the PostNorm/PreNorm modules of the sublayers this layer holds."""
+        self.depth_scale = depth_scale(gpt_equivalent_block(self.layer_number, sublayers_per_layer))
+        self.stream_arithmetic = StreamArithmetic(self.config, stream_norms)
+        self.is_first_layer = self.layer_number == 1
+        self.recompute_stream_norms = (
+            self.config.recompute_granularity == "selective"
+            and "layernorm" in (self.config.recompute_modules or ())
+        )
+        require_wide_pipeline_tensors(self.config)
+
+    def _check_width(self, hidden_states: Tensor) -> None:
+        hidden_size = self.config.hidden_size
+        if self.is_first_layer and hidden_states.shape[-1] == hidden_size:
+            return  # x = y = embedding output
+        if hidden_states.shape[-1] != 2 * hidden_size:
+            raise ValueError(
+                f"SiameseNorm layer {self.layer_number} expected packed streams [s, b, "
+                f"{2 * hidden_size}] but got {tuple(hidden_states.shape)}. If this stage "
+                "received it from a previous pipeline stage, the schedule's receive buffer was "
+                "hidden_size wide: pass p2p_communicator=SiameseP2PCommunicator(pp_group, "
+                "config) or set config.variable_seq_lengths=True."
+            )
+
+    def _siamese_sublayer(self, hidden_states: Tensor, x_norm, y_norm, input_norm, sublayer: Sublayer) -> Tensor:
+        """One sublayer on packed streams: norms, ``sublayer(normed) -> (out, bias)``, dual residual."""
+        self._check_width(hidden_states)
+        arithmetic = self.stream_arithmetic.on(hidden_states.device)
+
+        def norms(streams: Tensor):
+            return arithmetic.norms(streams, x_norm, y_norm, input_norm)
+
+        norm_checkpoint = None
+        if self.recompute_stream_norms:
+            # CheckpointWithoutOutput treats any fp8 argument but None as "FP8 on" (and then
+            # needs Transformer Engine), so pass config.fp8 itself: None when FP8 is off.
+            norm_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
+            base, normed = norm_checkpoint.checkpoint(norms, hidden_states)
+        else:
+            base, normed = norms(hidden_states)
+        output, bias = sublayer(normed)
+        mask, scale = dropout_mask(output, self.hidden_dropout, self.training)
+        packed = arithmetic.residual(base, output, bias, mask, scale, 1.0 / self.depth_scale)
+        if norm_checkpoint is not None:
+            # the norms' outputs are recomputed when the sublayer's output gradient arrives;
+            # they are dead from here on (the residual update does not save them)
+            norm_checkpoint.discard_output_and_register_recompute(output)
+        return packed

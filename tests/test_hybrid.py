@@ -1,0 +1,139 @@
+"""SiameseNorm in Megatron's HybridModel (megatron-core >= 0.19): one pattern symbol, one sublayer.
+
+A ``*-*-...`` stack computes exactly the SiameseNorm GPTModel with the same weights; a GPT
+checkpoint loads into it through Megatron's own translation; what cannot run is refused.
+"""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
+from megatron_siamese.reference.functional import depth_scale, gpt_equivalent_block
+from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.support import UnsupportedConfigError
+from megatron_siamese.versions import installed_megatron_core, release
+
+HAS_HYBRID = release(installed_megatron_core()) >= (0, 19, 0)
+needs_hybrid = pytest.mark.skipif(
+    not HAS_HYBRID, reason="HybridModel needs megatron-core >= 0.19; the 0.19 leg of the suite runs this"
+)
+
+CASE = ModelCase(num_layers=3)
+HYBRID = dataclasses.replace(CASE, model="hybrid")  # pattern "*-*-*-"
+
+
+def test_depth_rule_counts_sublayers_in_pairs():
+    gpt = [depth_scale(gpt_equivalent_block(layer, 2)) for layer in (1, 2, 3)]
+    hybrid = [depth_scale(gpt_equivalent_block(layer, 1)) for layer in range(1, 7)]
+    assert hybrid == [gpt[0], gpt[0], gpt[1], gpt[1], gpt[2], gpt[2]]
+    with pytest.raises(ValueError, match="one or two sublayers"):
+        gpt_equivalent_block(1, 3)
+
+
+@pytest.mark.skipif(HAS_HYBRID, reason="this megatron-core has HybridModel")
+def test_hybrid_model_on_older_megatron_core_is_refused_by_name():
+    with pytest.raises(ImportError, match=r"HybridModel support needs megatron-core >= 0\.19 \(installed: 0\.16"):
+        import megatron_siamese.hybrid  # noqa: F401
+
+
+def gpt_name_in_hybrid(name: str) -> str:
+    """A GPTModel parameter's name in the equivalent ``*-`` HybridModel (GPT layer i: attention
+    in hybrid layer 2i, MLP in 2i + 1; the final norm is the stack's ``final_norm``)."""
+    match = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
+    if match:
+        layer, rest = int(match.group(1)), match.group(2)
+        mlp_side = rest.startswith(("mlp.", "mlp_x_norm.", "mlp_y_norm.", "pre_mlp_layernorm."))
+        return f"decoder.layers.{2 * layer + mlp_side}.{rest}"
+    return name.replace("decoder.final_layernorm.", "decoder.final_norm.")
+
+
+def forward_backward(model, case):
+    batch = microbatches(case)[0]
+    logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]).mean().backward()
+    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@needs_hybrid
+@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
+def test_star_dash_stack_equals_the_siamese_gpt_bitwise(megatron_single_rank, fused):
+    gpt_case, hybrid_case = (dataclasses.replace(c, fused_ops=fused) for c in (CASE, HYBRID))
+    (gpt,) = build_seeded_chunks(gpt_case, case_config(gpt_case, Layout()))
+    (hybrid,) = build_seeded_chunks(hybrid_case, case_config(hybrid_case, Layout()))
+    gpt_state = gpt.state_dict()
+    hybrid_state = {gpt_name_in_hybrid(k): v for k, v in gpt_state.items() if not k.endswith("_extra_state")}
+    missing, unexpected = hybrid.load_state_dict(hybrid_state, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    gpt_logits, gpt_grads = forward_backward(gpt, gpt_case)
+    hybrid_logits, hybrid_grads = forward_backward(hybrid, hybrid_case)
+    assert torch.equal(hybrid_logits, gpt_logits)
+    assert len(gpt_grads) == len(hybrid_grads)
+    for name, grad in gpt_grads.items():
+        assert torch.equal(hybrid_grads[gpt_name_in_hybrid(name)], grad), name
+    # and the comparison has teeth: the hybrid model's own seeded weights compute something else
+    (other,) = build_seeded_chunks(hybrid_case, case_config(hybrid_case, Layout()))
+    assert not torch.allclose(forward_backward(other, hybrid_case)[0], gpt_logits)
+
+
+@needs_hybrid
+def test_gpt_checkpoint_loads_into_the_hybrid_model_through_megatrons_translation(megatron_single_rank, tmp_path):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+        gpt_compatible_layer_maps,
+        retarget_sharded_state_dict_to_gpt_checkpoint,
+    )
+
+    (gpt,) = build_seeded_chunks(CASE, case_config(CASE, Layout()))
+    dist_checkpointing.save(gpt.sharded_state_dict(), str(tmp_path))
+    (hybrid,) = build_seeded_chunks(HYBRID, case_config(HYBRID, Layout()))
+    sharded = hybrid.sharded_state_dict()
+    retarget_sharded_state_dict_to_gpt_checkpoint(sharded, gpt_compatible_layer_maps("*-" * CASE.num_layers))
+    hybrid.load_state_dict(dist_checkpointing.load(sharded, str(tmp_path)))
+    assert torch.equal(forward_backward(hybrid, HYBRID)[0], forward_backward(gpt, CASE)[0])
+
+
+@needs_hybrid
+@pytest.mark.parametrize("pattern,refusal", [
+    ("*-E-", "MoE layers \\('E'\\) are not supported"),
+    ("D-D-", "DeepSeek sparse attention"),
+    ("*-M-", "Mamba layers \\('M'\\) run on GPU kernels: use siamese_hybrid_te_stack_spec"),
+    ("*-G-", "gated delta net layers \\('G'\\) run on GPU kernels"),
+])
+def test_layers_siamese_norm_cannot_build_here_are_refused_by_name(megatron_single_rank, pattern, refusal):
+    case = dataclasses.replace(HYBRID, hybrid_layer_pattern=pattern)
+    with pytest.raises(UnsupportedConfigError, match=refusal):
+        build_seeded_chunks(case, case_config(case, Layout()))
+
+
+@needs_hybrid
+def test_te_stack_is_megatrons_hybrid_spec_with_siamese_layers_and_refuses_without_te(megatron_single_rank):
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    from megatron_siamese import hybrid, te
+    from megatron_siamese.layer import SiameseTransformerLayer
+    from megatron_siamese.norms import TorchNorm
+
+    ours, stock = hybrid.siamese_hybrid_te_stack_spec.submodules, hybrid_stack_spec.submodules
+    for slot in ("attention_layer", "mlp_layer", "gdn_layer"):
+        assert getattr(ours, slot).module is SiameseTransformerLayer
+    assert ours.attention_layer.submodules.self_attention.submodules.linear_qkv is \
+        stock.attention_layer.submodules.self_attention.submodules.linear_qkv  # TE's fused LayerNorm-Linear
+    assert ours.gdn_layer.submodules.self_attention.module is stock.gdn_layer.submodules.self_attention.module
+    assert ours.attention_layer.submodules.attn_x_norm is TorchNorm and ours.mlp_layer.submodules.mlp_y_norm is TorchNorm
+    assert ours.mamba_layer.module is hybrid.SiameseMambaLayer
+    assert ours.mamba_layer.submodules.mixer is stock.mamba_layer.submodules.mixer
+    if te.unavailable_reason():
+        case = dataclasses.replace(HYBRID, transformer_impl="transformer_engine")
+        config = dataclasses.replace(case_config(HYBRID, Layout()), transformer_impl="transformer_engine")
+        with pytest.raises(UnsupportedConfigError, match="Transformer Engine hybrid stack needs Transformer Engine"):
+            build_seeded_chunks(case, config)
+
+
+@needs_hybrid
+def test_only_siamese_norm_builds_a_hybrid_model(megatron_single_rank):
+    case = dataclasses.replace(HYBRID, norm="pre")
+    with pytest.raises(ValueError, match="SiameseNorm layers only"):
+        build_seeded_chunks(case, case_config(case, Layout()))
