@@ -4,5 +4,5 @@
 # Extra flags go to `megatron-siamese train` (see --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh >/dev/null
 exec .venv/bin/megatron-siamese train "$@"

@@ -1,21 +1,44 @@
 #!/usr/bin/env bash
-# Creates .venv (once) with the tested CPU stack and this package installed editable.
-# Safe to run repeatedly: it reinstalls (and rebuilds the C++ extension) only when
-# requirements-cpu.txt, setup.py or csrc/ changed.
+# Creates a virtual environment (once) with a tested CPU stack and this package installed
+# editable, and prints its path. Safe to run repeatedly: it reinstalls (and rebuilds the
+# C++ extension) only when the stack's requirements, setup.py or csrc/ changed.
+#
+#   bash scripts/setup.sh             # mcore016: Python 3.11, torch 2.13.0 (CPU), megatron-core 0.16.1 -> .venv
+#   bash scripts/setup.sh mcore019    # mcore019: Python 3.12, torch 2.14.1, megatron-core 0.19.2 -> .venv-mcore019
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+stack=${1:-mcore016}
+python_of() {  # the interpreter for a Python version: on PATH, else pyenv's
+  command -v "python$1" >/dev/null 2>&1 && "python$1" --version >/dev/null 2>&1 && { command -v "python$1"; return; }
+  local found
+  found=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$1".*/bin/python"$1" 2>/dev/null | tail -n 1)
+  [ -n "$found" ] || { echo "scripts/setup.sh: Python $1 not found (on PATH or in pyenv); install it or set PYTHON" >&2; exit 1; }
+  echo "$found"
+}
+case "$stack" in
+  mcore016) venv=.venv; requirements=requirements-cpu.txt; python=${PYTHON:-$(python_of 3.11)}
+            torch_pin="torch==2.13.0"; build_env=(MEGATRON_SIAMESE_CPU_ONLY=1) ;;
+  mcore019) venv=.venv-mcore019; requirements=requirements-mcore019.txt; python=${PYTHON:-$(python_of 3.12)}
+            torch_pin="torch==2.14.1"
+            # torch here is a CUDA build: the extension gets its CUDA kernels, built for sm_90
+            # against the CUDA toolkit (nvcc), which proves they compile and link as users build them
+            build_env=(TORCH_CUDA_ARCH_LIST=9.0)
+            [ -d /usr/local/cuda/lib64 ] && build_env+=(CUDA_HOME=/usr/local/cuda) ;;
+  *) echo "scripts/setup.sh: unknown stack '$stack' (mcore016 or mcore019)" >&2; exit 2 ;;
+esac
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
 fi
-stamp=.venv/.megatron_siamese-installed
-want=$(cat requirements-cpu.txt setup.py csrc/* | sha256sum | cut -d' ' -f1)
+stamp=$venv/.megatron_siamese-installed
+want=$(cat "$requirements" setup.py csrc/* | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  # torch first and pinned: this machine's CPU wheel is on local disk; anything else pulls CUDA wheels
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -r requirements-cpu.txt
+  echo "setting up $venv ($stack) ..." >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  # torch first and pinned: an unpinned torch pulls a different (multi-GB) build
+  "$venv/bin/python" -m pip install -q "$torch_pin"
+  "$venv/bin/python" -m pip install -q -r "$requirements"
   # no build isolation: the C++ extension builds against the torch installed above
-  .venv/bin/python -m pip install -q --no-build-isolation -e .
+  env "${build_env[@]}" "$venv/bin/python" -m pip install -q --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
+echo "$venv"

@@ -1,6 +1,16 @@
 #!/usr/bin/env bash
-# The whole test suite on CPU (several gloo processes per parallel test). Extra args go to pytest.
+# The whole test suite on CPU, on both tested Megatron-Core stacks (several gloo processes per
+# parallel test): megatron-core 0.16.1 / Python 3.11, then 0.19.2 / Python 3.12. Each stack
+# sets up its own virtual environment on first use (scripts/setup.sh).
+#
+#   bash scripts/test.sh                      # both stacks (what CI runs)
+#   STACKS=mcore016 bash scripts/test.sh -k hybrid   # one stack; extra args go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+status=0
+for stack in ${STACKS:-mcore016 mcore019}; do
+  venv=$(bash scripts/setup.sh "$stack")
+  echo "== $stack: $("$venv/bin/python" -c 'import sys, torch; from importlib.metadata import version; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {version(\"megatron-core\")}")' 2>/dev/null)"
+  "$venv/bin/python" -m pytest "$@" || status=$?
+done
+exit $status

@@ -1,4 +1,8 @@
-"""The CUDA kernels cannot run here, but they must compile: nvcc, sm_90, torch's headers."""
+"""The CUDA kernels cannot run here, but they must compile: nvcc, sm_90, torch's headers.
+
+With a CPU build of torch the .cu is compiled on its own (a shim stands in for the one CUDA
+header the CPU wheel lacks); with a CUDA build of torch the package build itself compiles
+and links the kernels, and the test checks they are registered."""
 
 import os
 import shutil
@@ -14,6 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cuda_kernels_compile_for_sm90(tmp_path):
+    if torch.version.cuda is not None:
+        # a CUDA build of torch (the mcore019 stack): setup.py compiled the kernels for sm_90 and
+        # linked them into the extension, as users build it; they must be registered
+        from megatron_siamese import ops
+
+        assert ops.has_cuda_kernels(), ops.unavailable_reason("cuda")
+        return
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         if os.environ.get("MEGATRON_SIAMESE_SKIP_NVCC") == "1":
@@ -41,6 +52,11 @@ def test_cuda_kernels_compile_for_sm90(tmp_path):
 
 def test_host_layer_registers_cuda_kernels_when_built_with_cuda():
     """ops.cpp as a CUDA build compiles it (-DWITH_CUDA): the CUDA registration must type-check."""
+    if torch.version.cuda is not None:  # the package build compiled ops.cpp with WITH_CUDA itself
+        from megatron_siamese import ops
+
+        assert ops.has_cuda_kernels(), ops.unavailable_reason("cuda")
+        return
     command = [
         "g++", "-std=c++20", "-fsyntax-only", "-DWITH_CUDA", str(ROOT / "csrc" / "ops.cpp"),
         *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",

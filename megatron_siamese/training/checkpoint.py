@@ -37,6 +37,7 @@ def require_psutil() -> None:
 
 
 MODEL_ONLY = "model_only"  # common-state flag: the checkpoint holds no optimizer state
+MODEL_CLASS = "model_class"  # common state: "gpt" (GPTModel) or "hybrid" (HybridModel); absent = "gpt"
 
 
 def _metadata(trainer) -> dict:
@@ -77,6 +78,7 @@ def sharded_state_dict(trainer, is_loading: bool, model_only: bool = False) -> d
     state = {key: module.sharded_state_dict(metadata=metadata) for key, module in _models(trainer)}
     state["step"] = trainer.step
     state[MODEL_ONLY] = model_only
+    state[MODEL_CLASS] = trainer.args.model
     if not model_only:
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=metadata
@@ -152,12 +154,56 @@ def _restore_adam_step_count(optimizer, step: int) -> None:
                 state["step"] = state["step"].new_tensor(float(step))
 
 
+def _load_gpt_into_hybrid(trainer, checkpoint: str) -> int:
+    """A GPTModel checkpoint's weights into this HybridModel run, through Megatron's own
+    load-time translation (``gpt_checkpoint_interop``: the i-th '*' takes GPT layer i's
+    attention, the i-th '-' its MLP). The optimizer starts fresh: this trainer's checkpoints
+    keep the distributed optimizer's state in a bucket-space format Megatron cannot translate."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+        gpt_compatible_layer_maps,
+        retarget_sharded_state_dict_to_gpt_checkpoint,
+    )
+
+    from megatron_siamese.models import hybrid_pattern
+
+    layer_maps = gpt_compatible_layer_maps(hybrid_pattern(trainer.args))
+    state = {key: module.sharded_state_dict(metadata=_metadata(trainer)) for key, module in _models(trainer)}
+    for sharded in state.values():
+        retarget_sharded_state_dict_to_gpt_checkpoint(sharded, layer_maps)
+    state["step"] = trainer.step
+    loaded = dist_checkpointing.load(state, checkpoint)
+    for key, module in _models(trainer):
+        module.load_state_dict(loaded[key])
+    return _start_schedule_at(trainer, int(loaded["step"]))
+
+
+def _start_schedule_at(trainer, step: int) -> int:
+    """A fresh optimizer, the schedule continuing from ``step``."""
+    trainer.step = step
+    if step:
+        trainer.scheduler.step(increment=step)
+    return step
+
+
 def load(trainer, path: str) -> int:
-    """Load into the trainer's current layout; returns the checkpoint's step."""
+    """Load into the trainer's current layout; returns the checkpoint's step.
+
+    A GPTModel checkpoint also loads into a HybridModel run (weights only, see
+    ``_load_gpt_into_hybrid``); the reverse is refused."""
     from megatron.core import dist_checkpointing
 
     checkpoint = resolve(path)
-    model_only = bool(dist_checkpointing.load_common_state_dict(checkpoint).get(MODEL_ONLY, False))
+    common = dist_checkpointing.load_common_state_dict(checkpoint)
+    saved_class, wanted_class = common.get(MODEL_CLASS, "gpt"), trainer.args.model
+    if (saved_class, wanted_class) == ("gpt", "hybrid"):
+        return _load_gpt_into_hybrid(trainer, checkpoint)
+    if saved_class != wanted_class:
+        raise ValueError(
+            f"{checkpoint} holds a {saved_class} model and this run builds a {wanted_class} model; load it "
+            f"with --model {saved_class} (a GPT checkpoint loads into --model hybrid, not the reverse)"
+        )
+    model_only = bool(common.get(MODEL_ONLY, False))
     if not model_only:
         _materialize_optimizer_state(trainer.optimizer)
     loaded = dist_checkpointing.load(
@@ -166,10 +212,7 @@ def load(trainer, path: str) -> int:
     for key, module in _models(trainer):
         module.load_state_dict(loaded[key])
     if model_only:  # a fresh optimizer; the schedule continues from the checkpoint's step
-        trainer.step = int(loaded["step"])
-        if trainer.step:
-            trainer.scheduler.step(increment=trainer.step)
-        return trainer.step
+        return _start_schedule_at(trainer, int(loaded["step"]))
     with torch.no_grad():  # fp32 distributed-optimizer state is copied into parameter views
         trainer.optimizer.load_state_dict(loaded["optimizer"])
     trainer.scheduler.load_state_dict(loaded["scheduler"])

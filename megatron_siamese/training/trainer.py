@@ -62,6 +62,8 @@ class TrainArgs(ModelSettings):
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs --tp > 1")
+        if self.model == "hybrid" and self.norm != "siamese":
+            raise ValueError(f"--model hybrid builds SiameseNorm layers only (--norm siamese), got --norm {self.norm}")
         if self.task not in ("lm", "addition", "addition-reversed"):
             raise ValueError(f"task must be lm, addition or addition-reversed, got {self.task!r}")
         if self.task != "lm" and (self.tp, self.pp) != (1, 1):
