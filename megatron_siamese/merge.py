@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import Tensor
 
 from megatron.core.transformer.module import MegatronModule
@@ -29,7 +31,10 @@ class SiameseFinalNorm(TorchNorm):
     """The block's final norm for the Python block spec: merges the streams, then normalizes.
 
     Its own ``weight``/``bias`` are FinalNorm (named like any Megatron final norm); the
-    stream norms live in ``merge.x_norm`` and ``merge.y_norm``.
+    stream norms live in ``merge.x_norm`` and ``merge.y_norm``. Checkpoints store those as
+    ``<stack>.layers.output_merge.*``, the name Megatron-LM's layer spec (whose last layer
+    merges) gives them, so one checkpoint loads through either GPT entry point and, by
+    Megatron's GPT-to-Hybrid translation, into a HybridModel stack.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
@@ -38,3 +43,11 @@ class SiameseFinalNorm(TorchNorm):
 
     def forward(self, packed: Tensor) -> Tensor:
         return super().forward(self.merge(*split_streams(packed, self.hidden_size)))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
+
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        stack = prefix[: prefix.rstrip(".").rfind(".") + 1]  # "decoder.final_layernorm." -> "decoder."
+        apply_prefix_mapping(sharded, {f"{prefix}merge.": f"{stack}layers.output_merge."})
+        return sharded

@@ -79,20 +79,23 @@ def test_star_dash_stack_equals_the_siamese_gpt_bitwise(megatron_single_rank, fu
 
 
 @needs_hybrid
-def test_gpt_checkpoint_loads_into_the_hybrid_model_through_megatrons_translation(megatron_single_rank, tmp_path):
+@pytest.mark.parametrize("gpt_spec", ["siamese", "siamese-layer"], ids=["python-api", "megatron-lm-spec"])
+def test_gpt_checkpoint_loads_into_the_hybrid_model_through_megatrons_translation(megatron_single_rank, tmp_path,
+                                                                                  gpt_spec):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
         gpt_compatible_layer_maps,
         retarget_sharded_state_dict_to_gpt_checkpoint,
     )
 
-    (gpt,) = build_seeded_chunks(CASE, case_config(CASE, Layout()))
+    gpt_case = dataclasses.replace(CASE, norm=gpt_spec)
+    (gpt,) = build_seeded_chunks(gpt_case, case_config(gpt_case, Layout()))
     dist_checkpointing.save(gpt.sharded_state_dict(), str(tmp_path))
     (hybrid,) = build_seeded_chunks(HYBRID, case_config(HYBRID, Layout()))
     sharded = hybrid.sharded_state_dict()
     retarget_sharded_state_dict_to_gpt_checkpoint(sharded, gpt_compatible_layer_maps("*-" * CASE.num_layers))
     hybrid.load_state_dict(dist_checkpointing.load(sharded, str(tmp_path)))
-    assert torch.equal(forward_backward(hybrid, HYBRID)[0], forward_backward(gpt, CASE)[0])
+    assert torch.equal(forward_backward(hybrid, HYBRID)[0], forward_backward(gpt, gpt_case)[0])
 
 
 @needs_hybrid

@@ -85,3 +85,16 @@ def test_local_checkpoint_names_are_the_te_names(megatron_single_rank):
     assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in keys)
     # the stream norms keep their own names in both specs
     assert "decoder.layers.attn_x_norm.weight" in keys and "decoder.layers.mlp_y_norm.weight" in keys
+
+
+@pytest.mark.parametrize("norm", ["siamese", "siamese-layer"])
+def test_both_gpt_entry_points_store_the_merge_norms_under_one_name(megatron_single_rank, norm):
+    """Megatron-LM's layer spec merges in the last layer, the Python API in the final norm:
+    both store the merge norms as decoder.layers.output_merge.*, so checkpoints interchange."""
+    config = case_config(ModelCase(num_layers=2), Layout())
+    (model,) = build_gpt_chunks(config, norm, 128, 16)
+    keys = {sharded.key for sharded in model.sharded_state_dict().values() if hasattr(sharded, "key")}
+    merge = {k for k in keys if "merge" in k}
+    assert merge == {"decoder.layers.output_merge.x_norm.weight", "decoder.layers.output_merge.x_norm.bias",
+                     "decoder.layers.output_merge.y_norm.weight", "decoder.layers.output_merge.y_norm.bias"}
+    assert "decoder.final_layernorm.weight" in keys

@@ -44,6 +44,17 @@ def main() -> None:
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *args, **kwargs: 0)
     torch.cuda.reset_peak_memory_stats = lambda *args, **kwargs: None
+    # torch itself (optimizers, data loaders) asks torch.accelerator, not torch.cuda: there is none
+    if hasattr(torch, "accelerator"):
+        torch.accelerator.current_accelerator = lambda check_available=False: None
+        torch.accelerator.is_available = lambda: False
+    # its data loaders pin host memory for the GPU (a CUDA build of torch then initializes CUDA)
+    original_loader_init = torch.utils.data.DataLoader.__init__
+
+    def loader_init(self, *args, **kwargs):
+        original_loader_init(self, *args, **{**kwargs, "pin_memory": False})
+
+    torch.utils.data.DataLoader.__init__ = loader_init
     script = os.path.abspath(sys.argv[1])
     sys.argv = [script, *sys.argv[2:]]
     sys.path.insert(0, os.path.dirname(script))
