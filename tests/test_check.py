@@ -4,6 +4,7 @@ import pytest
 
 from megatron_siamese.check.command import DEFAULT_LAYOUTS, main, run_check
 from megatron_siamese.check.step import ModelCase
+from megatron_siamese.versions import installed_megatron_core, release
 
 
 def statuses(rows):
@@ -57,3 +58,13 @@ def test_cli_exit_status_and_table(capsys):
 def test_cli_rejects_unknown_layout():
     with pytest.raises(ValueError, match="unknown part"):
         main(["--layouts", "tp2-xx"])
+
+
+@pytest.mark.skipif(release(installed_megatron_core()) < (0, 19, 0),
+                    reason="HybridModel needs megatron-core >= 0.19; the 0.19 leg of the suite runs this")
+def test_hybrid_model_matrix_passes():
+    """A '*-*-*-*-' HybridModel under TP+SP, PP cut at '|' (1F1B and virtual stages), DP with the
+    distributed optimizer and recompute, each against one rank."""
+    rows = run_check(ModelCase(model="hybrid"), ["tp2-sp", "pp2", "pp2-vpp2", "dp2-do", "full", "sel", "tp2-pp2-sp"],
+                     "siamese")
+    assert set(statuses(rows).values()) == {"PASS"}
