@@ -12,34 +12,34 @@ Megatron-LM: ``pretrain_gpt.py --spec megatron_siamese.specs siamese_layer_spec`
 ``pretrain_hybrid.py --spec megatron_siamese.hybrid siamese_hybrid_stack_spec``.
 """
 
+from importlib import import_module
+
 from megatron_siamese.versions import check_megatron_core
 
 check_megatron_core()  # before anything touches Megatron: a clear message, not a TypeError mid-forward
 
-from megatron_siamese.layer import SiameseTransformerLayer, SiameseTransformerLayerSubmodules  # noqa: E402
-from megatron_siamese.merge import SiameseFinalNorm, StreamMerge  # noqa: E402
-from megatron_siamese.norms import TorchNorm  # noqa: E402
-from megatron_siamese.pipeline import SiameseP2PCommunicator  # noqa: E402
-from megatron_siamese.specs import (  # noqa: E402
-    get_siamese_block_spec,
-    get_siamese_layer_local_spec,
-    get_siamese_layer_te_spec,
-    siamese_layer_spec,
-)
-from megatron_siamese.support import UnsupportedConfigError  # noqa: E402
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "SiameseFinalNorm",
-    "SiameseP2PCommunicator",
-    "SiameseTransformerLayer",
-    "SiameseTransformerLayerSubmodules",
-    "StreamMerge",
-    "TorchNorm",
-    "UnsupportedConfigError",
-    "get_siamese_block_spec",
-    "get_siamese_layer_local_spec",
-    "get_siamese_layer_te_spec",
-    "siamese_layer_spec",
-]
+# The public API, imported on first use: importing the package (and its command line) stays
+# cheap, so a bad flag is refused before torch or Megatron is loaded.
+_PUBLIC = {
+    "SiameseFinalNorm": "merge",
+    "SiameseP2PCommunicator": "pipeline",
+    "SiameseTransformerLayer": "layer",
+    "SiameseTransformerLayerSubmodules": "layer",
+    "StreamMerge": "merge",
+    "TorchNorm": "norms",
+    "UnsupportedConfigError": "support",
+    "get_siamese_block_spec": "specs",
+    "get_siamese_layer_local_spec": "specs",
+    "get_siamese_layer_te_spec": "specs",
+    "siamese_layer_spec": "specs",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(import_module(f"megatron_siamese.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module 'megatron_siamese' has no attribute {name!r}")

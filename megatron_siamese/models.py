@@ -157,7 +157,7 @@ def build_hybrid_chunks(
 
 
 def build_model_chunks(config: TransformerConfig, settings, vocab_size: int) -> list:
-    """This rank's chunks of the model ``settings`` (runtime.gpt.ModelSettings) describe."""
+    """This rank's chunks of the model ``settings`` (runtime.settings.ModelSettings) describe."""
     common = (vocab_size, settings.seq_length, settings.position_embedding_type,
               settings.share_embeddings_and_output_weights)
     if settings.model == "gpt":

@@ -55,9 +55,10 @@ def test_cli_exit_status_and_table(capsys):
     assert "tolerance (fp32)" in out and "PASS" in out and "FAIL" in out
 
 
-def test_cli_rejects_unknown_layout():
-    with pytest.raises(ValueError, match="unknown part"):
-        main(["--layouts", "tp2-xx"])
+def test_cli_rejects_unknown_layout_before_running_anything(capsys):
+    assert main(["--layouts", "tp2-xx,tp3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown part 'xx'" in err and "tp3 does not divide" in err
 
 
 @pytest.mark.skipif(release(installed_megatron_core()) < (0, 19, 0),

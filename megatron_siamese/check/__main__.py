@@ -2,6 +2,6 @@
 
 import sys
 
-from megatron_siamese.check.command import main
+from megatron_siamese.cli import main
 
-sys.exit(main())
+sys.exit(main(["check", *sys.argv[1:]]))

@@ -17,7 +17,6 @@ optimizer), ``full`` / ``sel`` (full / selective recompute), joined by ``-``;
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -26,23 +25,13 @@ from typing import List, Optional
 
 import torch
 
+from megatron_siamese.check import DEFAULT_LAYOUTS, SPECS  # noqa: F401  (re-exported)
+from megatron_siamese.check.case import ModelCase
 from megatron_siamese.check.compare import TOLERANCES, Comparison, compare
-from megatron_siamese.check.faults import FAULTS
-from megatron_siamese.check.step import ModelCase, run_layout
+from megatron_siamese.check.step import run_layout
 from megatron_siamese.runtime.layout import Layout, parse_layout
 
-# The CPU matrix: every kind of parallelism, recompute, and their combinations.
-DEFAULT_LAYOUTS = [
-    "tp2", "tp2-sp", "pp2", "pp4", "pp2-vpp2", "dp2", "dp2-do", "full", "sel",
-    "tp2-pp2-sp", "pp2-vpp2-full", "dp2-tp2", "dp2-tp2-sp-do", "tp2-pp2-vpp2-sel", "cp2",
-]
 
-SPECS = {
-    "siamese": "siamese",  # SiameseNorm, Python API block spec
-    "siamese-layer": "siamese-layer",  # SiameseNorm, the Megatron-LM --spec layer object
-    "siamese-hybrid": "siamese-hybrid",  # the authors' hybrid variant
-    "stock": "pre",  # Megatron's stock Pre-Norm layer: the control
-}
 
 
 def unavailable_reason(layout: Layout, spec: str) -> Optional[str]:
@@ -128,71 +117,11 @@ def format_row(row: Row) -> str:
     return f"{line}  ({row.detail})" if row.detail else line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="megatron-siamese check", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
-                        help="comma-separated layout names (default: the CPU matrix: %(default)s)")
-    parser.add_argument("--spec", choices=sorted(SPECS), default="siamese",
-                        help="siamese: SiameseNorm via the Python API; siamese-layer: via the layer "
-                             "spec object Megatron-LM's --spec imports; siamese-hybrid: the authors' "
-                             "hybrid variant; stock: Megatron's stock Pre-Norm layer, as a control "
-                             "for the check itself")
-    parser.add_argument("--dtype", choices=sorted(TOLERANCES), default="fp32",
-                        help="parameter and activation dtype (bf16 uses mixed precision with fp32 "
-                             "main grads and params); sets the tolerance")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                        help="process-group backend (default: nccl with CUDA, else gloo on CPU)")
-    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                  "ffn_hidden_size", "vocab_size", "seq_length", "micro_batch_size",
-                  "num_microbatches", "seed"):
-        parser.add_argument("--" + field.replace("_", "-"), type=int,
-                            default=getattr(ModelCase, field),
-                            help="model/data size (default: %(default)s)")
-    parser.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    parser.add_argument("--model", choices=["gpt", "hybrid"], default="gpt",
-                        help="GPTModel, or HybridModel (megatron-core >= 0.19) with SiameseNorm sublayers")
-    parser.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
-                        help="HybridModel layers, e.g. '*-*-' (default: '*-' per --num-layers); pipeline "
-                             "layouts cut it into equal stages")
-    parser.add_argument("--plant-fault", choices=sorted(FAULTS), default=None,
-                        help="plant a known bug on every rank to see the check fail (%(choices)s)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    parser.add_argument("--list", action="store_true", help="print the default layouts and exit")
-    return parser
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    options = build_parser().parse_args(argv)
-    if options.list:
-        print("\n".join(DEFAULT_LAYOUTS))
-        return 0
-    case = ModelCase(
-        norm=SPECS[options.spec], dtype=options.dtype, normalization=options.normalization,
-        model=options.model, hybrid_layer_pattern=options.hybrid_layer_pattern,
-        **{f: getattr(options, f) for f in (
-            "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-            "ffn_hidden_size", "vocab_size", "seq_length", "micro_batch_size",
-            "num_microbatches", "seed")},
-    )
-    tolerance = TOLERANCES[case.dtype]
-    layouts = [name.strip() for name in options.layouts.split(",") if name.strip()]
-    print(f"SiameseNorm parallel correctness check: spec={options.spec} dtype={case.dtype} "
-          f"layers={case.num_layers} hidden={case.hidden_size} microbatches={case.num_microbatches}")
-    print(f"tolerance ({case.dtype}): {tolerance.describe()}; errors shown are max|a-b| / max|ref|")
-    print(HEADER)
-    start = time.perf_counter()
-    rows = run_check(case, layouts, options.spec, backend=options.backend, fault=options.plant_fault)
-    passed = sum(r.status == "PASS" for r in rows)
-    bad = [r for r in rows if r.status in ("FAIL", "ERROR")]
-    skipped = sum(r.status == "SKIP" for r in rows)
-    print(f"{passed} passed, {len(bad)} failed, {skipped} skipped in "
-          f"{time.perf_counter() - start:.0f}s")
-    if options.json:
-        with open(options.json, "w") as out:
-            json.dump([dataclasses.asdict(r) for r in rows], out, indent=2)
-    return 1 if bad else 0
+    """``megatron-siamese check`` with these arguments (the command line parses and validates them)."""
+    from megatron_siamese.cli import main as cli_main
+
+    return cli_main(["check", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -20,36 +20,9 @@ import torch
 from torch import Tensor
 
 from megatron_siamese.check.sharding import global_parameters, seed_parameters, unshard
-from megatron_siamese.runtime.gpt import MegatronGPT, ModelSettings, transformer_config, unwrap
+from megatron_siamese.check.case import ModelCase
+from megatron_siamese.runtime.gpt import MegatronGPT, transformer_config, unwrap
 from megatron_siamese.runtime.layout import Layout
-
-
-@dataclass(frozen=True)
-class ModelCase(ModelSettings):
-    """A tiny GPT and its data: everything but the parallel layout."""
-
-    hidden_size: int = 32
-    num_query_groups: Optional[int] = 2
-    ffn_hidden_size: Optional[int] = 64
-    seq_length: int = 16
-    normalization: str = "LayerNorm"
-    add_bias_linear: bool = True
-    vocab_size: int = 128
-    micro_batch_size: int = 2
-    num_microbatches: int = 4  # global: split over DP ranks
-    seed: int = 1234
-    # Adam (the distributed optimizer supports nothing else). Its first step is
-    # lr * g / (|g| + eps); a large eps keeps that sensitive to the gradient's scale.
-    lr: float = 0.1
-    adam_eps: float = 1.0
-    clip_grad: float = 1.0
-    # None: Megatron's default (batched) on GPUs, off on gloo, where interleaved + batched
-    # p2p gives wrong results even for the stock layer (docs/parallelism.md)
-    batch_p2p_comm: Optional[bool] = None
-    # PP>1: hand the schedule SiameseP2PCommunicator (the Python API way); False leaves
-    # Megatron's default communicator with shape exchange (the Megatron-LM way).
-    siamese_p2p: bool = True
-    fault: Optional[str] = None  # a bug from check.faults planted on every rank
 
 
 @dataclass
@@ -274,5 +247,7 @@ def run_layout(case: ModelCase, layout: Layout, backend: Optional[str] = None) -
     """Launch ``layout.world_size`` ranks, run one step, return it as global tensors."""
     from megatron_siamese.runtime.launch import launch
 
-    return assemble(launch(run_rank, layout.world_size, case, layout, backend=backend))
+    # the ranks' own output goes to logs, shown only if one fails: the check prints its table
+    ranks = launch(run_rank, layout.world_size, case, layout, backend=backend, quiet_ranks=range(layout.world_size))
+    return assemble(ranks)
 

@@ -19,7 +19,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
-from megatron_siamese.training.trainer import RunSummary, TrainArgs, train
+from megatron_siamese.training.args import TrainArgs
+from megatron_siamese.training.summary import RunSummary
 
 SCHEMES = ("pre", "post", "siamese", "siamese-hybrid")  # residual schemes of megatron_siamese.models
 
@@ -80,6 +81,8 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
              for seed in plan.seeds]
     results: Dict[str, dict] = {}
     start = time.perf_counter()
+
+    from megatron_siamese.training.trainer import train
 
     def run(job):
         scheme, lr, seed, task = job

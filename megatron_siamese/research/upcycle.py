@@ -57,12 +57,14 @@ def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
     from megatron.core import dist_checkpointing
 
     from megatron_siamese.training import checkpoint
+    from megatron_siamese.training.checkpoint_files import checked
     from megatron_siamese.training.trainer import Trainer
 
+    path = checked(pre_checkpoint)  # a broken or missing checkpoint is named as such first
     pre = Trainer(pre_args)
     pre_model = pre.gpt.chunks[0]
     try:  # model weights only: works for our checkpoints and Megatron-LM's alike
-        loaded = dist_checkpointing.load(pre_model.sharded_state_dict(), checkpoint.resolve(pre_checkpoint))
+        loaded = dist_checkpointing.load(pre_model.sharded_state_dict(), path)
     except Exception as error:
         raise ValueError(
             f"cannot read a stock Pre-Norm GPT from {pre_checkpoint} with these model flags "

@@ -13,7 +13,6 @@ Everything here is Megatron's own machinery; this module only puts it together o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -21,37 +20,9 @@ import torch
 from torch import Tensor
 
 from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.runtime.settings import ModelSettings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """A GPT's shape, residual scheme and numerics: everything but the layout and the data."""
-
-    norm: str = "siamese"  # a scheme of megatron_siamese.models.SCHEMES
-    # "gpt" (GPTModel) or "hybrid" (HybridModel, megatron-core >= 0.19; SiameseNorm only)
-    model: str = "gpt"
-    # the HybridModel's layers, e.g. "*-*-" or "M*-M*-" (None: "*-" per layer, the GPT's equivalent)
-    hybrid_layer_pattern: Optional[str] = None
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None  # 4 * hidden_size when None
-    seq_length: int = 128
-    normalization: str = "RMSNorm"
-    gated_linear_unit: bool = True  # SwiGLU; GELU without
-    position_embedding_type: str = "rope"
-    share_embeddings_and_output_weights: bool = True
-    add_bias_linear: bool = False
-    zero_centered_gamma: bool = False
-    dtype: str = "fp32"
-    fused_ops: Optional[bool] = None  # SiameseTransformerConfig.siamese_fused_ops
-    transformer_impl: str = "local"  # or "transformer_engine": TE GEMMs and attention (GPUs)
-    fp8: Optional[str] = None  # "hybrid" or "e4m3" with transformer_engine
-    fp8_recipe: str = "delayed"
-    init_method_std: float = 0.02
 
 
 def transformer_config(model: ModelSettings, layout: Layout, **overrides):

@@ -1,11 +1,17 @@
 """Launch a function on N ranks: CPU processes with gloo, or GPUs with NCCL when CUDA is present.
 
-``launch(fn, world_size, *args)`` spawns ``world_size`` processes, initializes
-``torch.distributed`` in each (on CPU it installs the CPU shim first), calls
-``fn(*args)`` and returns the per-rank return values in rank order. A failing rank's
-traceback is re-raised in the caller and the other ranks are terminated, so a broken
-layout fails fast instead of hanging. ``run_on_ranks`` does the same, or, inside a
-``torchrun`` job, runs ``fn`` as this rank.
+``launch(fn, world_size, *args)`` starts ``world_size`` processes, initializes
+``torch.distributed`` in each (on CPU it installs the CPU shim first), calls ``fn(*args)``
+and returns the per-rank return values in rank order. A failing rank's error is re-raised
+in the caller (``RankFailed``: its last line, and the traceback and output as details) and
+the other ranks are stopped, so a broken layout fails fast instead of hanging.
+``run_on_ranks`` does the same, or, inside a ``torchrun`` job, runs ``fn`` as this rank.
+
+Signals belong to the launcher: ranks ignore SIGINT and SIGTERM. With ``graceful_stop`` the
+first SIGINT (Ctrl-C) or SIGTERM (what a cluster scheduler sends before a job's end) asks
+the ranks to stop after the step they are in (``stop_requested()``; the trainer saves a
+checkpoint then); a second one stops them at once. Without it, the first one does.
+``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
 """
 
 from __future__ import annotations
@@ -13,20 +19,33 @@ from __future__ import annotations
 import io
 import os
 import queue
+import signal
 import socket
+import sys
+import tempfile
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 import torch.multiprocessing as mp
 
 from megatron_siamese.runtime import cpu_shim
+from megatron_siamese.runtime.quiet import silence_known_notices
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class RankFailed(RuntimeError):
-    """A rank raised; the message carries its traceback."""
+    """A rank failed. ``str()`` is one line (the rank and its error); ``details`` holds the
+    rank's traceback and the tail of its output."""
+
+    def __init__(self, summary: str, details: str = ""):
+        super().__init__(summary)
+        self.details = details
 
 
 def free_port() -> int:
@@ -37,6 +56,34 @@ def free_port() -> int:
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+# -- stop requests ---------------------------------------------------------------------
+
+_stop = {"event": None, "signalled": False}
+
+
+def stop_requested() -> bool:
+    """Whether this rank was asked to stop after its current step (by the launcher, or, under
+    torchrun, by a signal to this process). Ranks must agree on when: all-reduce it."""
+    event = _stop["event"]
+    return _stop["signalled"] or (event is not None and event.is_set())
+
+
+def _stop_on_first_signal() -> None:
+    """torchrun ranks: the first SIGINT/SIGTERM asks for a stop, the second one stops at once."""
+
+    def handler(signum, frame):
+        if _stop["signalled"]:
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        _stop["signalled"] = True
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+
+
+# -- ranks -----------------------------------------------------------------------------
 
 
 def init_distributed(rank: int, world_size: int, backend: str, port: int, timeout_s: float) -> None:
@@ -59,7 +106,17 @@ def init_distributed(rank: int, world_size: int, backend: str, port: int, timeou
     )
 
 
-def _worker(rank, world_size, backend, port, timeout_s, fn, args, results):
+def _worker(rank, world_size, backend, port, timeout_s, fn, args, results, stop_event, log_path):
+    for sig in STOP_SIGNALS:  # the launcher decides when ranks stop
+        signal.signal(sig, signal.SIG_IGN)
+    _stop["event"] = stop_event
+    if log_path is not None:
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+    silence_known_notices()
     try:
         torch.set_num_threads(1)
         init_distributed(rank, world_size, backend, port, timeout_s)
@@ -68,33 +125,19 @@ def _worker(rank, world_size, backend, port, timeout_s, fn, args, results):
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results.put((rank, True, buffer.getvalue()))
-    except BaseException:  # report every failure, including SystemExit from asserts in fn
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as error:  # report every failure, including SystemExit from asserts in fn
+        summary = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+        results.put((rank, False, (summary[:500], traceback.format_exc())))
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _next_result(results, procs, timeout_s: float):
-    """The next rank's report; fails at once when a rank died without one (a crash, a
-    signal, a script without a ``__main__`` guard re-running itself under spawn)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return results.get(timeout=1.0)
-        except queue.Empty:
-            dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs)
-                    if proc.exitcode not in (None, 0)]
-            if dead:
-                raise RankFailed(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting "
-                                 "(see its stderr above)") from None
-    raise RankFailed(f"no result from some rank within {timeout_s:.0f}s")
-
-
 # Imported once by the fork server, so that a rank starts in well under a second instead of
 # importing torch and Megatron again (several seconds a rank, most of a CPU test's time).
-_PRELOAD = ["torch", "megatron.core", "megatron.core.distributed", "megatron.core.optimizer",
-            "megatron.core.pipeline_parallel", "megatron_siamese.runtime.gpt", "megatron_siamese.models"]
+_PRELOAD = ["megatron_siamese.runtime.quiet", "torch", "megatron.core", "megatron.core.distributed",
+            "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron_siamese.runtime.gpt",
+            "megatron_siamese.models"]
 
 
 def _context():
@@ -105,41 +148,94 @@ def _context():
     return ctx
 
 
+def _tail(path: Optional[str], lines: int = 40) -> str:
+    if path is None or not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def _next_result(results, procs, timeout_s: float, logs):
+    """The next rank's report; fails at once when a rank died without one (a crash, a
+    signal, a script without a ``__main__`` guard re-running itself)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+            if dead:
+                rank, code = dead[0]
+                raise RankFailed(f"rank {rank} exited with code {code} before reporting", _tail(logs[rank])) from None
+    raise RankFailed(f"no result from some rank within {timeout_s:.0f}s")
+
+
+@contextmanager
+def _signals_handled(stop_event, graceful: bool, echo: Callable[[str], None]):
+    """The launcher's SIGINT/SIGTERM: a stop request first (graceful), at once after."""
+    received = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        if graceful and len(received) == 1:
+            stop_event.set()
+            echo(f"{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+                 "(Ctrl-C again to stop at once)")
+            return
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():  # e.g. the study's parallel runs:
+        yield  # signals reach the main thread only; it owns them
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def launch(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
     backend: Optional[str] = None,
     timeout_s: float = 600.0,
+    quiet_ranks: Iterable[int] = (),
+    graceful_stop: bool = False,
+    echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> List[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh ranks; return their results in rank order."""
     backend = backend or default_backend()
     ctx = _context()
     results = ctx.Queue()
+    stop_event = ctx.Event()
     port = free_port()
+    log_dir = tempfile.mkdtemp(prefix="megatron-siamese-ranks-")
+    quiet = set(quiet_ranks)
+    logs = [os.path.join(log_dir, f"rank{rank}.log") if rank in quiet else None for rank in range(world_size)]
     procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, world_size, backend, port, timeout_s, fn, args, results),
-            daemon=False,
-        )
+        ctx.Process(target=_worker, daemon=False,
+                    args=(rank, world_size, backend, port, timeout_s, fn, args, results, stop_event, logs[rank]))
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
     values: List[Any] = [None] * world_size
-    try:
-        for _ in range(world_size):
-            rank, ok, value = _next_result(results, procs, timeout_s)
-            if not ok:
-                raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
-            values[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
+    with _signals_handled(stop_event, graceful_stop, echo):
         for proc in procs:
-            proc.join(timeout=5 if all(v is not None for v in values) else 0.1)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join()
+            proc.start()
+        try:
+            for _ in range(world_size):
+                rank, ok, value = _next_result(results, procs, timeout_s, logs)
+                if not ok:
+                    summary, trace = value
+                    raise RankFailed(f"rank {rank} of {world_size} failed: {summary}", trace + _tail(logs[rank]))
+                values[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        finally:
+            for proc in procs:
+                proc.join(timeout=5 if all(v is not None for v in values) else 0.1)
+                if proc.is_alive():
+                    proc.kill()  # ranks ignore SIGTERM
+                    proc.join()
     return values
 
 
@@ -148,13 +244,14 @@ def in_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ and not torch.distributed.is_initialized()
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> Any:
-    """Rank 0's result of ``fn(*args)`` on ``world_size`` ranks: launched here, or, under
-    ``torchrun``, this rank joining the job (then this rank's own result)."""
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0, **launch_options) -> Any:
+    """Rank 0's result of ``fn(*args)`` on ``world_size`` ranks: launched here (``launch_options``
+    go to ``launch``), or, under ``torchrun``, this rank joining the job (its own result)."""
     if not in_torchrun():
-        return launch(fn, world_size, *args, timeout_s=timeout_s)[0]
+        return launch(fn, world_size, *args, timeout_s=timeout_s, **launch_options)[0]
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} ranks; this run needs {world_size}")
+    _stop_on_first_signal()
     backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -6,7 +6,8 @@ optimizer in the format ``distributed_optimizer_format`` picks), the LR schedule
 description for the *current* layout and lets dist_checkpointing fetch the matching slices,
 so a checkpoint saved at TP2 x PP2 loads at TP1 x PP1 and the reverse.
 
-Layout on disk: ``<dir>/step_<N>/`` per checkpoint and ``<dir>/latest`` naming the newest.
+Layout on disk: ``<dir>/step_<N>/`` per checkpoint and ``<dir>/latest`` naming the newest
+complete one (``checkpoint_files.py``: written atomically after every rank finished).
 
 The run is deterministic without RNG state (no dropout; the data is a function of the step),
 so no RNG state is stored.
@@ -23,7 +24,7 @@ from typing import Optional
 
 import torch
 
-LATEST = "latest"
+from megatron_siamese.training.checkpoint_files import CheckpointError, checked, write_latest
 
 
 def require_psutil() -> None:
@@ -101,23 +102,11 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path)
-    torch.distributed.barrier()
+    torch.distributed.barrier()  # every rank's shards are written: the checkpoint is complete
     if torch.distributed.get_rank() == 0:
-        with open(os.path.join(directory, LATEST), "w") as out:
-            out.write(f"step_{trainer.step}\n")
+        write_latest(directory, f"step_{trainer.step}")
     torch.distributed.barrier()
     return path
-
-
-def resolve(path: str) -> str:
-    """A checkpoint directory: ``path`` itself, or the one ``path/latest`` names."""
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            return os.path.join(path, f.read().strip())
-    if os.path.isfile(os.path.join(path, "metadata.json")):
-        return path
-    raise FileNotFoundError(f"no checkpoint at {path} (neither a {LATEST} file nor metadata.json)")
 
 
 def _materialize_optimizer_state(optimizer) -> None:
@@ -193,7 +182,7 @@ def load(trainer, path: str) -> int:
     ``_load_gpt_into_hybrid``); the reverse is refused."""
     from megatron.core import dist_checkpointing
 
-    checkpoint = resolve(path)
+    checkpoint = checked(path)
     common = dist_checkpointing.load_common_state_dict(checkpoint)
     saved_class, wanted_class = common.get(MODEL_CLASS, "gpt"), trainer.args.model
     if (saved_class, wanted_class) == ("gpt", "hybrid"):
@@ -206,23 +195,23 @@ def load(trainer, path: str) -> int:
     model_only = bool(common.get(MODEL_ONLY, False))
     if not model_only:
         _materialize_optimizer_state(trainer.optimizer)
-    loaded = dist_checkpointing.load(
-        sharded_state_dict(trainer, is_loading=True, model_only=model_only), checkpoint
-    )
+    try:
+        loaded = dist_checkpointing.load(
+            sharded_state_dict(trainer, is_loading=True, model_only=model_only), checkpoint
+        )
+    except Exception as error:  # the files looked sound: the model does not match them
+        raise CheckpointError(
+            f"cannot load {checkpoint} into this model ({type(error).__name__}: {str(error)[:300]}); check that the "
+            "model flags (layers, hidden size, heads, normalization, scheme) are the ones it was saved with"
+        ) from error
     for key, module in _models(trainer):
         module.load_state_dict(loaded[key])
     if model_only:  # a fresh optimizer; the schedule continues from the checkpoint's step
         return _start_schedule_at(trainer, int(loaded["step"]))
     with torch.no_grad():  # fp32 distributed-optimizer state is copied into parameter views
         trainer.optimizer.load_state_dict(loaded["optimizer"])
-    trainer.scheduler.load_state_dict(loaded["scheduler"])
     trainer.step = int(loaded["step"])
+    if trainer.step < trainer.args.steps:  # evaluating the checkpoint as saved needs no schedule
+        trainer.scheduler.load_state_dict(loaded["scheduler"])
     _restore_adam_step_count(trainer.optimizer, trainer.step)
     return trainer.step
-
-
-def latest_step(directory: str) -> Optional[int]:
-    try:
-        return int(os.path.basename(resolve(directory)).split("_")[-1])
-    except (FileNotFoundError, ValueError):
-        return None

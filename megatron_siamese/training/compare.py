@@ -12,10 +12,13 @@ import json
 import os
 from typing import Dict, List
 
-from megatron_siamese.training.trainer import RunSummary, TrainArgs, train
+from megatron_siamese.training.args import TrainArgs
+from megatron_siamese.training.summary import RunSummary
 
 
 def run_comparison(args: TrainArgs, norms: List[str]) -> Dict[str, RunSummary]:
+    from megatron_siamese.training.trainer import train
+
     summaries = {}
     for norm in norms:
         summaries[norm] = train(

@@ -13,126 +13,17 @@ import math
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
-from megatron_siamese.runtime.gpt import MegatronGPT, ModelSettings
+from megatron_siamese.runtime.gpt import MegatronGPT
 from megatron_siamese.runtime.launch import run_on_ranks
-from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.training.args import TrainArgs, padded_vocab_size
 from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
-
-
-@dataclass(frozen=True)
-class TrainArgs(ModelSettings):
-    """Everything a run needs (the model: ModelSettings); the CLI maps its flags onto these fields."""
-
-    tp: int = 2
-    pp: int = 1
-    vpp: Optional[int] = None
-    dp: int = 1
-    sp: bool = False
-    distributed_optimizer: bool = False
-    micro_batch_size: int = 8
-    global_batch_size: int = 16
-    steps: int = 300
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-    seed: int = 1234
-    eval_interval: int = 100
-    eval_iters: int = 8
-    save_interval: Optional[int] = None  # save a checkpoint every N steps (and at the end)
-    load: Optional[str] = None  # a checkpoint directory, or a directory with a `latest` file
-    stop_step: Optional[int] = None  # stop (saving a checkpoint) after this step, e.g. preemption
-    output_dir: str = "runs/default"
-    cache_dir: str = ".cache/megatron_siamese"
-    data_prefix: Optional[str] = None  # an indexed dataset of byte tokens; default: embedded KJV
-    recompute: str = "none"  # none | full | selective
-    task: str = "lm"  # lm: the corpus; addition(-reversed): synthetic addition (research/arithmetic.py)
-    addition_digits: int = 3  # operands of up to this many digits (task=addition*)
-    progress: bool = True
-
-    def __post_init__(self):
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
-        if self.sp and self.tp == 1:
-            raise ValueError("sequence parallelism (--sp) needs --tp > 1")
-        if self.model == "hybrid" and self.norm != "siamese":
-            raise ValueError(f"--model hybrid builds SiameseNorm layers only (--norm siamese), got --norm {self.norm}")
-        if self.task not in ("lm", "addition", "addition-reversed"):
-            raise ValueError(f"task must be lm, addition or addition-reversed, got {self.task!r}")
-        if self.task != "lm" and (self.tp, self.pp) != (1, 1):
-            raise ValueError("the addition task's greedy evaluation runs at tp=1, pp=1")
-        if self.stop_step is not None and not 0 < self.stop_step <= self.steps:
-            raise ValueError(f"stop_step={self.stop_step} must lie in (0, steps={self.steps}]")
-        self.num_microbatches  # validates the batch sizes
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, dp=self.dp, sp=self.sp,
-                      distributed_optimizer=self.distributed_optimizer, recompute=self.recompute)
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def num_microbatches(self) -> int:
-        per_step = self.micro_batch_size * self.dp
-        if self.global_batch_size % per_step:
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} must be a multiple of "
-                f"micro_batch_size * dp = {per_step}"
-            )
-        return self.global_batch_size // per_step
-
-
-@dataclass
-class RunSummary:
-    args: dict
-    steps_done: int
-    train_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
-    val_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
-    checkpoints: List[str] = field(default_factory=list)
-    diverged: bool = False  # a non-finite training loss stopped the run
-    accuracy: Optional[float] = None  # exact match on held-out problems (task=addition)
-    tokens_per_second: float = 0.0
-    peak_memory_mb: float = 0.0
-    seconds: float = 0.0
-
-    @property
-    def final_train_loss(self) -> float:
-        return _last(self.train_losses)
-
-    @property
-    def final_val_loss(self) -> float:
-        return _last(self.val_losses)
-
-
-def _last(losses: Dict[int, float]) -> float:
-    """The loss at the latest step; nan when there is none."""
-    return losses[max(losses)] if losses else float("nan")
-
-
-# -- setup -------------------------------------------------------------------------------
-
-
-def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 64) -> int:
-    """The vocabulary padded to a multiple of 64, whatever the TP size.
-
-    The padded rows are real logits in the softmax, so their number must not change with
-    the layout: a checkpoint then loads at any TP size dividing it and computes the same
-    losses (Megatron-LM pads to a multiple of 128 * TP, which ties checkpoints to TP).
-    """
-    padded = int(math.ceil(vocab_size / multiple) * multiple)
-    if padded % tp:
-        raise ValueError(f"tp={tp} must divide the padded vocabulary size {padded}")
-    return padded
+from megatron_siamese.training.summary import RunSummary, format_summary, shown  # noqa: F401  (format_summary re-exported)
 
 
 class Trainer:
@@ -146,7 +37,7 @@ class Trainer:
         self.gpt = MegatronGPT(
             args,
             args.layout,
-            padded_vocab_size(self.tokenizer.vocab_size, args.tp),
+            padded_vocab_size(self.tokenizer.vocab_size),
             dict(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=0.9,
                  adam_beta2=0.95, clip_grad=args.clip_grad),
             args.seed,
@@ -157,13 +48,17 @@ class Trainer:
             init_lr=0.0,
             max_lr=args.lr,
             min_lr=args.min_lr,
-            lr_warmup_steps=args.warmup_steps,
+            lr_warmup_steps=args.warmup,
             lr_decay_steps=args.steps,
             lr_decay_style="cosine",
             start_wd=args.weight_decay,
             end_wd=args.weight_decay,
             wd_incr_steps=args.steps,
             wd_incr_style="constant",
+            # a resumed run whose schedule differs from the checkpoint's was refused before
+            # launch unless one of these says which wins (as Megatron-LM's flags do)
+            override_opt_param_scheduler=args.override_opt_param_scheduler,
+            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         )
         self._build_data()
         self.step = 0
@@ -253,15 +148,37 @@ class Trainer:
 # -- the run -----------------------------------------------------------------------------
 
 
+def _agreed_stop() -> bool:
+    """Whether any rank was asked to stop (Ctrl-C, SIGTERM): every rank gets the same answer,
+    so all of them stop after the same step."""
+    from megatron_siamese.runtime.launch import stop_requested
+
+    flag = torch.tensor([float(stop_requested())])
+    if torch.cuda.is_available():
+        flag = flag.cuda()
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
     from megatron_siamese.training import checkpoint
+    from megatron_siamese.training.preflight import checkpoint_dir
 
     trainer = Trainer(args)
     rank0 = torch.distributed.get_rank() == 0
+    echo = (lambda line: print(line, flush=True)) if rank0 and args.progress else (lambda line: None)
     summary = RunSummary(args=asdict(args), steps_done=0)
     last_step = args.stop_step or args.steps
-    checkpoint_dir = os.path.join(args.output_dir, "checkpoints")
+    directory = checkpoint_dir(args)
+    if args.load:
+        summary.resumed_from = trainer.step
+        echo(f"resumed from {args.load} at step {trainer.step}")
+    if args.save_interval or args.stop_step:
+        when = f"every {args.save_interval} steps and at step {last_step}" if args.save_interval else f"at step {last_step}"
+        echo(f"checkpoints: {when}, in {directory}")
+    else:
+        echo("checkpoints: none (--save-interval N or --stop-step N saves them; Ctrl-C saves one and stops)")
     bar = None
     if rank0 and args.progress:
         from tqdm import tqdm
@@ -281,12 +198,13 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         if not math.isfinite(stats["loss"]):
             summary.diverged = True
             break
+        stop = _agreed_stop()
         if trainer.step % args.eval_interval == 0 or trainer.step == last_step:
             summary.val_losses[trainer.step] = trainer.evaluate()
         if (args.save_interval and trainer.step % args.save_interval == 0) or (
-            trainer.step == last_step and (args.save_interval or args.stop_step)
+            (trainer.step == last_step and (args.save_interval or args.stop_step)) or stop
         ):
-            summary.checkpoints.append(checkpoint.save(trainer, checkpoint_dir))
+            summary.checkpoints.append(checkpoint.save(trainer, directory))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(
@@ -294,13 +212,16 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
                 lr=f"{stats['lr']:.2e}",
                 gnorm=f"{stats['grad_norm']:.2f}",
                 tok_s=f"{tokens_per_step / elapsed:.0f}",
-                val=_shown(summary.val_losses, 3),
+                val=shown(summary.val_losses, 3),
             )
+        if stop:
+            summary.stopped = True
+            break
     if bar is not None:
         bar.close()
-    if trainer.step not in summary.val_losses and not summary.diverged:
+    if trainer.step not in summary.val_losses and not summary.diverged and not summary.stopped:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
-    if args.task != "lm" and not summary.diverged:
+    if args.task != "lm" and not summary.diverged and not summary.stopped:
         from megatron_siamese.research.arithmetic import TASKS, exact_match_accuracy
 
         trainer.gpt.train(False)
@@ -315,24 +236,17 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
 
 
 def train(args: TrainArgs) -> RunSummary:
-    """Run ``args`` on its ranks: launched here, or this rank of a torchrun job."""
-    return run_on_ranks(train_rank, args.world_size, args, timeout_s=24 * 3600)
+    """Run ``args`` on its ranks: launched here (after the preflight checks; ranks other than 0
+    keep their output to a log shown if they fail), or this rank of a torchrun job.
 
+    Raises ConfigError listing what keeps the run from starting.
+    """
+    from megatron_siamese.training.args import ConfigError
+    from megatron_siamese.training.preflight import clear_for_overwrite, preflight
 
-def _shown(losses: Dict[int, float], digits: int = 4) -> str:
-    return f"{_last(losses):.{digits}f}" if losses else "-"
-
-
-def format_summary(summary: RunSummary) -> str:
-    lines = [
-        f"norm={summary.args['norm']} steps={summary.steps_done} "
-        f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}",
-        f"final train loss {_shown(summary.train_losses)}  final val loss {_shown(summary.val_losses)}",
-        f"{summary.tokens_per_second:.0f} tokens/s  peak memory {summary.peak_memory_mb:.0f} MB/rank  "
-        f"wall {summary.seconds:.0f}s",
-    ]
-    if summary.diverged:
-        lines.append(f"DIVERGED: non-finite training loss at step {max(summary.train_losses)}")
-    if summary.accuracy is not None:
-        lines.append(f"exact-match accuracy on held-out problems: {summary.accuracy:.3f}")
-    return "\n".join(lines)
+    problems = preflight(args)
+    if problems:
+        raise ConfigError(problems)
+    clear_for_overwrite(args)
+    return run_on_ranks(train_rank, args.world_size, args, timeout_s=24 * 3600,
+                        quiet_ranks=range(1, args.world_size), graceful_stop=True)

@@ -1,0 +1,37 @@
+"""The tiny model and data the parallel check runs (plain data: the command line validates it
+before any rank starts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_siamese.runtime.settings import ModelSettings
+
+
+@dataclass(frozen=True)
+class ModelCase(ModelSettings):
+    """A tiny GPT and its data: everything but the parallel layout."""
+
+    hidden_size: int = 32
+    num_query_groups: Optional[int] = 2
+    ffn_hidden_size: Optional[int] = 64
+    seq_length: int = 16
+    normalization: str = "LayerNorm"
+    add_bias_linear: bool = True
+    vocab_size: int = 128
+    micro_batch_size: int = 2
+    num_microbatches: int = 4  # global: split over DP ranks
+    seed: int = 1234
+    # Adam (the distributed optimizer supports nothing else). Its first step is
+    # lr * g / (|g| + eps); a large eps keeps that sensitive to the gradient's scale.
+    lr: float = 0.1
+    adam_eps: float = 1.0
+    clip_grad: float = 1.0
+    # None: Megatron's default (batched) on GPUs, off on gloo, where interleaved + batched
+    # p2p gives wrong results even for the stock layer (docs/parallelism.md)
+    batch_p2p_comm: Optional[bool] = None
+    # PP>1: hand the schedule SiameseP2PCommunicator (the Python API way); False leaves
+    # Megatron's default communicator with shape exchange (the Megatron-LM way).
+    siamese_p2p: bool = True
+    fault: Optional[str] = None  # a bug from check.faults planted on every rank

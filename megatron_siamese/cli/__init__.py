@@ -1,0 +1,88 @@
+"""``megatron-siamese``: the package's commands.
+
+    megatron-siamese train [flags]      pretrain a GPT (default: SiameseNorm, TP=2, embedded corpus)
+    megatron-siamese check [flags]      every parallel layout against one rank
+    megatron-siamese study [flags]      Pre-/Post-/SiameseNorm at three learning rates, and addition
+    megatron-siamese upcycle --load PRE --output-dir OUT [model flags]
+                                        a Pre-Norm checkpoint as an equivalent SiameseNorm one
+    megatron-siamese analyze --load CKPT [--compare-load PRE] [model flags]
+                                        stream contributions, logit lens, magnitudes, effective depth
+
+Every command checks all of its settings before starting any rank and says, one line per
+problem, what to change (exit status 2). Failures print one line; ``--debug`` (or
+MEGATRON_SIAMESE_DEBUG=1) prints the traceback too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import List, Optional
+
+from megatron_siamese.cli import check, research, train
+from megatron_siamese.training.args import ConfigError
+
+DEBUG_ENV = "MEGATRON_SIAMESE_DEBUG"
+COMMANDS = {"train": train, "check": check, "study": research.study, "upcycle": research.upcycle,
+            "analyze": research.analyze}
+
+
+class Parser(argparse.ArgumentParser):
+    """One line for a usage error (not the whole usage of a forty-flag command), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="megatron-siamese", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        sub = command.add_parser(commands, name)
+        sub.add_argument("--debug", action="store_true", help="print tracebacks of failures (also: "
+                                                               f"{DEBUG_ENV}=1)")
+    return parser
+
+
+def _report(command: str, lines: List[str]) -> None:
+    for line in lines:
+        print(f"megatron-siamese {command}: error: {line}", file=sys.stderr)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_siamese.runtime.quiet import silence_known_notices
+
+    options = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    debug = options.debug or os.environ.get(DEBUG_ENV) == "1"
+    silence_known_notices()
+    try:
+        return COMMANDS[options.command].run(options)
+    except ConfigError as error:  # settings it cannot run with: say what to change
+        _report(options.command, error.problems)
+        return 2
+    except KeyboardInterrupt:
+        print(f"megatron-siamese {options.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        return _failed(options.command, error, debug)
+
+
+def _failed(command: str, error: BaseException, debug: bool) -> int:
+    """One line for a failure (a rank's own error, not the launcher's wrapper); the traceback on request."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    summary = lines[0] if type(error).__name__ == "RankFailed" else f"{type(error).__name__}: {lines[-1]}"
+    _report(command, [summary])
+    if debug:
+        traceback.print_exception(error)
+        details = getattr(error, "details", "")
+        if details:
+            print(details, file=sys.stderr)
+    else:
+        print(f"(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

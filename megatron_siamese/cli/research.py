@@ -1,0 +1,146 @@
+"""``megatron-siamese study``, ``upcycle`` and ``analyze``: the research tools (research/)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from types import SimpleNamespace
+from typing import List
+
+from megatron_siamese.cli import flags
+from megatron_siamese.training.args import ConfigError
+
+
+def _split(text: str, kind, flag: str) -> tuple:
+    try:
+        values = tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError([f"{flag} takes comma-separated {kind.__name__} values (got {text!r})"]) from None
+    if not values:
+        raise ConfigError([f"{flag} is empty"])
+    return values
+
+
+# -- study -------------------------------------------------------------------------------
+
+
+def _study_parser(commands, name: str) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help="the small-scale reproduction study (about 42 minutes on 2 CPU cores)",
+                                 description="Pre-Norm, Post-Norm, SiameseNorm and its hybrid variant at three learning "
+                                             "rates and three seeds, then reversed addition (docs/research.md).",
+                                 formatter_class=flags.HelpFormatter)
+    parser.add_argument("--output-dir", default="runs/study", help="results, plots and the per-run directories")
+    parser.add_argument("--cache-dir", default=flags.DEFAULTS["cache_dir"], help="tokenized corpus cache")
+    parser.add_argument("--steps", type=int, default=None, help="language-modelling steps per run (default: 200)")
+    parser.add_argument("--arithmetic-steps", type=int, default=None, help="addition steps per run (default: 1500)")
+    parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds")
+    parser.add_argument("--schemes", default=None, help="comma-separated subset of pre,post,siamese,siamese-hybrid")
+    parser.add_argument("--learning-rates", default=None,
+                        help="comma-separated peak learning rates (default: 1e-3,4e-3,1.6e-2)")
+    return parser
+
+
+def _run_study(options: argparse.Namespace) -> int:
+    from megatron_siamese.research.study import SCHEMES, StudyPlan, run_study, tables
+
+    plan = StudyPlan(output_dir=options.output_dir, cache_dir=options.cache_dir,
+                     seeds=_split(options.seeds, int, "--seeds"))
+    if options.schemes:
+        plan.schemes = _split(options.schemes, str, "--schemes")
+        unknown = sorted(set(plan.schemes) - set(SCHEMES))
+        if unknown:
+            raise ConfigError([f"--schemes: unknown {', '.join(unknown)}; choose from {', '.join(SCHEMES)}"])
+    if options.learning_rates:
+        plan.learning_rates = _split(options.learning_rates, float, "--learning-rates")
+    if options.arithmetic_steps is not None:
+        if options.arithmetic_steps < 1:
+            raise ConfigError([f"--arithmetic-steps must be at least 1 (got {options.arithmetic_steps})"])
+        plan.arithmetic_steps = options.arithmetic_steps
+    if options.steps is not None:
+        if options.steps < 1:
+            raise ConfigError([f"--steps must be at least 1 (got {options.steps})"])
+        plan.base = dataclasses.replace(plan.base, steps=options.steps,
+                                        warmup_steps=min(plan.base.warmup_steps, options.steps - 1),
+                                        eval_interval=min(plan.base.eval_interval, options.steps))
+    print(tables(run_study(plan)))
+    return 0
+
+
+study = SimpleNamespace(add_parser=_study_parser, run=_run_study)
+
+
+# -- upcycle and analyze: one rank, a checkpoint in, model flags describe it ------------
+
+
+def _single_rank_parser(commands, name: str, help: str, description: str, output_required: bool):
+    parser = commands.add_parser(name, help=help, description=description, formatter_class=flags.HelpFormatter)
+    parser.add_argument("--load", required=True, metavar="CHECKPOINT",
+                        help="the checkpoint to read (a checkpoints directory or one step_<N>; any TP/PP layout)")
+    parser.add_argument("--output-dir", required=output_required, default=None if output_required else "runs/analysis",
+                        help="where to write")
+    flags.add_model_flags(parser, schemes=False)  # the scheme is the command's (Pre-Norm in, SiameseNorm out)
+    flags.add_data_flags(parser, tasks=False)
+    return parser
+
+
+def _single_rank_args(options: argparse.Namespace, norm: str):
+    """TrainArgs describing the checkpoint's model, on one rank (checkpoints reshard on load)."""
+    from megatron_siamese.training import checkpoint_files
+
+    try:
+        checkpoint_files.checked(options.load)
+    except checkpoint_files.CheckpointError as error:
+        raise ConfigError([str(error)]) from None
+    return flags.train_args(options, norm=norm, tp=1, pp=1, vpp=None, dp=1, load=None, progress=False,
+                            output_dir=options.output_dir)
+
+
+def _upcycle_parser(commands, name: str):
+    return _single_rank_parser(commands, name, "convert a stock Pre-Norm checkpoint into SiameseNorm",
+                               "Write a step-0 SiameseNorm checkpoint computing (up to the norm epsilon) what a "
+                               "stock Megatron Pre-Norm checkpoint computes; give the Pre-Norm model's flags.",
+                               output_required=True)
+
+
+def _run_upcycle(options: argparse.Namespace) -> int:
+    args = _single_rank_args(options, norm="siamese")
+    existing = os.path.join(args.output_dir, "checkpoints")
+    if os.path.isdir(existing) and os.listdir(existing):
+        raise ConfigError([f"--output-dir {args.output_dir} already holds checkpoints: choose an empty one"])
+    from megatron_siamese.research.upcycle import upcycle
+
+    print(f"SiameseNorm checkpoint (step 0): {upcycle(args, options.load)}")
+    return 0
+
+
+def _analyze_parser(commands, name: str):
+    parser = _single_rank_parser(commands, name, "stream analysis of a SiameseNorm checkpoint",
+                                 "Stream contributions, logit lens per stream, magnitudes by depth and effective "
+                                 "depth of a SiameseNorm checkpoint; give its model flags.", output_required=False)
+    parser.add_argument("--compare-load", default=None, metavar="CHECKPOINT",
+                        help="a Pre-Norm checkpoint of the same size for the effective-depth probes")
+    return parser
+
+
+def _run_analyze(options: argparse.Namespace) -> int:
+    args = _single_rank_args(options, norm="siamese")
+    if options.compare_load:
+        from megatron_siamese.training import checkpoint_files
+
+        try:
+            checkpoint_files.checked(options.compare_load)
+        except checkpoint_files.CheckpointError as error:
+            raise ConfigError([f"--compare-load: {error}"]) from None
+    from megatron_siamese.research.analysis import analyze, format_tables
+
+    results = analyze(dataclasses.replace(args, load=options.load), options.compare_load)
+    print(format_tables(results))
+    print(f"plots in {args.output_dir}")
+    return 0
+
+
+upcycle = SimpleNamespace(add_parser=_upcycle_parser, run=_run_upcycle)
+analyze = SimpleNamespace(add_parser=_analyze_parser, run=_run_analyze)
+
+__all__: List[str] = ["analyze", "study", "upcycle"]

@@ -1,0 +1,68 @@
+"""``megatron-siamese train``: pretraining with Megatron-Core (training/trainer.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_siamese.cli import flags
+
+DESCRIPTION = """\
+Pretrain a GPT with Megatron-Core: SiameseNorm by default, or a stock baseline (--norm);
+TP, SP, PP (virtual stages too), DP with the distributed optimizer, recompute; the embedded
+King James Bible, byte-level. Megatron-LM's flag names work (--tensor-model-parallel-size,
+--train-iters, --micro-batch-size, ...) beside the short ones (--tp, --steps, ...).
+
+Checkpoints: --save-interval N (and at the end), --stop-step N; Ctrl-C or SIGTERM finishes the
+step, saves a checkpoint and exits 0 (a second Ctrl-C stops at once); --load resumes.
+"""
+
+
+def add_parser(commands, name: str) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help="pretrain a GPT with Megatron-Core", description=DESCRIPTION,
+                                 formatter_class=flags.HelpFormatter)
+    flags.add_model_flags(parser)
+    flags.add_parallel_flags(parser)
+    flags.add_training_flags(parser)
+    flags.add_checkpoint_flags(parser)
+    flags.add_data_flags(parser)
+    parser.add_argument("--compare", nargs="?", const="pre,siamese", default=None, metavar="NORMS",
+                        help="run the same training for each comma-separated scheme (pre,siamese without a value), "
+                             "print a side-by-side table and write loss curves to OUTPUT_DIR/compare.png")
+    return parser
+
+
+def run(options: argparse.Namespace) -> int:
+    args = flags.train_args(options)  # ConfigError: every problem, before anything starts
+    if options.compare:
+        from megatron_siamese.training.args import ConfigError
+        from megatron_siamese.training.compare import compare
+
+        norms = [n.strip() for n in options.compare.split(",") if n.strip()]
+        problems = [p for norm in norms for p in _scheme_problem(args, norm)]
+        if problems:
+            raise ConfigError(problems)
+        print(compare(args, norms))
+        return 0
+    from megatron_siamese.training.trainer import format_summary, train
+
+    summary = train(args)
+    if summary.stopped:
+        where = summary.checkpoints[-1] if summary.checkpoints else "(no checkpoint)"
+        print(f"stopped at step {summary.steps_done}: checkpoint saved to {where} "
+              f"(resume with --load {args.output_dir}/checkpoints)", file=sys.stderr)
+        return 0
+    print(format_summary(summary))
+    return 0
+
+
+def _scheme_problem(args, norm: str):
+    import dataclasses
+
+    from megatron_siamese.training.args import ConfigError
+
+    try:
+        dataclasses.replace(args, norm=norm)
+    except ConfigError as error:
+        return [f"--compare {norm}: {p}" for p in error.problems]
+    return []

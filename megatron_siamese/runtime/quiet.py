@@ -1,0 +1,56 @@
+"""Megatron's and torch's known notices, silenced by message in our commands.
+
+On a machine without apex or Transformer Engine, megatron-core warns about each missing
+package at import, logs GPTModel's deprecation for every model built, and torch's CUDA build
+says it found no CUDA runtime: per process, and our commands start several. These are known
+and say nothing about the run, so the commands hide exactly them (by message, never by
+category: any other warning still shows). The test suite hides the same ones in pytest.ini.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+KNOWN_NOTICES = (
+    "Apex is not installed",
+    "Transformer Engine and Apex are not installed",
+    "full scope is deprecated",
+    "MimoModelConfig is experimental",
+    "absl.logging is not installed",
+    "MLP requires ffn_hidden_size",
+    "The 'megatron.core.transformer.custom_layers.transformer_engine'",
+    ".*tp_group is None, using default tp group",
+    "The following imports from `dynamic_context.py`",
+    "`torch.jit.script_method` is deprecated",
+    "Only transformer-engine>=1.7.0 supports MoE experts",
+    "Please use DTensor instead and we are deprecating ShardedTensor",
+    "The argument order of load has been changed",
+    # logged rather than warned
+    "GPTModel IS DEPRECATED",
+    "No CUDA runtime is found",
+    "DistributedDataParallel: full_param_layout not provided",
+)
+_PATTERN = re.compile("|".join(f"(?:{notice})" for notice in KNOWN_NOTICES))
+
+
+class _KnownNoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _PATTERN.match(record.getMessage())
+
+
+def is_known_notice(message: str) -> bool:
+    return _PATTERN.match(message) is not None
+
+
+def silence_known_notices() -> None:
+    """Hide the known notices in this process (warnings and log records; idempotent)."""
+    for notice in KNOWN_NOTICES:
+        warnings.filterwarnings("ignore", message=notice)
+    noticed = _KnownNoticeFilter()
+    handlers = [logging.lastResort] + [h for name in (None, "torch", "megatron", "megatron.core")
+                                       for h in logging.getLogger(name).handlers]
+    for handler in handlers:
+        if handler is not None and not any(isinstance(f, _KnownNoticeFilter) for f in handler.filters):
+            handler.addFilter(noticed)

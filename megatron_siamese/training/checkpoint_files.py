@@ -1,0 +1,148 @@
+"""Checkpoint directories on disk: which steps are complete, what is wrong with a broken one.
+
+Layout: ``<dir>/step_<N>/`` per checkpoint (Megatron's torch_dist format: ``metadata.json``,
+``common.pt``, torch's ``.metadata`` and ``*.distcp`` shards) and ``<dir>/latest`` naming the
+newest complete one. ``latest`` is written only after every rank finished saving, and
+atomically (a rename), so it never names a partial checkpoint.
+
+Everything here runs in the launching process before any rank starts (torch is imported
+only to read ``common.pt`` and torch's metadata), so a checkpoint that cannot load is
+reported naming the file, what is wrong with it, and the complete steps to load instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import List, Optional, Tuple
+
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+# torch's .metadata is written last, when every rank's shards are on disk
+REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what to do instead."""
+
+
+def step_dirs(directory: str) -> List[Tuple[int, str]]:
+    """(step, path) of every ``step_<N>`` directory, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, name))
+             for name in os.listdir(directory) if (m := STEP_DIR.match(name))]
+    return sorted(found)
+
+
+def missing_files(path: str) -> List[str]:
+    return [name for name in REQUIRED_FILES if not os.path.isfile(os.path.join(path, name))]
+
+
+def complete_steps(directory: str) -> List[int]:
+    return [step for step, path in step_dirs(directory) if not missing_files(path)]
+
+
+def write_latest(directory: str, name: str) -> None:
+    """Point ``latest`` at ``name``: a new file renamed over the old, never half written."""
+    tmp = os.path.join(directory, f".{LATEST}.tmp")
+    with open(tmp, "w") as out:
+        out.write(f"{name}\n")
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, os.path.join(directory, LATEST))
+
+
+def _instead(directory: str, exclude: Optional[str] = None) -> str:
+    steps = [s for s in complete_steps(directory) if os.path.join(directory, f"step_{s}") != exclude]
+    if not steps:
+        return f"there is no complete checkpoint in {directory}"
+    return f"complete checkpoints in {directory}: {', '.join(f'step_{s}' for s in steps)} (pass one to --load)"
+
+
+def resolve(path: str) -> str:
+    """The checkpoint ``path`` names: itself, or the one its ``latest`` file names."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"--load {path}: no such file or directory")
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            name = f.read().strip()
+        target = os.path.join(path, name)
+        if not STEP_DIR.match(name) or not os.path.isdir(target):
+            raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint directory here; {_instead(path)}")
+        return target
+    if os.path.isfile(os.path.join(path, "metadata.json")) or STEP_DIR.match(os.path.basename(os.path.normpath(path))):
+        return path
+    raise CheckpointError(f"--load {path} is not a checkpoint: it has neither a `{LATEST}` file nor metadata.json "
+                          "(give a checkpoints directory or one step_<N> inside it)")
+
+
+def problems(checkpoint: str) -> List[str]:
+    """What keeps ``checkpoint`` from loading (empty: it looks sound)."""
+    missing = missing_files(checkpoint)
+    if missing:
+        return [f"{os.path.join(checkpoint, missing[0])} is missing: the save did not finish"]
+    found = []
+    meta = os.path.join(checkpoint, "metadata.json")
+    try:
+        with open(meta) as f:
+            json.load(f)
+    except (OSError, ValueError) as error:
+        found.append(f"{meta} is not valid JSON ({error})")
+    found += _common_problems(os.path.join(checkpoint, "common.pt"))
+    found += _shard_problems(checkpoint)
+    return found
+
+
+def _common_problems(common: str) -> List[str]:
+    import torch
+
+    if os.path.getsize(common) == 0:
+        return [f"{common} is empty"]
+    try:
+        torch.load(common, map_location="cpu", weights_only=False)
+    except Exception as error:  # truncated zip, garbage: torch raises several kinds
+        return [f"{common} cannot be read ({type(error).__name__}: {error})"]
+    return []
+
+
+def _shard_problems(checkpoint: str) -> List[str]:
+    """torch's .metadata must unpickle, and every shard file must hold the bytes it lists."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    index = os.path.join(checkpoint, ".metadata")
+    try:
+        metadata = FileSystemReader(checkpoint).read_metadata()
+    except Exception as error:
+        return [f"{index} cannot be read ({type(error).__name__}: {error})"]
+    needed = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    found = []
+    for name, size in sorted(needed.items()):
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            found.append(f"{path} is missing")
+        elif os.path.getsize(path) < size:
+            found.append(f"{path} is truncated ({os.path.getsize(path)} of {size} bytes)")
+    return found
+
+
+def checked(path: str) -> str:
+    """The checkpoint ``path`` names, verified; CheckpointError naming the file and the
+    complete steps to load instead (never a silent fall-back to another step)."""
+    checkpoint = resolve(path)
+    found = problems(checkpoint)
+    if found:
+        directory = os.path.dirname(os.path.normpath(checkpoint))
+        raise CheckpointError(f"cannot load {checkpoint}: {found[0]}; {_instead(directory, exclude=checkpoint)}")
+    return checkpoint
+
+
+def common_state(checkpoint: str) -> dict:
+    """The checkpoint's non-sharded entries (step, scheduler, model class, ...)."""
+    import torch
+
+    return torch.load(os.path.join(checkpoint, "common.pt"), map_location="cpu", weights_only=False)

@@ -1,0 +1,58 @@
+"""What a run reports: losses by step, checkpoints, throughput (plain data, for the trainer,
+``--compare``, the study and the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class RunSummary:
+    args: dict
+    steps_done: int
+    train_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
+    val_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
+    checkpoints: List[str] = field(default_factory=list)
+    diverged: bool = False  # a non-finite training loss stopped the run
+    stopped: bool = False  # a SIGINT/SIGTERM stopped it early (after saving a checkpoint)
+    resumed_from: Optional[int] = None  # the step of the checkpoint it started from
+    accuracy: Optional[float] = None  # exact match on held-out problems (task=addition)
+    tokens_per_second: float = 0.0
+    peak_memory_mb: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def final_train_loss(self) -> float:
+        return _last(self.train_losses)
+
+    @property
+    def final_val_loss(self) -> float:
+        return _last(self.val_losses)
+
+
+def _last(losses: Dict[int, float]) -> float:
+    """The loss at the latest step; nan when there is none."""
+    return losses[max(losses)] if losses else float("nan")
+
+
+# -- setup -------------------------------------------------------------------------------
+
+
+def shown(losses: Dict[int, float], digits: int = 4) -> str:
+    return f"{_last(losses):.{digits}f}" if losses else "-"
+
+
+def format_summary(summary: RunSummary) -> str:
+    lines = [
+        f"norm={summary.args['norm']} steps={summary.steps_done} "
+        f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}",
+        f"final train loss {shown(summary.train_losses)}  final val loss {shown(summary.val_losses)}",
+        f"{summary.tokens_per_second:.0f} tokens/s  peak memory {summary.peak_memory_mb:.0f} MB/rank  "
+        f"wall {summary.seconds:.0f}s",
+    ]
+    if summary.diverged:
+        lines.append(f"DIVERGED: non-finite training loss at step {max(summary.train_losses)}")
+    if summary.accuracy is not None:
+        lines.append(f"exact-match accuracy on held-out problems: {summary.accuracy:.3f}")
+    return "\n".join(lines)
