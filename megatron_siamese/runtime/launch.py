@@ -34,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_siamese.runtime import cpu_shim
-from megatron_siamese.runtime.quiet import silence_known_notices
+from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -107,6 +107,7 @@ def init_distributed(rank: int, world_size: int, backend: str, port: int, timeou
 
 
 def _worker(rank, world_size, backend, port, timeout_s, fn, args, results, stop_event, log_path):
+    os.setpgrp()  # a group of its own: the launcher can stop it with whatever it started (writer processes)
     for sig in STOP_SIGNALS:  # the launcher decides when ranks stop
         signal.signal(sig, signal.SIG_IGN)
     _stop["event"] = stop_event
@@ -145,6 +146,9 @@ def _context():
     (never from the caller, whose threads and state a fork would copy)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
+    known = warning_options()  # in the server before it imports Megatron (inherited when it starts)
+    if known not in os.environ.get("PYTHONWARNINGS", ""):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), known)))
     return ctx
 
 
@@ -166,8 +170,34 @@ def _next_result(results, procs, timeout_s: float, logs):
             dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
             if dead:
                 rank, code = dead[0]
-                raise RankFailed(f"rank {rank} exited with code {code} before reporting", _tail(logs[rank])) from None
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                raise RankFailed(f"rank {rank} {how} before reporting", _tail(logs[rank])) from None
     raise RankFailed(f"no result from some rank within {timeout_s:.0f}s")
+
+
+def _kill_group(proc) -> None:
+    """Stop a rank and everything it started (ranks ignore SIGTERM; a killed rank's helper
+    processes would otherwise outlive it, holding its files and the terminal's output)."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the rank and its helpers are gone
+    proc.join()
+
+
+def _root_cause(procs, logs, wait_s: float = 1.0) -> Optional[RankFailed]:
+    """A rank killed by a signal, if one was: the others then fail on their broken
+    connections, and the one that died is what to report."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        for rank, proc in enumerate(procs):
+            if proc.exitcode is not None and proc.exitcode < 0:
+                name = signal.Signals(-proc.exitcode).name
+                return RankFailed(f"rank {rank} was killed by {name}", _tail(logs[rank]))
+        time.sleep(0.05)
+    return None
 
 
 @contextmanager
@@ -228,14 +258,13 @@ def launch(
                 rank, ok, value = _next_result(results, procs, timeout_s, logs)
                 if not ok:
                     summary, trace = value
-                    raise RankFailed(f"rank {rank} of {world_size} failed: {summary}", trace + _tail(logs[rank]))
+                    raise _root_cause(procs, logs) or RankFailed(f"rank {rank} of {world_size} failed: {summary}",
+                                                                 trace + _tail(logs[rank]))
                 values[rank] = torch.load(io.BytesIO(value), weights_only=False)
         finally:
             for proc in procs:
                 proc.join(timeout=5 if all(v is not None for v in values) else 0.1)
-                if proc.is_alive():
-                    proc.kill()  # ranks ignore SIGTERM
-                    proc.join()
+                _kill_group(proc)
     return values
 
 

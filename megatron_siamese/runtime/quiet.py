@@ -1,8 +1,9 @@
 """Megatron's and torch's known notices, silenced by message in our commands.
 
 On a machine without apex or Transformer Engine, megatron-core warns about each missing
-package at import, logs GPTModel's deprecation for every model built, and torch's CUDA build
-says it found no CUDA runtime: per process, and our commands start several. These are known
+package at import, logs GPTModel's deprecation for every model built, torch's CUDA build says
+it found no CUDA runtime, and multiprocessing's resource tracker reports the queues
+Megatron's checkpoint writer leaves: per process, and our commands start several. These are known
 and say nothing about the run, so the commands hide exactly them (by message, never by
 category: any other warning still shows). The test suite hides the same ones in pytest.ini.
 """
@@ -27,6 +28,9 @@ KNOWN_NOTICES = (
     "Only transformer-engine>=1.7.0 supports MoE experts",
     "Please use DTensor instead and we are deprecating ShardedTensor",
     "The argument order of load has been changed",
+    "`load_state_dict` is deprecated and will be removed",
+    # at exit, about the queues Megatron's checkpoint writer processes leave behind
+    "resource_tracker",
     # logged rather than warned
     "GPTModel IS DEPRECATED",
     "No CUDA runtime is found",
@@ -38,6 +42,14 @@ _PATTERN = re.compile("|".join(f"(?:{notice})" for notice in KNOWN_NOTICES))
 class _KnownNoticeFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not _PATTERN.match(record.getMessage())
+
+
+def warning_options() -> str:
+    """The known warnings as PYTHONWARNINGS entries (literal message prefixes), for Python
+    processes started from here: the rank fork server imports Megatron before any code of ours
+    could install a filter."""
+    literal = [n for n in KNOWN_NOTICES if not re.search(r"[.*+?\\()\[\]{}|^$,:]", n.replace(".", ""))]
+    return ",".join(f"ignore:{notice}" for notice in literal)
 
 
 def is_known_notice(message: str) -> bool:

@@ -212,6 +212,11 @@ def load(trainer, path: str) -> int:
         trainer.optimizer.load_state_dict(loaded["optimizer"])
     trainer.step = int(loaded["step"])
     if trainer.step < trainer.args.steps:  # evaluating the checkpoint as saved needs no schedule
+        if trainer.args.override_opt_param_scheduler:
+            # the optimizer's parameter groups came back with the checkpoint's peak and final
+            # learning rates, which Megatron's scheduler reads before its own: the run's win
+            for group in trainer.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = trainer.args.lr, trainer.args.min_lr
         trainer.scheduler.load_state_dict(loaded["scheduler"])
     _restore_adam_step_count(trainer.optimizer, trainer.step)
     return trainer.step

@@ -44,6 +44,9 @@ def shown(losses: Dict[int, float], digits: int = 4) -> str:
 
 
 def format_summary(summary: RunSummary) -> str:
+    if not summary.train_losses and not summary.diverged:  # a loaded checkpoint, evaluated as it is
+        return (f"norm={summary.args['norm']}: evaluated the checkpoint at step {summary.steps_done} (no steps "
+                f"left to train): val loss {shown(summary.val_losses)}")
     lines = [
         f"norm={summary.args['norm']} steps={summary.steps_done} "
         f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}",

@@ -206,14 +206,15 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         ):
             summary.checkpoints.append(checkpoint.save(trainer, directory))
         if bar is not None:
-            bar.update(1)
             bar.set_postfix(
                 loss=f"{stats['loss']:.3f}",
                 lr=f"{stats['lr']:.2e}",
                 gnorm=f"{stats['grad_norm']:.2f}",
                 tok_s=f"{tokens_per_step / elapsed:.0f}",
                 val=shown(summary.val_losses, 3),
+                refresh=False,  # update() redraws it, once per step at most
             )
+            bar.update(1)
         if stop:
             summary.stopped = True
             break

@@ -1,0 +1,303 @@
+"""The command line as a user drives it (subprocesses): exit codes, what is printed, and the
+files left on disk after bad input, reruns, broken checkpoints, killed ranks and Ctrl-C."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from megatron_siamese.cli import build_parser
+from megatron_siamese.training.args import TrainArgs
+
+CLI = [sys.executable, "-m", "megatron_siamese.cli"]
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "100"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def cli(*args, timeout=300):
+    start = time.monotonic()
+    done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    done.seconds = time.monotonic() - start
+    return done
+
+
+def train(tmp_path, cache, name, *args):
+    return cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / name, *args)
+
+
+def final_val_loss(done) -> float:
+    return float(re.search(r"val loss ([0-9.]+)", done.stdout).group(1))
+
+
+def assert_refused(done, *messages):
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr + done.stdout
+    for message in messages:
+        assert message in done.stderr, done.stderr
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+BAD_INPUT = {
+    "warm-up over the run": (["train", "--steps", "5", "--warmup-steps", "30"], "must lie in [0, --train-iters)"),
+    "no steps": (["train", "--steps", "0"], "--train-iters/--steps must be at least 1 (got 0)"),
+    "negative steps": (["train", "--steps", "-5"], "must be at least 1 (got -5)"),
+    "fp16": (["train", "--dtype", "fp16"], "fp16 is not supported"),
+    "tp3 over 4 heads": (["train", "--tp", "3"], "--num-attention-heads 4 does not split over --tp 3"),
+    "megatron's name": (["train", "--tensor-model-parallel-size", "3"], "does not split over --tp 3"),
+    "pp3 over 4 layers": (["train", "--pp", "3"], "--num-layers 4 does not split over 3 pipeline stages"),
+    "unknown scheme": (["train", "--norm", "foo"], "invalid choice: 'foo'"),
+    "unknown layout": (["check", "--layouts", "tp3-foo"], "unknown part 'foo'"),
+    "upcycle without arguments": (["upcycle"], "required: --load, --output-dir"),
+    "missing checkpoint": (["upcycle", "--load", "/nonexistent", "--output-dir", "/tmp/x"], "no such file or directory"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUT))
+def test_bad_input_is_one_line_per_problem_exit_2_and_fast(name):
+    argv, message = BAD_INPUT[name]
+    done = cli(*argv)
+    assert_refused(done, message)
+    assert done.seconds < 2.0  # validated before torch or Megatron is imported
+
+
+def test_every_problem_is_listed_at_once():
+    done = cli("train", "--steps", "0", "--tp", "3", "--dtype", "fp16")
+    assert_refused(done, "--steps must be at least 1", "does not split over --tp 3", "fp16 is not supported")
+    assert len(done.stderr.strip().splitlines()) >= 3
+
+
+def test_analyze_on_a_directory_that_is_no_checkpoint(tmp_path):
+    assert_refused(cli("analyze", "--load", tmp_path), "is not a checkpoint")
+
+
+# -- flags and help ----------------------------------------------------------------------
+
+def subparser(name):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+def test_megatron_names_are_accepted_beside_the_short_ones():
+    options = subparser("train").parse_args(
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "7",
+         "--micro-batch-size", "1", "--global-batch-size", "4", "--seq-length", "64", "--lr-warmup-iters", "1",
+         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--bf16", "--sequence-parallel",
+         "--use-distributed-optimizer", "--num-virtual-stages-per-pipeline-rank", "2", "--disable-bias-linear"])
+    assert (options.tp, options.pp, options.steps, options.micro_batch_size, options.global_batch_size,
+            options.seq_length, options.warmup_steps, options.dtype, options.sp, options.distributed_optimizer,
+            options.vpp, options.add_bias_linear) == (2, 2, 7, 1, 4, 64, 1, "bf16", True, True, 2, False)
+    short = subparser("train").parse_args(["--tp", "2", "--pp", "2", "--steps", "7", "--warmup-steps", "1"])
+    assert (short.tp, short.pp, short.steps, short.warmup_steps) == (2, 2, 7, 1)
+
+
+@pytest.mark.parametrize("command", ["train", "check", "study", "upcycle", "analyze"])
+def test_every_flag_has_help_and_shows_its_default(command):
+    parser = subparser(command)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and action.help.strip(), f"{command} {action.option_strings} has no help"
+    text = parser.format_help()
+    assert text.count("(default:") >= len([a for a in parser._actions if a.option_strings and a.dest != "help"]) - 1
+
+
+def test_subcommands_list_only_their_own_flags():
+    done = cli("train", "--help")
+    assert done.returncode == 0 and done.stderr == ""  # no Megatron notices for a help text
+    assert "--train-iters" in done.stdout and "--tensor-model-parallel-size" in done.stdout
+    for command in ("upcycle", "analyze"):
+        text = subparser(command).format_help()
+        assert "--load" in text and "--hidden-size" in text
+        assert "--train-iters" not in text and "--tensor-model-parallel-size" not in text and "--lr" not in text
+
+
+def test_warm_up_defaults_to_a_tenth_of_the_run():
+    assert [TrainArgs(steps=s).warmup for s in (300, 5, 1)] == [30, 0, 0]
+    assert TrainArgs(steps=300, warmup_steps=7).warmup == 7
+
+
+# -- checkpoints: never overwritten, resumed as they were, broken ones named ----------------
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache):
+    """A 4-step TP2 run with checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("finished")
+    done = train(root, cache, "run", "--steps", "4", "--save-interval", "2")
+    assert done.returncode == 0, done.stderr
+    return root / "run"
+
+
+def snapshot(directory):
+    return {path: os.stat(os.path.join(directory, path)).st_mtime_ns
+            for path in sorted(os.listdir(directory))} | {"latest:": open(os.path.join(directory, "latest")).read()}
+
+
+def test_a_rerun_into_a_used_output_dir_is_refused_and_touches_nothing(tmp_path, cache, finished_run):
+    output = tmp_path / "reused"
+    shutil.copytree(finished_run, output)
+    before = snapshot(output / "checkpoints")
+    done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", output, "--steps", "2", "--save-interval", "2")
+    assert_refused(done, "already holds another run's checkpoints (step_2, step_4)", "--overwrite")
+    assert snapshot(output / "checkpoints") == before
+    # --overwrite replaces them: nothing of the old run is left to mix with the new one
+    done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", output, "--steps", "2", "--save-interval", "2",
+               "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(output / "checkpoints")) == ["latest", "step_2"]
+    assert (output / "checkpoints" / "step_2").stat().st_mtime_ns != before["step_2"]
+
+
+def test_evaluating_a_checkpoint_as_saved_needs_no_other_flag(tmp_path, cache, finished_run):
+    done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path, "--steps", "4",
+               "--load", finished_run / "checkpoints")
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {finished_run / 'checkpoints'} at step 4" in done.stdout
+    assert "evaluated the checkpoint at step 4 (no steps left to train): val loss" in done.stdout
+
+
+def test_resuming_with_another_schedule_is_refused_unless_a_flag_says_which_wins(tmp_path, cache, finished_run):
+    checkpoints = finished_run / "checkpoints"
+    refused = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "a", "--steps", "6",
+                  "--load", checkpoints / "step_2", "--lr", "0", "--min-lr", "0")
+    assert_refused(refused, "another schedule", "--lr 0 (checkpoint: 0.002)", "--train-iters 6 (checkpoint: 4)",
+                   "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
+    # these settings win: a zero learning rate leaves the weights where step 2 left them
+    frozen = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "b", "--steps", "6",
+                 "--load", checkpoints / "step_2", "--lr", "0", "--min-lr", "0", "--override-opt_param-scheduler")
+    as_saved = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "c", "--steps", "2",
+                   "--load", checkpoints / "step_2")
+    assert frozen.returncode == 0 and as_saved.returncode == 0, frozen.stderr + as_saved.stderr
+    assert "resumed from" in frozen.stdout and "at step 2" in frozen.stdout
+    assert final_val_loss(frozen) == final_val_loss(as_saved)
+    # the checkpoint's win: it trains on (the weights move)
+    kept = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "d", "--steps", "6",
+               "--load", checkpoints / "step_2", "--lr", "0", "--min-lr", "0", "--use-checkpoint-opt_param-scheduler")
+    assert kept.returncode == 0, kept.stderr
+    assert final_val_loss(kept) != final_val_loss(as_saved)
+
+
+CORRUPTIONS = {
+    "truncated shard": ("__0_0.distcp", lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "is truncated"),
+    "empty common.pt": ("common.pt", lambda p: p.write_bytes(b""), "is empty"),
+    "garbage metadata.json": ("metadata.json", lambda p: p.write_text("{not json"), "is not valid JSON"),
+    "garbage .metadata": (".metadata", lambda p: p.write_bytes(b"garbage"), "cannot be read"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_a_broken_checkpoint_is_named_with_the_steps_to_load_instead(tmp_path, cache, finished_run, name):
+    filename, corrupt, what = CORRUPTIONS[name]
+    shutil.copytree(finished_run, tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    corrupt(checkpoints / "step_4" / filename)
+    for load in (checkpoints, checkpoints / "step_4"):  # through `latest`, and named directly
+        done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "run", "--steps", "4",
+                   "--load", load)
+        assert_refused(done, f"{checkpoints / 'step_4' / filename}", what,
+                       f"complete checkpoints in {checkpoints}: step_2 (pass one to --load)")
+
+
+def ranks_of(process: subprocess.Popen):
+    """The rank processes of a running command (children of its fork server)."""
+    servers = [c for c in psutil.Process(process.pid).children() if "forkserver" in " ".join(c.cmdline())]
+    return [rank for server in servers for rank in server.children()]
+
+
+def test_a_rank_killed_mid_save_leaves_latest_on_the_last_complete_checkpoint(tmp_path, cache):
+    output = tmp_path / "killed"
+    checkpoints = output / "checkpoints"
+    process = subprocess.Popen([*CLI, "train", "--num-layers", "4", "--hidden-size", "256", "--seq-length", "32",
+                                "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "1",
+                                "--eval-interval", "100", "--cache-dir", cache, "--output-dir", output,
+                                "--steps", "40", "--save-interval", "2", "--no-progress"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    deadline = time.monotonic() + 240
+    while killed is None and time.monotonic() < deadline and process.poll() is None:
+        saving = [p for p in checkpoints.glob("step_*") if not (p / ".metadata").exists()]
+        if saving and (checkpoints / "latest").exists():
+            victim = ranks_of(process)[-1]
+            victim.kill()
+            killed = saving[0].name
+        time.sleep(0.002)
+    out, err = process.communicate(timeout=120)
+    assert killed is not None, f"no save was caught in progress: {err[-2000:]}"
+    assert process.returncode == 1 and "Traceback" not in err
+    assert re.search(r"error: rank \d was killed by SIGKILL", err), err
+    latest = (checkpoints / "latest").read_text().strip()
+    assert latest != killed and not list((checkpoints / latest).glob("*.distcp")) == []
+    assert (checkpoints / latest / ".metadata").exists()
+    resumed = cli("train", "--num-layers", "4", "--hidden-size", "256", "--seq-length", "32", "--micro-batch-size", "2",
+                  "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "100", "--cache-dir", cache,
+                  "--output-dir", output, "--steps", "40", "--stop-step", str(int(latest.split("_")[1]) + 2),
+                  "--load", checkpoints)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at step {latest.split('_')[1]}" in resumed.stdout
+
+
+# -- signals -----------------------------------------------------------------------------
+
+def start_long_run(output, cache, **popen):
+    process = subprocess.Popen([*CLI, "train", *SMALL, "--cache-dir", cache, "--output-dir", output,
+                                "--steps", "100000"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    assert process.stdout.readline().startswith("checkpoints: none")  # the ranks are up
+    time.sleep(2.0)  # a few steps in
+    return process
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-the-launcher"])
+def test_a_stop_signal_finishes_the_step_saves_and_exits_0(tmp_path, cache, how):
+    process = start_long_run(tmp_path, cache, start_new_session=True)
+    if how == "ctrl-c":
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal sends: every process of the group
+    else:
+        process.send_signal(signal.SIGTERM)  # what a scheduler sends the job's process
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    assert "Traceback" not in err
+    stopped = [line for line in err.splitlines() if line.startswith("stopped at step")]
+    assert len(stopped) == 1, err[-3000:]
+    step = int(re.search(r"stopped at step (\d+)", stopped[0]).group(1))
+    checkpoints = tmp_path / "checkpoints"
+    assert f"checkpoint saved to {checkpoints / f'step_{step}'}" in stopped[0]
+    assert (checkpoints / "latest").read_text().strip() == f"step_{step}"
+    assert (checkpoints / f"step_{step}" / ".metadata").exists()
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, cache):
+    process = start_long_run(tmp_path, cache, start_new_session=True)
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.3)  # a second press (signals sent closer together arrive as one)
+    os.kill(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "megatron-siamese train: interrupted"
+
+
+# -- output ------------------------------------------------------------------------------
+
+def test_check_prints_its_table_and_little_else():
+    done = cli("check", "--layouts", "tp2,pp2", "--num-layers", "2")
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.strip().splitlines()) == 6  # title, tolerance, header, two rows, total
+    assert done.stderr == ""
+
+
+def test_one_progress_bar_and_where_checkpoints_go(tmp_path, cache):
+    done = train(tmp_path, cache, "bar", "--steps", "3", "--save-interval", "3", "--tp", "2")
+    assert done.returncode == 0, done.stderr
+    assert len(re.findall(r"\s0%\|", done.stderr)) == 1  # rank 0's bar only, not one per TP rank
+    assert f"checkpoints: every 3 steps and at step 3, in {tmp_path / 'bar' / 'checkpoints'}" in done.stdout
+    quiet = train(tmp_path, cache, "quiet", "--steps", "2")
+    assert "checkpoints: none (--save-interval N or --stop-step N saves them; Ctrl-C saves one and stops)" in quiet.stdout
