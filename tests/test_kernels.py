@@ -51,10 +51,11 @@ def fused_dual_norm(streams, hidden, weights, rms, zero_centered=False):
 
 # -- gradients: fp64 gradcheck ------------------------------------------------------------
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("packed,rms,input_norm,zero_centered",
                          list(itertools.product([True, False], [False, True], [True, False], [False, True])))
-def test_dual_norm_gradcheck_fp64(packed, rms, input_norm, zero_centered):
-    streams, weights = make_inputs(5, 7, packed, rms, input_norm, dtype=torch.float64)
+def test_dual_norm_gradcheck_fp64(device, packed, rms, input_norm, zero_centered):
+    streams, weights = make_inputs(5, 7, packed, rms, input_norm, dtype=torch.float64, device=device)
     inputs = [streams] + [w for w in weights if w is not None]
     for t in inputs:
         t.requires_grad_(True)
@@ -68,13 +69,17 @@ def test_dual_norm_gradcheck_fp64(packed, rms, input_norm, zero_centered):
     assert torch.autograd.gradcheck(run, tuple(inputs), eps=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_bias,with_mask", list(itertools.product([True, False], [True, False])))
-def test_dual_residual_gradcheck_fp64(with_bias, with_mask):
+def test_dual_residual_gradcheck_fp64(device, with_bias, with_mask):
     generator = torch.Generator().manual_seed(1)
-    base = torch.randn(4, 10, dtype=torch.float64, generator=generator, requires_grad=True)
-    out = torch.randn(4, 5, dtype=torch.float64, generator=generator, requires_grad=True)
-    bias = torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True) if with_bias else None
-    mask = (torch.rand(4, 5, generator=generator) > 0.3) if with_mask else None
+
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=generator).to(device).requires_grad_(True)
+
+    base, out = leaf(4, 10), leaf(4, 5)
+    bias = leaf(5) if with_bias else None
+    mask = (torch.rand(4, 5, generator=generator) > 0.3).to(device) if with_mask else None
     inputs = (base, out) + ((bias,) if with_bias else ())
 
     def run(base, out, *maybe_bias):
@@ -163,12 +168,13 @@ def test_backward_is_deterministic(device):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_dual_residual_matches_reference():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dual_residual_matches_reference(device):
     generator = torch.Generator().manual_seed(3)
     hidden, c = 123, 2.0 ** 0.5
-    u, y, out = (torch.randn(6, hidden, generator=generator, requires_grad=True) for _ in range(3))
-    bias = torch.randn(hidden, generator=generator, requires_grad=True)
-    mask = torch.rand(6, hidden, generator=generator) > 0.2
+    u, y, out = (torch.randn(6, hidden, generator=generator).to(device).requires_grad_(True) for _ in range(3))
+    bias = torch.randn(hidden, generator=generator).to(device).requires_grad_(True)
+    mask = (torch.rand(6, hidden, generator=generator) > 0.2).to(device)
     base = torch.cat([u, y], dim=-1)
     packed = fused.dual_residual(base, out, bias, mask, 1 / 0.8, 1 / c)
     z = (out + bias) * mask / 0.8
@@ -195,19 +201,21 @@ def test_opcheck_dual_norm(device):
                               (streams, 6, *weights, EPS, rms, False))
 
 
-def test_opcheck_dual_residual():
-    base = torch.randn(4, 10, requires_grad=True)
-    out = torch.randn(4, 5, requires_grad=True)
-    bias = torch.randn(5, requires_grad=True)
-    mask = torch.rand(4, 5) > 0.5
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_dual_residual(device):
+    base = torch.randn(4, 10, device=device, requires_grad=True)
+    out = torch.randn(4, 5, device=device, requires_grad=True)
+    bias = torch.randn(5, device=device, requires_grad=True)
+    mask = torch.rand(4, 5, device=device) > 0.5
     torch.library.opcheck(torch.ops.megatron_siamese.dual_residual.default, (base, out, bias, mask, 2.0, 0.5))
     torch.library.opcheck(torch.ops.megatron_siamese.dual_residual.default, (base, out, None, None, 1.0, 0.5))
 
 
-def test_torch_compile_traces_without_graph_breaks():
-    streams, weights = make_inputs(8, 32)
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_traces_without_graph_breaks(device):
+    streams, weights = make_inputs(8, 32, device=device)
     streams.requires_grad_(True)
-    out = torch.randn(8, 32)
+    out = torch.randn(8, 32, device=device)
 
     def sublayer(streams):
         base, normed = fused_dual_norm(streams, 32, weights, rms=False)

@@ -1,0 +1,97 @@
+"""Tier 2: the Transformer Engine SiameseNorm GPT computes what the local one computes (bf16).
+
+    te-vs-local   one small GPT built twice, with Megatron's local modules and with Transformer
+                  Engine's, the same weights (the local InputNorms loaded into TE's fused
+                  LayerNorm-Linear under the names Megatron's own key map gives them); logits
+                  and every parameter's gradient compared normwise, max |te - local| / max |local|,
+                  against Transformer Engine's bf16 tolerance (rtol 1.6e-2)
+
+    python bench/gpu/te_parity.py te-vs-local --result out.json [--rehearse]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from common import one_rank, require_gpu, step_main
+
+BF16_RTOL = 1.6e-2  # Transformer Engine's (and torch.testing's) bf16 tolerance
+
+
+def relative_error(value, reference) -> float:
+    if value is None or reference is None:  # a parameter that got no gradient in one model
+        return float("inf") if (value is None) != (reference is None) else 0.0
+    value, reference = value.float(), reference.float()
+    return float((value - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
+
+
+def te_names(name: str) -> str:
+    """A local-spec parameter name as the Transformer Engine spec names it (Megatron's key map)."""
+    from megatron_siamese.specs import get_siamese_layer_local_spec
+
+    for old, new in get_siamese_layer_local_spec().submodules.sharded_state_dict_keys_map.items():
+        name = name.replace(old, new)
+    return name
+
+
+def compare(case, rehearse: bool) -> dict:
+    """Runs in a rank: both models, same weights, logits and gradients side by side."""
+    import torch
+
+    from megatron_siamese.check.step import build_seeded_chunks, case_config, microbatches
+    from megatron_siamese.models import build_gpt_chunks
+    from megatron_siamese.runtime.layout import Layout
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    (local,) = build_seeded_chunks(case, case_config(case, Layout()))
+    state = {te_names(name): tensor for name, tensor in local.state_dict().items()}
+    te_case = dataclasses.replace(case, transformer_impl="transformer_engine")
+    te_config = case_config(te_case, Layout())
+    require_gpu(rehearse, "building the Transformer Engine GPT (TE's modules assert CUDA when constructed)")
+    (te,) = build_gpt_chunks(te_config, te_case.norm, te_case.vocab_size, te_case.seq_length,
+                             te_case.position_embedding_type, te_case.share_embeddings_and_output_weights)
+    missing, unexpected = te.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not name.endswith("_extra_state")]
+    if missing or unexpected:
+        raise AssertionError(f"local -> TE weights: missing {missing}, unexpected {unexpected}")
+    local, te = local.to(device), te.to(device)
+    batch = {k: v.to(device) for k, v in microbatches(case)[0].items()}
+    inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    results = {}
+    for label, model in (("local", local), ("te", te)):
+        model.zero_grad()
+        model(*inputs, labels=batch["labels"]).float().mean().backward()
+        with torch.no_grad():
+            logits = model(*inputs)
+        results[label] = (logits, {name: p.grad for name, p in model.named_parameters()})
+    errors = {"logits": relative_error(results["te"][0], results["local"][0])}
+    te_grads = results["te"][1]
+    for name, grad in results["local"][1].items():
+        errors[f"grad {name}"] = relative_error(te_grads[te_names(name)], grad)
+    worst = max(errors, key=errors.get)
+    return {
+        "logits_error": round(errors["logits"], 5),
+        "max_grad_error": round(max(v for k, v in errors.items() if k != "logits"), 5),
+        "worst": worst,
+        "over_tolerance": sorted(k for k, v in errors.items() if v > BF16_RTOL),
+        "tolerance": BF16_RTOL,
+        "compared": len(errors),
+        "passed": all(v <= BF16_RTOL for v in errors.values()),
+    }
+
+
+def te_vs_local(rehearse: bool) -> dict:
+    from megatron_siamese.check.case import ModelCase
+
+    if not rehearse:
+        require_gpu(False, "TE vs local")
+    case = ModelCase(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=1024,
+                     seq_length=128, vocab_size=256, dtype="bf16", add_bias_linear=False, num_microbatches=1)
+    return one_rank(compare, case, rehearse)
+
+
+STEPS = {"te-vs-local": te_vs_local}
+
+if __name__ == "__main__":
+    sys.exit(step_main(STEPS))
