@@ -86,6 +86,22 @@ def num_layers(settings) -> int:
     return len(pattern_layers(hybrid_pattern(settings))) if settings.model == "hybrid" else settings.num_layers
 
 
+def _per_virtual_stage(build: Callable[..., object], **common) -> list:
+    """``build(**common, vp_stage=..., pre_process=..., post_process=...)`` for each of this rank's
+    virtual pipeline stages (one chunk without virtual stages)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(build(
+            **common,
+            vp_stage=stage,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        ))
+    return chunks
+
+
 def build_gpt_chunks(
     config: TransformerConfig,
     norm: str,
@@ -96,24 +112,13 @@ def build_gpt_chunks(
 ) -> List[GPTModel]:
     """This rank's GPTModel chunks with scheme ``norm``: one per virtual pipeline stage."""
     block_spec = scheme(norm).block_spec
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        chunks.append(
-            GPTModel(
-                config=config,
-                transformer_layer_spec=block_spec(config, stage),
-                vocab_size=vocab_size,
-                max_sequence_length=max_sequence_length,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                position_embedding_type=position_embedding_type,
-                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                vp_stage=stage,
-            )
-        )
-    return chunks
+
+    def gpt(vp_stage, **kwargs):
+        return GPTModel(transformer_layer_spec=block_spec(config, vp_stage), vp_stage=vp_stage, **kwargs)
+
+    return _per_virtual_stage(gpt, config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                              position_embedding_type=position_embedding_type,
+                              share_embeddings_and_output_weights=share_embeddings_and_output_weights)
 
 
 def build_hybrid_chunks(
@@ -136,24 +141,10 @@ def build_hybrid_chunks(
     spec = siamese_hybrid_te_stack_spec if config.transformer_impl == "transformer_engine" else siamese_hybrid_stack_spec
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     staged = staged_pattern(pattern, config.pipeline_model_parallel_size * (vpp or 1))
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        chunks.append(
-            HybridModel(
-                config=config,
-                hybrid_stack_spec=spec,
-                vocab_size=vocab_size,
-                max_sequence_length=max_sequence_length,
-                hybrid_layer_pattern=staged,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                position_embedding_type=position_embedding_type,
-                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                vp_stage=stage,
-            )
-        )
-    return chunks
+    return _per_virtual_stage(HybridModel, config=config, hybrid_stack_spec=spec, vocab_size=vocab_size,
+                              max_sequence_length=max_sequence_length, hybrid_layer_pattern=staged,
+                              position_embedding_type=position_embedding_type,
+                              share_embeddings_and_output_weights=share_embeddings_and_output_weights)
 
 
 def build_model_chunks(config: TransformerConfig, settings, vocab_size: int) -> list:
