@@ -10,7 +10,11 @@ cd "$(dirname "$0")/.."
 status=0
 for stack in ${STACKS:-mcore016 mcore019}; do
   venv=$(bash scripts/setup.sh "$stack")
-  echo "== $stack: $("$venv/bin/python" -c 'import sys, torch; from importlib.metadata import version; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {version(\"megatron-core\")}")' 2>/dev/null)"
+  "$venv/bin/python" - <<'PY'
+import sys
+from importlib.metadata import version
+print(f"== Python {sys.version.split()[0]}, torch {version('torch')}, megatron-core {version('megatron-core')}", flush=True)
+PY
   "$venv/bin/python" -m pytest "$@" || status=$?
 done
 exit $status
