@@ -197,6 +197,8 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("name", sorted(CORRUPTIONS))
 def test_a_broken_checkpoint_is_named_with_the_steps_to_load_instead(tmp_path, cache, finished_run, name):
     filename, corrupt, what = CORRUPTIONS[name]
+    if not (finished_run / "checkpoints" / "step_4" / filename).exists():
+        pytest.skip(f"this megatron-core writes no {filename} (from 0.19 the common state is one of the shards)")
     shutil.copytree(finished_run, tmp_path / "run")
     checkpoints = tmp_path / "run" / "checkpoints"
     corrupt(checkpoints / "step_4" / filename)

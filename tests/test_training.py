@@ -102,3 +102,22 @@ def test_compare_runs_every_scheme_on_identical_data(tmp_path, cache):
     # one data stream, three different models: different first-step losses near ln(320)
     assert len(set(first_losses.values())) == 3
     assert all(abs(v - math.log(320)) < 0.5 for v in first_losses.values())
+
+
+@pytest.mark.parametrize("saved, optimizer_from", [
+    ({"model_only": False, "model_class": "gpt"}, "checkpoint"),
+    ({"model_only": True, "model_class": "gpt"}, "run"),  # e.g. an upcycled model: a fresh optimizer
+    ({"model_only": False, "model_class": "hybrid"}, "run"),  # another model class: weights only
+])
+def test_the_optimizer_is_built_with_the_schedule_of_the_state_it_resumes(monkeypatch, saved, optimizer_from):
+    # megatron-core 0.19 matches saved parameter groups by their learning rates: an optimizer whose
+    # state is loaded must be built with the checkpoint's, a fresh one with the run's
+    from megatron_siamese.training import checkpoint
+
+    scheduler = {"max_lr": 0.5, "min_lr": 0.05, "start_wd": 0.3}
+    monkeypatch.setattr(checkpoint, "resolve", lambda path: path)
+    monkeypatch.setattr(checkpoint, "common_state", lambda path: {**saved, "scheduler": scheduler})
+    args = TrainArgs(load="somewhere", lr=1e-3, min_lr=1e-4, weight_decay=0.1, override_opt_param_scheduler=True)
+    expected = dict(lr=0.5, min_lr=0.05, weight_decay=0.3) if optimizer_from == "checkpoint" else None
+    assert checkpoint.saved_optimizer_schedule(args) == expected
+    assert checkpoint.saved_optimizer_schedule(TrainArgs(lr=1e-3)) is None

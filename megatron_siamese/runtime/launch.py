@@ -136,7 +136,7 @@ def _worker(rank, world_size, backend, port, timeout_s, fn, args, results, stop_
 
 # Imported once by the fork server, so that a rank starts in well under a second instead of
 # importing torch and Megatron again (several seconds a rank, most of a CPU test's time).
-_PRELOAD = ["megatron_siamese.runtime.quiet", "torch", "megatron.core", "megatron.core.distributed",
+_PRELOAD = ["megatron_siamese.runtime.forkserver_preload", "torch", "megatron.core", "megatron.core.distributed",
             "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron_siamese.runtime.gpt",
             "megatron_siamese.models"]
 

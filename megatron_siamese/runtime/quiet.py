@@ -37,6 +37,9 @@ KNOWN_NOTICES = (
     "DistributedDataParallel: full_param_layout not provided",
 )
 _PATTERN = re.compile("|".join(f"(?:{notice})" for notice in KNOWN_NOTICES))
+# loggers that log a known notice while torch is being imported, before its handlers exist:
+# filtered at the logger itself
+_SOURCE_LOGGERS = ("torch.utils.cpp_extension",)
 
 
 class _KnownNoticeFilter(logging.Filter):
@@ -63,6 +66,6 @@ def silence_known_notices() -> None:
     noticed = _KnownNoticeFilter()
     handlers = [logging.lastResort] + [h for name in (None, "torch", "megatron", "megatron.core")
                                        for h in logging.getLogger(name).handlers]
-    for handler in handlers:
-        if handler is not None and not any(isinstance(f, _KnownNoticeFilter) for f in handler.filters):
-            handler.addFilter(noticed)
+    for filterer in handlers + [logging.getLogger(name) for name in _SOURCE_LOGGERS]:
+        if filterer is not None and not any(isinstance(f, _KnownNoticeFilter) for f in filterer.filters):
+            filterer.addFilter(noticed)

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from megatron_siamese.training.checkpoint_files import CheckpointError, checked, write_latest
+from megatron_siamese.training.checkpoint_files import CheckpointError, checked, common_state, resolve, write_latest
 
 
 def require_psutil() -> None:
@@ -175,6 +175,23 @@ def _start_schedule_at(trainer, step: int) -> int:
     return step
 
 
+def saved_optimizer_schedule(args) -> Optional[dict]:
+    """The lr, min lr and weight decay to build the optimizer with when ``args.load`` brings its
+    state back (None when it starts fresh). megatron-core 0.19 matches the saved parameter groups
+    to the new optimizer's by their peak and final learning rates and weight decay, so they must
+    be the checkpoint's; a run that overrides the checkpoint's schedule puts its own in place
+    after loading (``load``), and one that differs without saying which wins is refused before
+    any rank starts."""
+    if not args.load:
+        return None
+    common = common_state(resolve(args.load))
+    scheduler = common.get("scheduler")
+    brings_optimizer = not common.get(MODEL_ONLY, False) and common.get(MODEL_CLASS, "gpt") == args.model
+    if not (brings_optimizer and scheduler):
+        return None
+    return dict(lr=scheduler["max_lr"], min_lr=scheduler["min_lr"], weight_decay=scheduler["start_wd"])
+
+
 def load(trainer, path: str) -> int:
     """Load into the trainer's current layout; returns the checkpoint's step.
 
@@ -183,7 +200,7 @@ def load(trainer, path: str) -> int:
     from megatron.core import dist_checkpointing
 
     checkpoint = checked(path)
-    common = dist_checkpointing.load_common_state_dict(checkpoint)
+    common = common_state(checkpoint)
     saved_class, wanted_class = common.get(MODEL_CLASS, "gpt"), trainer.args.model
     if (saved_class, wanted_class) == ("gpt", "hybrid"):
         return _load_gpt_into_hybrid(trainer, checkpoint)
@@ -213,10 +230,13 @@ def load(trainer, path: str) -> int:
     trainer.step = int(loaded["step"])
     if trainer.step < trainer.args.steps:  # evaluating the checkpoint as saved needs no schedule
         if trainer.args.override_opt_param_scheduler:
-            # the optimizer's parameter groups came back with the checkpoint's peak and final
-            # learning rates, which Megatron's scheduler reads before its own: the run's win
+            # the parameter groups hold the checkpoint's peak and final learning rates (and weight
+            # decay), which Megatron's scheduler reads before its own: the run's win
             for group in trainer.optimizer.param_groups:
                 group["max_lr"], group["min_lr"] = trainer.args.lr, trainer.args.min_lr
+                for key in ("start_wd", "end_wd"):
+                    if key in group:
+                        group[key] = trainer.args.weight_decay
         trainer.scheduler.load_state_dict(loaded["scheduler"])
     _restore_adam_step_count(trainer.optimizer, trainer.step)
     return trainer.step

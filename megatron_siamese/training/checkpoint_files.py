@@ -1,13 +1,14 @@
 """Checkpoint directories on disk: which steps are complete, what is wrong with a broken one.
 
 Layout: ``<dir>/step_<N>/`` per checkpoint (Megatron's torch_dist format: ``metadata.json``,
-``common.pt``, torch's ``.metadata`` and ``*.distcp`` shards) and ``<dir>/latest`` naming the
-newest complete one. ``latest`` is written only after every rank finished saving, and
+torch's ``.metadata`` and ``*.distcp`` shards, and up to megatron-core 0.18 ``common.pt``; from
+0.19 the common state is a shard too) and ``<dir>/latest`` naming the newest complete one. ``latest`` is written only after every rank finished saving, and
 atomically (a rename), so it never names a partial checkpoint.
 
-Everything here runs in the launching process before any rank starts (torch is imported
-only to read ``common.pt`` and torch's metadata), so a checkpoint that cannot load is
-reported naming the file, what is wrong with it, and the complete steps to load instead.
+Everything here runs in the launching process before any rank starts (torch and Megatron's
+checkpoint reader are imported only to read a checkpoint's metadata and common state), so a
+checkpoint that cannot load is reported naming the file, what is wrong with it, and the
+complete steps to load instead.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import List, Optional, Tuple
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # torch's .metadata is written last, when every rank's shards are on disk
-REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
+REQUIRED_FILES = ("metadata.json", ".metadata")
+LEGACY_COMMON = "common.pt"  # megatron-core < 0.19 keeps the common state here
 
 
 class CheckpointError(ValueError):
@@ -91,8 +94,15 @@ def problems(checkpoint: str) -> List[str]:
             json.load(f)
     except (OSError, ValueError) as error:
         found.append(f"{meta} is not valid JSON ({error})")
-    found += _common_problems(os.path.join(checkpoint, "common.pt"))
     found += _shard_problems(checkpoint)
+    common = os.path.join(checkpoint, LEGACY_COMMON)
+    if os.path.exists(common):
+        found += _common_problems(common)
+    elif not found:  # megatron-core >= 0.19: the common state is one of the shards
+        try:
+            common_state(checkpoint)
+        except Exception as error:
+            found.append(f"{checkpoint}: its common state cannot be read ({type(error).__name__}: {error})")
     return found
 
 
@@ -142,7 +152,10 @@ def checked(path: str) -> str:
 
 
 def common_state(checkpoint: str) -> dict:
-    """The checkpoint's non-sharded entries (step, scheduler, model class, ...)."""
-    import torch
+    """The checkpoint's non-sharded entries (step, scheduler, model class, ...), from either
+    format (Megatron's own reader)."""
+    from megatron.core import dist_checkpointing
 
-    return torch.load(os.path.join(checkpoint, "common.pt"), map_location="cpu", weights_only=False)
+    with warnings.catch_warnings():  # reading it in one process, without torch.distributed, is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        return dist_checkpointing.load_common_state_dict(checkpoint)

@@ -21,9 +21,19 @@ import torch
 
 from megatron_siamese.runtime.gpt import MegatronGPT
 from megatron_siamese.runtime.launch import run_on_ranks
+from megatron_siamese.training import checkpoint
 from megatron_siamese.training.args import TrainArgs, padded_vocab_size
 from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
 from megatron_siamese.training.summary import RunSummary, format_summary, shown  # noqa: F401  (format_summary re-exported)
+
+
+def _optimizer_schedule(args: TrainArgs) -> dict:
+    """The optimizer's lr, min lr and weight decay: the run's, or those of the optimizer state it
+    resumes (``checkpoint.saved_optimizer_schedule``)."""
+    saved = checkpoint.saved_optimizer_schedule(args)
+    if saved:
+        return saved
+    return dict(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay)
 
 
 class Trainer:
@@ -38,8 +48,7 @@ class Trainer:
             args,
             args.layout,
             padded_vocab_size(self.tokenizer.vocab_size),
-            dict(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=0.9,
-                 adam_beta2=0.95, clip_grad=args.clip_grad),
+            dict(**_optimizer_schedule(args), adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad),
             args.seed,
         )
         self.config, self.model, self.optimizer = self.gpt.config, self.gpt.model, self.gpt.optimizer
@@ -63,8 +72,6 @@ class Trainer:
         self._build_data()
         self.step = 0
         if args.load:
-            from megatron_siamese.training import checkpoint
-
             checkpoint.load(self, args.load)
 
     def _build_data(self):
@@ -162,7 +169,6 @@ def _agreed_stop() -> bool:
 
 def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
-    from megatron_siamese.training import checkpoint
     from megatron_siamese.training.preflight import checkpoint_dir
 
     trainer = Trainer(args)
