@@ -339,26 +339,7 @@ struct Launch {
   int vec, iters, threads;
 };
 
-// Vector width from alignment, then the fewest register chunks per thread that cover the
-// row with at most kMaxThreads threads (at least ~8 elements per thread).
-template <typename T>
-Launch plan(int64_t hidden, std::initializer_list<const void*> pointers) {
-  int vec = 16 / sizeof(T);
-  bool aligned = hidden % vec == 0;
-  for (const void* ptr : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-  if (!aligned) vec = 1;
-  int iters = std::max(1, 8 / vec);
-  while (int64_t(iters) * vec * kMaxThreads < hidden) iters *= 2;
-  TORCH_CHECK(iters * vec <= kMaxPerThread,
-              "dual_norm (CUDA): hidden size ", hidden, " is larger than the kernel supports (",
-              kMaxThreads * kMaxPerThread, "); use the PyTorch path (siamese_fused_ops=False)");
-  const int64_t per_block = int64_t(iters) * vec;
-  int threads = static_cast<int>((hidden + per_block - 1) / per_block);
-  threads = std::max(kWarp, (threads + kWarp - 1) / kWarp * kWarp);
-  return {vec, iters, threads};
-}
-
-// Calls f.template operator()<VEC, ITERS>() for the planned configuration.
+// Calls f.template operator()<VEC, ITERS>() for the configuration `launch` names.
 template <typename T, typename F>
 void dispatch_plan(const Launch& launch, F&& f) {
   constexpr int V = 16 / sizeof(T);
@@ -370,6 +351,38 @@ void dispatch_plan(const Launch& launch, F&& f) {
   SIAMESE_CASE(1, 8) SIAMESE_CASE(1, 16) SIAMESE_CASE(1, 32)
 #undef SIAMESE_CASE
   TORCH_CHECK(false, "dual_norm (CUDA): no kernel for vec=", launch.vec, " iters=", launch.iters);
+}
+
+// The most threads a block of `kernel` may have on the current device: its register use can
+// make that fewer than kMaxThreads (a larger launch fails with "too many resources requested").
+template <typename Kernel>
+int block_limit(Kernel* kernel) {
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return std::min(kMaxThreads, attributes.maxThreadsPerBlock / kWarp * kWarp);
+}
+
+// Vector width from alignment, then the fewest register chunks per thread (at least ~8
+// elements) whose kernel covers the row with a block it can launch. `kernel_for` maps a
+// configuration to its kernel instantiation.
+template <typename T, typename KernelFor>
+Launch plan(int64_t hidden, std::initializer_list<const void*> pointers, KernelFor&& kernel_for) {
+  int vec = 16 / sizeof(T);
+  bool aligned = hidden % vec == 0;
+  for (const void* ptr : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  if (!aligned) vec = 1;
+  for (int iters = std::max(1, 8 / vec); iters * vec <= kMaxPerThread; iters *= 2) {
+    const int64_t per_thread = int64_t(iters) * vec;
+    int threads = static_cast<int>((hidden + per_thread - 1) / per_thread);
+    threads = std::max(kWarp, (threads + kWarp - 1) / kWarp * kWarp);
+    Launch launch{vec, iters, threads};
+    int limit = 0;
+    dispatch_plan<T>(launch, [&]<int VEC, int ITERS>() { limit = block_limit(kernel_for.template operator()<VEC, ITERS>()); });
+    if (threads <= limit) return launch;
+  }
+  TORCH_CHECK(false, "dual_norm (CUDA): hidden size ", hidden, " is larger than the kernel supports on this device; ",
+              "use the PyTorch path (siamese_fused_ops=False)");
+  return {};
 }
 
 template <typename A>
@@ -395,7 +408,8 @@ void CudaKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, c
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
     const Params<A> params = make_params<A>(w, g, eps);
-    const Launch launch = plan<scalar_t>(g.hidden, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()});
+    const Launch launch = plan<scalar_t>(g.hidden, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()},
+                                         []<int VEC, int ITERS>() { return dual_norm_forward_kernel<scalar_t, A, VEC, ITERS>; });
     const int grid = static_cast<int>(std::min<int64_t>(g.rows, 65535 * 32));
     auto stream = c10::cuda::getCurrentCUDAStream();
     dispatch_plan<scalar_t>(launch, [&]<int VEC, int ITERS>() {
@@ -415,7 +429,8 @@ void CudaKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch
     using A = at::opmath_type<scalar_t>;
     const Params<A> params = make_params<A>(w, g, 0.0);
     const Launch launch = plan<scalar_t>(
-        g.hidden, {grad_base.data_ptr(), grad_normed.data_ptr(), streams.data_ptr(), grad_streams.data_ptr()});
+        g.hidden, {grad_base.data_ptr(), grad_normed.data_ptr(), streams.data_ptr(), grad_streams.data_ptr()},
+        []<int VEC, int ITERS>() { return dual_norm_backward_kernel<scalar_t, A, VEC, ITERS>; });
     const int grid = grid_for_rows(g.rows);
     auto partials = torch::empty({grid, 6, g.hidden}, weight_grads.options());
     auto stream = c10::cuda::getCurrentCUDAStream();

@@ -91,7 +91,7 @@ def test_dual_residual_gradcheck_fp64(device, with_bias, with_mask):
 # -- values against the reference, every dtype -------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("hidden", [1, 7, 123, 1000, 3000])
+@pytest.mark.parametrize("hidden", [1, 7, 123, 1000, 3000, 4096, 8192])  # wide rows: CUDA's larger launches
 @pytest.mark.parametrize("rms", [False, True])
 def test_dual_norm_matches_reference_fp32(device, hidden, rms):
     streams, weights = make_inputs(9, hidden, rms=rms, device=device)
@@ -128,6 +128,33 @@ def test_16bit_error_at_most_twice_pytorch_error(device, dtype, hidden, rms, zer
         ours_error = float((o.double() - g).abs().max())
         torch_error = float((t.double() - g).abs().max())
         assert ours_error <= 2 * torch_error + 1e-6 * float(g.abs().max()), (ours_error, torch_error)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [2048, 4096, 8192])  # the CUDA kernels' wider launch configurations
+@pytest.mark.parametrize("rms", [False, True])
+def test_16bit_wide_rows_forward_and_backward(device, dtype, hidden, rms):
+    """Outputs and every gradient at model widths: the fused op's error against an fp64
+    reference is at most twice the same-dtype PyTorch composition's, plus one rounding step."""
+    streams32, weights32 = make_inputs(8, hidden, rms=rms, device=device, weight_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    upstream = [torch.randn(8, 2 * hidden, generator=generator), torch.randn(8, hidden, generator=generator)]
+
+    def outputs_and_grads(op, compute):
+        leaves = [None if t is None else t.to(dtype).to(compute).requires_grad_(True) for t in [streams32] + weights32]
+        outs = op(leaves[0], hidden, leaves[1:], rms)
+        present = [t for t in leaves if t is not None]
+        grads = torch.autograd.grad(outs, present, [g.to(device, dtype).to(compute) for g in upstream])
+        return [t.detach() for t in list(outs) + list(grads)]
+
+    gold = outputs_and_grads(reference_dual_norm, torch.float64)
+    torch_way = outputs_and_grads(reference_dual_norm, dtype)
+    ours = outputs_and_grads(fused_dual_norm, dtype)
+    for index, (o, t, g) in enumerate(zip(ours, torch_way, gold)):
+        hair = torch.finfo(dtype).eps * float(g.abs().max())
+        ours_error, torch_error = float((o.double() - g).abs().max()), float((t.double() - g).abs().max())
+        assert ours_error <= 2 * torch_error + hair, (index, ours_error, torch_error)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_siamese.runtime.launch import RankFailed, launch
+from megatron_siamese.runtime.launch import RankFailed, _context, launch
 
 
 def _rank_and_world():
@@ -20,6 +20,12 @@ def _raise_on_rank_one():
     if torch.distributed.get_rank() == 1:
         raise ValueError("planted failure")
     return "ok"
+
+
+def _cuda_refused_here():
+    import torch
+
+    return torch.cuda._is_in_bad_fork()
 
 
 def _die_without_reporting():
@@ -40,3 +46,17 @@ def test_a_rank_that_dies_silently_fails_fast():
     with pytest.raises(RankFailed, match="exited with code 3"):
         launch(_die_without_reporting, 2, timeout_s=120)
     assert time.monotonic() - start < 60  # not the timeout
+
+
+def test_nccl_ranks_are_processes_that_may_start_cuda():
+    """The fork server's imports ask torch.cuda.is_available(); on a CUDA build of torch that
+    forbids CUDA in every process forked from it, so NCCL ranks must start another way."""
+    import torch
+
+    def refused(backend):
+        with _context(backend).Pool(1) as pool:
+            return pool.apply(_cuda_refused_here)
+
+    assert refused("nccl") is False
+    if torch.version.cuda:  # the trap is real where torch is a CUDA build (the 0.19 / Python 3.12 stack)
+        assert refused("gloo") is True

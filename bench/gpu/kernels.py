@@ -92,7 +92,15 @@ def kernel_bench(rehearse: bool) -> dict:
     rows_out = []
     for rows, hidden, dtype_name in REHEARSAL_CASES if rehearse else BENCH_CASES:
         dtype = dtypes[dtype_name]
-        times = {name: bench.run_case(fn, rows, hidden, dtype, device) for name, fn in impls.items()}
+        try:  # a case that fails is recorded, and the next case still runs
+            times = {name: bench.run_case(fn, rows, hidden, dtype, device) for name, fn in impls.items()}
+        except Exception as error:  # noqa: BLE001 - the error's text is the result
+            rows_out.append({"shape": f"{rows}x{hidden}", "dtype": dtype_name, "error": f"{type(error).__name__}: {error}"[:800]})
+            continue
+        finally:
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
         pass_bytes = rows * hidden * torch.tensor([], dtype=dtype).element_size()
         for index, label, passes in ((0, "fwd", bench.FORWARD_PASSES),
                                      (1, "fwd+bwd", bench.FORWARD_PASSES + bench.BACKWARD_PASSES)):
@@ -106,8 +114,6 @@ def kernel_bench(rehearse: bool) -> dict:
                 "fused_gb_s": round(fused_bandwidth / 1e9, 1),
                 "fused_share_of_copy": round(fused_bandwidth / copy, 3),
             })
-        if device == "cuda":
-            torch.cuda.empty_cache()
     return {"device": device, "copy_gb_s": round(copy / 1e9, 1), "rows": rows_out}
 
 

@@ -34,10 +34,12 @@ say() { echo "[kit $((SECONDS - started))s] $*"; }
 
 # -- Python 3.12 and the stand-in for the image's environment (torch 2.11.0 + build tools) ----------
 find_python312() {
-  command -v python3.12 && return
-  local pyenv_root
+  # a pyenv shim is on PATH even where no 3.12 is selected: take the first candidate that runs
+  local pyenv_root candidate
   pyenv_root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-  ls -d "$pyenv_root"/versions/3.12*/bin/python 2>/dev/null | tail -1
+  for candidate in "$(command -v python3.12)" $(ls -d "$pyenv_root"/versions/3.12*/bin/python 2>/dev/null | sort -rV); do
+    [[ -n "$candidate" ]] && "$candidate" -c 'import sys' 2>/dev/null && { echo "$candidate"; return; }
+  done
 }
 PY312=${PY312:-$(find_python312 || true)}
 [[ -n "$PY312" && -x "$PY312" ]] || { echo "kit.sh: no Python 3.12 found; set PY312=/path/to/python3.12" >&2; exit 1; }

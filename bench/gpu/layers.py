@@ -19,7 +19,7 @@ import contextlib
 import sys
 from dataclasses import dataclass
 
-from common import one_rank, require_gpu, step_main, time_ms
+from common import NeedsGPU, one_rank, require_gpu, step_main, time_ms
 
 LAYER_NUMBER, NUM_LAYERS = 2, 4
 ITERS, WARMUP = 20, 5
@@ -112,6 +112,19 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def attempt(time_one, *args) -> dict:
+    """time_one(*args), or {"error": ...} when it fails: one failing layer leaves the others
+    their rows (a rehearsal's stop at the first GPU call still ends the step)."""
+    try:
+        return time_one(*args)
+    except NeedsGPU:
+        raise
+    except Exception as error:  # noqa: BLE001 - the error's text is the result
+        return {"error": f"{type(error).__name__}: {error}"[:800]}
+    finally:
+        release_memory()
+
+
 def compare(shapes, impl: str, variants, rehearse: bool) -> list:
     """Rows of {shape, precision, stock ms, SiameseNorm ms per variant, ratios} (runs in a rank)."""
     rows = []
@@ -119,12 +132,11 @@ def compare(shapes, impl: str, variants, rehearse: bool) -> list:
         for fp8 in variants["fp8"]:
             row = {"hidden": shape.hidden, "heads": shape.heads, "ffn": shape.ffn, "seq": shape.seq,
                    "impl": impl, "precision": "fp8-delayed" if fp8 else "bf16"}
-            row["stock"] = time_layer(settings(shape, "pre", impl, fp8=fp8), rehearse)
-            release_memory()
+            row["stock"] = attempt(time_layer, settings(shape, "pre", impl, fp8=fp8), rehearse)
             for label, fused in variants["siamese"]:
-                timing = time_layer(settings(shape, "siamese", impl, fused_ops=fused, fp8=fp8), rehearse)
-                release_memory()
-                timing["ratio_to_stock"] = round(timing["ms"] / row["stock"]["ms"], 3)
+                timing = attempt(time_layer, settings(shape, "siamese", impl, fused_ops=fused, fp8=fp8), rehearse)
+                if "ms" in timing and "ms" in row["stock"]:
+                    timing["ratio_to_stock"] = round(timing["ms"] / row["stock"]["ms"], 3)
                 row[f"siamese_{label}"] = timing
             rows.append(row)
     return rows

@@ -141,11 +141,16 @@ _PRELOAD = ["megatron_siamese.runtime.forkserver_preload", "torch", "megatron.co
             "megatron_siamese.models"]
 
 
-def _context():
-    """Fresh ranks forked from a server that imported torch and Megatron once, in a clean process
-    (never from the caller, whose threads and state a fork would copy)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+def _context(backend: str):
+    """On gloo, fresh ranks forked from a server that imported torch and Megatron once, in a clean
+    process (never from the caller, whose threads and state a fork would copy). On NCCL, spawned
+    ranks: those imports ask torch.cuda.is_available(), after which CUDA refuses to start in any
+    process forked from the server."""
+    if backend == "nccl":
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
     known = warning_options()  # in the server before it imports Megatron (inherited when it starts)
     if known not in os.environ.get("PYTHONWARNINGS", ""):
         os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), known)))
@@ -237,7 +242,7 @@ def launch(
 ) -> List[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh ranks; return their results in rank order."""
     backend = backend or default_backend()
-    ctx = _context()
+    ctx = _context(backend)
     results = ctx.Queue()
     stop_event = ctx.Event()
     port = free_port()
