@@ -19,6 +19,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <type_traits>
+
 #include "dual_norm.h"
 
 namespace megatron_siamese {
@@ -237,7 +239,8 @@ __global__ void dual_norm_backward_kernel(const T* __restrict__ grad_base, const
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           const A t = ga[it][k] * weight_at(p.gi, e0 + k, h, A(1));
-          ga[it][k] = ra * (t - mean_t - gu[it][k] * mean_tn);  // dL/da
+          // dL/da; zero past the row's end, where -ra * mean_t would leak into the reductions below
+          ga[it][k] = e0 + k < h ? ra * (t - mean_t - gu[it][k] * mean_tn) : A(0);
         }
       }
     }
@@ -362,27 +365,50 @@ int block_limit(Kernel* kernel) {
   return std::min(kMaxThreads, attributes.maxThreadsPerBlock / kWarp * kWarp);
 }
 
-// Vector width from alignment, then the fewest register chunks per thread (at least ~8
-// elements) whose kernel covers the row with a block it can launch. `kernel_for` maps a
-// configuration to its kernel instantiation.
+// Blocks of `kernel` resident on one multiprocessor at `threads` threads: each works on one row
+// at a time, so this is how many rows an SM has in flight to hide memory latency.
+template <typename Kernel>
+int resident_blocks(Kernel* kernel, int threads) {
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+  return blocks;
+}
+
+// How plan() picks among the chunkings that can launch a row-wide block. Measured on an H200
+// (docs/kernels.md): the forward gains from more rows in flight per SM (16384x4096 bf16:
+// 1.33 -> 0.92 ms); the backward loses when that means its spilling configurations (2.19 ->
+// 2.51 ms), so it takes the fewest elements per thread that launch (spilling only where
+// nothing else launches: h > 4096).
+enum class Choose { kMostRowsInFlight, kFewestPerThread };
+
+// Vector width from alignment; then, among the register chunkings (8, 16 or 32 elements per
+// thread) whose kernel can launch a block wide enough for the row, the one `choose` prefers
+// (ties: fewer elements per thread, fewer registers). `kernel_for(vec, iters)`, given both as
+// std::integral_constant, returns that configuration's kernel instantiation.
 template <typename T, typename KernelFor>
-Launch plan(int64_t hidden, std::initializer_list<const void*> pointers, KernelFor&& kernel_for) {
+Launch plan(int64_t hidden, std::initializer_list<const void*> pointers, Choose choose, KernelFor&& kernel_for) {
   int vec = 16 / sizeof(T);
   bool aligned = hidden % vec == 0;
   for (const void* ptr : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
   if (!aligned) vec = 1;
+  Launch best{0, 0, 0};
+  int best_blocks = 0;
   for (int iters = std::max(1, 8 / vec); iters * vec <= kMaxPerThread; iters *= 2) {
     const int64_t per_thread = int64_t(iters) * vec;
     int threads = static_cast<int>((hidden + per_thread - 1) / per_thread);
     threads = std::max(kWarp, (threads + kWarp - 1) / kWarp * kWarp);
-    Launch launch{vec, iters, threads};
-    int limit = 0;
-    dispatch_plan<T>(launch, [&]<int VEC, int ITERS>() { limit = block_limit(kernel_for.template operator()<VEC, ITERS>()); });
-    if (threads <= limit) return launch;
+    const Launch launch{vec, iters, threads};
+    int blocks = 0;
+    dispatch_plan<T>(launch, [&]<int VEC, int ITERS>() {
+      auto* kernel = kernel_for(std::integral_constant<int, VEC>{}, std::integral_constant<int, ITERS>{});
+      if (threads <= block_limit(kernel)) blocks = resident_blocks(kernel, threads);
+    });
+    if (blocks > best_blocks) best = launch, best_blocks = blocks;
+    if (best_blocks > 0 && choose == Choose::kFewestPerThread) break;
   }
-  TORCH_CHECK(false, "dual_norm (CUDA): hidden size ", hidden, " is larger than the kernel supports on this device; ",
-              "use the PyTorch path (siamese_fused_ops=False)");
-  return {};
+  TORCH_CHECK(best_blocks > 0, "dual_norm (CUDA): hidden size ", hidden,
+              " is larger than the kernel supports on this device; use the PyTorch path (siamese_fused_ops=False)");
+  return best;
 }
 
 template <typename A>
@@ -409,7 +435,7 @@ void CudaKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, c
     using A = at::opmath_type<scalar_t>;
     const Params<A> params = make_params<A>(w, g, eps);
     const Launch launch = plan<scalar_t>(g.hidden, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()},
-                                         []<int VEC, int ITERS>() { return dual_norm_forward_kernel<scalar_t, A, VEC, ITERS>; });
+                                         Choose::kMostRowsInFlight, [](auto vec, auto iters) { return dual_norm_forward_kernel<scalar_t, A, vec(), iters()>; });
     const int grid = static_cast<int>(std::min<int64_t>(g.rows, 65535 * 32));
     auto stream = c10::cuda::getCurrentCUDAStream();
     dispatch_plan<scalar_t>(launch, [&]<int VEC, int ITERS>() {
@@ -430,7 +456,7 @@ void CudaKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch
     const Params<A> params = make_params<A>(w, g, 0.0);
     const Launch launch = plan<scalar_t>(
         g.hidden, {grad_base.data_ptr(), grad_normed.data_ptr(), streams.data_ptr(), grad_streams.data_ptr()},
-        []<int VEC, int ITERS>() { return dual_norm_backward_kernel<scalar_t, A, VEC, ITERS>; });
+        Choose::kFewestPerThread, [](auto vec, auto iters) { return dual_norm_backward_kernel<scalar_t, A, vec(), iters()>; });
     const int grid = grid_for_rows(g.rows);
     auto partials = torch::empty({grid, 6, g.hidden}, weight_grads.options());
     auto stream = c10::cuda::getCurrentCUDAStream();

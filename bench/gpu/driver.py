@@ -61,13 +61,14 @@ STEPS = (
 
 def selected(tiers: List[int], only: Optional[List[str]]) -> List[Step]:
     """The steps of ``tiers`` (setup steps always), in order; ``only`` narrows them to the named
-    steps and the setup steps those need."""
+    steps, the setup steps those need, and "machine"."""
     steps = [s for s in STEPS if s.tier == 0 or s.tier in tiers]
     if only:
         unknown = set(only) - {s.name for s in STEPS}
         if unknown:
             raise SystemExit(f"unknown steps {sorted(unknown)}; steps: {', '.join(s.name for s in STEPS)}")
-        wanted = set(only) | {need for s in STEPS if s.name in only for need in s.needs}
+        # and always "machine": the record's device, driver and versions
+        wanted = set(only) | {"machine"} | {need for s in STEPS if s.name in only for need in s.needs}
         steps = [s for s in steps if s.name in wanted]
     return steps
 

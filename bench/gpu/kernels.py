@@ -25,16 +25,19 @@ BENCH_CASES = ((16384, 4096, "bf16"), (16384, 4096, "fp32"), (32768, 8192, "bf16
 REHEARSAL_CASES = ((64, 256, "bf16"),)
 
 
-def junit_outcomes(path: Path) -> dict:
-    """test id -> passed / failed / error / skipped, from pytest's JUnit XML."""
-    outcomes = {}
+def junit_outcomes(path: Path) -> tuple:
+    """(test id -> passed / failed / error / skipped, test id -> failure message), from pytest's
+    JUnit XML."""
+    outcomes, messages = {}, {}
     for case in ElementTree.parse(path).getroot().iter("testcase"):
-        outcome = "passed"
+        name, outcome = f"{case.get('classname')}::{case.get('name')}", "passed"
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = "failed" if child.tag == "failure" else child.tag
-        outcomes[f"{case.get('classname')}::{case.get('name')}"] = outcome
-    return outcomes
+                if child.tag != "skipped":
+                    messages[name] = (child.get("message") or child.text or "")[:600]
+        outcomes[name] = outcome
+    return outcomes, messages
 
 
 def kernel_tests(rehearse: bool) -> dict:
@@ -54,7 +57,8 @@ def kernel_tests(rehearse: bool) -> dict:
         if not junit.exists():
             raise RuntimeError(f"pytest wrote no report (exit {process.returncode}):\n{process.stdout[-3000:]}"
                                f"{process.stderr[-3000:]}")
-        outcomes = junit_outcomes(junit)
+        outcomes, messages = junit_outcomes(junit)
+        print(process.stdout[-8000:], flush=True)  # the failures' tracebacks, into the run's log
 
     def count(selected):
         values = [outcomes[t] for t in selected]
@@ -67,6 +71,7 @@ def kernel_tests(rehearse: bool) -> dict:
         "all": count(outcomes),
         "cuda": count(cuda),
         "not_passed": sorted(t for t, o in outcomes.items() if o in ("failed", "error")),
+        "messages": messages,
         "summary": process.stdout.strip().splitlines()[-1] if process.stdout.strip() else "",
         "passed": process.returncode == 0 and (rehearse or len(cuda) > 0),
     }

@@ -3,8 +3,11 @@
     te-vs-local   one small GPT built twice, with Megatron's local modules and with Transformer
                   Engine's, the same weights (the local InputNorms loaded into TE's fused
                   LayerNorm-Linear under the names Megatron's own key map gives them); logits
-                  and every parameter's gradient compared normwise, max |te - local| / max |local|,
-                  against Transformer Engine's bf16 tolerance (rtol 1.6e-2)
+                  and every parameter's gradient compared normwise, max |te - local| / max |local|.
+                  Passed when each is within Transformer Engine's bf16 tolerance (rtol 1.6e-2)
+                  or, where bf16 rounding alone exceeds that, when TE's error against the same
+                  model in fp32 is at most twice the local bf16 model's (the rule the kernel
+                  tests use): a wrong weight mapping or formula gives errors of order one
 
     python bench/gpu/te_parity.py te-vs-local --result out.json [--rehearse]
 """
@@ -58,26 +61,39 @@ def compare(case, rehearse: bool) -> dict:
     local, te = local.to(device), te.to(device)
     batch = {k: v.to(device) for k, v in microbatches(case)[0].items()}
     inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    fp32_case = dataclasses.replace(case, dtype="fp32")
+    (exact,) = build_seeded_chunks(fp32_case, case_config(fp32_case, Layout()))
+    exact.load_state_dict(local.state_dict())  # the bf16 weights, held in fp32
+    exact = exact.to(device)
     results = {}
-    for label, model in (("local", local), ("te", te)):
+    for label, model in (("local", local), ("te", te), ("fp32", exact)):
         model.zero_grad()
         model(*inputs, labels=batch["labels"]).float().mean().backward()
         with torch.no_grad():
             logits = model(*inputs)
         results[label] = (logits, {name: p.grad for name, p in model.named_parameters()})
-    errors = {"logits": relative_error(results["te"][0], results["local"][0])}
-    te_grads = results["te"][1]
-    for name, grad in results["local"][1].items():
-        errors[f"grad {name}"] = relative_error(te_grads[te_names(name)], grad)
+    def errors_against(reference: str, model: str) -> dict:
+        names = (lambda name: name) if model == "local" else te_names
+        found = {"logits": relative_error(results[model][0], results[reference][0])}
+        for name, grad in results[reference][1].items():
+            found[f"grad {name}"] = relative_error(results[model][1][names(name)], grad)
+        return found
+
+    errors = errors_against("local", "te")
+    te_vs_fp32, local_vs_fp32 = errors_against("fp32", "te"), errors_against("fp32", "local")
+    over = sorted(k for k, v in errors.items() if v > BF16_RTOL)
+    unexplained = [k for k in over if te_vs_fp32[k] > 2 * local_vs_fp32[k]]
     worst = max(errors, key=errors.get)
     return {
         "logits_error": round(errors["logits"], 5),
         "max_grad_error": round(max(v for k, v in errors.items() if k != "logits"), 5),
         "worst": worst,
-        "over_tolerance": sorted(k for k, v in errors.items() if v > BF16_RTOL),
+        "over_tolerance": {k: {"te_vs_local": round(errors[k], 5), "te_vs_fp32": round(te_vs_fp32[k], 5),
+                               "local_vs_fp32": round(local_vs_fp32[k], 5)} for k in over},
+        "unexplained_by_bf16": unexplained,
         "tolerance": BF16_RTOL,
         "compared": len(errors),
-        "passed": all(v <= BF16_RTOL for v in errors.values()),
+        "passed": not unexplained,
     }
 
 
