@@ -6,6 +6,25 @@ import os
 import pytest
 import torch
 
+# Set by scripts/test.sh: the stacks of this run, in order, and the one running now.
+RUN_STACKS = os.environ.get("MEGATRON_SIAMESE_TEST_STACKS", "").split()
+THIS_STACK = os.environ.get("MEGATRON_SIAMESE_TEST_STACK", "")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "stack_independent: exercises nothing that differs between megatron-core versions (argument "
+        "parsing, help, signals, output); in a run over several stacks (scripts/test.sh) it runs on the first only")
+
+
+def pytest_collection_modifyitems(config, items):
+    if len(RUN_STACKS) < 2 or THIS_STACK == RUN_STACKS[0]:
+        return
+    skip = pytest.mark.skip(reason=f"stack-independent: ran on {RUN_STACKS[0]}, the first stack of this run")
+    for item in items:
+        if item.get_closest_marker("stack_independent"):
+            item.add_marker(skip)
+
 
 @pytest.fixture(scope="session")
 def megatron_single_rank():

@@ -64,6 +64,7 @@ BAD_INPUT = {
 }
 
 
+@pytest.mark.stack_independent
 @pytest.mark.parametrize("name", sorted(BAD_INPUT))
 def test_bad_input_is_one_line_per_problem_exit_2_and_fast(name):
     argv, message = BAD_INPUT[name]
@@ -72,6 +73,7 @@ def test_bad_input_is_one_line_per_problem_exit_2_and_fast(name):
     assert done.seconds < 2.0  # validated before torch or Megatron is imported
 
 
+@pytest.mark.stack_independent
 def test_every_problem_is_listed_at_once():
     done = cli("train", "--steps", "0", "--tp", "3", "--dtype", "fp16")
     assert_refused(done, "--steps must be at least 1", "does not split over --tp 3", "fp16 is not supported")
@@ -88,6 +90,7 @@ def subparser(name):
     return build_parser()._subparsers._group_actions[0].choices[name]
 
 
+@pytest.mark.stack_independent
 def test_megatron_names_are_accepted_beside_the_short_ones():
     options = subparser("train").parse_args(
         ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "7",
@@ -101,6 +104,7 @@ def test_megatron_names_are_accepted_beside_the_short_ones():
     assert (short.tp, short.pp, short.steps, short.warmup_steps) == (2, 2, 7, 1)
 
 
+@pytest.mark.stack_independent
 @pytest.mark.parametrize("command", ["train", "check", "study", "upcycle", "analyze"])
 def test_every_flag_has_help_and_shows_its_default(command):
     parser = subparser(command)
@@ -111,6 +115,7 @@ def test_every_flag_has_help_and_shows_its_default(command):
     assert text.count("(default:") >= len([a for a in parser._actions if a.option_strings and a.dest != "help"]) - 1
 
 
+@pytest.mark.stack_independent
 def test_subcommands_list_only_their_own_flags():
     done = cli("train", "--help")
     assert done.returncode == 0 and done.stderr == ""  # no Megatron notices for a help text
@@ -121,6 +126,7 @@ def test_subcommands_list_only_their_own_flags():
         assert "--train-iters" not in text and "--tensor-model-parallel-size" not in text and "--lr" not in text
 
 
+@pytest.mark.stack_independent
 def test_warm_up_defaults_to_a_tenth_of_the_run():
     assert [TrainArgs(steps=s).warmup for s in (300, 5, 1)] == [30, 0, 0]
     assert TrainArgs(steps=300, warmup_steps=7).warmup == 7
@@ -258,6 +264,7 @@ def start_long_run(output, cache, **popen):
     return process
 
 
+@pytest.mark.stack_independent
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-the-launcher"])
 def test_a_stop_signal_finishes_the_step_saves_and_exits_0(tmp_path, cache, how):
     process = start_long_run(tmp_path, cache, start_new_session=True)
@@ -277,6 +284,7 @@ def test_a_stop_signal_finishes_the_step_saves_and_exits_0(tmp_path, cache, how)
     assert (checkpoints / f"step_{step}" / ".metadata").exists()
 
 
+@pytest.mark.stack_independent
 def test_a_second_ctrl_c_stops_at_once(tmp_path, cache):
     process = start_long_run(tmp_path, cache, start_new_session=True)
     os.killpg(process.pid, signal.SIGINT)
@@ -289,6 +297,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, cache):
 
 # -- output ------------------------------------------------------------------------------
 
+@pytest.mark.stack_independent
 def test_check_prints_its_table_and_little_else():
     done = cli("check", "--layouts", "tp2,pp2", "--num-layers", "2")
     assert done.returncode == 0, done.stderr
@@ -296,6 +305,7 @@ def test_check_prints_its_table_and_little_else():
     assert done.stderr == ""
 
 
+@pytest.mark.stack_independent
 def test_one_progress_bar_and_where_checkpoints_go(tmp_path, cache):
     done = train(tmp_path, cache, "bar", "--steps", "3", "--save-interval", "3", "--tp", "2")
     assert done.returncode == 0, done.stderr

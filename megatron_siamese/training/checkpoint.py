@@ -24,7 +24,16 @@ from typing import Optional
 
 import torch
 
-from megatron_siamese.training.checkpoint_files import CheckpointError, checked, common_state, resolve, write_latest
+from megatron_siamese.training.checkpoint_files import (
+    MODEL_CLASS,
+    MODEL_ONLY,
+    CheckpointError,
+    brings_training_state,
+    checked,
+    common_state,
+    resolve,
+    write_latest,
+)
 
 
 def require_psutil() -> None:
@@ -37,8 +46,6 @@ def require_psutil() -> None:
         ) from error
 
 
-MODEL_ONLY = "model_only"  # common-state flag: the checkpoint holds no optimizer state
-MODEL_CLASS = "model_class"  # common state: "gpt" (GPTModel) or "hybrid" (HybridModel); absent = "gpt"
 
 
 def _metadata(trainer) -> dict:
@@ -186,8 +193,7 @@ def saved_optimizer_schedule(args) -> Optional[dict]:
         return None
     common = common_state(resolve(args.load))
     scheduler = common.get("scheduler")
-    brings_optimizer = not common.get(MODEL_ONLY, False) and common.get(MODEL_CLASS, "gpt") == args.model
-    if not (brings_optimizer and scheduler):
+    if not (brings_training_state(common, args.model) and scheduler):
         return None
     return dict(lr=scheduler["max_lr"], min_lr=scheduler["min_lr"], weight_decay=scheduler["start_wd"])
 

@@ -151,6 +151,17 @@ def checked(path: str) -> str:
     return checkpoint
 
 
+MODEL_ONLY = "model_only"  # common-state flag: the checkpoint holds no optimizer state
+MODEL_CLASS = "model_class"  # common state: "gpt" (GPTModel) or "hybrid" (HybridModel); absent = "gpt"
+
+
+def brings_training_state(common: dict, model: str) -> bool:
+    """Whether loading a checkpoint with this common state into a ``model`` run restores its
+    optimizer and schedule (else only weights load: a model-only checkpoint, or a GPTModel's
+    weights translated into a HybridModel)."""
+    return not common.get(MODEL_ONLY, False) and common.get(MODEL_CLASS, "gpt") == model
+
+
 def common_state(checkpoint: str) -> dict:
     """The checkpoint's non-sharded entries (step, scheduler, model class, ...), from either
     format (Megatron's own reader)."""

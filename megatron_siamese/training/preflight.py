@@ -28,7 +28,9 @@ def checkpoint_dir(args: TrainArgs) -> str:
 def _schedule_problems(args: TrainArgs, checkpoint: str) -> List[str]:
     common = checkpoint_files.common_state(checkpoint)
     scheduler, step = common.get("scheduler"), int(common.get("step", 0))
-    if scheduler is None or step >= args.steps:  # a model-only checkpoint, or evaluating it as saved
+    if scheduler is None or step >= args.steps:  # no schedule saved, or evaluating the checkpoint as saved
+        return []
+    if not checkpoint_files.brings_training_state(common, args.model):  # weights only: this run's schedule
         return []
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return []
