@@ -46,8 +46,6 @@ def require_psutil() -> None:
         ) from error
 
 
-
-
 def _metadata(trainer) -> dict:
     from megatron.core import parallel_state
 

@@ -2,8 +2,9 @@
 
 Layout: ``<dir>/step_<N>/`` per checkpoint (Megatron's torch_dist format: ``metadata.json``,
 torch's ``.metadata`` and ``*.distcp`` shards, and up to megatron-core 0.18 ``common.pt``; from
-0.19 the common state is a shard too) and ``<dir>/latest`` naming the newest complete one. ``latest`` is written only after every rank finished saving, and
-atomically (a rename), so it never names a partial checkpoint.
+0.19 the common state is a shard too) and ``<dir>/latest`` naming the newest complete one.
+``latest`` is written only after every rank finished saving, and atomically (a rename), so it
+never names a partial checkpoint.
 
 Everything here runs in the launching process before any rank starts (torch and Megatron's
 checkpoint reader are imported only to read a checkpoint's metadata and common state), so a
