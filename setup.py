@@ -34,7 +34,7 @@ def extension_modules():
         return [
             CUDAExtension(
                 "megatron_siamese._C",
-                sources + ["csrc/dual_norm_cuda.cu"],
+                sources + ["csrc/dual_norm_cuda.cu", "csrc/tiled_kernels.cu"],
                 extra_compile_args={"cxx": cxx + ["-DWITH_CUDA"], "nvcc": ["-O3", "-std=c++20"]},
                 extra_link_args=["-fopenmp"],
             )

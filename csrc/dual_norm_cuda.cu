@@ -13,15 +13,25 @@
 // order by a finalize kernel: deterministic.
 //
 // dual_residual: element-wise, vectorized when aligned; the bias gradient is a column sum.
+//
+// These are the "verified" generation (they passed every CUDA test on an H200, 2026-12-01)
+// and the default. MEGATRON_SIAMESE_CUDA_KERNELS=tiled routes every op to the tiled kernels
+// (tiled_kernels.cu) where they cover the row, and to the general kernels
+// (general_kernels.cuh) elsewhere: CudaKernels::* at the end of this file.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "dual_norm.h"
+#include "general_kernels.cuh"
+#include "tiled_kernels.h"
 
 namespace megatron_siamese {
 namespace {
@@ -360,18 +370,32 @@ void dispatch_plan(const Launch& launch, F&& f) {
 // make that fewer than kMaxThreads (a larger launch fails with "too many resources requested").
 template <typename Kernel>
 int block_limit(Kernel* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> cache;  // driver queries, once per device and kernel
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
+  if (auto found = cache.find(key); found != cache.end()) return found->second;
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return std::min(kMaxThreads, attributes.maxThreadsPerBlock / kWarp * kWarp);
+  return cache[key] = std::min(kMaxThreads, attributes.maxThreadsPerBlock / kWarp * kWarp);
 }
 
 // Blocks of `kernel` resident on one multiprocessor at `threads` threads: each works on one row
 // at a time, so this is how many rows an SM has in flight to hide memory latency.
 template <typename Kernel>
 int resident_blocks(Kernel* kernel, int threads) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int>, int> cache;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), threads);
+  if (auto found = cache.find(key); found != cache.end()) return found->second;
   int blocks = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
-  return blocks;
+  return cache[key] = blocks;
 }
 
 // How plan() picks among the chunkings that can launch a row-wide block. Measured on an H200
@@ -386,7 +410,7 @@ enum class Choose { kMostRowsInFlight, kFewestPerThread };
 // (ties: fewer elements per thread, fewer registers). `kernel_for(vec, iters)`, given both as
 // std::integral_constant, returns that configuration's kernel instantiation.
 template <typename T, typename KernelFor>
-Launch plan(int64_t hidden, std::initializer_list<const void*> pointers, Choose choose, KernelFor&& kernel_for) {
+Launch verified_plan(int64_t hidden, std::initializer_list<const void*> pointers, Choose choose, KernelFor&& kernel_for) {
   int vec = 16 / sizeof(T);
   bool aligned = hidden % vec == 0;
   for (const void* ptr : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
@@ -407,7 +431,8 @@ Launch plan(int64_t hidden, std::initializer_list<const void*> pointers, Choose 
     if (best_blocks > 0 && choose == Choose::kFewestPerThread) break;
   }
   TORCH_CHECK(best_blocks > 0, "dual_norm (CUDA): hidden size ", hidden,
-              " is larger than the kernel supports on this device; use the PyTorch path (siamese_fused_ops=False)");
+              " is larger than the verified kernels support on this device; set ", kCudaKernelsVariable,
+              "=tiled (any width; not yet verified on a GPU) or use the PyTorch path (siamese_fused_ops=False)");
   return best;
 }
 
@@ -416,11 +441,146 @@ Params<A> make_params(const NormWeights& w, const StreamRows& g, double eps) {
   return Params<A>{pointers_of<A>(w), w.rms, w.has_input_norm(), g.packed, g.rows, g.hidden, static_cast<A>(eps)};
 }
 
-int grid_for_rows(int64_t rows) {
-  int device = 0, sms = 0;
+int current_device() {
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return device;
+}
+
+int grid_for_rows(int64_t rows) {
+  const int sms = tiled::device_limits(current_device()).sms;  // cached per device
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(sms) * 8)));
+}
+
+// -- the tiled generation ------------------------------------------------------------------
+
+// The tiled kernels' element type for `t`, or false for double (general kernels only).
+bool tiled_type(at::ScalarType t, tiled::DType& out) {
+  switch (t) {
+    case at::kFloat: out = tiled::DType::kFloat; return true;
+    case at::kBFloat16: out = tiled::DType::kBFloat16; return true;
+    case at::kHalf: out = tiled::DType::kHalf; return true;
+    default: return false;
+  }
+}
+
+const float* float_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+tiled::NormArgs tiled_args(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps) {
+  tiled::NormArgs a;
+  a.streams = streams.data_ptr();
+  a.rows = g.rows, a.hidden = static_cast<int>(g.hidden), a.packed = g.packed, a.rms = w.rms;
+  a.eps = static_cast<float>(eps);
+  a.gx = float_or_null(w.x_gamma), a.bx = float_or_null(w.x_beta), a.gy = float_or_null(w.y_gamma);
+  a.by = float_or_null(w.y_beta), a.gi = float_or_null(w.in_gamma), a.bi = float_or_null(w.in_beta);
+  return a;
+}
+
+bool tiled_fits(const StreamRows& g, tiled::DType t, const tiled::NormArgs& a,
+                std::initializer_list<const void*> tensors) {
+  if (g.hidden > (int64_t(1) << 30)) return false;
+  return tiled::aligned(t, g.hidden, tensors) && tiled::aligned(t, g.hidden, {a.gx, a.bx, a.gy, a.by, a.gi, a.bi});
+}
+
+template <typename A>
+general::Params<A> general_params(const NormWeights& w, const StreamRows& g, double eps) {
+  const WeightPointers<A> p = pointers_of<A>(w);
+  return general::Params<A>{p.gx, p.bx, p.gy, p.by, p.gi, p.bi, g.rows, g.hidden, g.packed, w.rms, static_cast<A>(eps)};
+}
+
+int general_grid(int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, 65535 * 32)); }
+
+void general_forward(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps,
+                     torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
+  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cuda_general", [&] {
+    using A = at::opmath_type<scalar_t>;
+    general::forward_kernel<scalar_t, A><<<general_grid(g.rows), general::kThreads, 0,
+                                           c10::cuda::getCurrentCUDAStream()>>>(
+        streams.data_ptr<scalar_t>(), general_params<A>(w, g, eps), base.data_ptr<scalar_t>(),
+        normed.data_ptr<scalar_t>(), stats.data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void general_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
+                      const torch::Tensor& stats, const StreamRows& g, const NormWeights& w,
+                      torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
+  SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cuda_general", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const auto params = general_params<A>(w, g, 0.0);
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    auto terms = torch::empty({g.rows, 2}, weight_grads.options());
+    general::backward_rows_kernel<scalar_t, A><<<general_grid(g.rows), general::kThreads, 0, stream>>>(
+        grad_base.data_ptr<scalar_t>(), grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(),
+        stats.data_ptr<A>(), params, grad_streams.data_ptr<scalar_t>(), terms.data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // strips of rows: about 8 CTAs of 32 columns x 8 lanes per SM
+    const int64_t column_blocks = (g.hidden + general::kWarp - 1) / general::kWarp;
+    const int64_t sms = tiled::device_limits(current_device()).sms;
+    const int64_t wanted = std::max<int64_t>(1, sms * 8 / column_blocks);
+    const int64_t max_strips = std::min<int64_t>((g.rows + general::kLanes - 1) / general::kLanes, 65535);
+    const int64_t rows_per_strip = (g.rows + std::min(wanted, max_strips) - 1) / std::min(wanted, max_strips);
+    const int64_t strips = (g.rows + rows_per_strip - 1) / rows_per_strip;
+    auto partials = torch::empty({strips * general::kLanes, 6, g.hidden}, weight_grads.options());
+    general::weight_grad_kernel<scalar_t, A><<<dim3(column_blocks, strips), dim3(general::kWarp, general::kLanes), 0,
+                                               stream>>>(
+        grad_base.data_ptr<scalar_t>(), grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(),
+        stats.data_ptr<A>(), terms.data_ptr<A>(), params, rows_per_strip, partials.data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t columns = 6 * g.hidden;
+    general::sum_parts_kernel<A><<<static_cast<int>((columns + 255) / 256), 256, 0, stream>>>(
+        partials.data_ptr<A>(), strips * general::kLanes, columns, weight_grads.data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// The tiled generation's ops: tiled kernels where they cover the row, general ones elsewhere.
+void tiled_dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps,
+                     torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
+  tiled::DType t;
+  if (tiled_type(streams.scalar_type(), t)) {
+    const tiled::NormArgs a = tiled_args(streams, g, w, eps);
+    if (tiled_fits(g, t, a, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()})) {
+      const plan::Plan p = tiled::plan_forward(t, a, current_device());
+      if (p.tiled) {
+        tiled::forward(p, t, a, base.data_ptr(), normed.data_ptr(), stats.data_ptr<float>(),
+                       c10::cuda::getCurrentCUDAStream());
+        return;
+      }
+    }
+  }
+  general_forward(streams, g, w, eps, base, normed, stats);
+}
+
+void tiled_dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
+                              const torch::Tensor& streams, const torch::Tensor& stats, const StreamRows& g,
+                              const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
+  tiled::DType t;
+  if (tiled_type(streams.scalar_type(), t)) {
+    const tiled::NormArgs a = tiled_args(streams, g, w, 0.0);
+    if (tiled_fits(g, t, a, {grad_base.data_ptr(), grad_normed.data_ptr(), streams.data_ptr(), grad_streams.data_ptr()})) {
+      const plan::Plan p = tiled::plan_backward(t, a, current_device());
+      if (p.tiled) {
+        auto partials = torch::empty({tiled::backward_parts(p), tiled::backward_accumulators(a), g.hidden},
+                                     weight_grads.options());
+        tiled::backward(p, t, a, grad_base.data_ptr(), grad_normed.data_ptr(), stats.data_ptr<float>(),
+                        grad_streams.data_ptr(), partials.data_ptr<float>(), weight_grads.data_ptr<float>(),
+                        c10::cuda::getCurrentCUDAStream());
+        return;
+      }
+    }
+  }
+  general_backward(grad_base, grad_normed, streams, stats, g, w, grad_streams, weight_grads);
+}
+
+// dual_residual's tiled kernels take aligned rows; the verified element-wise kernels are
+// already general (any shape, any dtype) and serve the rest.
+bool tiled_residual_fits(const torch::Tensor& t, int64_t h, tiled::DType& type,
+                         std::initializer_list<const torch::Tensor*> tensors) {
+  if (!tiled_type(t.scalar_type(), type) || h > (int64_t(1) << 30)) return false;
+  for (const torch::Tensor* x : tensors)
+    if (x->defined() && !tiled::aligned(type, h, {x->data_ptr()})) return false;
+  return true;
 }
 
 
@@ -431,10 +591,11 @@ int grid_for_rows(int64_t rows) {
 void CudaKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps,
                             torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
   const c10::cuda::CUDAGuard guard(streams.device());
+  if (cuda_kernel_generation() == KernelGeneration::kTiled) return tiled_dual_norm(streams, g, w, eps, base, normed, stats);
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
     const Params<A> params = make_params<A>(w, g, eps);
-    const Launch launch = plan<scalar_t>(g.hidden, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()},
+    const Launch launch = verified_plan<scalar_t>(g.hidden, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()},
                                          Choose::kMostRowsInFlight, [](auto vec, auto iters) { return dual_norm_forward_kernel<scalar_t, A, vec(), iters()>; });
     const int grid = static_cast<int>(std::min<int64_t>(g.rows, 65535 * 32));
     auto stream = c10::cuda::getCurrentCUDAStream();
@@ -451,10 +612,12 @@ void CudaKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch
                                      const torch::Tensor& streams, const torch::Tensor& stats, const StreamRows& g,
                                      const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
   const c10::cuda::CUDAGuard guard(streams.device());
+  if (cuda_kernel_generation() == KernelGeneration::kTiled)
+    return tiled_dual_norm_backward(grad_base, grad_normed, streams, stats, g, w, grad_streams, weight_grads);
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
     const Params<A> params = make_params<A>(w, g, 0.0);
-    const Launch launch = plan<scalar_t>(
+    const Launch launch = verified_plan<scalar_t>(
         g.hidden, {grad_base.data_ptr(), grad_normed.data_ptr(), streams.data_ptr(), grad_streams.data_ptr()},
         Choose::kFewestPerThread, [](auto vec, auto iters) { return dual_norm_backward_kernel<scalar_t, A, vec(), iters()>; });
     const int grid = grid_for_rows(g.rows);
@@ -477,6 +640,14 @@ void CudaKernels::dual_residual(const torch::Tensor& base, const torch::Tensor& 
                                 const torch::Tensor& mask, double scale, double inv_c, torch::Tensor& packed) {
   const c10::cuda::CUDAGuard guard(out.device());
   const int64_t rows = out.size(0), h = out.size(1);
+  tiled::DType type;
+  if (cuda_kernel_generation() == KernelGeneration::kTiled && tiled_residual_fits(out, h, type, {&base, &out, &bias, &mask, &packed})) {
+    tiled::residual(type, base.data_ptr(), out.data_ptr(), float_or_null(bias),
+                    mask.defined() ? mask.data_ptr<bool>() : nullptr, static_cast<float>(scale),
+                    static_cast<float>(inv_c), rows, static_cast<int>(h), packed.data_ptr(),
+                    c10::cuda::getCurrentCUDAStream());
+    return;
+  }
   SIAMESE_DISPATCH(out.scalar_type(), "dual_residual_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
     const int grid = static_cast<int>(std::min<int64_t>((rows * h + 255) / 256, 65535));
@@ -492,6 +663,20 @@ void CudaKernels::dual_residual_backward(const torch::Tensor& grad, const torch:
                                          double inv_c, torch::Tensor& grad_out, torch::Tensor& grad_bias) {
   const c10::cuda::CUDAGuard guard(grad.device());
   const int64_t rows = grad_out.size(0), h = grad_out.size(1);
+  tiled::DType type;
+  if (cuda_kernel_generation() == KernelGeneration::kTiled && tiled_residual_fits(grad, h, type, {&grad, &mask, &grad_out})) {
+    const int device = current_device();
+    torch::Tensor partials;
+    if (grad_bias.defined())
+      partials = torch::empty({tiled::residual_backward_parts(rows, static_cast<int>(h), type, device), h},
+                              grad_bias.options());
+    tiled::residual_backward(type, grad.data_ptr(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
+                             static_cast<float>(scale), static_cast<float>(inv_c), rows, static_cast<int>(h),
+                             grad_out.data_ptr(), partials.defined() ? partials.data_ptr<float>() : nullptr,
+                             grad_bias.defined() ? grad_bias.data_ptr<float>() : nullptr, device,
+                             c10::cuda::getCurrentCUDAStream());
+    return;
+  }
   SIAMESE_DISPATCH(grad.scalar_type(), "dual_residual_backward_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
     const int grid = static_cast<int>(std::min<int64_t>((rows * h + 255) / 256, 65535));

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "dual_norm.h"
+#include "launch_plan.h"
 
 namespace megatron_siamese {
 namespace {
@@ -45,6 +46,8 @@ torch::Tensor prepared(const OptionalTensor& t, const torch::Tensor& streams, in
               "], got ", w.sizes());
   TORCH_CHECK(w.device() == streams.device(), "dual_norm: ", name, " is on ", w.device(),
               ", the streams on ", streams.device());
+  TORCH_CHECK(w.scalar_type() == streams.scalar_type() || w.scalar_type() == at::kFloat, "dual_norm: ", name,
+              " must be in the streams' dtype (", streams.scalar_type(), ") or float32, got ", w.scalar_type());
   w = w.to(accumulation_type(streams));
   return (is_gamma && zero_centered_gamma ? w + 1 : w).contiguous();
 }
@@ -102,8 +105,11 @@ std::tuple<torch::Tensor, torch::Tensor> dual_norm_backward(
               "dual_norm_backward: stats must be the forward's [rows, 6] statistics");
   TORCH_CHECK(grad_base.device() == streams.device() && grad_normed.device() == streams.device(),
               "dual_norm_backward: tensors must be on one device");
-  auto gb = grad_base.to(streams.scalar_type()).contiguous();
-  auto gn = grad_normed.to(streams.scalar_type()).contiguous();
+  TORCH_CHECK(grad_base.scalar_type() == streams.scalar_type() && grad_normed.scalar_type() == streams.scalar_type(),
+              "dual_norm_backward: grad_base (", grad_base.scalar_type(), ") and grad_normed (",
+              grad_normed.scalar_type(), ") must be in the streams' dtype (", streams.scalar_type(), ")");
+  auto gb = grad_base.contiguous();
+  auto gn = grad_normed.contiguous();
   auto grad_streams = torch::empty_like(streams);
   auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
   if (geometry.rows > 0)
@@ -122,11 +128,15 @@ torch::Tensor dual_residual(const torch::Tensor& base, const torch::Tensor& out,
   torch::Tensor b = defined_or_empty(bias), m = defined_or_empty(mask);
   if (b.defined()) {
     TORCH_CHECK(b.dim() == 1 && b.size(0) == out.size(1), "dual_residual: bias must be [h]");
+    TORCH_CHECK(b.scalar_type() == out.scalar_type() || b.scalar_type() == at::kFloat, "dual_residual: bias must be in ",
+                "out's dtype (", out.scalar_type(), ") or float32, got ", b.scalar_type());
+    TORCH_CHECK(b.device() == out.device(), "dual_residual: bias is on ", b.device(), ", out on ", out.device());
     b = b.to(accumulation_type(out)).contiguous();
   }
   if (m.defined()) {
     TORCH_CHECK(m.scalar_type() == at::kBool && m.sizes() == out.sizes(),
                 "dual_residual: mask must be bool with out's shape");
+    TORCH_CHECK(m.device() == out.device(), "dual_residual: mask is on ", m.device(), ", out on ", out.device());
     m = m.contiguous();
   }
   auto base_c = base.contiguous();
@@ -204,4 +214,52 @@ TORCH_LIBRARY_IMPL(megatron_siamese, CUDA, m) {
 #endif
 
 // The ops are reached through torch.ops.megatron_siamese; importing this module loads them.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
+// The module itself carries the CUDA kernel setting and the tiled kernels' launch plan, a pure
+// function, so tests plan every width on CPU with the resources ptxas reports.
+namespace {
+namespace py = pybind11;
+using Candidate = std::tuple<int, int, int, int, int>;  // chunks, shared_per_column, registers, local, static shared
+
+std::vector<megatron_siamese::plan::Resources> resources_of(const std::vector<Candidate>& candidates) {
+  std::vector<megatron_siamese::plan::Resources> out;
+  for (const auto& [chunks, shared_per_column, registers, local, static_shared] : candidates)
+    out.push_back({chunks, shared_per_column, registers, local, static_shared});
+  return out;
+}
+
+megatron_siamese::plan::Device device_of(int sms, int shared_per_sm, int shared_per_cta) {
+  megatron_siamese::plan::Device d;
+  d.sms = sms, d.shared_per_sm = shared_per_sm, d.shared_per_cta = shared_per_cta;
+  return d;
+}
+
+py::dict as_dict(const megatron_siamese::plan::Plan& p) {
+  py::dict d;
+  d["tiled"] = p.tiled, d["shared_accumulators"] = p.shared_accumulators, d["instantiation"] = p.instantiation;
+  d["chunks"] = p.chunks, d["threads_per_row"] = p.threads_per_row, d["rows_per_cta"] = p.rows_per_cta;
+  d["ctas_per_sm"] = p.ctas_per_sm, d["grid"] = p.grid, d["dynamic_shared"] = p.dynamic_shared;
+  return d;
+}
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using megatron_siamese::KernelGeneration;
+  m.def("cuda_kernel_generation", [] {
+    return megatron_siamese::cuda_kernel_generation() == KernelGeneration::kTiled ? "tiled" : "verified";
+  });
+  m.def(
+      "plan_forward_rows",
+      [](int64_t hidden, int vec, int64_t rows, int sms, int shared_per_sm, int shared_per_cta,
+         const std::vector<Candidate>& candidates) {
+        return as_dict(megatron_siamese::plan::plan_forward_rows(hidden, vec, rows, device_of(sms, shared_per_sm, shared_per_cta),
+                                                                 resources_of(candidates)));
+      });
+  m.def(
+      "plan_backward_rows",
+      [](int64_t hidden, int vec, int64_t rows, int sms, int shared_per_sm, int shared_per_cta,
+         const std::vector<Candidate>& in_registers, const std::vector<Candidate>& in_shared) {
+        return as_dict(megatron_siamese::plan::plan_backward_rows(
+            hidden, vec, rows, device_of(sms, shared_per_sm, shared_per_cta), resources_of(in_registers),
+            resources_of(in_shared)));
+      });
+}

@@ -157,6 +157,88 @@ def test_16bit_wide_rows_forward_and_backward(device, dtype, hidden, rms):
         assert ours_error <= 2 * torch_error + hair, (index, ours_error, torch_error)
 
 
+def cuda_kernels_refuse_width(device, hidden):
+    """The verified CUDA kernels (the default generation) hold rows up to 8192 wide; wider rows
+    are refused with a message naming both ways on (docs/kernels.md)."""
+    return device == "cuda" and ops.cuda_kernel_generation() == "verified" and hidden > 8192
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden", [12288, 16384, 20000])  # beyond the tiled kernels' registers: general kernels
+def test_rows_of_any_width(device, dtype, hidden):
+    """No width limit that the PyTorch path lacks: rows wider than any register plan match the
+    reference forward and backward (the 16-bit error at most twice PyTorch's, plus a rounding)."""
+    streams32, weights32 = make_inputs(3, hidden, rms=False, device=device, weight_dtype=torch.float32)
+    if cuda_kernels_refuse_width(device, hidden):
+        with pytest.raises(RuntimeError, match="MEGATRON_SIAMESE_CUDA_KERNELS=tiled.*siamese_fused_ops=False"):
+            fused_dual_norm(streams32.to(dtype), hidden, weights32, rms=False)
+        return
+    upstream = [torch.randn(3, 2 * hidden, device=device), torch.randn(3, hidden, device=device)]
+
+    def outputs_and_grads(op, compute):
+        leaves = [None if t is None else t.to(dtype).to(compute).requires_grad_(True) for t in [streams32] + weights32]
+        outs = op(leaves[0], hidden, leaves[1:], False)
+        present = [t for t in leaves if t is not None]
+        grads = torch.autograd.grad(outs, present, [g.to(dtype).to(compute) for g in upstream])
+        return [t.detach() for t in list(outs) + list(grads)]
+
+    gold = outputs_and_grads(reference_dual_norm, torch.float64)
+    torch_way = outputs_and_grads(reference_dual_norm, dtype)
+    ours = outputs_and_grads(fused_dual_norm, dtype)
+    for index, (o, t, g) in enumerate(zip(ours, torch_way, gold)):
+        hair = 4 * torch.finfo(dtype).eps * float(g.abs().max())
+        ours_error, torch_error = float((o.double() - g).abs().max()), float((t.double() - g).abs().max())
+        assert ours_error <= 2 * torch_error + hair, (index, ours_error, torch_error)
+
+
+def misaligned(t):
+    """A contiguous copy of ``t`` whose data starts 2 bytes past an allocation's alignment."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    view = flat[1:1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unaligned_rows_take_a_correct_path(device, dtype):
+    """Streams that do not start on 16 bytes, and an odd width: the same results as aligned ones."""
+    for hidden in (256, 250):
+        streams, weights = make_inputs(6, hidden, device=device, dtype=dtype, weight_dtype=torch.float32)
+        shifted = misaligned(streams)
+        expected = fused_dual_norm(streams, hidden, weights, rms=False)
+        got = fused_dual_norm(shifted, hidden, weights, rms=False)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+        out = torch.randn(6, hidden, device=device).to(dtype)
+        torch.testing.assert_close(fused.dual_residual(misaligned(expected[0]), misaligned(out), None, None, 1.0, 0.5),
+                                   fused.dual_residual(expected[0], out, None, None, 1.0, 0.5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtypes_and_layouts_are_refused_by_name(device):
+    streams, weights = make_inputs(4, 16, device=device, dtype=torch.bfloat16)
+    half_weight = [weights[0].to(torch.float16)] + weights[1:]
+    with pytest.raises(RuntimeError, match=r"x_weight must be in the streams' dtype \(BFloat16\) or float32, got Half"):
+        torch.ops.megatron_siamese.dual_norm(streams, 16, *half_weight, EPS, False, False)
+    with pytest.raises(RuntimeError, match="streams must be contiguous"):
+        torch.ops.megatron_siamese.dual_norm(streams.t().contiguous().t(), 16, *weights, EPS, False, False)
+    base, normed, stats = torch.ops.megatron_siamese.dual_norm(streams, 16, *weights, EPS, False, False)
+    with pytest.raises(RuntimeError, match="grad_base .* must be in the streams' dtype"):
+        torch.ops.megatron_siamese.dual_norm_backward(base.float(), normed, streams, stats, 16, *weights, False, False)
+    out = torch.randn(4, 16, device=device, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="base and out dtypes differ"):
+        torch.ops.megatron_siamese.dual_residual(base, out, None, None, 1.0, 0.5)
+    with pytest.raises(RuntimeError, match="bias must be in out's dtype"):
+        torch.ops.megatron_siamese.dual_residual(base, normed, torch.zeros(16, device=device, dtype=torch.float16),
+                                                 None, 1.0, 0.5)
+    # the entry points take any layout: a transposed view is made contiguous, with the same result
+    wide = streams.t().contiguous().t()
+    torch.testing.assert_close(fused.dual_norm(wide, 16, *weights, EPS, False, False)[1], normed)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [0, 1])
 def test_zero_and_one_rows(device, rows):

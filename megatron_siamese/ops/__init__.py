@@ -35,6 +35,20 @@ def load_error() -> Optional[str]:
     return None
 
 
+CUDA_KERNELS_VARIABLE = "MEGATRON_SIAMESE_CUDA_KERNELS"
+CUDA_KERNEL_GENERATIONS = ("verified", "tiled")
+
+
+def cuda_kernel_generation() -> str:
+    """Which CUDA kernels the ops run: "verified" (the default: they passed every CUDA test on
+    an H200) or "tiled" (the bandwidth-bound redesign, chosen with
+    MEGATRON_SIAMESE_CUDA_KERNELS=tiled until a GPU run has verified it; docs/kernels.md).
+    Read from the environment on every call, by the extension itself."""
+    from megatron_siamese import _C
+
+    return _C.cuda_kernel_generation()
+
+
 def has_cuda_kernels() -> bool:
     return load_error() is None and torch._C._dispatch_has_kernel_for_dispatch_key(
         "megatron_siamese::dual_norm", "CUDA"

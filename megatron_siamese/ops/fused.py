@@ -47,6 +47,9 @@ def _check_weights(streams: Tensor, hidden: int, rms: bool, **weights: Optional[
             torch._check(w.dim() == 1 and w.shape[0] == hidden,
                          lambda: f"dual_norm: {name} must have shape [{hidden}], got {tuple(w.shape)}")
             torch._check(w.device == streams.device, lambda: f"dual_norm: {name} is not on the streams' device")
+            torch._check(w.dtype in (streams.dtype, torch.float32),
+                         lambda: f"dual_norm: {name} must be in the streams' dtype ({streams.dtype}) or float32, "
+                                 f"got {w.dtype}")
     biased = weights["x_bias"] is not None
     torch._check(biased == (weights["y_bias"] is not None)
                  and (weights["in_weight"] is None or biased == (weights["in_bias"] is not None)),
@@ -82,6 +85,9 @@ def _dual_norm_backward_fake(grad_base, grad_normed, streams, stats, hidden, *we
                  lambda: "dual_norm_backward: stats must be the forward's [rows, 6] statistics")
     torch._check(grad_base.device == streams.device and grad_normed.device == streams.device,
                  lambda: "dual_norm_backward: tensors must be on one device")
+    torch._check(grad_base.dtype == streams.dtype and grad_normed.dtype == streams.dtype,
+                 lambda: f"dual_norm_backward: grad_base ({grad_base.dtype}) and grad_normed ({grad_normed.dtype}) "
+                         f"must be in the streams' dtype ({streams.dtype})")
     return torch.empty_like(streams), streams.new_empty((6, hidden), dtype=_accumulation(streams))
 
 
@@ -95,6 +101,8 @@ def _dual_residual_fake(base, out, bias, mask, scale, inv_c):
     torch._check(base.device == out.device, lambda: "dual_residual: base and out are on different devices")
     if bias is not None:
         torch._check(bias.dim() == 1 and bias.shape[0] == out.shape[1], lambda: "dual_residual: bias must be [h]")
+        torch._check(bias.dtype in (out.dtype, torch.float32),
+                     lambda: f"dual_residual: bias must be in out's dtype ({out.dtype}) or float32, got {bias.dtype}")
     if mask is not None:
         torch._check(mask.dtype == torch.bool and mask.shape == out.shape,
                      lambda: "dual_residual: mask must be bool with out's shape")
