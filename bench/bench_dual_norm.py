@@ -1,7 +1,10 @@
 """Side-by-side timing of one SiameseNorm sublayer's element-wise work (not a test).
 
     python bench/bench_dual_norm.py                 # CPU: fp32 and bf16, 8192x1024 and 4096x4096
-    python bench/bench_dual_norm.py --device cuda   # the same on a GPU
+    python bench/bench_dual_norm.py --device cuda   # GPU: GPU_CASES (or --shapes / --dtypes)
+
+On a GPU the fused column runs the CUDA kernels MEGATRON_SIAMESE_CUDA_KERNELS names (verified,
+the default, or tiled); bench/gpu/kernels.py times both generations in one process.
 
 Three implementations of the same math, measured in one run:
   eager    the PyTorch composition the layer uses without the extension (TorchSublayer)
@@ -13,7 +16,9 @@ The sublayer: u = PostNorm(x), normed = InputNorm(u + PreNorm(y)), then
 its matmuls are not timed. Forward and forward+backward (random upstream gradients for the
 packed output and for `normed`). Bandwidth: the byte floor of the fused ops (docs/kernels.md:
 10 row-passes forward, 10 backward) over the measured time, and that as a fraction of a copy
-bandwidth measured here with torch's copy_.
+bandwidth measured here with torch's copy_. Times: the median of 5 calls after 2 on CPU
+(perf_counter); on a GPU the median of GPU_ITERS calls after GPU_WARMUP, each between two CUDA
+events, queued back to back (device time per call with the launch queue full).
 
 On CPU the script re-executes itself with glibc malloc tuned to keep freed memory mapped
 (the effect PyTorch's CPU performance guide gets from jemalloc/tcmalloc): otherwise every
@@ -34,6 +39,19 @@ import torch.nn.functional as F
 from megatron_siamese.ops import load_error
 
 FORWARD_PASSES, BACKWARD_PASSES = 10, 10
+GPU_ITERS, GPU_WARMUP = 30, 5
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# (rows, hidden, dtype) on a GPU, every packed stream far beyond the H200's 60 MB L2: the
+# 2026-12-01 shapes first (comparable with that run), then h = 1024 ... 16384 at
+# 2 * rows * h = 64M elements, then the largest; fp16 is judged as bf16, at one shape
+GPU_CASES = (
+    (16384, 4096, "bf16"), (16384, 4096, "fp32"),
+    (32768, 1024, "bf16"), (16384, 2048, "bf16"), (4096, 8192, "bf16"), (2048, 16384, "bf16"),
+    (32768, 1024, "fp32"), (16384, 2048, "fp32"), (4096, 8192, "fp32"), (2048, 16384, "fp32"),
+    (32768, 8192, "bf16"),
+    (16384, 2048, "fp16"),
+)
 
 
 def eager_sublayer(streams, out, weights, bias, eps, inv_c):
@@ -60,6 +78,9 @@ def synchronize(device):
 
 
 def timed(fn, device, repeats=5, warmup=2):
+    """Median seconds of one call of ``fn`` (see the module's docstring)."""
+    if device == "cuda":
+        return cuda_timed(fn, max(repeats, GPU_ITERS), max(warmup, GPU_WARMUP))
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -72,6 +93,31 @@ def timed(fn, device, repeats=5, warmup=2):
     return statistics.median(times)
 
 
+def cuda_timed(fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+def compiled_sublayer():
+    """torch.compile of eager_sublayer, one graph per shape and dtype (dynamic=False). Dynamo
+    keeps at most recompile_limit (8) graphs per function and silently runs eagerly beyond them;
+    GPU_CASES need 2 per case (forward under no_grad, forward + backward)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 4 * len(GPU_CASES)))
+    return torch.compile(eager_sublayer, dynamic=False)
+
+
 def copy_bandwidth(device, numel=64 * 2**20):
     src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
@@ -80,10 +126,11 @@ def copy_bandwidth(device, numel=64 * 2**20):
 
 
 def make_inputs(rows, hidden, dtype, device):
-    generator = torch.Generator(device="cpu").manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)  # drawn where they are used
 
     def rand(*shape, scale=1.0, center=0.0):
-        return (torch.randn(*shape, generator=generator) * scale + center).to(device, dtype).requires_grad_()
+        values = torch.randn(*shape, generator=generator, device=device) * scale + center
+        return values.to(dtype).requires_grad_()
 
     streams = rand(rows, 2 * hidden)
     out = rand(rows, hidden)
@@ -92,7 +139,8 @@ def make_inputs(rows, hidden, dtype, device):
     return streams, out, weights, bias
 
 
-def run_case(impl, rows, hidden, dtype, device):
+def case_functions(impl, rows, hidden, dtype, device):
+    """(forward, forward_backward): one call each of ``impl`` on fresh inputs of this case."""
     streams, out, weights, bias = make_inputs(rows, hidden, dtype, device)
     inv_c = 0.5
     grad_packed = torch.randn(rows, 2 * hidden, device=device, dtype=dtype)
@@ -107,7 +155,40 @@ def run_case(impl, rows, hidden, dtype, device):
         packed, normed = impl(streams, out, weights, bias, 1e-5, inv_c)
         torch.autograd.grad((packed, normed), inputs, (grad_packed, grad_normed))
 
+    return forward, forward_backward
+
+
+def run_case(impl, rows, hidden, dtype, device):
+    """(forward, forward + backward) seconds of ``impl`` at this case."""
+    forward, forward_backward = case_functions(impl, rows, hidden, dtype, device)
     return timed(forward, device), timed(forward_backward, device)
+
+
+def kernel_profile(fn, device, calls=3, top=6):
+    """The kernels one call of ``fn`` runs, by torch.profiler: [{name, us (device time per call),
+    launches (per call)}], the ``top`` longest. On CPU (no device kernels) the ops, by self CPU
+    time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+    found = []
+    for event in profiler.key_averages():
+        if device == "cuda":
+            if event.device_type != DeviceType.CUDA:
+                continue
+            total = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        else:
+            total = event.self_cpu_time_total
+        found.append({"name": event.key[:200], "us": round(total / calls, 1),
+                      "launches": round(event.count / calls, 2)})
+    return sorted(found, key=lambda k: -k["us"])[:top]
 
 
 CACHING_MALLOC = {
@@ -123,34 +204,38 @@ def main():
             os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **CACHING_MALLOC})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--shapes", default="8192x1024,4096x4096", help="rows x hidden, comma-separated")
-    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--shapes", help="rows x hidden, comma-separated (default: 8192x1024,4096x4096 on CPU, "
+                                         "GPU_CASES on a GPU)")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="with --shapes or on CPU: fp32, bf16, fp16")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     args = parser.parse_args()
     if load_error() is not None:
         raise SystemExit(f"the fused ops are not available: {load_error()}")
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if args.shapes is None and args.device == "cuda":
+        cases = GPU_CASES
+    else:
+        shapes = [tuple(int(v) for v in shape.split("x"))
+                  for shape in (args.shapes or "8192x1024,4096x4096").split(",")]
+        cases = [(rows, hidden, name) for rows, hidden in shapes for name in args.dtypes.split(",")]
     copy_bw = copy_bandwidth(args.device)
     print(f"device={args.device} threads={torch.get_num_threads()} copy bandwidth {copy_bw / 1e9:.1f} GB/s")
     impls = {"eager": eager_sublayer, "fused": fused_sublayer}
     if not args.no_compile:
-        impls["compile"] = torch.compile(eager_sublayer, dynamic=False)
+        impls["compile"] = compiled_sublayer()
     header = (f"{'shape':>10} {'dtype':>5} {'pass':>8} " + " ".join(f"{k:>9}" for k in impls)
               + f" {'eager/fused':>12} {'compile/fused':>14} {'fused GB/s':>10} {'% of copy':>9}")
     print(header)
-    for shape in args.shapes.split(","):
-        rows, hidden = (int(v) for v in shape.split("x"))
-        for name in args.dtypes.split(","):
-            dtype = dtypes[name]
-            times = {k: run_case(fn, rows, hidden, dtype, args.device) for k, fn in impls.items()}
-            row_bytes = rows * hidden * torch.tensor([], dtype=dtype).element_size()
-            for index, label, passes in ((0, "fwd", FORWARD_PASSES), (1, "fwd+bwd", FORWARD_PASSES + BACKWARD_PASSES)):
-                t = {k: v[index] for k, v in times.items()}
-                bandwidth = passes * row_bytes / t["fused"]
-                compile_ratio = f"{t['compile'] / t['fused']:>14.2f}" if "compile" in t else f"{'-':>14}"
-                print(f"{shape:>10} {name:>5} {label:>8} " + " ".join(f"{t[k] * 1e3:>7.1f}ms" for k in impls)
-                      + f" {t['eager'] / t['fused']:>12.2f} {compile_ratio} {bandwidth / 1e9:>10.1f} "
-                      f"{100 * bandwidth / copy_bw:>8.0f}%")
+    for rows, hidden, name in cases:
+        shape, dtype = f"{rows}x{hidden}", DTYPES[name]
+        times = {k: run_case(fn, rows, hidden, dtype, args.device) for k, fn in impls.items()}
+        row_bytes = rows * hidden * torch.tensor([], dtype=dtype).element_size()
+        for index, label, passes in ((0, "fwd", FORWARD_PASSES), (1, "fwd+bwd", FORWARD_PASSES + BACKWARD_PASSES)):
+            t = {k: v[index] for k, v in times.items()}
+            bandwidth = passes * row_bytes / t["fused"]
+            compile_ratio = f"{t['compile'] / t['fused']:>14.2f}" if "compile" in t else f"{'-':>14}"
+            print(f"{shape:>10} {name:>5} {label:>8} " + " ".join(f"{t[k] * 1e3:>7.1f}ms" for k in impls)
+                  + f" {t['eager'] / t['fused']:>12.2f} {compile_ratio} {bandwidth / 1e9:>10.1f} "
+                  f"{100 * bandwidth / copy_bw:>8.0f}%")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,13 @@
   sm_80 and sm_90 cubins, one with compute_80 PTX only (what the driver would JIT on sm_90);
 * wheel_repack.py on a small wheel, installed by pip afterwards;
 * the scripts parse, and the driver records a failing, a timed-out and a skipped step and
-  still runs the steps after them;
-* a CPU rehearsal of run.sh in this environment (--use-env): setup steps and the layer bench;
+  still runs the steps after them; it knows every step, each tier's estimate fits one call,
+  each step is told its deadline, and the record says which commit and extension sources ran;
+* a CPU rehearsal of run.sh in this environment (--use-env): setup steps, compute-sanitizer
+  (as far as a CPU goes) and the layer bench; the model bench's rehearsal, and the kernel
+  bench's rows for both kernel generations, on CPU;
+* the report renders a results file with every field of today's steps, against the targets,
+  and the files of the 2026-12-01 run;
 * the built kit (.gpu-kit/, when present): its manifest, hashes and the 60 MiB travel limit.
 """
 
@@ -15,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -36,6 +42,7 @@ fatbin_prune = load("fatbin_prune")
 wheel_repack = load("wheel_repack")
 driver = load("driver")
 kit_abi = load("kit_abi")
+report = load("report")
 
 KERNEL = """
 __global__ void {name}(float* x, float a, int n) {{
@@ -200,6 +207,12 @@ def test_source_hash_follows_what_the_extension_is_compiled_from(tmp_path):
     (tmp_path / "setup.py").write_text(setup_py.replace('"-O3"', '"-O2"', 1))
     assert kit_abi.source_hash(tmp_path) != original  # a compiler flag does
     (tmp_path / "setup.py").write_text(setup_py)
+    # the driver's record: the hash, and no commit where the tree is not a git checkout
+    recorded = driver.provenance(tmp_path)
+    assert recorded["source_hash"] == original and recorded["commit"]["head"] is None
+    assert "no git checkout" in recorded["commit"]["why"]
+    given = driver.provenance(tmp_path, given="abc123+dirty")["commit"]  # run.sh --commit, as a session passes it
+    assert (given["head"], given["dirty"]) == ("abc123", True)
     with open(tmp_path / "csrc" / "ops.cpp", "a") as source:
         source.write("\n// a change\n")
     assert kit_abi.source_hash(tmp_path) != original
@@ -233,14 +246,36 @@ def test_te_extension_is_built_where_the_prebuilt_one_does_not_fit(tmp_path, mon
     assert len(builds) == 1  # a warm machine builds once
 
 
+def test_driver_knows_every_step_and_each_tier_fits_one_call():
+    steps = {step.name: step for step in driver.STEPS}
+    tier1 = [s.name for s in driver.STEPS if s.tier == 1]
+    tier2 = [s.name for s in driver.STEPS if s.tier == 2]
+    # the most important first: a call short of time loses the least
+    assert tier1[:3] == ["kernel-tests", "compute-sanitizer", "kernel-bench"] and "layer-bench" in tier1
+    assert tier2[:3] == ["te-extension", "te-layer-bench", "model-bench"]
+    assert steps["compute-sanitizer"].needs == ("install-kit", "extension")
+    assert "te-extension" in steps["model-bench"].needs and steps["model-bench"].te
+    for step in driver.STEPS:
+        assert (BENCH / step.script).exists(), step
+        assert step.name in (BENCH / step.script).read_text(), f"{step.script} does not define {step.name}"
+        assert step.min_s <= step.timeout_s and step.expected_s < step.timeout_s, step
+    budget = 570  # run.sh's default --budget-s: one device call of 600 s
+    for tier in (1, 2):
+        expected = sum(s.expected_s for s in driver.STEPS if s.tier in (0, tier))
+        assert expected <= budget - 30, f"tier {tier}: {expected}s expected"
+    assert driver.selected([1], ["compute-sanitizer"])[-1].name == "compute-sanitizer"
+    assert [s.name for s in driver.selected([2], ["model-bench"])] == ["machine", "install-kit", "extension",
+                                                                        "te-extension", "model-bench"]
+
+
 STEP_SCRIPT = """
-import json, sys, time
+import json, os, sys, time
 step, result = sys.argv[1], sys.argv[3]
 if step == "breaks":
     print("something broke on purpose"); sys.exit(3)
 if step == "hangs":
     time.sleep(60)
-json.dump({"value": 42}, open(result, "w"))
+json.dump({"value": 42, "deadline": float(os.environ["GPU_KIT_STEP_DEADLINE"])}, open(result, "w"))
 """
 
 
@@ -249,8 +284,10 @@ def test_driver_records_each_failure_and_runs_the_independent_steps(tmp_path):
     script.write_text(STEP_SCRIPT)
     steps = [driver.Step("breaks", str(script), 1, 30), driver.Step("hangs", str(script), 1, 2),
              driver.Step("needs-broken", str(script), 1, 30, needs=("breaks",)), driver.Step("works", str(script), 1, 30)]
+    steps.append(driver.Step("needs-more-time", str(script), 1, 300, min_s=200))
     run = driver.Run(tmp_path / "out", budget_s=120, rehearse=False, tiers=[1], work=tmp_path)
     for step in steps:
+        started = time.time()
         run.run_step(step)
         saved = json.loads((tmp_path / "out" / "gpu-results.json").read_text())
         assert step.name in saved["steps"]  # the JSON is rewritten after every step
@@ -258,26 +295,176 @@ def test_driver_records_each_failure_and_runs_the_independent_steps(tmp_path):
     assert recorded["breaks"]["status"] == "failed" and "broke on purpose" in recorded["breaks"]["error_tail"]
     assert recorded["hangs"]["status"] == "timeout" and recorded["hangs"]["seconds"] < 30
     assert recorded["needs-broken"] == {"tier": 1, "status": "skipped", "reason": "needs breaks"}
-    assert recorded["works"]["status"] == "ok" and recorded["works"]["result"] == {"value": 42}
+    works = recorded["works"]
+    assert works["status"] == "ok" and works["result"]["value"] == 42
+    assert started + 25 <= works["result"]["deadline"] <= time.time() + 31  # told its timeout's end
+    late = recorded["needs-more-time"]
+    assert late["status"] == "skipped" and "it needs 200s" in late["reason"]
     assert "broke on purpose" in (tmp_path / "out" / "gpu-run.log").read_text()
+    assert saved["source_hash"] == kit_abi.source_hash() and "head" in saved["commit"]
 
 
-def test_cpu_rehearsal_of_setup_and_the_layer_bench(tmp_path):
-    """run.sh --rehearse in this environment: the setup steps check it, the layer bench runs the
-    GPU measurement's code at tiny shapes on CPU, the JSON and the report come out."""
+def test_cpu_rehearsal_of_setup_the_sanitizer_and_the_layer_bench(tmp_path):
+    """run.sh --rehearse in this environment: the setup steps check it, compute-sanitizer says
+    why it did not run, the layer bench runs the GPU measurement's code at tiny shapes on CPU
+    (both kernel generations, twice), the JSON and the report come out."""
     env = dict(os.environ, PYTHON=sys.executable, GPU_KIT_WORK=str(tmp_path / "work"))
     command = ["bash", str(BENCH / "run.sh"), "--rehearse", "--use-env", "--tier", "1",
-               "--only", "machine,layer-bench", "--out", str(tmp_path / "out")]
+               "--only", "machine,compute-sanitizer,layer-bench", "--out", str(tmp_path / "out")]
     process = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     results = json.loads((tmp_path / "out" / "gpu-results.json").read_text())
     statuses = {name: step["status"] for name, step in results["steps"].items()}
     assert process.returncode == 0 and statuses == dict.fromkeys(statuses, "rehearsed"), (statuses, process.stdout[-3000:])
-    assert list(statuses) == ["machine", "install-kit", "extension", "layer-bench"]  # --only adds what it needs
+    # --only adds what they need, in the tier's order
+    assert list(statuses) == ["machine", "install-kit", "extension", "compute-sanitizer", "layer-bench"]
+    sanitizer = results["steps"]["compute-sanitizer"]["result"]
+    assert sanitizer["ran"] is False and "CPU rehearsal" in sanitizer["why"] and sanitizer["kernels"] == "tiled"
+    assert sanitizer["selected_by_name"] > 0  # the selection names tests that exist
     (row,) = results["steps"]["layer-bench"]["result"]["rows"]
-    assert row["stock"]["ms"] > 0
+    assert len(row["stock"]["ms_repeats"]) == 2 and row["stock"]["ms"] > 0
     assert row["siamese_fused"]["stream_arithmetic"] == "FusedStreamArithmetic"
+    assert row["siamese_fused"]["kernels"] == "verified" and row["siamese_fused_tiled"]["kernels"] == "tiled"
+    assert row["siamese_fused_tiled"]["ratio_to_stock"] == max(row["siamese_fused_tiled"]["ratios"])
     assert row["siamese_unfused"]["stream_arithmetic"] == "TorchStreamArithmetic"
     assert "| layer local bf16 h=64" in process.stdout and "rehearsal |" in process.stdout
+    assert results["source_hash"] == kit_abi.source_hash()
+
+
+def step_rehearsal(module: str, step: str, tmp_path) -> dict:
+    """One step's --rehearse, run as the driver runs it (its own process, the tree on the path)."""
+    result = tmp_path / f"{step}.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GPU_KIT_WORK=str(tmp_path / "work"))
+    process = subprocess.run([sys.executable, str(BENCH / module), step, "--result", str(result), "--rehearse"],
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    return json.loads(result.read_text())
+
+
+def test_model_bench_rehearsal_runs_megatrons_step_on_cpu(tmp_path):
+    """The model bench at a tiny size with the local modules: MegatronGPT's schedule step timed
+    for stock and SiameseNorm (both kernel generations, twice), with layernorm recompute too;
+    then it stops where the Transformer Engine GPTs would be built."""
+    record = step_rehearsal("model_bench.py", "model-bench", tmp_path)
+    assert record["model"]["num_layers"] == 24 and record["model"]["hidden_size"] == 2048
+    default, recompute = record["rows"]
+    assert (default["precision"], default["recompute"], recompute["recompute"]) == ("bf16", "none", "layernorm")
+    assert len(default["stock"]["ms_repeats"]) == 2
+    for label, kernels in (("siamese_fused", "verified"), ("siamese_fused_tiled", "tiled")):
+        assert default[label]["kernels"] == kernels and len(default[label]["ratios"]) == 2
+        assert len(recompute[label]["ms_repeats"]) == 2  # SiameseNorm recomputes its stream norms on CPU
+    # (Megatron's own layer needs Transformer Engine to recompute its norms: a recorded error here)
+    assert "ms" in recompute["stock"] or "error" in recompute["stock"]
+    assert "Transformer Engine" in record["stopped_at_gpu"]
+
+
+def test_kernel_bench_rows_per_generation(monkeypatch):
+    """kernels.py's rows for one case on CPU (eager standing in for torch.compile, which would
+    take a minute here): per pass one row per kernel generation, in today's row shape."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    kernels = load("kernels")
+    import bench_dual_norm as bench
+
+    impls = {"eager": bench.eager_sublayer, "compile": bench.eager_sublayer}
+    rows = kernels.bench_case(bench, impls, (16, 64, "bf16"), "cpu", repeat=1, copy=1e10, profile=True)
+    assert [(r["pass"], r["kernels"]) for r in rows] == [("fwd", "verified"), ("fwd+bwd", "verified"),
+                                                         ("fwd", "tiled"), ("fwd+bwd", "tiled")]
+    for row in rows:
+        assert {"shape", "dtype", "pass", "fused_share_of_copy", "compile_over_fused", "repeat"} <= set(row)
+        assert any("dual_norm" in k["name"] for k in row["profile"])
+    assert os.environ.get("MEGATRON_SIAMESE_CUDA_KERNELS") is None  # the generation is set only while timed
+    summaries, errors = kernels.sanitizer_lines("\n".join([
+        "========= COMPUTE-SANITIZER", "========= Invalid __global__ read of size 4 bytes",
+        "=========     at dual_norm_forward+0x40", "=========", "========= ERROR SUMMARY: 1 error", "1 passed"]))
+    assert summaries == ["========= ERROR SUMMARY: 1 error"]
+    assert errors == ["========= Invalid __global__ read of size 4 bytes", "=========     at dual_norm_forward+0x40"]
+
+
+def synthetic_results() -> dict:
+    """A results file with every field today's steps write (figures chosen around the targets)."""
+    def ok(result):
+        return {"tier": 1, "status": "ok", "seconds": 10.0, "result": result}
+
+    def bench_row(shape, dtype, label, kernels, repeat, share, over):
+        return {"shape": shape, "dtype": dtype, "pass": label, "kernels": kernels, "repeat": repeat,
+                "ms": {"eager": 2.0, "compile": 1.2, "fused": 1.0}, "eager_over_fused": 2.0,
+                "compile_over_fused": over, "fused_gb_s": 3000.0, "fused_share_of_copy": share,
+                **({"profile": [{"name": "void megatron_siamese::dual_norm_fwd<c10::BFloat16, 8>(float*, int)",
+                                 "us": 512.5, "launches": 1.0}]} if repeat == 1 else {})}
+
+    def timing(ms, ratios=None, **extra):
+        record = {"ms": sum(ms) / len(ms), "ms_repeats": ms, **extra}
+        return dict(record, ratios=ratios, ratio_to_stock=max(ratios)) if ratios else record
+
+    tests = {"all": {"passed": 80, "failed": 0, "error": 0, "skipped": 0},
+             "cuda": {"passed": 40, "failed": 0, "error": 0, "skipped": 0}, "not_passed": [], "passed": True}
+    tiled = dict(tests, cuda={"passed": 38, "failed": 2, "error": 0, "skipped": 0}, passed=False,
+                 not_passed=["tests.test_kernels::test_wide[cuda]"])
+    return {"started": "2027-01-01T00:00:00+00:00", "rehearsal": False, "source_hash": "0123456789abcdef",
+            "commit": {"head": "a" * 40, "dirty": True, "kit": "b" * 40}, "steps": {
+                "machine": ok({"device": "NVIDIA H200", "abi": {"torch": "2.11.0+cu130"}}),
+                "kernel-tests": ok({**tests, "generations": {"tiled": tiled, "verified": tests}}),
+                "compute-sanitizer": ok({"ran": True, "kernels": "tiled", "passed": False, "tools": {
+                    "memcheck": {"passed": True, "tests": {"passed": 12},
+                                 "summary": ["========= ERROR SUMMARY: 0 errors"], "errors": []},
+                    "racecheck": {"passed": False, "tests": {"passed": 12},
+                                  "summary": ["========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)"],
+                                  "errors": ["========= Error: Race reported between Write access and Read access"]}}}),
+                "kernel-bench": ok({"copy_gb_s": 3850.0, "copy_gb_s_repeats": [3850.0, 3860.0], "rows": [
+                    bench_row("32768x1024", "bf16", "fwd", "tiled", 1, 0.90, 1.3),
+                    bench_row("32768x1024", "bf16", "fwd", "tiled", 2, 0.88, 1.2),
+                    bench_row("32768x1024", "bf16", "fwd+bwd", "tiled", 1, 0.76, 1.1),
+                    bench_row("32768x1024", "bf16", "fwd+bwd", "tiled", 2, 0.74, 1.1),
+                    bench_row("32768x1024", "bf16", "fwd", "verified", 1, 0.40, 0.5),
+                    {"shape": "2048x16384", "dtype": "fp32", "repeat": 1, "kernels": "verified",
+                     "error": "RuntimeError: h > 8192"}]}),
+                "te-layer-bench": ok({"rows": [
+                    {"hidden": h, "heads": 16, "ffn": 5632, "seq": 4096, "impl": "transformer_engine",
+                     "precision": "fp8-tensorwise", "stock": timing([4.0, 4.0]),
+                     "siamese_fused_tiled": timing([4.1, 4.1], [1.025, 1.025], kernels="tiled")}
+                    for h in (2048, 4096)]}),
+                "model-bench": ok({"model": {"num_layers": 24, "hidden_size": 2048, "seq_length": 2048}, "rows": [
+                    {"precision": "bf16", "recompute": "layernorm", "impl": "transformer_engine",
+                     "stock": timing([150.0, 151.0], peak_mib=40960.0),
+                     "siamese_fused": timing([153.0, 156.0], [1.02, 1.033], peak_mib=43008.0, kernels="verified",
+                                             memory_ratio_to_stock=1.05)}]}),
+            }}
+
+
+def test_report_renders_every_field_against_the_targets():
+    text = report.render([synthetic_results()])
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+
+    def verdict(check):
+        return lines[check].rstrip(" |").rsplit(" | ", 1)[1]
+
+    assert "commit aaaaaaaaaaaa + uncommitted changes, extension sources 0123456789abcdef" in text
+    assert verdict("kernel tests, tiled kernels: all / with the cuda parameter") == "**missed**"
+    assert "test_wide[cuda]" in lines["kernel tests, tiled kernels: all / with the cuda parameter"]
+    assert verdict("kernel tests, verified kernels: all / with the cuda parameter") == "met"
+    assert verdict("compute-sanitizer memcheck, tiled kernels") == "met"
+    assert verdict("compute-sanitizer racecheck, tiled kernels") == "**missed**"
+    assert "Race reported" in lines["compute-sanitizer racecheck, tiled kernels"]
+    forward = lines["fused pair 32768x1024 bf16 fwd, tiled"]
+    assert "90% / 88% of copy (3850.0 / 3860.0 GB/s)" in forward
+    assert verdict("fused pair 32768x1024 bf16 fwd, tiled") == "met"
+    assert verdict("fused pair 32768x1024 bf16 fwd+bwd, tiled") == "**missed**"  # 74% in repeat 2: both must meet
+    assert verdict("fused pair 32768x1024 bf16 fwd, verified") == "**missed**"
+    assert "h > 8192" in text
+    assert "| 32768x1024 bf16 fwd tiled | megatron_siamese::dual_norm_fwd<c10::BFloat16, 8>: 512.5 us |" in text
+    te = "layer transformer_engine fp8-tensorwise h={} seq=4096 siamese_fused_tiled (tiled)"
+    assert verdict(te.format(2048)) == "met" and verdict(te.format(4096)) == "**missed**"  # <= 1.03x / 1.02x
+    assert "<= 1.02x" in lines[te.format(4096)]
+    model = "model 24x2048, seq 2048 transformer_engine bf16 recompute=layernorm siamese_fused (verified)"
+    assert "1.020x / 1.033x" in lines[model] and "1.050x" in lines[model] and verdict(model) == "**missed**"
+
+
+def test_report_renders_the_first_runs_files():
+    paths = sorted(str(p) for p in (BENCH / "results" / "2026-12-01").glob("*.json"))
+    assert paths
+    text = report.render([json.loads(Path(p).read_text()) for p in paths])
+    assert "| fused pair 16384x4096 bf16 fwd, verified | 38% of copy" in text
+    assert "| layer transformer_engine fp8-delayed h=2048 seq=4096 siamese_fused (verified) |" in text
 
 
 KIT = ROOT / ".gpu-kit"

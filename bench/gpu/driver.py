@@ -1,15 +1,24 @@
 """Runs the GPU kit's steps in order, each in its own process, into one JSON and one log.
 
     python bench/gpu/driver.py [--tier 1|2|all] [--rehearse] [--out DIR] [--budget-s S] [--only a,b]
-                               [--build-here] [--use-env]
+                               [--build-here] [--use-env] [--commit SHA[+dirty]]
 
 (bash bench/gpu/run.sh is the way in; docs/gpu.md says what each step measures.)
 
 * Setup steps run first in every call (a second call may land on a fresh machine): machine,
   install-kit, extension, and te-extension for tier 2. Later steps that need a setup step
   that failed are skipped, with that reason; independent steps still run.
-* Each step gets its own timeout, cut to what is left of ``--budget-s`` (the call's limit);
-  a step that cannot start with enough time left is recorded as skipped.
+* Each step gets its own timeout, cut to what is left of ``--budget-s`` (the call's limit),
+  and is told its deadline (GPU_KIT_STEP_DEADLINE): the measuring steps stop starting new
+  cases before it and write what they measured. A step that cannot start with its ``min_s``
+  left is recorded as skipped.
+* Each tier's steps are ordered by importance, so that a call short of time loses the least:
+  tier 1 the unverified kernels' tests, the sanitizer and the kernel bench first; tier 2 the TE
+  layer bench and the model bench first.
+* The record says what ran: the commit (and whether the tree differed from it) and the hash of
+  the extension's sources (kit_abi.py source-hash). The device tool's copy of the tree has no
+  .git, so there the commit is the one ``--commit`` names (the launching session pastes
+  ``git rev-parse HEAD``, with ``+dirty`` for uncommitted changes, into the command).
 * After every step OUT/gpu-results.json is rewritten (a call killed at its limit still leaves
   what was measured), and OUT/gpu-run.log gets every step's output as it is printed.
 """
@@ -32,6 +41,9 @@ from typing import List, Optional, Tuple
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 MIN_STEP_S = 20  # a step started with less time than this left could not finish anything
+DEADLINE_ENV = "GPU_KIT_STEP_DEADLINE"  # common.py reads it
+if str(HERE) not in sys.path:  # kit_abi and report, also where this file is loaded by path (tests)
+    sys.path.insert(0, str(HERE))
 
 
 @dataclass(frozen=True)
@@ -39,23 +51,31 @@ class Step:
     name: str
     script: str  # under bench/gpu
     tier: int  # 0: setup, run in every call
-    timeout_s: int  # on the lent H200; docs/gpu.md has the expected times
+    timeout_s: int  # on the lent H200
     needs: Tuple[str, ...] = ()  # setup steps it cannot run without
     te: bool = False  # sees Transformer Engine's target on its path
+    expected_s: int = 0  # the estimate on the H200 (docs/gpu.md gives its basis)
+    min_s: int = MIN_STEP_S  # skipped rather than started with less left (steps without a deadline of their own)
 
 
+KIT = ("install-kit", "extension")
+TE = KIT + ("te-extension",)
+# expected_s: the 2026-12-01 H200 run's times (bench/gpu/results/2026-12-01), scaled by what each
+# step now does (docs/gpu.md, "What runs, and the budget")
 STEPS = (
-    Step("machine", "setup_steps.py", 0, 60),
-    Step("install-kit", "setup_steps.py", 0, 120),
-    Step("extension", "setup_steps.py", 0, 420, needs=("install-kit",)),
-    Step("kernel-tests", "kernels.py", 1, 240, needs=("install-kit", "extension")),
-    Step("kernel-bench", "kernels.py", 1, 240, needs=("install-kit", "extension")),
-    Step("layer-bench", "layers.py", 1, 180, needs=("install-kit", "extension")),
-    Step("train-bf16", "training.py", 1, 240, needs=("install-kit", "extension")),
-    Step("te-extension", "setup_steps.py", 2, 420, needs=("install-kit",)),
-    Step("te-vs-local", "te_parity.py", 2, 180, needs=("install-kit", "extension", "te-extension"), te=True),
-    Step("te-layer-bench", "layers.py", 2, 180, needs=("install-kit", "extension", "te-extension"), te=True),
-    Step("fp8-training", "training.py", 2, 360, needs=("install-kit", "extension", "te-extension"), te=True),
+    Step("machine", "setup_steps.py", 0, 60, expected_s=5),
+    Step("install-kit", "setup_steps.py", 0, 120, expected_s=15),
+    Step("extension", "setup_steps.py", 0, 420, needs=("install-kit",), expected_s=7),
+    Step("kernel-tests", "kernels.py", 1, 200, needs=KIT, expected_s=60, min_s=40),
+    Step("compute-sanitizer", "kernels.py", 1, 240, needs=KIT, expected_s=150, min_s=60),
+    Step("kernel-bench", "kernels.py", 1, 300, needs=KIT, expected_s=130, min_s=60),
+    Step("layer-bench", "layers.py", 1, 150, needs=KIT, expected_s=35, min_s=40),
+    Step("train-bf16", "training.py", 1, 240, needs=KIT, expected_s=85, min_s=110),
+    Step("te-extension", "setup_steps.py", 2, 420, needs=("install-kit",), expected_s=22),
+    Step("te-layer-bench", "layers.py", 2, 180, needs=TE, te=True, expected_s=50, min_s=40),
+    Step("model-bench", "model_bench.py", 2, 330, needs=TE, te=True, expected_s=210, min_s=90),
+    Step("te-vs-local", "te_parity.py", 2, 120, needs=TE, te=True, expected_s=22, min_s=40),
+    Step("fp8-training", "training.py", 2, 240, needs=TE, te=True, expected_s=106, min_s=130),
 )
 
 
@@ -73,10 +93,40 @@ def selected(tiers: List[int], only: Optional[List[str]]) -> List[Step]:
     return steps
 
 
+def provenance(root: Path = ROOT, given: Optional[str] = None) -> dict:
+    """What this run ran: the commit (git rev-parse HEAD, when ``root`` is a git checkout; else
+    ``given``, "SHA" or "SHA+dirty", from --commit), whether the tree differs from it, the kit's
+    commit, and kit_abi.py's hash of the extension's sources."""
+    import kit_abi  # noqa: E402 - bench/gpu is on the path (above)
+
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+
+    record = {"source_hash": kit_abi.source_hash(root)}
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            raise RuntimeError(f"{root} is inside another git checkout, not one of its own")
+        record["commit"] = {"head": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        why = error.stderr.strip() if isinstance(error, subprocess.CalledProcessError) else str(error)
+        if given:
+            head, _, flag = given.partition("+")
+            record["commit"] = {"head": head, "dirty": flag == "dirty", "from": "--commit"}
+        else:
+            record["commit"] = {"head": None, "dirty": None, "why": f"no git checkout here: {why}"[:300]}
+    try:
+        record["commit"]["kit"] = json.loads((root / ".gpu-kit" / "manifest.json").read_text()).get("commit")
+    except (OSError, ValueError):
+        record["commit"]["kit"] = None
+    return record
+
+
 class Run:
     """The call's record: OUT/gpu-results.json, OUT/gpu-run.log, and progress on stdout."""
 
-    def __init__(self, out: Path, budget_s: float, rehearse: bool, tiers: List[int], work: Path):
+    def __init__(self, out: Path, budget_s: float, rehearse: bool, tiers: List[int], work: Path,
+                 commit: Optional[str] = None):
         self.out, self.budget_s, self.rehearse, self.work = out, budget_s, rehearse, work
         self.start = time.monotonic()
         out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +134,7 @@ class Run:
         self.log = open(self.log_path, "a", buffering=1)
         self.record = {
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "rehearsal": rehearse, "tiers": tiers, "budget_s": budget_s, "steps": {},
+            "rehearsal": rehearse, "tiers": tiers, "budget_s": budget_s, **provenance(given=commit), "steps": {},
         }
         self.save()
 
@@ -102,10 +152,10 @@ class Run:
         tmp.write_text(json.dumps(self.record, indent=1, default=str))
         os.replace(tmp, self.json_path)
 
-    def environment(self, step: Step) -> dict:
+    def environment(self, step: Step, timeout: float) -> dict:
         sites = [str(ROOT), str(self.work / "site")] + ([str(self.work / "site-te")] if step.te else [])
         return dict(os.environ, PYTHONPATH=os.pathsep.join(sites), PYTHONUNBUFFERED="1",
-                    GPU_KIT_WORK=str(self.work))
+                    GPU_KIT_WORK=str(self.work), **{DEADLINE_ENV: f"{time.time() + timeout:.1f}"})
 
     def run_step(self, step: Step) -> None:
         record = {"tier": step.tier}
@@ -114,8 +164,9 @@ class Run:
         remaining = self.budget_s - self.elapsed()
         if failed:
             record.update(status="skipped", reason=f"needs {', '.join(failed)}")
-        elif remaining < MIN_STEP_S:
-            record.update(status="skipped", reason=f"no time left ({remaining:.0f}s of the budget)")
+        elif remaining < max(step.min_s, MIN_STEP_S):
+            record.update(status="skipped", reason=f"no time left ({remaining:.0f}s of the budget, "
+                                                   f"it needs {max(step.min_s, MIN_STEP_S)}s)")
         else:
             self._execute(step, record, timeout=min(step.timeout_s, remaining - 5))
         self.say(f"{step.name}: {record['status']}" + (f" ({record['seconds']}s)" if "seconds" in record else "")
@@ -132,7 +183,7 @@ class Run:
         log_offset = self.log.tell()
         self.log.write(f"----- {step.name}: {' '.join(command)}\n")
         begin = time.monotonic()
-        process = subprocess.Popen(command, cwd=ROOT, env=self.environment(step), stdout=self.log,
+        process = subprocess.Popen(command, cwd=ROOT, env=self.environment(step, timeout), stdout=self.log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = process.wait(timeout=timeout)
@@ -170,6 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--use-env", action="store_true",
                         help="this Python already has megatron-core, the built extension (and TE for tier 2), "
                              "e.g. an NGC container: the setup steps check them instead of installing the kit")
+    parser.add_argument("--commit", help="the commit this tree is (SHA, or SHA+dirty), recorded where the tree "
+                                         "is no git checkout (the device tool's copy)")
     args = parser.parse_args(argv)
     tiers = [1, 2] if args.tier == "all" else [int(args.tier)]
     work = Path(os.environ.get("GPU_KIT_WORK", "/tmp/megatron-siamese-gpu"))
@@ -179,14 +232,13 @@ def main(argv=None) -> int:
     if args.build_here:
         os.environ["GPU_KIT_BUILD_HERE"] = "1"
     out = args.out or Path(os.environ.get("OUT") or work / "out")
-    run = Run(out, args.budget_s, args.rehearse, tiers, work)
+    run = Run(out, args.budget_s, args.rehearse, tiers, work, commit=args.commit)
     run.record.update(use_env=args.use_env, build_here=args.build_here)
     steps = selected(tiers, args.only.split(",") if args.only else None)
     run.say(f"{'rehearsal' if args.rehearse else 'GPU run'}: tiers {tiers}, steps {', '.join(s.name for s in steps)}; "
             f"results in {run.json_path}")
     for step in steps:
         run.run_step(step)
-    sys.path.insert(0, str(HERE))
     import report
 
     run.say("summary\n" + report.render([run.record]))

@@ -1,14 +1,20 @@
 """One SiameseNorm layer against one stock Pre-Norm layer: forward + backward time on the GPU.
 
-    layer-bench      tier 1, Megatron's local modules, bf16, h = 2048 and 4096, seq 4096,
-                     SiameseNorm with the fused ops on and off
-    te-layer-bench   tier 2, Transformer Engine modules at a 1.3B-like shape (h = 2048,
-                     ffn 5632, 16 heads, seq 4096), bf16 and FP8 (delayed scaling)
+    layer-bench      tier 1, Megatron's local modules, bf16, h = 2048 (ffn 5632) and 4096
+                     (ffn 11008), seq 4096: SiameseNorm with the fused ops (each CUDA kernel
+                     generation) and without them (the PyTorch path); target <= 1.05x
+    te-layer-bench   tier 2, Transformer Engine modules at the same shapes (16 / 32 heads), bf16,
+                     FP8 delayed and FP8 current (tensorwise) scaling, SiameseNorm with the
+                     fused ops per generation; targets <= 1.03x at h 2048, <= 1.02x at h 4096
 
 Both layers are built from their specs exactly as a GPTModel builds them, with global layer
 number 2 of 4 (so SiameseNorm gets packed [s, b, 2h] streams, as every layer but the first
-does); the stock layer gets [s, b, h]. Time: the median of CUDA-event-timed forward +
-backward iterations after warm-up. Target: SiameseNorm / stock <= 1.05.
+does); the stock layer gets [s, b, h]. A row builds its layers once and times them in turn,
+REPEATS times over (so the spread shows); each time is the median of ITERS CUDA-event-timed
+forward + backward iterations after WARMUP. A row's variants: ``stock``, ``siamese_fused``
+(the verified kernels), ``siamese_fused_tiled`` (the same layer, tiled kernels) and, local
+only, ``siamese_unfused``; each records ``ms`` (mean of the repeats), ``ms_repeats`` and, for
+SiameseNorm, ``ratios`` per repeat and ``ratio_to_stock`` (the larger), ``kernels``.
 
     python bench/gpu/layers.py layer-bench --result out.json [--rehearse]
 """
@@ -18,11 +24,14 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
-from common import NeedsGPU, one_rank, require_gpu, step_main, time_ms
+from common import (PRECISIONS, NeedsGPU, cuda_kernels, one_rank, repeated, require_gpu, seconds_left, step_main,
+                    time_ms)
 
 LAYER_NUMBER, NUM_LAYERS = 2, 4
-ITERS, WARMUP = 20, 5
+ITERS, WARMUP, REPEATS = 20, 5, 2
+ROW_MARGIN_S = 20  # a row (three or four layers, each timed twice) at h 4096 fits in this
 
 
 @dataclass(frozen=True)
@@ -33,18 +42,29 @@ class Shape:
     seq: int = 4096  # micro-batch 1
 
 
-LOCAL_SHAPES = (Shape(2048, 16, 5632), Shape(4096, 32, 11008))
-TE_SHAPES = (Shape(2048, 16, 5632),)
+@dataclass(frozen=True)
+class Variant:
+    norm: str  # "pre" (stock) or "siamese"
+    fused_ops: Optional[bool] = None
+    kernels: Optional[str] = None  # the CUDA kernel generation it runs
+
+
+SHAPES = (Shape(2048, 16, 5632), Shape(4096, 32, 11008))
 REHEARSAL_SHAPE = Shape(64, 4, 128, seq=32)
+STOCK = Variant("pre")
+FUSED = {"siamese_fused": Variant("siamese", True, "verified"),
+         "siamese_fused_tiled": Variant("siamese", True, "tiled")}
+LOCAL_VARIANTS = {"stock": STOCK, **FUSED, "siamese_unfused": Variant("siamese", False)}
+TE_VARIANTS = {"stock": STOCK, **FUSED}
 
 
-def settings(shape: Shape, norm: str, impl: str, fused_ops=None, fp8=None):
+def settings(shape: Shape, variant: Variant, impl: str, precision: str = "bf16"):
     from megatron_siamese.runtime.settings import ModelSettings
 
-    return ModelSettings(norm=norm, num_layers=NUM_LAYERS, hidden_size=shape.hidden,
+    return ModelSettings(norm=variant.norm, num_layers=NUM_LAYERS, hidden_size=shape.hidden,
                          num_attention_heads=shape.heads, ffn_hidden_size=shape.ffn, seq_length=shape.seq,
                          normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False, dtype="bf16",
-                         fused_ops=fused_ops, transformer_impl=impl, fp8=fp8, fp8_recipe="delayed")
+                         fused_ops=variant.fused_ops, transformer_impl=impl, **PRECISIONS[precision])
 
 
 def layer_spec(norm: str, impl: str, config):
@@ -62,8 +82,8 @@ def layer_spec(norm: str, impl: str, config):
     return scheme(norm).block_spec(config, None).layer_specs[0]
 
 
-def time_layer(model, rehearse: bool) -> dict:
-    """Forward + backward of one layer built from ``model`` (ModelSettings), in milliseconds."""
+def build_layer(model, rehearse: bool) -> tuple:
+    """(forward + backward of one layer built from ``model`` (ModelSettings), its record so far)."""
     import torch
     from megatron.core.fp8_utils import get_fp8_context
     from megatron.core.transformer.spec_utils import build_module
@@ -93,16 +113,14 @@ def time_layer(model, rehearse: bool) -> dict:
             out, _ = layer(hidden_states=x, attention_mask=None)
         out.backward(grad)
 
-    iters, warmup = (2, 1) if rehearse else (ITERS, WARMUP)
-    ms = time_ms(forward_backward, iters, warmup)
-    record = {"ms": round(ms, 3)}
+    record = {}
     if hasattr(layer, "stream_arithmetic"):  # which path SiameseNorm's stream arithmetic took
         record["stream_arithmetic"] = type(layer.stream_arithmetic.on(x.device)).__name__
-    return record
+    return forward_backward, record
 
 
 def release_memory() -> None:
-    """Return the last layer's blocks to the GPU, so each layer starts from the same state."""
+    """Return the last layers' blocks to the GPU, so each row starts from the same state."""
     import gc
 
     import torch
@@ -112,53 +130,86 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def attempt(time_one, *args) -> dict:
-    """time_one(*args), or {"error": ...} when it fails: one failing layer leaves the others
-    their rows (a rehearsal's stop at the first GPU call still ends the step)."""
-    try:
-        return time_one(*args)
-    except NeedsGPU:
-        raise
-    except Exception as error:  # noqa: BLE001 - the error's text is the result
-        return {"error": f"{type(error).__name__}: {error}"[:800]}
-    finally:
-        release_memory()
+def error_text(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"[:800]
 
 
-def compare(shapes, impl: str, variants, rehearse: bool) -> list:
-    """Rows of {shape, precision, stock ms, SiameseNorm ms per variant, ratios} (runs in a rank)."""
-    rows = []
+def measure_row(shape: Shape, impl: str, precision: str, variants: dict, rehearse: bool) -> dict:
+    """One row: each variant's layer built once (the generations share one fused layer), then
+    all of them timed in turn, REPEATS times. A failing layer leaves the others their times (a
+    rehearsal's stop at the first GPU call still ends the step)."""
+    row = {"hidden": shape.hidden, "heads": shape.heads, "ffn": shape.ffn, "seq": shape.seq, "impl": impl,
+           "precision": precision}
+    built, errors, times = {}, {}, {label: [] for label in variants}
+    for label, variant in variants.items():
+        key = (variant.norm, variant.fused_ops)
+        if key not in built:
+            try:
+                built[key] = build_layer(settings(shape, variant, impl, precision), rehearse)
+            except NeedsGPU:
+                raise
+            except Exception as error:  # noqa: BLE001 - the error's text is the result
+                built[key] = error
+        if isinstance(built[key], Exception):
+            errors[label] = error_text(built[key])
+    iters, warmup = (2, 1) if rehearse else (ITERS, WARMUP)
+    for _ in range(REPEATS):
+        for label, variant in variants.items():
+            if label in errors:
+                continue
+            try:
+                with cuda_kernels(variant.kernels):
+                    times[label].append(time_ms(built[(variant.norm, variant.fused_ops)][0], iters, warmup))
+            except Exception as error:  # noqa: BLE001
+                errors[label] = error_text(error)
+    for label, variant in variants.items():
+        if label in errors:
+            row[label] = {"error": errors[label]}
+            continue
+        stock = times["stock"] if label != "stock" and "stock" not in errors else None
+        row[label] = repeated(times[label], stock)
+        row[label].update(built[(variant.norm, variant.fused_ops)][1])
+        if variant.kernels:
+            row[label]["kernels"] = variant.kernels
+    del built
+    release_memory()
+    return row
+
+
+def compare(shapes, impl: str, variants: dict, precisions, rehearse: bool) -> dict:
+    """Rows of {shape, precision, stock, SiameseNorm per variant} (runs in a rank), in order, as
+    far as the step's deadline allows."""
+    rows, cut = [], []
     for shape in shapes:
-        for fp8 in variants["fp8"]:
-            row = {"hidden": shape.hidden, "heads": shape.heads, "ffn": shape.ffn, "seq": shape.seq,
-                   "impl": impl, "precision": "fp8-delayed" if fp8 else "bf16"}
-            row["stock"] = attempt(time_layer, settings(shape, "pre", impl, fp8=fp8), rehearse)
-            for label, fused in variants["siamese"]:
-                timing = attempt(time_layer, settings(shape, "siamese", impl, fused_ops=fused, fp8=fp8), rehearse)
-                if "ms" in timing and "ms" in row["stock"]:
-                    timing["ratio_to_stock"] = round(timing["ms"] / row["stock"]["ms"], 3)
-                row[f"siamese_{label}"] = timing
-            rows.append(row)
-    return rows
+        for precision in precisions:
+            if seconds_left() < ROW_MARGIN_S:
+                cut.append(f"h={shape.hidden} {precision}")
+                continue
+            rows.append(measure_row(shape, impl, precision, variants, rehearse))
+    return {"rows": rows, "cut_for_time": cut}
 
 
 def layer_bench(rehearse: bool) -> dict:
     if not rehearse:
         require_gpu(False, "the layer bench")
-    shapes = (REHEARSAL_SHAPE,) if rehearse else LOCAL_SHAPES
-    variants = {"fp8": (None,), "siamese": (("fused", True), ("unfused", False))}
-    return {"rows": one_rank(compare, shapes, "local", variants, rehearse), "iters": ITERS, "warmup": WARMUP}
+    shapes = (REHEARSAL_SHAPE,) if rehearse else SHAPES
+    result = one_rank(compare, shapes, "local", LOCAL_VARIANTS, ("bf16",), rehearse)
+    return {**result, "iters": ITERS, "warmup": WARMUP, "repeats": REPEATS}
 
 
 def te_layer_bench(rehearse: bool) -> dict:
+    from megatron_siamese.runtime.gpt import transformer_config
+    from megatron_siamese.runtime.layout import Layout
+
     if not rehearse:
         require_gpu(False, "the Transformer Engine layer bench")
+    shapes = (REHEARSAL_SHAPE,) if rehearse else SHAPES
     for norm in ("pre", "siamese"):  # both specs resolve before any rank starts (a rehearsal stops at the build)
         layer_spec(norm, "transformer_engine", config=None)
-    shapes = (REHEARSAL_SHAPE,) if rehearse else TE_SHAPES
-    variants = {"fp8": (None, "hybrid"), "siamese": (("fused", True),)}
-    return {"rows": one_rank(compare, shapes, "transformer_engine", variants, rehearse),
-            "iters": ITERS, "warmup": WARMUP}
+    for precision in PRECISIONS:  # Megatron validates each precision's config here
+        transformer_config(settings(shapes[0], FUSED["siamese_fused"], "transformer_engine", precision), Layout())
+    result = one_rank(compare, shapes, "transformer_engine", TE_VARIANTS, tuple(PRECISIONS), rehearse)
+    return {**result, "iters": ITERS, "warmup": WARMUP, "repeats": REPEATS}
 
 
 STEPS = {"layer-bench": layer_bench, "te-layer-bench": te_layer_bench}

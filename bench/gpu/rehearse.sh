@@ -21,5 +21,7 @@ git ls-files -z -co --exclude-standard | while IFS= read -r -d '' file; do
   [[ -f "$file" ]] && printf '%s\0' "$file"
 done | xargs -0 cp --parents -t "$SCRATCH/tree"
 cp -r .gpu-kit "$SCRATCH/tree/"
+# the copy has no .git, as on the lent machine: say which commit it is, as a GPU call's command does
+COMMIT=$(git rev-parse HEAD)$([[ -n "$(git status --porcelain)" ]] && echo +dirty || true)
 cd "$SCRATCH/tree"
-PYTHON=$PY GPU_KIT_WORK=$SCRATCH/work OUT=$SCRATCH/out bash bench/gpu/run.sh --rehearse "$@"
+PYTHON=$PY GPU_KIT_WORK=$SCRATCH/work OUT=$SCRATCH/out bash bench/gpu/run.sh --rehearse --commit "$COMMIT" "$@"

@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 
-from common import require_gpu, step_main
+from common import PRECISIONS, require_gpu, step_main
 
 FP8_TOLERANCE = 0.03
 WORK = os.environ.get("GPU_KIT_WORK", tempfile.gettempdir())
@@ -90,9 +90,7 @@ def train_bf16(rehearse: bool) -> dict:
 
 def fp8_runs():
     """The bf16 reference and the FP8 recipes, as (label, TrainArgs changes)."""
-    return (("bf16", {}),
-            ("fp8-delayed", dict(fp8="hybrid", fp8_recipe="delayed")),
-            ("fp8-tensorwise", dict(fp8="hybrid", fp8_recipe="tensorwise")))
+    return tuple(PRECISIONS.items())
 
 
 def fp8_training(rehearse: bool) -> dict:
