@@ -541,9 +541,10 @@ void tiled_dual_norm(const torch::Tensor& streams, const StreamRows& g, const No
   if (tiled_type(streams.scalar_type(), t)) {
     const tiled::NormArgs a = tiled_args(streams, g, w, eps);
     if (tiled_fits(g, t, a, {streams.data_ptr(), base.data_ptr(), normed.data_ptr()})) {
-      const plan::Plan p = tiled::plan_forward(t, a, current_device());
+      const int device = current_device();
+      const plan::Plan p = tiled::plan_forward(t, a, device);
       if (p.tiled) {
-        tiled::forward(p, t, a, base.data_ptr(), normed.data_ptr(), stats.data_ptr<float>(),
+        tiled::forward(p, t, a, base.data_ptr(), normed.data_ptr(), stats.data_ptr<float>(), device,
                        c10::cuda::getCurrentCUDAStream());
         return;
       }
@@ -559,13 +560,14 @@ void tiled_dual_norm_backward(const torch::Tensor& grad_base, const torch::Tenso
   if (tiled_type(streams.scalar_type(), t)) {
     const tiled::NormArgs a = tiled_args(streams, g, w, 0.0);
     if (tiled_fits(g, t, a, {grad_base.data_ptr(), grad_normed.data_ptr(), streams.data_ptr(), grad_streams.data_ptr()})) {
-      const plan::Plan p = tiled::plan_backward(t, a, current_device());
+      const int device = current_device();
+      const plan::Plan p = tiled::plan_backward(t, a, device);
       if (p.tiled) {
         auto partials = torch::empty({tiled::backward_parts(p), tiled::backward_accumulators(a), g.hidden},
                                      weight_grads.options());
         tiled::backward(p, t, a, grad_base.data_ptr(), grad_normed.data_ptr(), stats.data_ptr<float>(),
                         grad_streams.data_ptr(), partials.data_ptr<float>(), weight_grads.data_ptr<float>(),
-                        c10::cuda::getCurrentCUDAStream());
+                        device, c10::cuda::getCurrentCUDAStream());
         return;
       }
     }

@@ -68,13 +68,18 @@ struct Plan {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// CTAs of `threads` threads resident on one SM, as the occupancy calculator counts them
-// (registers allocated per warp in units of 256), or 0 when one CTA does not fit.
+// CTAs of `threads` threads resident on one SM, by the occupancy calculator's rules
+// (cuda_occupancy.h): registers are allocated per warp in units of 256 from each of the SM's
+// 4 sub-partitions, and a CTA's warps are spread over them, so a CTA fits only when
+// ceil(warps / 4) warps fit one sub-partition. 0 when one CTA does not fit.
 inline int resident_ctas(const Device& d, int registers, int threads, int shared_bytes) {
+  constexpr int kSubPartitions = 4;
   if (registers <= 0 || registers > 255 || threads <= 0 || threads > 1024) return 0;
   const int registers_per_warp = static_cast<int>(ceil_div(int64_t(registers) * kWarp, 256) * 256);
   const int warps_per_cta = static_cast<int>(ceil_div(threads, kWarp));
-  const int by_registers = (d.registers_per_sm / registers_per_warp) / warps_per_cta;
+  const int warps_per_sub_partition = d.registers_per_sm / kSubPartitions / registers_per_warp;
+  if (ceil_div(warps_per_cta, kSubPartitions) > warps_per_sub_partition) return 0;
+  const int by_registers = warps_per_sub_partition * kSubPartitions / warps_per_cta;
   const int by_threads = d.threads_per_sm / (warps_per_cta * kWarp);
   int by_shared = d.ctas_per_sm;
   if (shared_bytes > 0) {

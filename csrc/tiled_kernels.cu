@@ -22,6 +22,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <tuple>
 #include <string>
 #include <utility>
 
@@ -633,10 +634,27 @@ void with_kind(bool bias, bool input, F&& f) {
   return f.template operator()<false, false>();
 }
 
-void allow_shared(const void* kernel, int bytes) {
-  if (bytes > 48 * 1024)
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+// Before a launch, once per device, kernel and configuration: opts in to more than 48 KB of
+// dynamic shared memory, and asks the driver whether the plan's CTAs are resident. A plan the
+// driver disagrees with is an error that names both counts, never a silent slower launch.
+void prepare_launch(const void* kernel, const plan::Plan& p, int device) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int, int>, bool> prepared;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, kernel, p.threads(), p.dynamic_shared);
+  if (prepared.count(key)) return;
+  if (p.dynamic_shared > 48 * 1024)
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.dynamic_shared),
           "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  int resident = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, p.threads(), p.dynamic_shared),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (resident != p.ctas_per_sm)
+    throw std::runtime_error("dual_norm (CUDA, tiled): the launch plan counts " + std::to_string(p.ctas_per_sm) +
+                             " resident CTAs of " + std::to_string(p.threads()) + " threads, the driver " +
+                             std::to_string(resident) + "; unset MEGATRON_SIAMESE_CUDA_KERNELS to use the "
+                             "verified kernels, and report this");
+  prepared[key] = true;
 }
 
 }  // namespace
@@ -708,13 +726,14 @@ plan::Plan plan_backward(DType t, const NormArgs& a, int device) {
 
 int backward_parts(const plan::Plan& p) { return p.grid * p.rows_per_cta; }
 
-void forward(const plan::Plan& p, DType t, const NormArgs& a, void* base, void* normed, float* stats,
+void forward(const plan::Plan& p, DType t, const NormArgs& a, void* base, void* normed, float* stats, int device,
              cudaStream_t stream) {
   const dim3 block(p.threads_per_row, p.rows_per_cta);
   with_type(t, [&]<typename T>() {
     with_chunk_count(p.chunks, [&]<int CH>() {
       constexpr int VEC = 16 / sizeof(T);
       if constexpr (forward_chunking(CH * VEC)) {
+        prepare_launch(reinterpret_cast<const void*>(forward_kernel<T, VEC, CH>), p, device);
         forward_kernel<T, VEC, CH><<<p.grid, block, p.dynamic_shared, stream>>>(
             static_cast<const T*>(a.streams), params_of(a), static_cast<T*>(base), static_cast<T*>(normed), stats);
       } else {
@@ -729,7 +748,7 @@ namespace {
 template <bool SHARED>
 void launch_backward(const plan::Plan& p, DType t, const NormArgs& a, const void* grad_base,
                      const void* grad_normed, const float* stats, void* grad_streams, float* partials,
-                     cudaStream_t stream) {
+                     int device, cudaStream_t stream) {
   const dim3 block(p.threads_per_row, p.rows_per_cta);
   with_type(t, [&]<typename T>() {
     constexpr int VEC = 16 / sizeof(T);
@@ -737,7 +756,7 @@ void launch_backward(const plan::Plan& p, DType t, const NormArgs& a, const void
       if constexpr (backward_chunking(SHARED, CH * VEC)) {
         with_kind(a.biased(), a.input_norm(), [&]<bool BIAS, bool INPUT>() {
           auto* kernel = backward_kernel<T, VEC, CH, BIAS, INPUT, SHARED>;
-          allow_shared(reinterpret_cast<const void*>(kernel), p.dynamic_shared);
+          prepare_launch(reinterpret_cast<const void*>(kernel), p, device);
           kernel<<<p.grid, block, p.dynamic_shared, stream>>>(
               static_cast<const T*>(grad_base), static_cast<const T*>(grad_normed), static_cast<const T*>(a.streams),
               stats, params_of(a), static_cast<T*>(grad_streams), partials);
@@ -751,11 +770,12 @@ void launch_backward(const plan::Plan& p, DType t, const NormArgs& a, const void
 }  // namespace
 
 void backward(const plan::Plan& p, DType t, const NormArgs& a, const void* grad_base, const void* grad_normed,
-              const float* stats, void* grad_streams, float* partials, float* weight_grads, cudaStream_t stream) {
+              const float* stats, void* grad_streams, float* partials, float* weight_grads, int device,
+              cudaStream_t stream) {
   if (p.shared_accumulators)
-    launch_backward<true>(p, t, a, grad_base, grad_normed, stats, grad_streams, partials, stream);
+    launch_backward<true>(p, t, a, grad_base, grad_normed, stats, grad_streams, partials, device, stream);
   else
-    launch_backward<false>(p, t, a, grad_base, grad_normed, stats, grad_streams, partials, stream);
+    launch_backward<false>(p, t, a, grad_base, grad_normed, stats, grad_streams, partials, device, stream);
   check(cudaGetLastError(), "backward launch");
   const int accumulators = backward_accumulators(a), gammas = a.input_norm() ? 3 : 2;
   finalize_kernel<<<dim3((a.hidden + kWarp - 1) / kWarp, accumulators), dim3(kWarp, 8), 0, stream>>>(

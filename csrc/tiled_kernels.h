@@ -56,12 +56,15 @@ plan::Plan plan_backward(DType t, const NormArgs& a, int device);
 int backward_parts(const plan::Plan& p);
 int backward_accumulators(const NormArgs& a);
 
-void forward(const plan::Plan& p, DType t, const NormArgs& a, void* base, void* normed, float* stats,
+// `device`: the current device, whose plan `p` is (the first launch of each configuration asks
+// the driver to confirm the plan's occupancy).
+void forward(const plan::Plan& p, DType t, const NormArgs& a, void* base, void* normed, float* stats, int device,
              cudaStream_t stream);
 // partials: [backward_parts(p), backward_accumulators(a), hidden]; weight_grads [6, hidden]
 // (rows of absent weights are left as they are).
 void backward(const plan::Plan& p, DType t, const NormArgs& a, const void* grad_base, const void* grad_normed,
-              const float* stats, void* grad_streams, float* partials, float* weight_grads, cudaStream_t stream);
+              const float* stats, void* grad_streams, float* partials, float* weight_grads, int device,
+              cudaStream_t stream);
 
 // dual_residual on aligned rows; bias (fp32) and mask may be null.
 void residual(DType t, const void* base, const void* out, const float* bias, const bool* mask, float scale,

@@ -27,8 +27,8 @@ ROWS = 16384
 WIDTHS = range(64, 16384 + 1)
 # every width up to these has a tiled plan, per direction and arch (docs/kernels.md); wider
 # rows take the general kernel. A100's smaller shared memory bounds its backward; sm_100's
-# ptxas gives the 32-element forward 239 registers (sm_90: 128), so fewer threads a row.
-FORWARD_COVERS = {"sm_80": 14336, "sm_90": 16384, "sm_100": 9728}
+# ptxas gives the 32-element 16-bit forward 239 registers (sm_90: 128), so fewer threads a row.
+FORWARD_COVERS = {"sm_80": 12288, "sm_90": 16384, "sm_100": 8192}
 BACKWARD_COVERS = {"sm_80": 6944, "sm_90": 8192, "sm_100": 8192}
 
 pytestmark = pytest.mark.stack_independent
@@ -84,12 +84,16 @@ def candidates(arch, kernel, element, *, kind=None, shared=None, accumulators=0)
 
 
 def resident(registers, threads, shared_bytes, device):
-    """CTAs per SM, recomputed here: registers in units of 256 per warp, 64 K per SM."""
+    """CTAs per SM as CUDA's occupancy calculator (cuda_occupancy.h) counts them, recomputed
+    here: 256-register units per warp, from 4 sub-partitions of 16 K registers each, over which
+    a CTA's warps are spread (a CTA whose ceil(warps / 4) warps do not fit one cannot launch)."""
     per_warp = -(-registers * 32 // 256) * 256
     warps = threads // 32
-    by_registers = (65536 // per_warp) // warps
+    per_sub_partition = 16384 // per_warp
+    if -(-warps // 4) > per_sub_partition:
+        return 0
     by_shared = device["shared_per_sm"] // (shared_bytes + 1024) if shared_bytes else 32
-    return min(by_registers, 2048 // threads, by_shared, 32)
+    return min(per_sub_partition * 4 // warps, 2048 // threads, by_shared, 32)
 
 
 def check_plan(plan, hidden, vec, chosen, device, *, what):
@@ -171,6 +175,9 @@ def test_plan_refuses_what_cannot_run():
     assert plan([good])["tiled"]
     assert not plan([(2, 0, 96, 64, 0)])["tiled"]  # spills
     assert not plan([(2, 0, 255, 0, 0)], hidden=8192)["tiled"]  # 512 threads a row at 255 registers do not fit
+    # 183 registers: 65536 / 5888 = 11 warps' registers in an SM, but 2 warps per sub-partition,
+    # so a 10-warp CTA (320 threads, h 5120 at 16 elements) cannot launch (found in review)
+    assert resident(183, 320, 0, h200) == 0 and not plan([(2, 0, 183, 0, 0)], hidden=5120)["tiled"]
     assert plan([(1, 0, 96, 64, 0), good])["instantiation"] == 1
     assert not plan([good], hidden=16 * 1024 * 1024)["tiled"]  # wider than 1024 threads cover
 
