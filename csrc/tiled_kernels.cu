@@ -682,17 +682,38 @@ plan::Device device_limits(int device) {
   return d;
 }
 
+namespace {
+// Plans are cached per (device, dtype, direction, weight kind, width, rows): a training run
+// asks for the same few again and again, and the plan needs the resources of every candidate.
+template <typename Make>
+plan::Plan cached_plan(DType t, const NormArgs& a, int device, int direction, Make&& make) {
+  using Key = std::tuple<int, int, int, bool, bool, int, int64_t>;
+  static std::mutex mutex;
+  static std::map<Key, plan::Plan> cache;
+  const Key key{device, static_cast<int>(t), direction, a.biased(), a.input_norm(), a.hidden, a.rows};
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto found = cache.find(key); found != cache.end()) return found->second;
+  }
+  const plan::Plan p = make();
+  std::lock_guard<std::mutex> lock(mutex);
+  return cache.emplace(key, p).first->second;
+}
+}  // namespace
+
 plan::Plan plan_forward(DType t, const NormArgs& a, int device) {
-  std::vector<plan::Resources> candidates;
-  with_type(t, [&]<typename T>() {
-    for (int chunks : kChunkCounts)
-      with_chunk_count(chunks, [&]<int CH>() {
-        if constexpr (forward_chunking(CH * (16 / sizeof(T))))
-          candidates.push_back(resources_of(reinterpret_cast<const void*>(forward_kernel<T, 16 / sizeof(T), CH>),
-                                            CH, 0, device));
-      });
+  return cached_plan(t, a, device, 0, [&] {
+    std::vector<plan::Resources> candidates;
+    with_type(t, [&]<typename T>() {
+      for (int chunks : kChunkCounts)
+        with_chunk_count(chunks, [&]<int CH>() {
+          if constexpr (forward_chunking(CH * (16 / sizeof(T))))
+            candidates.push_back(resources_of(reinterpret_cast<const void*>(forward_kernel<T, 16 / sizeof(T), CH>),
+                                              CH, 0, device));
+        });
+    });
+    return plan::plan_forward_rows(a.hidden, vector_width(t), a.rows, device_limits(device), candidates);
   });
-  return plan::plan_forward_rows(a.hidden, vector_width(t), a.rows, device_limits(device), candidates);
 }
 
 int backward_accumulators(const NormArgs& a) {
@@ -720,8 +741,10 @@ std::vector<plan::Resources> backward_candidates(DType t, const NormArgs& a, int
 }  // namespace
 
 plan::Plan plan_backward(DType t, const NormArgs& a, int device) {
-  return plan::plan_backward_rows(a.hidden, vector_width(t), a.rows, device_limits(device),
-                                  backward_candidates<false>(t, a, device), backward_candidates<true>(t, a, device));
+  return cached_plan(t, a, device, 1, [&] {
+    return plan::plan_backward_rows(a.hidden, vector_width(t), a.rows, device_limits(device),
+                                    backward_candidates<false>(t, a, device), backward_candidates<true>(t, a, device));
+  });
 }
 
 int backward_parts(const plan::Plan& p) { return p.grid * p.rows_per_cta; }
