@@ -184,15 +184,22 @@ def layer_target(row: dict) -> float:
     return TARGETS["local_layer_ratio"]
 
 
+def measured_variants(figures: Figures, row: dict, check: str):
+    """(key, timing, stock, check name) of each SiameseNorm variant of ``row`` that has a ratio
+    to stock; the others are recorded as failed with their error."""
+    stock = row["stock"]
+    for key in sorted(k for k in row if k.startswith("siamese_")):
+        timing = row[key]
+        if "ratio_to_stock" not in timing:
+            figures.failed(f"{check} {key}", timing.get("error") or stock.get("error", ""))
+            continue
+        yield key, timing, stock, f"{check} {key}"
+
+
 def layer_bench(figures: Figures, rows: List[dict]) -> None:
     for row in rows:
-        stock = row["stock"]
-        for key in sorted(k for k in row if k.startswith("siamese_")):
-            timing = row[key]
-            check = f"layer {row['impl']} {row['precision']} h={row['hidden']} seq={row['seq']} {key}"
-            if "ratio_to_stock" not in timing:
-                figures.failed(check, timing.get("error") or stock.get("error", ""))
-                continue
+        prefix = f"layer {row['impl']} {row['precision']} h={row['hidden']} seq={row['seq']}"
+        for key, timing, stock, check in measured_variants(figures, row, prefix):
             ratios = timing.get("ratios") or [timing["ratio_to_stock"]]
             target = layer_target(row)
             kernels = timing.get("kernels") or ("PyTorch path" if "unfused" in key else "verified")
@@ -207,13 +214,8 @@ def model_bench(figures: Figures, bench: dict) -> None:
     model = bench.get("rehearsal_model") or bench.get("model", {})
     size = f"{model.get('num_layers')}x{model.get('hidden_size')}, seq {model.get('seq_length')}"
     for row in bench.get("rows", []):
-        stock = row["stock"]
-        for key in sorted(k for k in row if k.startswith("siamese_")):
-            timing = row[key]
-            check = f"model {size} {row['impl']} {row['precision']} recompute={row['recompute']} {key}"
-            if "ratio_to_stock" not in timing:
-                figures.failed(check, timing.get("error") or stock.get("error", ""))
-                continue
+        prefix = f"model {size} {row['impl']} {row['precision']} recompute={row['recompute']}"
+        for _, timing, stock, check in measured_variants(figures, row, prefix):
             memory = (f"peak {timing['peak_mib'] / 1024:.1f} vs {stock['peak_mib'] / 1024:.1f} GiB = "
                       f"{timing['memory_ratio_to_stock']:.3f}x" if timing.get("memory_ratio_to_stock") else
                       "peak memory not measured")
