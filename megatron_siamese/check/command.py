@@ -1,13 +1,16 @@
 """``megatron-siamese check``: prove on your own machines that every parallel layout computes
 what one device computes.
 
-For each layout it launches the ranks itself (gloo on CPU, NCCL when CUDA is present), builds
-the same tiny GPT from global-name-seeded weights, runs one training step of the same global
-batch through Megatron's schedules, ``finalize_model_grads`` and optimizer, and compares
-against a single-rank run: every per-microbatch loss, every parameter gradient (gathered
+One job runs every layout: spawned here (gloo on CPU, NCCL when CUDA is present) with as
+many ranks as the largest layout needs, or the job ``torchrun`` or ``srun`` launched across
+nodes. Each layout runs on the job's first ranks while the others wait
+(``launch.on_first_ranks``): it builds the same GPT from global-name-seeded weights, runs one
+training step of the same global batch through Megatron's schedules,
+``finalize_model_grads`` and optimizer, and rank 0 compares it against the single-rank run
+(computed once): every per-microbatch loss, every parameter gradient (gathered
 over TP, stitched from the distributed optimizer's shards) and every parameter after the
 optimizer step. It prints one row per layout with the worst relative error of each
-quantity and PASS/FAIL, and exits non-zero if any layout fails.
+quantity and PASS/FAIL; every rank exits non-zero if any layout fails.
 
 Layout names: parallel sizes ``tpN``, ``ppN``, ``vppN`` (virtual stages per pipeline
 rank), ``cpN``, ``dpN`` and flags ``sp`` (sequence parallel), ``do`` (distributed
@@ -18,23 +21,19 @@ optimizer), ``full`` / ``sel`` (full / selective recompute), joined by ``-``;
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
-import torch
-
+from megatron_siamese import device
 from megatron_siamese.check import DEFAULT_LAYOUTS, SPECS  # noqa: F401  (re-exported)
 from megatron_siamese.check.case import ModelCase
 from megatron_siamese.check.compare import TOLERANCES, Comparison, compare
-from megatron_siamese.check.step import run_layout
+from megatron_siamese.check.step import layout_step
 from megatron_siamese.runtime.layout import Layout, parse_layout
 
 
-
-
-def unavailable_reason(layout: Layout, spec: str) -> Optional[str]:
+def unavailable_reason(layout: Layout, spec: str, world_size: int) -> Optional[str]:
     """Why a layout cannot run here at all (reported as SKIP, never as PASS)."""
     if layout.cp > 1:
         return ("context parallelism needs Transformer Engine's attention "
@@ -43,8 +42,8 @@ def unavailable_reason(layout: Layout, spec: str) -> Optional[str]:
         return ("stock megatron-core 0.16.1 selective recompute cannot run here: 'layernorm' "
                 "needs Transformer Engine (CheckpointWithoutOutput(fp8=False) enables FP8 "
                 "bookkeeping) and 'mlp' with biases recurses forever (docs/design.md)")
-    if torch.cuda.is_available() and layout.world_size > torch.cuda.device_count():
-        return f"needs {layout.world_size} GPUs, {torch.cuda.device_count()} visible"
+    if layout.world_size > world_size:  # spawned on a GPU host: one rank per visible GPU
+        return f"needs {layout.world_size} GPUs, {world_size} visible (launch it with torchrun or srun across nodes)"
     return None
 
 
@@ -74,34 +73,70 @@ def _row(name: str, layout: Layout, comparison: Comparison, seconds: float) -> R
     )
 
 
-def run_check(case: ModelCase, layouts: List[str], spec: str, backend: Optional[str] = None,
-              fault: Optional[str] = None, echo=print) -> List[Row]:
-    """Compare every layout against one rank; returns one Row per layout."""
-    parsed = [(name, parse_layout(name)) for name in layouts]  # bad names fail before any run
-    tolerance = TOLERANCES[case.dtype]
+def tolerance_of(case: ModelCase):
+    """The tolerance a case is judged by: its FP8 recipe's, else its dtype's."""
+    return TOLERANCES["fp8" if case.fp8 else case.dtype]
+
+
+def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str, fault: Optional[str]) -> List[Row]:
+    """Every rank of the job: the single-rank reference once, then each layout on the job's
+    first ranks; rank 0 judges and prints each row. Every rank returns all rows."""
+    import torch
+
+    from megatron_siamese.runtime.launch import console, gather_to_rank0, on_first_ranks
+
+    world = torch.distributed.get_world_size()
+    rank0 = torch.distributed.get_rank() == 0
+    tolerance = tolerance_of(case)
     same_dtype_single = None
     if tolerance.noise_factor is None:
-        reference = run_layout(case, Layout(), backend=backend)
+        reference = on_first_ranks(1, layout_step, case, Layout())
     else:  # judged against fp32, within a multiple of this dtype's own single-rank error
-        reference = run_layout(dataclasses.replace(case, dtype="fp32"), Layout(), backend=backend)
-        same_dtype_single = run_layout(case, Layout(), backend=backend)
+        reference = on_first_ranks(1, layout_step, dataclasses.replace(case, dtype="fp32", fp8=None), Layout())
+        same_dtype_single = on_first_ranks(1, layout_step, case, Layout())
     faulty = dataclasses.replace(case, fault=fault)
     rows = []
-    for name, layout in parsed:
-        reason = unavailable_reason(layout, spec)
-        if reason:
-            rows.append(Row(name, layout.world_size, "SKIP", detail=reason))
-        else:
-            start = time.perf_counter()
+    for name, layout in layouts:
+        reason = unavailable_reason(layout, spec, world)
+        start = time.perf_counter()
+        result, error = None, None
+        if not reason:
             try:
-                result = run_layout(faulty, layout, backend=backend)
-                comparison = compare(result, reference, tolerance, same_dtype_single)
-                rows.append(_row(name, layout, comparison, time.perf_counter() - start))
-            except Exception as error:  # a crashed layout is a failed layout, with its reason
-                rows.append(Row(name, layout.world_size, "ERROR", seconds=time.perf_counter() - start,
-                                detail=str(error).strip().splitlines()[-1][:200]))
-        echo(format_row(rows[-1]))
-    return rows
+                result = on_first_ranks(layout.world_size, layout_step, faulty, layout)
+            except Exception as raised:  # a crashed layout is a failed layout, with its reason
+                error = (str(raised).strip().splitlines() or [type(raised).__name__])[-1][:200]
+        errors = gather_to_rank0(error)  # over the whole job: any rank's error fails the layout
+        if rank0:
+            seconds = time.perf_counter() - start
+            failed = [e for e in errors if e]
+            if reason:
+                row = Row(name, layout.world_size, "SKIP", detail=reason)
+            elif failed:
+                row = Row(name, layout.world_size, "ERROR", seconds=seconds, detail=failed[0])
+            else:
+                row = _row(name, layout, compare(result, reference, tolerance, same_dtype_single), seconds)
+            rows.append(row)
+            console(format_row(row))
+    shared = [rows]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def job_size(layouts: Sequence[Layout]) -> int:
+    """How many ranks a spawned check starts: the largest layout's (one per GPU at most)."""
+    largest = max([layout.world_size for layout in layouts] + [1])
+    return min(largest, device.gpu_count()) if device.uses_cuda() else largest
+
+
+def run_check(case: ModelCase, layouts: List[str], spec: str, fault: Optional[str] = None,
+              timeout_s: float = 600.0) -> List[Row]:
+    """Compare every layout against one rank, in one job (spawned here unless launched); returns
+    one Row per layout and prints each as it is judged."""
+    from megatron_siamese.runtime.launch import job_world_size, run_job
+
+    parsed = [(name, parse_layout(name)) for name in layouts]  # bad names fail before any run
+    world = job_world_size() or job_size([layout for _, layout in parsed])
+    return run_job(check_job, world, case, parsed, spec, fault, timeout_s=timeout_s, quiet_ranks=range(world))
 
 
 def _fmt(value: Optional[float]) -> str:

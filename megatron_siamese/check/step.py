@@ -106,7 +106,7 @@ def _pieces(chunks, tensor_of, optimizer, tp_rank) -> Dict[str, Piece]:
     pieces = {}
     for chunk in chunks:
         for name, param in global_parameters(unwrap(chunk)):
-            tensor = tensor_of(param).detach().float().reshape(-1)
+            tensor = tensor_of(param).detach().float().reshape(-1).cpu()  # gathered to rank 0 as bytes
             start, end = 0, tensor.numel()
             if optimizer is not None:
                 start, end = _owned_range(optimizer, param)
@@ -243,11 +243,20 @@ def assemble(results: List[RankResult]) -> StepResult:
     return StepResult(losses, grads, params, norms[0] if norms else None, spread)
 
 
+def layout_step(case: ModelCase, layout: Layout) -> Optional[StepResult]:
+    """One step on every rank of a job of ``layout.world_size`` ranks; rank 0 gathers the ranks'
+    pieces (torch.distributed) and returns them as global tensors, the others None."""
+    from megatron_siamese.runtime.launch import gather_to_rank0
+
+    pieces = gather_to_rank0(run_rank(case, layout))
+    return None if pieces is None else assemble(pieces)
+
+
 def run_layout(case: ModelCase, layout: Layout, backend: Optional[str] = None) -> StepResult:
-    """Launch ``layout.world_size`` ranks, run one step, return it as global tensors."""
-    from megatron_siamese.runtime.launch import launch
+    """Run one step on ``layout.world_size`` ranks (spawned here, or the launched job's), return
+    it as global tensors."""
+    from megatron_siamese.runtime.launch import run_job
 
     # the ranks' own output goes to logs, shown only if one fails: the check prints its table
-    ranks = launch(run_rank, layout.world_size, case, layout, backend=backend, quiet_ranks=range(layout.world_size))
-    return assemble(ranks)
-
+    return run_job(layout_step, layout.world_size, case, layout, backend=backend,
+                   quiet_ranks=range(layout.world_size), needs=f"layout {layout.name}")

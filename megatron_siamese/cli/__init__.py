@@ -11,6 +11,10 @@
 Every command checks all of its settings before starting any rank and says, one line per
 problem, what to change (exit status 2). Failures print one line; ``--debug`` (or
 MEGATRON_SIAMESE_DEBUG=1) prints the traceback too.
+
+Every command also runs as the ranks of a job ``torchrun`` or ``srun`` launched (single- or
+multi-node; runtime/launch.py): then rank 0 speaks for the job (settings problems, tables,
+summaries), every rank exits with the same status, and a rank's own failure names the rank.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import traceback
 from typing import List, Optional
 
 from megatron_siamese.cli import check, research, train
+from megatron_siamese.runtime.launchers import LaunchError
 from megatron_siamese.training.args import ConfigError
 
 DEBUG_ENV = "MEGATRON_SIAMESE_DEBUG"
@@ -46,9 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _report(command: str, lines: List[str]) -> None:
+def _report(command: str, lines: List[str], every_rank: bool = False) -> None:
+    """Errors for the user: from rank 0 of a launched job (every rank finds the same settings
+    problems), or, for a rank's own failure, from that rank, named."""
+    from megatron_siamese.runtime import launchers
+
+    prefix = "" if launchers.reporter() else f"rank {os.environ.get('RANK', '?')}: "
+    if prefix and not every_rank:
+        return
     for line in lines:
-        print(f"megatron-siamese {command}: error: {line}", file=sys.stderr)
+        print(f"megatron-siamese {command}: error: {prefix}{line}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -62,6 +74,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as error:  # settings it cannot run with: say what to change
         _report(options.command, error.problems)
         return 2
+    except LaunchError as error:  # a launch that cannot be this run's job
+        _report(options.command, [str(error)])
+        return 2
     except KeyboardInterrupt:
         print(f"megatron-siamese {options.command}: interrupted", file=sys.stderr)
         return 130
@@ -73,7 +88,7 @@ def _failed(command: str, error: BaseException, debug: bool) -> int:
     """One line for a failure (a rank's own error, not the launcher's wrapper); the traceback on request."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
     summary = lines[0] if type(error).__name__ == "RankFailed" else f"{type(error).__name__}: {lines[-1]}"
-    _report(command, [summary])
+    _report(command, [summary], every_rank=True)
     if debug:
         traceback.print_exception(error)
         details = getattr(error, "details", "")

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 import time
-from typing import List
+from typing import List, Optional
 
 from megatron_siamese.check import DEFAULT_LAYOUTS, SPECS
 from megatron_siamese.check.case import ModelCase
@@ -19,11 +19,19 @@ from megatron_siamese.training.args import ConfigError
 DESCRIPTION = """\
 Prove on your own machines that every parallel layout computes what one device computes.
 
-For each layout it launches the ranks itself (gloo on CPU, NCCL when CUDA is present), builds
-the same tiny GPT from global-name-seeded weights, runs one training step of the same global
-batch through Megatron's schedules, finalize_model_grads and optimizer, and compares against
-a single-rank run: every per-microbatch loss, every gradient and every parameter after the
-step. One row per layout; the exit status is 1 if any layout fails.
+Every layout builds the same GPT from global-name-seeded weights, runs one training step of
+the same global batch through Megatron's schedules, finalize_model_grads and optimizer, and
+is compared against a single-rank run: every per-microbatch loss, every gradient and every
+parameter after the step. One row per layout; the exit status is 1 (on every rank) if any
+layout fails.
+
+Run here, it starts the ranks itself (gloo on CPU, NCCL when CUDA is present), as many as the
+largest layout needs. Under torchrun or srun, across nodes, the job's ranks run it: layouts
+smaller than the job use its first ranks while the others wait, and --layouts all picks every
+layout that fits the job (docs/parallelism.md, "On a cluster"):
+
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+      -m megatron_siamese.cli check --layouts all --bf16 --json check.json
 
 Layout names: sizes tpN, ppN, vppN (virtual stages per pipeline rank), cpN, dpN and flags sp
 (sequence parallel), do (distributed optimizer), full / sel (full / selective recompute),
@@ -37,15 +45,25 @@ SIZES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
 def add_parser(commands, name: str) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help="every parallel layout against one rank", description=DESCRIPTION,
                                  formatter_class=HelpFormatter)
-    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma-separated layout names")
+    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
+                        help="comma-separated layout names, or 'all': every layout that fits the job (the CPU "
+                             "matrix's, and splits of the whole launched job into tp x pp x dp)")
     parser.add_argument("--spec", choices=sorted(SPECS), default="siamese",
                         help="siamese: SiameseNorm via the Python API; siamese-layer: via the layer spec object "
                              "Megatron-LM's --spec imports; siamese-hybrid: the authors' hybrid variant; stock: "
                              "Megatron's Pre-Norm layer, as a control for the check itself")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="parameter and activation dtype (bf16: mixed precision, fp32 main grads); sets the tolerance")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                        help="process-group backend (default: nccl with CUDA, else gloo)")
+    parser.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="same as --dtype bf16")
+    parser.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                        help="Megatron's own modules, or Transformer Engine's GEMMs and attention (GPUs)")
+    parser.add_argument("--fp8-format", dest="fp8", choices=("hybrid", "e4m3"), default=None,
+                        help="Transformer Engine FP8 format (judged by the FP8 tolerance)")
+    parser.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "mxfp8", "blockwise"), default="delayed",
+                        help="FP8 scaling recipe, as Megatron names it")
+    parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                        help="how long a rank waits for the others (joining, a collective, a layout it sits out) "
+                             "before the whole check fails")
     for field in SIZES:
         parser.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(ModelCase, field),
                             help="model and data size")
@@ -88,33 +106,84 @@ def problems(case: ModelCase, layouts: List[str]) -> List[str]:
     return found
 
 
+def fit_problems(layouts: List[str], world: Optional[int]) -> List[str]:
+    """Layouts a launched job of ``world`` ranks cannot run (spawned here, the check starts
+    as many ranks as the largest layout needs)."""
+    if world is None:
+        return []
+    too_big = [name for name in layouts if parse_layout(name).world_size > world]
+    return [f"layout {name} needs {parse_layout(name).world_size} ranks but the launched job has {world}: launch more "
+            "ranks, drop it, or pass --layouts all for every layout that fits" for name in too_big]
+
+
+def engine_problems(case: ModelCase) -> List[str]:
+    """Transformer Engine and FP8 asked for where they cannot run."""
+    found = []
+    if case.fp8 and case.transformer_impl != "transformer_engine":
+        found.append("--fp8-format needs Transformer Engine's GEMMs: add --transformer-impl transformer_engine")
+    if case.transformer_impl == "transformer_engine":
+        from megatron_siamese import te
+
+        reason = te.unavailable_reason()
+        if reason:
+            found.append(f"--transformer-impl transformer_engine: {reason}; use --transformer-impl local")
+    return found
+
+
+def chosen_layouts(requested: str, case: ModelCase, world: Optional[int]) -> List[str]:
+    """The layouts to run: the names given, or (``all``) every candidate that fits the job and
+    that the model admits."""
+    if requested.strip() != "all":
+        return [name.strip() for name in requested.split(",") if name.strip()]
+    from megatron_siamese.check.command import job_size
+    from megatron_siamese.check.matrix import layouts_that_fit
+
+    fits = world or job_size([parse_layout(name) for name in DEFAULT_LAYOUTS])
+    return [name for name in layouts_that_fit(fits) if not problems(case, [name])]
+
+
 def run(options: argparse.Namespace) -> int:
+    from megatron_siamese.runtime import launchers
+
     if options.list:
         print("\n".join(DEFAULT_LAYOUTS))
         return 0
     case = ModelCase(norm=SPECS[options.spec], dtype=options.dtype, normalization=options.normalization,
                      model=options.model, hybrid_layer_pattern=options.hybrid_layer_pattern,
+                     transformer_impl=options.transformer_impl, fp8=options.fp8, fp8_recipe=options.fp8_recipe,
                      **{field: getattr(options, field) for field in SIZES})
-    layouts = [name.strip() for name in options.layouts.split(",") if name.strip()]
-    found = problems(case, layouts)
+    launch = launchers.detect()  # LaunchError: the launcher's variables contradict one another
+    world = None if launch is None else launch.world_size
+    layouts = chosen_layouts(options.layouts, case, world)
+    found = problems(case, layouts) + fit_problems(layouts, world) + engine_problems(case)
+    if not layouts:
+        found.append(f"--layouts {options.layouts!r} leaves no layout to run")
     if found:
         raise ConfigError(found)
-    from megatron_siamese.check.command import HEADER, run_check
-    from megatron_siamese.check.compare import TOLERANCES
+    from megatron_siamese.check.command import HEADER, run_check, tolerance_of
 
-    tolerance = TOLERANCES[case.dtype]
-    print(f"SiameseNorm parallel correctness check: spec={options.spec} model={case.model} dtype={case.dtype} "
-          f"layers={case.num_layers} hidden={case.hidden_size} microbatches={case.num_microbatches}")
-    print(f"tolerance ({case.dtype}): {tolerance.describe()}; errors shown are max|a-b| / max|ref|")
-    print(HEADER, flush=True)
+    reporter = launch is None or launch.rank == 0
+    if reporter:
+        where = "spawned here" if launch is None else launch.describe()
+        print(f"SiameseNorm parallel correctness check: spec={options.spec} model={case.model} dtype={case.dtype}"
+              f"{f' fp8={case.fp8}/{case.fp8_recipe}' if case.fp8 else ''} impl={case.transformer_impl} "
+              f"layers={case.num_layers} hidden={case.hidden_size} microbatches={case.num_microbatches}; {where}")
+        print(f"tolerance ({'fp8' if case.fp8 else case.dtype}): {tolerance_of(case).describe()}; "
+              "errors shown are max|a-b| / max|ref|")
+        print(HEADER, flush=True)
     start = time.perf_counter()
-    rows = run_check(case, layouts, options.spec, backend=options.backend, fault=options.plant_fault,
-                     echo=lambda line: print(line, flush=True))
-    passed = sum(r.status == "PASS" for r in rows)
+    rows = run_check(case, layouts, options.spec, fault=options.plant_fault,
+                     timeout_s=options.distributed_timeout_minutes * 60)
     bad = [r for r in rows if r.status in ("FAIL", "ERROR")]
-    skipped = sum(r.status == "SKIP" for r in rows)
-    print(f"{passed} passed, {len(bad)} failed, {skipped} skipped in {time.perf_counter() - start:.0f}s")
-    if options.json:
-        with open(options.json, "w") as out:
-            json.dump([dataclasses.asdict(r) for r in rows], out, indent=2)
+    if reporter:
+        passed = sum(r.status == "PASS" for r in rows)
+        skipped = sum(r.status == "SKIP" for r in rows)
+        seconds = time.perf_counter() - start
+        print(f"{passed} passed, {len(bad)} failed, {skipped} skipped in {seconds:.0f}s", flush=True)
+        if options.json:
+            report = dict(spec=options.spec, case=dataclasses.asdict(case), launch=None if launch is None else
+                          dataclasses.asdict(launch), tolerance=tolerance_of(case).describe(), seconds=seconds,
+                          passed=not bad, rows=[dataclasses.asdict(r) for r in rows])
+            with open(options.json, "w") as out:
+                json.dump(report, out, indent=2)
     return 1 if bad else 0

@@ -42,11 +42,15 @@ def run(options: argparse.Namespace) -> int:
         problems = [p for norm in norms for p in _scheme_problem(args, norm)]
         if problems:
             raise ConfigError(problems)
-        print(compare(args, norms))
+        table = compare(args, norms)
+        if table is not None:  # rank 0 of a launched job speaks for it
+            print(table)
         return 0
     from megatron_siamese.training.trainer import format_summary, train
 
     summary = train(args)
+    if summary is None:  # a rank of a launched job other than 0: rank 0 reports
+        return 0
     if summary.stopped:
         where = summary.checkpoints[-1] if summary.checkpoints else "(no checkpoint)"
         print(f"stopped at step {summary.steps_done}: checkpoint saved to {where} "

@@ -159,12 +159,12 @@ def _analyze_rank(args, compare_load: Optional[str], batches: int):
 
 
 def analyze(args, compare_load: Optional[str] = None, batches: int = 2) -> dict:
-    from megatron_siamese.runtime.launch import launch
+    from megatron_siamese.runtime.launch import run_job
 
     if (args.tp, args.pp) != (1, 1) or not args.load:
         raise ValueError("analyze a checkpoint (--load) at tp=1, pp=1")
     args = dataclasses.replace(args, norm="siamese", fused_ops=False)
-    results = launch(_analyze_rank, 1, args, compare_load, batches)[0]
+    results = run_job(_analyze_rank, 1, args, compare_load, batches, needs="analyze")
     os.makedirs(args.output_dir, exist_ok=True)
     plot(results, args.output_dir)
     return results

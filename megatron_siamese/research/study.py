@@ -93,7 +93,10 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
              f"{' DIVERGED' if failed(summary) else ''}"
              f"{'' if summary.accuracy is None else f' accuracy {summary.accuracy:.3f}'}")
 
-    with ThreadPoolExecutor(max_workers=plan.workers) as pool:
+    from megatron_siamese.runtime.launch import job_world_size
+
+    # spawned here, runs go `workers` at a time; a launched job (one rank) runs them in turn
+    with ThreadPoolExecutor(max_workers=plan.workers if job_world_size() is None else 1) as pool:
         list(pool.map(run, jobs))
     from megatron_siamese.training.corpus import embedded_corpus, unigram_entropy
 

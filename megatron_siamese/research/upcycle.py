@@ -86,10 +86,10 @@ def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
 def upcycle(args, pre_checkpoint: str) -> str:
     """Write a step-0 SiameseNorm checkpoint (fresh optimizer) to ``args.output_dir/checkpoints``
     from the Pre-Norm checkpoint; ``args`` describes the model (TP=PP=1)."""
-    from megatron_siamese.runtime.launch import launch
+    from megatron_siamese.runtime.launch import run_job
 
     if (args.tp, args.pp) != (1, 1):
         raise ValueError("upcycle at tp=1, pp=1; the checkpoint reshards afterwards")
     pre_args = dataclasses.replace(args, norm="pre", load=None)
     siamese_args = dataclasses.replace(args, norm="siamese", load=None)
-    return launch(_upcycle_rank, 1, pre_args, siamese_args, pre_checkpoint)[0]
+    return run_job(_upcycle_rank, 1, pre_args, siamese_args, pre_checkpoint, needs="upcycle")

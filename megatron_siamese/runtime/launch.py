@@ -1,17 +1,29 @@
-"""Launch a function on N ranks: CPU processes with gloo, or GPUs with NCCL when CUDA is present.
+"""Run a function on the ranks of a job: spawned here, or this process joining a launched job.
 
-``launch(fn, world_size, *args)`` starts ``world_size`` processes, initializes
-``torch.distributed`` in each (on CPU it installs the CPU shim first), calls ``fn(*args)``
-and returns the per-rank return values in rank order. A failing rank's error is re-raised
-in the caller (``RankFailed``: its last line, and the traceback and output as details) and
-the other ranks are stopped, so a broken layout fails fast instead of hanging.
-``run_on_ranks`` does the same, or, inside a ``torchrun`` job, runs ``fn`` as this rank.
+``run_job(fn, world_size, *args)`` is the one way every command runs on ranks:
 
-Signals belong to the launcher: ranks ignore SIGINT and SIGTERM. With ``graceful_stop`` the
-first SIGINT (Ctrl-C) or SIGTERM (what a cluster scheduler sends before a job's end) asks
-the ranks to stop after the step they are in (``stop_requested()``; the trainer saves a
-checkpoint then); a second one stops them at once. Without it, the first one does.
-``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
+* no launcher started this process (``launchers.detect()`` is None): it spawns
+  ``world_size`` ranks on this host (CPU processes with gloo, or one per GPU with NCCL), each
+  joins the job exactly as a torchrun rank would, runs ``fn(*args)``, and the ranks' values
+  are gathered to rank 0 with torch.distributed; ``run_job`` returns rank 0's value
+  (``launch`` returns all of them, in rank order). A failing rank's error is re-raised here
+  (``RankFailed``: its last line, and its traceback and output as details) and the other
+  ranks are stopped, so a broken run fails fast instead of hanging;
+* under ``torchrun`` (single- or multi-node, c10d rendezvous), a SLURM step (``srun``) or
+  another ``env://`` launcher, this process joins the job (``join``) and returns its own
+  value of ``fn(*args)``. The job's size must be the run's; a later ``run_job`` in the same
+  process reuses the joined job.
+
+``on_first_ranks(size, fn)`` runs ``fn`` on the job's first ``size`` ranks as their whole
+world (Megatron builds its groups over the default group), while the other ranks wait: how
+``check`` runs layouts of every size in one job. ``console(line)`` prints for the job
+(rank 0) even when rank 0's own output goes to a log.
+
+Signals belong to the launcher: spawned ranks ignore SIGINT and SIGTERM. With
+``graceful_stop`` the first SIGINT (Ctrl-C) or SIGTERM (what a cluster scheduler sends before
+a job's end) asks the ranks to stop after the step they are in (``stop_requested()``; the
+trainer saves a checkpoint then); a second one stops them at once. Without it, the first
+one does. ``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
 """
 
 from __future__ import annotations
@@ -33,7 +45,9 @@ from typing import Any, Callable, Iterable, List, Optional
 import torch
 import torch.multiprocessing as mp
 
-from megatron_siamese.runtime import cpu_shim
+from megatron_siamese import device
+from megatron_siamese.runtime import cpu_shim, launchers
+from megatron_siamese.runtime.launchers import Launch, LaunchError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -55,7 +69,7 @@ def free_port() -> int:
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return device.backend()
 
 
 # -- stop requests ---------------------------------------------------------------------
@@ -64,14 +78,14 @@ _stop = {"event": None, "signalled": False}
 
 
 def stop_requested() -> bool:
-    """Whether this rank was asked to stop after its current step (by the launcher, or, under
-    torchrun, by a signal to this process). Ranks must agree on when: all-reduce it."""
+    """Whether this rank was asked to stop after its current step (by the launcher, or, in a
+    launched job, by a signal to this process). Ranks must agree on when: all-reduce it."""
     event = _stop["event"]
     return _stop["signalled"] or (event is not None and event.is_set())
 
 
 def _stop_on_first_signal() -> None:
-    """torchrun ranks: the first SIGINT/SIGTERM asks for a stop, the second one stops at once."""
+    """Launched ranks: the first SIGINT/SIGTERM asks for a stop, the second one stops at once."""
 
     def handler(signum, frame):
         if _stop["signalled"]:
@@ -79,59 +93,159 @@ def _stop_on_first_signal() -> None:
             raise KeyboardInterrupt
         _stop["signalled"] = True
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, handler)
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, handler)
 
 
-# -- ranks -----------------------------------------------------------------------------
+# -- this process in a job -------------------------------------------------------------
+
+# the joined job: its launch, backend, timeout, the rendezvous store the process groups
+# are formed on, and how many times they were re-formed
+_job: dict = {}
+_console = {"fd": None}
 
 
-def init_distributed(rank: int, world_size: int, backend: str, port: int, timeout_s: float) -> None:
-    """Initialize torch.distributed for this rank (the CPU shim first when on gloo)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        CUDA_DEVICE_MAX_CONNECTIONS="1",
-    )
+def joined() -> Optional[Launch]:
+    """The job this process joined, if it did."""
+    return _job.get("launch")
+
+
+def console(line: str) -> None:
+    """Print ``line`` for the job: on rank 0 only, to the terminal even when rank 0's own
+    output goes to a log (spawned quiet ranks)."""
+    launch = joined()
+    if launch is not None and launch.rank != 0:
+        return
+    if _console["fd"] is None:
+        print(line, flush=True)
+    else:
+        os.write(_console["fd"], (line + "\n").encode())
+
+
+def _init_group(size: int, tag: str) -> None:
+    torch.distributed.init_process_group(
+        backend=_job["backend"], store=torch.distributed.PrefixStore(tag, _job["store"]),
+        rank=_job["launch"].rank, world_size=size, timeout=timedelta(seconds=_job["timeout_s"]))
+
+
+def join(launch: Launch, timeout_s: float) -> None:
+    """Join ``launch``'s job: the env:// rendezvous (every rank within ``timeout_s``, else an
+    error saying how many came), this rank's GPU (its local rank) or the CPU shim, and
+    torch.distributed over the whole job."""
+    os.environ.update(launch.environment(), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    backend = device.backend()
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        if launch.local_rank >= device.gpu_count():
+            raise LaunchError(f"local rank {launch.local_rank} has no GPU ({device.gpu_count()} visible): start at "
+                              "most one rank per GPU on each node")
+        torch.cuda.set_device(launch.local_rank)
     else:
         os.environ[cpu_shim.ENV_VAR] = "1"  # inherited by helper processes
         cpu_shim.install()
-    torch.distributed.init_process_group(
-        backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
+    try:
+        store, _, _ = next(torch.distributed.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    except (RuntimeError, OSError) as error:  # torch's DistStoreError is a RuntimeError
+        raise LaunchError(
+            f"rank {launch.rank} of the {launch.describe()} did not meet the others within {timeout_s:.0f}s "
+            f"({str(error).strip().splitlines()[0][:160]}): check that every node started and reaches "
+            f"{launch.master_addr}:{launch.master_port}") from None
+    _job.update(launch=launch, backend=backend, timeout_s=timeout_s, store=store, generation=0)
+    _init_group(launch.world_size, "world/0")
 
 
-def _worker(rank, world_size, backend, port, timeout_s, fn, args, results, stop_event, log_path):
+def leave() -> None:
+    """Leave the joined job (tear down torch.distributed)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    _job.clear()
+
+
+def on_first_ranks(size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on the job's first ``size`` ranks, torch.distributed's default group being
+    just them; the other ranks wait and get None. Every rank of the job must call it (the
+    groups are re-formed over the job's rendezvous store). An error in ``fn`` is raised on
+    its ranks after the job is whole again."""
+    launch = joined()
+    world = launch.world_size
+    if size > world:
+        raise LaunchError(f"{size} ranks asked of a job of {world}")
+    if size == world:
+        return fn(*args)
+    _job["generation"] += 1
+    generation = _job["generation"]
+    torch.distributed.destroy_process_group()
+    value, error = None, None
+    if launch.rank < size:
+        _init_group(size, f"part/{generation}")
+        try:
+            value = fn(*args)
+        except Exception as raised:  # re-raised once the job is whole: the others must not wait forever
+            error = raised
+        finally:
+            torch.distributed.destroy_process_group()
+    _init_group(world, f"world/{generation}")
+    if error is not None:
+        raise error
+    return value
+
+
+def gather_to_rank0(value: Any) -> Optional[List[Any]]:
+    """Every rank's value on rank 0, in rank order (None elsewhere)."""
+    world = torch.distributed.get_world_size()
+    values = [None] * world if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(value, values, dst=0)
+    return values
+
+
+def shared_by_all_ranks(directory: str) -> bool:
+    """Whether every rank of the joined job sees the same ``directory`` (a shared file system,
+    or one node): rank 0 leaves a mark in it that every rank looks for. Every rank must call it."""
+    import uuid
+
+    mark = [os.path.join(directory, f".megatron-siamese-mark-{uuid.uuid4().hex}")]
+    torch.distributed.broadcast_object_list(mark, src=0)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        open(mark[0], "w").close()
+    torch.distributed.barrier()
+    seen = torch.tensor([float(os.path.exists(mark[0]))], device=device.current())
+    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        os.remove(mark[0])
+    return bool(seen.item())
+
+
+# -- ranks spawned here ----------------------------------------------------------------
+
+
+def _worker(launch, timeout_s, fn, args, results, stop_event, log_path):
     os.setpgrp()  # a group of its own: the launcher can stop it with whatever it started (writer processes)
     for sig in STOP_SIGNALS:  # the launcher decides when ranks stop
         signal.signal(sig, signal.SIG_IGN)
     _stop["event"] = stop_event
     if log_path is not None:
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        _console["fd"] = os.dup(1)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
     silence_known_notices()
     try:
         torch.set_num_threads(1)
-        init_distributed(rank, world_size, backend, port, timeout_s)
-        value = fn(*args)
+        join(launch, timeout_s)
+        values = gather_to_rank0(fn(*args))
         # Tensors travel as bytes: torch's shared-memory handles die with this process.
         buffer = io.BytesIO()
-        torch.save(value, buffer)
-        results.put((rank, True, buffer.getvalue()))
+        torch.save(values, buffer)
+        results.put((launch.rank, True, buffer.getvalue() if launch.rank == 0 else None))
     except BaseException as error:  # report every failure, including SystemExit from asserts in fn
         summary = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
-        results.put((rank, False, (summary[:500], traceback.format_exc())))
+        results.put((launch.rank, False, (summary[:500], traceback.format_exc())))
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        leave()
 
 
 # Imported once by the fork server, so that a rank starts in well under a second instead of
@@ -240,9 +354,10 @@ def launch(
     graceful_stop: bool = False,
     echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> List[Any]:
-    """Run ``fn(*args)`` on ``world_size`` fresh ranks; return their results in rank order."""
-    backend = backend or default_backend()
-    ctx = _context(backend)
+    """Spawn ``world_size`` ranks here, run ``fn(*args)`` on each; their values in rank order."""
+    if (backend or device.backend()) != device.backend():
+        raise ValueError(f"backend {backend} asked for, but this machine runs {device.backend()}")
+    ctx = _context(device.backend())
     results = ctx.Queue()
     stop_event = ctx.Event()
     port = free_port()
@@ -251,45 +366,60 @@ def launch(
     logs = [os.path.join(log_dir, f"rank{rank}.log") if rank in quiet else None for rank in range(world_size)]
     procs = [
         ctx.Process(target=_worker, daemon=False,
-                    args=(rank, world_size, backend, port, timeout_s, fn, args, results, stop_event, logs[rank]))
+                    args=(Launch("spawn", rank, world_size, rank, 0, 1, "127.0.0.1", port), timeout_s, fn, args,
+                          results, stop_event, logs[rank]))
         for rank in range(world_size)
     ]
-    values: List[Any] = [None] * world_size
+    values: Optional[List[Any]] = None
+    reported = 0
     with _signals_handled(stop_event, graceful_stop, echo):
         for proc in procs:
             proc.start()
         try:
-            for _ in range(world_size):
+            for reported in range(1, world_size + 1):
                 rank, ok, value = _next_result(results, procs, timeout_s, logs)
                 if not ok:
                     summary, trace = value
                     raise _root_cause(procs, logs) or RankFailed(f"rank {rank} of {world_size} failed: {summary}",
                                                                  trace + _tail(logs[rank]))
-                values[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                if rank == 0:
+                    values = torch.load(io.BytesIO(value), weights_only=False)
         finally:
             for proc in procs:
-                proc.join(timeout=5 if all(v is not None for v in values) else 0.1)
+                proc.join(timeout=5 if reported == world_size else 0.1)
                 _kill_group(proc)
     return values
 
 
-def in_torchrun() -> bool:
-    """This process is one rank of a ``torchrun`` job (and has not joined it yet)."""
-    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ and not torch.distributed.is_initialized()
-
-
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0, **launch_options) -> Any:
-    """Rank 0's result of ``fn(*args)`` on ``world_size`` ranks: launched here (``launch_options``
-    go to ``launch``), or, under ``torchrun``, this rank joining the job (its own result)."""
-    if not in_torchrun():
-        return launch(fn, world_size, *args, timeout_s=timeout_s, **launch_options)[0]
-    if int(os.environ["WORLD_SIZE"]) != world_size:
-        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} ranks; this run needs {world_size}")
-    _stop_on_first_signal()
-    backend = default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:
-        cpu_shim.install()
-    torch.distributed.init_process_group(backend=backend)
+def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeout_s: float = 600.0,
+            needs: str = "", **launch_options) -> Any:
+    """``fn(*args)`` on the job's ranks. Spawned here (``launch_options`` go to ``launch``) when no
+    launcher started this process: rank 0's value. In a launched job: this rank's value, after
+    joining the job (or reusing the one joined before). ``world_size`` None takes the launched
+    job's size; otherwise it must match (``needs`` says what asks for it, for the error)."""
+    job = joined()
+    if job is None:
+        job = launchers.detect()
+        if job is None:
+            if world_size is None:
+                raise ValueError("run_job outside a launched job needs a world size")
+            return launch(fn, world_size, *args, timeout_s=timeout_s, **launch_options)[0]
+        if world_size is not None and world_size != job.world_size:
+            raise LaunchError(_mismatch(job, world_size, needs))
+        join(job, timeout_s)
+        _stop_on_first_signal()
+    elif world_size is not None and world_size != job.world_size:
+        raise LaunchError(_mismatch(job, world_size, needs))
     return fn(*args)
+
+
+def _mismatch(launch: Launch, world_size: int, needs: str) -> str:
+    what = f"{needs} uses" if needs else "this run needs"
+    return (f"the {launch.launcher} job has {launch.world_size} ranks but {what} {world_size}: launch "
+            f"{world_size} ranks, or change the layout to use {launch.world_size}")
+
+
+def job_world_size() -> Optional[int]:
+    """The size of the launched job this process belongs to (joined or not), or None."""
+    launch = joined() or launchers.detect()
+    return None if launch is None else launch.world_size

@@ -29,6 +29,9 @@ KNOWN_NOTICES = (
     "Please use DTensor instead and we are deprecating ShardedTensor",
     "The argument order of load has been changed",
     "`load_state_dict` is deprecated and will be removed",
+    # torch's own deprecations of collectives Megatron calls (with --dp, SP, the distributed optimizer)
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
     # at exit, about the queues Megatron's checkpoint writer processes leave behind
     "resource_tracker",
     # logged rather than warned

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from megatron_siamese.training.args import TrainArgs
 from megatron_siamese.training.summary import RunSummary
@@ -58,8 +58,11 @@ def plot(summaries: Dict[str, RunSummary], path: str) -> None:
     plt.close(figure)
 
 
-def compare(args: TrainArgs, norms: List[str]) -> str:
+def compare(args: TrainArgs, norms: List[str]) -> Optional[str]:
+    """The table (and the plot and JSON written); None on the ranks of a launched job but rank 0."""
     summaries = run_comparison(args, norms)
+    if any(summary is None for summary in summaries.values()):
+        return None
     os.makedirs(args.output_dir, exist_ok=True)
     plot(summaries, os.path.join(args.output_dir, "compare.png"))
     with open(os.path.join(args.output_dir, "compare.json"), "w") as out:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import os
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 
@@ -21,6 +23,13 @@ class RunSummary:
     tokens_per_second: float = 0.0
     peak_memory_mb: float = 0.0
     seconds: float = 0.0
+
+    def write(self, path: str) -> None:
+        """As JSON (steps as keys), replacing any summary an earlier run left there."""
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + ".tmp", "w") as out:
+            json.dump(asdict(self), out, indent=1)
+        os.replace(path + ".tmp", path)
 
     @property
     def final_train_loss(self) -> float:

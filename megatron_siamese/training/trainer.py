@@ -4,7 +4,13 @@ Per rank: the model, DistributedDataParallel, (distributed) optimizer and schedu
 ``runtime.gpt.MegatronGPT``, Megatron's ``OptimizerParamScheduler`` (linear warmup, cosine
 decay), GPTDataset data, periodic validation, and distributed checkpoints
 (``megatron_siamese.training.checkpoint``). ``train(args)`` launches the ranks (gloo on
-CPU, NCCL on GPUs) or, under ``torchrun``, runs this rank.
+CPU, NCCL on GPUs) or, under ``torchrun`` or ``srun``, runs this rank of the launched job.
+
+Across nodes: the embedded corpus is tokenized once per node (by its first rank) into
+``--cache-dir``, or once for all when every rank sees the same ``--cache-dir`` (a shared
+path), where Megatron then also caches the dataset indices; ranks on node-local caches build
+their indices in memory. Checkpoints need an ``--output-dir`` every rank sees: a run whose
+ranks see different directories is refused before its first step.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_siamese import device
+from megatron_siamese.runtime import launch, launchers
 from megatron_siamese.runtime.gpt import MegatronGPT
-from megatron_siamese.runtime.launch import run_on_ranks
 from megatron_siamese.training import checkpoint
-from megatron_siamese.training.args import TrainArgs, padded_vocab_size
+from megatron_siamese.training.args import ConfigError, TrainArgs, padded_vocab_size
 from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
 from megatron_siamese.training.summary import RunSummary, format_summary, shown  # noqa: F401  (format_summary re-exported)
+
+
+SUMMARY_FILE = "summary.json"  # in the output directory: the run's losses, layout and speed
 
 
 def _optimizer_schedule(args: TrainArgs) -> dict:
@@ -86,9 +96,12 @@ class Trainer:
             corpus = partial(addition_corpus, reverse=TASKS[args.task], digits=args.addition_digits)
         else:
             corpus = embedded_corpus
-        if torch.distributed.get_rank() == 0 and args.data_prefix is None:
-            corpus(args.cache_dir)  # built once, by one rank
-        torch.distributed.barrier()
+        shared_cache = launch.shared_by_all_ranks(args.cache_dir)
+        if args.data_prefix is None:
+            job = launch.joined()
+            if (job.rank if shared_cache else job.local_rank) == 0:
+                corpus(args.cache_dir)  # once for all on a shared path, else once per node
+            torch.distributed.barrier()
         prefix = args.data_prefix or corpus(args.cache_dir)
         train, valid = build_gpt_datasets(
             prefix,
@@ -98,7 +111,8 @@ class Trainer:
             train_samples=args.steps * args.global_batch_size,
             # one fixed validation set: losses compare across steps, runs and layouts
             valid_samples=args.eval_iters * args.global_batch_size,
-            cache_dir=os.path.join(args.cache_dir, "indices"),
+            # Megatron writes index caches on global rank 0 only: elsewhere they must be in memory
+            cache_dir=os.path.join(args.cache_dir, "indices") if shared_cache else "",
         )
         dp_rank = parallel_state.get_data_parallel_rank()
         self.train_data = MicrobatchReader(train, args.micro_batch_size, args.num_microbatches, dp_rank, args.dp)
@@ -114,9 +128,7 @@ class Trainer:
         from megatron.core import parallel_state
 
         local = sum(float(d["loss"]) for d in losses) if losses else 0.0
-        total = torch.tensor([local, float(len(losses))], dtype=torch.float64)
-        if torch.cuda.is_available():
-            total = total.cuda()
+        total = torch.tensor([local, float(len(losses))], dtype=torch.float64, device=device.current())
         if parallel_state.get_tensor_model_parallel_rank() != 0:  # count each replica once
             total = torch.zeros_like(total)
         torch.distributed.all_reduce(total)  # every rank gets the sum (stages without a loss too)
@@ -141,13 +153,11 @@ class Trainer:
         return sum(losses) / len(losses)
 
     def peak_memory_mb(self) -> float:
-        if torch.cuda.is_available():
+        if device.uses_cuda():
             local = torch.cuda.max_memory_allocated() / 2**20
         else:
             local = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        peak = torch.tensor([local])
-        if torch.cuda.is_available():
-            peak = peak.cuda()
+        peak = torch.tensor([local], device=device.current())
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
         return float(peak)
 
@@ -158,11 +168,7 @@ class Trainer:
 def _agreed_stop() -> bool:
     """Whether any rank was asked to stop (Ctrl-C, SIGTERM): every rank gets the same answer,
     so all of them stop after the same step."""
-    from megatron_siamese.runtime.launch import stop_requested
-
-    flag = torch.tensor([float(stop_requested())])
-    if torch.cuda.is_available():
-        flag = flag.cuda()
+    flag = torch.tensor([float(launch.stop_requested())], device=device.current())
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -171,6 +177,9 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
     from megatron_siamese.training.preflight import checkpoint_dir
 
+    if not launch.shared_by_all_ranks(args.output_dir):
+        raise ConfigError([f"--output-dir {args.output_dir} is not the same directory on every node: checkpoints "
+                           "need a path all ranks see (a shared file system)"])
     trainer = Trainer(args)
     rank0 = torch.distributed.get_rank() == 0
     echo = (lambda line: print(line, flush=True)) if rank0 and args.progress else (lambda line: None)
@@ -239,21 +248,51 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     summary.tokens_per_second = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
     summary.peak_memory_mb = trainer.peak_memory_mb()
     trainer.gpt.close()
-    return summary if rank0 else None
+    if not rank0:
+        return None
+    summary.write(os.path.join(args.output_dir, SUMMARY_FILE))
+    return summary
 
 
-def train(args: TrainArgs) -> RunSummary:
+def _checked_before_start(args: TrainArgs) -> None:
+    """The preflight checks, and with --overwrite the old checkpoints cleared: by the process
+    that speaks for the job (a spawned job's launcher, or rank 0 of a launched one, which then
+    tells the others)."""
+    from megatron_siamese.training.preflight import clear_for_overwrite, preflight
+
+    problems = preflight(args) if launch.joined() is None or torch.distributed.get_rank() == 0 else []
+    if launch.joined() is not None:
+        shared = [problems]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        problems = shared[0]
+    if problems:
+        raise ConfigError(problems)
+    if launch.joined() is None or torch.distributed.get_rank() == 0:
+        clear_for_overwrite(args)
+    if launch.joined() is not None:
+        torch.distributed.barrier()
+
+
+def _launched_train_rank(args: TrainArgs) -> Optional[RunSummary]:
+    _checked_before_start(args)
+    return train_rank(args)
+
+
+def train(args: TrainArgs) -> Optional[RunSummary]:
     """Run ``args`` on its ranks: launched here (after the preflight checks; ranks other than 0
-    keep their output to a log shown if they fail), or this rank of a torchrun job.
+    keep their output to a log shown if they fail), or this rank of a torchrun/srun job (the
+    summary on rank 0, None on the others).
 
     Raises ConfigError listing what keeps the run from starting.
     """
-    from megatron_siamese.training.args import ConfigError
-    from megatron_siamese.training.preflight import clear_for_overwrite, preflight
+    needs = f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp}"
+    if launch.joined() is None and launchers.detect() is None:
+        _checked_before_start(args)
+        return launch.run_job(train_rank, args.world_size, args, timeout_s=24 * 3600,
+                              quiet_ranks=range(1, args.world_size), graceful_stop=True, needs=needs)
+    return launch.run_job(_launched_train_rank, args.world_size, args, timeout_s=args_timeout(args), needs=needs)
 
-    problems = preflight(args)
-    if problems:
-        raise ConfigError(problems)
-    clear_for_overwrite(args)
-    return run_on_ranks(train_rank, args.world_size, args, timeout_s=24 * 3600,
-                        quiet_ranks=range(1, args.world_size), graceful_stop=True)
+
+def args_timeout(args: TrainArgs) -> float:
+    """How long a rank waits for the others (joining, a collective, a checkpoint being written)."""
+    return 60.0 * getattr(args, "distributed_timeout_minutes", 60.0)

@@ -1,0 +1,186 @@
+"""Commands as cluster jobs run them: two torchrun agents on this machine standing in for two
+nodes (c10d rendezvous on localhost), SLURM steps with their variables set by hand, and the
+launcher's variables read and refused as a cluster would give them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_siamese.check.matrix import layouts_that_fit, whole_job_layouts
+from megatron_siamese.runtime.launch import free_port
+from megatron_siamese.runtime.launchers import LaunchError, detect, first_host, reporter
+from megatron_siamese.runtime.layout import parse_layout
+
+pytestmark = pytest.mark.stack_independent  # the launcher, not Megatron: one stack is enough
+
+CLI = ["-m", "megatron_siamese.cli"]
+TINY_TRAIN = ["train", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "2",
+              "--global-batch-size", "8", "--steps", "6", "--eval-interval", "3", "--eval-iters", "1", "--no-progress"]
+
+
+def agents(nnodes, nproc, args, cwds=None, timeout=600):
+    """``nnodes`` torchrun agents of ``nproc`` ranks each, on one c10d rendezvous; (rc, output) per agent."""
+    endpoint = f"localhost:{free_port()}"
+    procs = []
+    for node in range(nnodes):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+                   str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", endpoint,
+                   *CLI, *map(str, args)]
+        procs.append(subprocess.Popen(command, cwd=cwds[node] if cwds else None, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return [(proc.wait(timeout=timeout), proc.stdout.read()) for proc in procs]
+
+
+def srun(ntasks, args, env=None, started=None, timeout=300):
+    """An srun step of ``ntasks`` tasks on one node, by hand (only the tasks in ``started`` run)."""
+    base = dict(os.environ, SLURM_NTASKS=str(ntasks), SLURM_NNODES="1", SLURM_NODEID="0",
+                SLURM_NODELIST="localhost", SLURM_STEP_ID="0", SLURM_JOB_ID="1", MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, *CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), **(env or {})})
+             for rank in (range(ntasks) if started is None else started)]
+    return [(proc.wait(timeout=timeout), proc.stdout.read()) for proc in procs]
+
+
+def losses(output_dir):
+    with open(os.path.join(output_dir, "summary.json")) as summary:
+        return {int(step): loss for step, loss in json.load(summary)["train_losses"].items()}
+
+
+# -- reading the launcher's variables ------------------------------------------------------
+
+
+def test_torchrun_and_slurm_variables_are_read_as_one_job():
+    torchrun = detect(dict(TORCHELASTIC_RUN_ID="x", RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4",
+                           GROUP_RANK="1", MASTER_ADDR="head", MASTER_PORT="29400",
+                           SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_STEP_ID="0"))  # torchrun inside srun wins
+    assert (torchrun.launcher, torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.nnodes) == \
+        ("torchrun", 5, 8, 1, 2)
+    slurm = detect(dict(SLURM_PROCID="6", SLURM_NTASKS="8", SLURM_LOCALID="2", SLURM_NODEID="1", SLURM_NNODES="2",
+                        SLURM_NODELIST="gpu[007-008]", SLURM_STEP_ID="3", SLURM_JOB_ID="12345"))
+    assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.node_rank, slurm.master_addr, slurm.master_port) == \
+        (6, 8, 2, 1, "gpu007", 29500 + 2345)
+    assert slurm.environment()["RANK"] == "6" and not reporter(dict(SLURM_PROCID="6", SLURM_NTASKS="8",
+                                                                    SLURM_NODELIST="n1", SLURM_STEP_ID="0"))
+    # a batch script is not a step: it spawns its own ranks
+    assert detect(dict(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_NODELIST="n[1-2]")) is None
+    assert detect({}) is None
+
+
+@pytest.mark.parametrize("nodelist, first", [("node[003-010,12],gpu7", "node003"), ("a1,b2", "a1"),
+                                             ("rack[2-3]-n[07,09]", "rack2-n07"), ("localhost", "localhost")])
+def test_first_host_of_a_slurm_node_list(nodelist, first):
+    assert first_host(nodelist) == first
+
+
+@pytest.mark.parametrize("env, message", [
+    (dict(SLURM_PROCID="3", SLURM_NTASKS="2"), "SLURM_PROCID=3 is not below SLURM_NTASKS=2"),
+    (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="1"), "SLURM_LOCALID=1 exceeds SLURM_PROCID=0"),
+    (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_NODEID="2", SLURM_NNODES="2"), "SLURM_NODEID=2 is not below"),
+    (dict(SLURM_PROCID="1", SLURM_NTASKS="2", RANK="0"), "SLURM says rank 1 but RANK=0"),
+    (dict(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NODELIST="n[1"), "cannot read the first host"),
+])
+def test_slurm_variables_that_disagree_are_refused(env, message):
+    with pytest.raises(LaunchError, match=message.replace("[", r"\[")):
+        detect({"SLURM_NODELIST": "n1", "SLURM_STEP_ID": "0", **env})
+
+
+def test_an_env_launch_without_its_rendezvous_is_refused():
+    with pytest.raises(LaunchError, match="MASTER_ADDR, MASTER_PORT not set"):
+        detect(dict(RANK="0", WORLD_SIZE="2"))
+
+
+def test_all_layouts_that_fit_a_job():
+    sixteen = whole_job_layouts(16)
+    assert {"tp8-pp2", "tp8-pp2-vpp2-sp", "tp4-pp2-dp2", "tp2-dp8", "tp2-dp8-sp-do", "pp4-vpp2-dp4-do"} <= set(sixteen)
+    assert all(parse_layout(name).world_size == 16 and parse_layout(name).tp <= 8 for name in sixteen)
+    assert all(parse_layout(name).world_size <= 2 for name in layouts_that_fit(2)) and "tp2-sp" in layouts_that_fit(2)
+    assert set(layouts_that_fit(4)) < set(layouts_that_fit(16))
+
+
+# -- two nodes of two ranks ----------------------------------------------------------------
+
+
+def test_check_on_two_nodes(tmp_path):
+    report = tmp_path / "check.json"
+    runs = agents(2, 2, ["check", "--layouts", "tp2-pp2,dp2-tp2-sp,tp2", "--num-layers", "2", "--json", report])
+    assert [rc for rc, _ in runs] == [0, 0], runs
+    table = "".join(out for _, out in runs)
+    assert table.count("tolerance (fp32)") == 1 and "torchrun job of 4 ranks on 2 node(s)" in table
+    assert "3 passed, 0 failed, 0 skipped" in table and "Traceback" not in table and "Warning" not in table
+    written = json.loads(report.read_text())
+    assert written["passed"] and [row["layout"] for row in written["rows"]] == ["tp2-pp2", "dp2-tp2-sp", "tp2"]
+    assert written["launch"]["nnodes"] == 2 and all(row["status"] == "PASS" for row in written["rows"])
+
+
+def test_a_failing_layout_fails_every_rank_of_the_job():
+    runs = srun(2, ["check", "--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"])
+    assert [rc for rc, _ in runs] == [1, 1], runs
+    assert "FAIL" in runs[0][1] and "layout" not in runs[1][1]  # rank 0 speaks for the job
+
+
+def test_training_across_nodes_resumes_on_other_node_counts(tmp_path):
+    # each "node" has its own working directory, hence its own --cache-dir: the corpus is built once per node
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    first = tmp_path / "run"
+    runs = agents(2, 2, [*TINY_TRAIN, "--tp", "2", "--dp", "2", "--save-interval", "3", "--cache-dir", "cache",
+                         "--output-dir", first], cwds=nodes)
+    assert [rc for rc, _ in runs] == [0, 0], runs
+    assert all(any(name.startswith("kjv-bytes") for name in os.listdir(node / "cache")) for node in nodes)
+    assert sorted(os.listdir(first / "checkpoints")) == ["latest", "step_3", "step_6"]
+    uninterrupted = losses(first)
+
+    one_node = tmp_path / "one-node"
+    runs = agents(1, 4, [*TINY_TRAIN, "--tp", "2", "--dp", "2", "--cache-dir", tmp_path / "cache",
+                         "--output-dir", one_node, "--load", first / "checkpoints" / "step_3"])
+    assert runs[0][0] == 0, runs
+    assert losses(one_node) == {step: uninterrupted[step] for step in (4, 5, 6)}  # same layout: bit for bit
+
+    two_small_nodes = tmp_path / "two-small-nodes"
+    runs = agents(2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", tmp_path / "cache", "--output-dir", two_small_nodes,
+                         "--load", first / "checkpoints" / "step_3"])
+    assert [rc for rc, _ in runs] == [0, 0], runs
+    resumed = losses(two_small_nodes)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(abs(resumed[step] - uninterrupted[step]) < 1e-5 * uninterrupted[step] for step in resumed)
+
+
+def test_checkpoints_need_a_directory_every_node_sees(tmp_path):
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    runs = agents(2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", tmp_path / "cache", "--output-dir", "out"], cwds=nodes)
+    assert all(rc != 0 for rc, _ in runs), runs
+    said = "".join(out for _, out in runs)
+    assert said.count("--output-dir out is not the same directory on every node") == 1, said
+    assert "megatron_siamese/" not in said  # no traceback of ours (torchrun prints its own report of the exit)
+
+
+# -- jobs that cannot be this run ------------------------------------------------------------
+
+
+def test_a_slurm_step_runs_the_check():
+    runs = srun(2, ["check", "--layouts", "tp2,pp2", "--num-layers", "2"])
+    assert [rc for rc, _ in runs] == [0, 0], runs
+    assert "slurm job of 2 ranks" in runs[0][1] and "2 passed, 0 failed" in runs[0][1] and runs[1][1] == ""
+
+
+def test_a_job_of_the_wrong_size_is_refused_on_rank_0():
+    runs = srun(2, ["train", "--tp", "1"])
+    assert [rc for rc, _ in runs] == [2, 2], runs
+    assert runs[0][1].strip().splitlines() == [
+        "megatron-siamese train: error: the slurm job has 2 ranks but --tp 1 x --pp 1 x --dp 1 uses 1: launch 1 "
+        "ranks, or change the layout to use 2"]
+    assert runs[1][1] == ""
+    runs = srun(2, ["check", "--layouts", "tp2,tp2-pp2"])
+    assert [rc for rc, _ in runs] == [2, 2] and "layout tp2-pp2 needs 4 ranks but the launched job has 2" in runs[0][1]
+
+
+def test_a_rank_that_never_joins_ends_the_job_with_a_timeout():
+    (rc, out), = srun(2, ["check", "--layouts", "tp2", "--distributed-timeout-minutes", "0.1"], started=[0], timeout=120)
+    assert rc == 2 and "did not meet the others within 6s" in out and "1/2 clients joined" in out, out
+    assert "Traceback" not in out
