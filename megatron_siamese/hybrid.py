@@ -52,6 +52,7 @@ except ImportError as error:  # megatron-core < 0.18 has no HybridModel
     ) from error
 
 import megatron_siamese.te as te
+from megatron_siamese import device
 from megatron_siamese.merge import SiameseFinalNorm
 from megatron_siamese.models import pattern_layers
 from megatron_siamese.norms import TorchNorm
@@ -91,7 +92,7 @@ def _gpu_kernels_missing(symbol: str) -> Optional[str]:
     kind = "Mamba ('M')" if symbol == Symbols.MAMBA else "gated delta net ('G')"
     if package:
         return f"{kind} layers need the GPU kernels of {package}, which are not installed"
-    if not torch.cuda.is_available():
+    if not device.uses_cuda():
         return f"{kind} layers run on GPU kernels and this machine has no CUDA device"
     return None
 

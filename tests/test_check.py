@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_siamese.check.command import DEFAULT_LAYOUTS, main, run_check
+from megatron_siamese.check.command import DEFAULT_LAYOUTS, run_check
+from megatron_siamese.cli import main as cli_main
 from megatron_siamese.check.step import ModelCase
 from megatron_siamese.versions import installed_megatron_core, release
 
@@ -48,15 +49,15 @@ def test_norms_without_sequence_parallel_flag_fail_sp_layouts_only():
     assert "norm" in rows[1].detail
 
 
-def test_cli_exit_status_and_table(capsys):
-    assert main(["--layouts", "tp2-sp", "--num-layers", "2"]) == 0
-    assert main(["--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"]) == 1
-    out = capsys.readouterr().out
+def test_cli_exit_status_and_table(capfd):  # rank 0 prints the rows: capfd sees its output, capsys would not
+    assert cli_main(["check", "--layouts", "tp2-sp", "--num-layers", "2"]) == 0
+    assert cli_main(["check", "--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"]) == 1
+    out = capfd.readouterr().out
     assert "tolerance (fp32)" in out and "PASS" in out and "FAIL" in out
 
 
 def test_cli_rejects_unknown_layout_before_running_anything(capsys):
-    assert main(["--layouts", "tp2-xx,tp3"]) == 2
+    assert cli_main(["check", "--layouts", "tp2-xx,tp3"]) == 2
     err = capsys.readouterr().err
     assert "unknown part 'xx'" in err and "tp3 does not divide" in err
 

@@ -184,3 +184,47 @@ def test_a_rank_that_never_joins_ends_the_job_with_a_timeout():
     (rc, out), = srun(2, ["check", "--layouts", "tp2", "--distributed-timeout-minutes", "0.1"], started=[0], timeout=120)
     assert rc == 2 and "did not meet the others within 6s" in out and "1/2 clients joined" in out, out
     assert "Traceback" not in out
+
+
+# -- the SLURM examples ------------------------------------------------------------------------
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "slurm")
+
+
+def submitted(script, tmp_path, **env):
+    """The command an example batch script hands to srun (a stand-in srun records it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$SRUN_RECORD"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node001\necho node002\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    record = tmp_path / f"{script}.args"
+    variables = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_RECORD=str(record),
+                     SLURM_JOB_NODELIST="node[001-002]", SLURM_NNODES="2", SLURM_JOB_ID="77", **env)
+    subprocess.run(["bash", os.path.join(EXAMPLES, script)], check=True, env=variables, cwd=tmp_path)
+    return record.read_text().split("\0")[:-1]
+
+
+def test_the_slurm_examples_hand_srun_commands_that_parse(tmp_path):
+    from megatron_siamese.cli import build_parser, check as check_command
+    from megatron_siamese.cli.flags import train_args
+    from megatron_siamese.check.case import ModelCase
+
+    check = submitted("check.sbatch", tmp_path)
+    cli_args = check[check.index("megatron_siamese.cli") + 1:]
+    options = build_parser().parse_args(cli_args)
+    assert options.layouts == "all" and options.transformer_impl == "transformer_engine" and options.dtype == "bf16"
+    case = ModelCase(**{field: getattr(options, field) for field in check_command.SIZES})
+    assert check_command.problems(case, ["tp8-pp2", "tp4-pp2-dp2-sp", "tp2-dp8-sp-do"]) == []
+
+    train = submitted("pretrain.sbatch", tmp_path, OUT=str(tmp_path / "out"))
+    args = train_args(build_parser().parse_args(train[train.index("megatron_siamese.cli") + 1:]))  # ConfigError if not
+    assert (args.tp, args.dp, args.world_size) == (8, 2, 16) and args.output_dir == str(tmp_path / "out")
+
+    megatron_lm = submitted("pretrain_gpt_megatron_lm.sbatch", tmp_path, MEGATRON_LM=str(tmp_path), DATA="d", OUT="o")
+    assert megatron_lm[1] == "torchrun" and "node001:" in megatron_lm[megatron_lm.index("--rdzv-endpoint") + 1]
+    module, name = megatron_lm[megatron_lm.index("--spec") + 1: megatron_lm.index("--spec") + 3]
+    import importlib
+
+    assert hasattr(importlib.import_module(module), name)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_siamese.models import build_gpt_chunks
-from megatron_siamese.research.arithmetic import exact_match_accuracy, line, split
+from megatron_siamese.training.addition import exact_match_accuracy, line, split
 from megatron_siamese.research.upcycle import upcycled_state
 from megatron_siamese.check.step import ModelCase, case_config, microbatches
 from megatron_siamese.runtime.layout import Layout

@@ -49,8 +49,9 @@ def test_the_scan_sees_the_package():
     assert "megatron_siamese.runtime.cpu_shim" in imports(MODULES["megatron_siamese.runtime.launch"])
 
 
-def test_no_import_cycles_at_module_level():
-    graph = {name: imports(path, top_level_only=True) - {name} for name, path in MODULES.items()}
+def test_no_import_cycles():
+    """Function-level imports count too: a cycle deferred into a function is still a cycle."""
+    graph = {name: imports(path) - {name} for name, path in MODULES.items()}
     state = {}
 
     def visit(name, stack):
@@ -71,6 +72,18 @@ def test_no_import_cycles_at_module_level():
 def test_core_modules_do_not_import_the_runners(name):
     upward = {m for m in imports(MODULES[name]) if layer_of(m) in CORE_MAY_NOT_IMPORT}
     assert upward == set(), f"{name} imports {sorted(upward)}"
+
+
+def test_one_module_decides_whether_cuda_is_used():
+    """``megatron_siamese.device`` asks torch once; nothing else asks, and nothing puts tensors on
+    ``torch.cuda.current_device()`` (on CPU that works only through the shim's redirection)."""
+    def asks(path):
+        return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr in ("is_available", "current_device")
+                   and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "cuda"
+                   for node in ast.walk(ast.parse(path.read_text())))
+
+    assert {name for name, path in MODULES.items() if asks(path)} == {"megatron_siamese.device"}
 
 
 def test_only_the_launchers_install_the_cpu_shim():

@@ -21,7 +21,6 @@ optimizer), ``full`` / ``sel`` (full / selective recompute), joined by ``-``;
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
@@ -56,10 +55,11 @@ class Row:
     grad_error: Optional[float] = None
     param_error: Optional[float] = None
     seconds: float = 0.0
+    memory_mb: Optional[float] = None  # the largest rank's (CPU: resident set; GPU: peak allocated)
     detail: str = ""
 
 
-def _row(name: str, layout: Layout, comparison: Comparison, seconds: float) -> Row:
+def _row(name: str, layout: Layout, comparison: Comparison, seconds: float, memory_mb: Optional[float]) -> Row:
     failures = [f"{q}: {f}" for q in ("losses", "grads", "params")
                 for f in getattr(comparison, q).failures]
     return Row(
@@ -69,6 +69,7 @@ def _row(name: str, layout: Layout, comparison: Comparison, seconds: float) -> R
         grad_error=comparison.grads.worst_error,
         param_error=comparison.params.worst_error,
         seconds=seconds,
+        memory_mb=memory_mb,
         detail="; ".join(failures[:3]),
     )
 
@@ -114,7 +115,8 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
             elif failed:
                 row = Row(name, layout.world_size, "ERROR", seconds=seconds, detail=failed[0])
             else:
-                row = _row(name, layout, compare(result, reference, tolerance, same_dtype_single), seconds)
+                row = _row(name, layout, compare(result, reference, tolerance, same_dtype_single), seconds,
+                           result.memory_mb)
             rows.append(row)
             console(format_row(row))
     shared = [rows]
@@ -143,21 +145,15 @@ def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2e}"
 
 
-HEADER = f"{'layout':<20} {'ranks':>5} {'loss err':>9} {'grad err':>9} {'param err':>9} {'time':>6}  result"
+HEADER = (f"{'layout':<20} {'ranks':>5} {'loss err':>9} {'grad err':>9} {'param err':>9} {'time':>6} "
+          f"{'MB/rank':>7}  result")
+
+
+def _memory(megabytes: Optional[float]) -> str:
+    return "-" if megabytes is None else f"{megabytes:.0f}"
 
 
 def format_row(row: Row) -> str:
     line = (f"{row.layout:<20} {row.ranks:>5} {_fmt(row.loss_error):>9} {_fmt(row.grad_error):>9} "
-            f"{_fmt(row.param_error):>9} {row.seconds:>5.1f}s  {row.status}")
+            f"{_fmt(row.param_error):>9} {row.seconds:>5.1f}s {_memory(row.memory_mb):>7}  {row.status}")
     return f"{line}  ({row.detail})" if row.detail else line
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """``megatron-siamese check`` with these arguments (the command line parses and validates them)."""
-    from megatron_siamese.cli import main as cli_main
-
-    return cli_main(["check", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

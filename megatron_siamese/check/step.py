@@ -13,11 +13,14 @@ layouts can be compared tensor by tensor.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from megatron_siamese import device
 
 from megatron_siamese.check.sharding import global_parameters, seed_parameters, unshard
 from megatron_siamese.check.case import ModelCase
@@ -46,6 +49,15 @@ class RankResult:
     grads: Dict[str, Piece] = field(default_factory=dict)
     params: Dict[str, Piece] = field(default_factory=dict)
     grad_norm: Optional[float] = None
+    memory_mb: float = 0.0
+
+
+def memory_mb() -> float:
+    """This rank's memory now: peak allocated on its GPU (since the last reset), else its resident set."""
+    if device.uses_cuda():
+        return torch.cuda.max_memory_allocated() / 2**20
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 # -- setup -------------------------------------------------------------------------------
@@ -142,6 +154,8 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
         from megatron_siamese.check.faults import plant
 
         plant(case.fault)
+    if device.uses_cuda():
+        torch.cuda.reset_peak_memory_stats()
     gpt = seeded_gpt(case, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dp_rank, dp = parallel_state.get_data_parallel_rank(), layout.dp
@@ -158,6 +172,7 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
     _, grad_norm, _ = gpt.optimizer.step()
     result.grad_norm = None if grad_norm is None else float(grad_norm)
     result.params = _pieces(gpt.model, lambda p: p, None, tp_rank)
+    result.memory_mb = memory_mb()
     gpt.close()
     return result
 
@@ -175,6 +190,7 @@ class StepResult:
     grad_norm: Optional[float]
     # max |difference| between copies of the same replicated tensor on different ranks
     replica_spread: Dict[str, float]
+    memory_mb: float = 0.0  # the largest rank's
 
 
 def _assemble(pieces_by_rank: List[Dict[str, Piece]]) -> Tuple[Dict[str, Tensor], Dict[str, float]]:
@@ -240,7 +256,8 @@ def assemble(results: List[RankResult]) -> StepResult:
     spread = {f"grad:{k}": v for k, v in grad_spread.items()}
     spread.update({f"param:{k}": v for k, v in param_spread.items()})
     norms = [r.grad_norm for r in results if r.grad_norm is not None]
-    return StepResult(losses, grads, params, norms[0] if norms else None, spread)
+    return StepResult(losses, grads, params, norms[0] if norms else None, spread,
+                      max(r.memory_mb for r in results))
 
 
 def layout_step(case: ModelCase, layout: Layout) -> Optional[StepResult]:

@@ -27,6 +27,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_siamese import device
+
 PRUNE_FRACTIONS = (0.125, 0.25, 0.375, 0.5)
 
 
@@ -149,7 +151,7 @@ def _analyze_rank(args, compare_load: Optional[str], batches: int):
         trainer = Trainer(run_args)
         trainer.gpt.train(False)
         model = trainer.gpt.chunks[0]
-        data = [{k: v.to(torch.cuda.current_device()) for k, v in b.items()} for b in _batches(trainer, batches)]
+        data = [{k: v.to(device.current()) for k, v in b.items()} for b in _batches(trainer, batches)]
         with torch.no_grad():
             results[label] = {"depth": effective_depth(model, data)}
             if label == "siamese":

@@ -33,7 +33,7 @@ class StudyPlan:
     learning_rates: Tuple[float, ...] = (1e-3, 4e-3, 1.6e-2)
     seeds: Tuple[int, ...] = (1, 2, 3)
     arithmetic_schemes: Tuple[str, ...] = ("pre", "siamese")
-    arithmetic_task: str = "addition-reversed"  # a trainer task (research/arithmetic.py)
+    arithmetic_task: str = "addition-reversed"  # a trainer task (training/addition.py)
     arithmetic_digits: int = 2
     arithmetic_lr: float = 2e-3
     arithmetic_steps: int = 1500

@@ -41,6 +41,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from megatron_siamese import device
+
 ENV_VAR = "MEGATRON_SIAMESE_CPU_SHIM"  # set in the ranks it is installed in (inherited by their helpers)
 
 _lock = threading.Lock()
@@ -182,7 +184,7 @@ def install() -> None:
     with _lock:
         if _state:
             return
-        if torch.cuda.is_available():
+        if device.uses_cuda():
             raise RuntimeError(
                 "megatron_siamese CPU shim refused: CUDA is available, so Megatron must run "
                 "on the GPU; do not call cpu_shim.install() on GPU machines."

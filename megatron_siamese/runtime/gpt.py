@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from megatron_siamese import device
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.runtime.settings import ModelSettings
 
@@ -112,7 +113,7 @@ def loss_func(loss_mask: Tensor, output: Tensor):
 
 def forward_step(data_iterator, model):
     """Megatron's forward-step contract: a microbatch of tokens/labels/positions/mask/loss mask."""
-    batch = {k: v.to(torch.cuda.current_device()) for k, v in next(data_iterator).items()}
+    batch = {k: v.to(device.current()) for k, v in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
@@ -161,8 +162,8 @@ class MegatronGPT:
         chunks = build_model_chunks(config, model, vocab_size)
         if init_weights is not None:
             init_weights(chunks)
-        if torch.cuda.is_available():
-            chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+        if device.uses_cuda():
+            chunks = [chunk.to(device.current()) for chunk in chunks]
         if config.bf16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]
         ddp_config = DistributedDataParallelConfig(

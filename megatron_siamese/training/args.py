@@ -73,7 +73,7 @@ class TrainArgs(ModelSettings):
     cache_dir: str = ".cache/megatron_siamese"
     data_prefix: Optional[str] = None  # an indexed dataset of byte tokens; default: embedded KJV
     recompute: str = "none"  # none | full | selective
-    task: str = "lm"  # lm: the corpus; addition(-reversed): synthetic addition (research/arithmetic.py)
+    task: str = "lm"  # lm: the corpus; addition(-reversed): synthetic addition (training/addition.py)
     addition_digits: int = 3  # operands of up to this many digits (task=addition*)
     progress: bool = True
 

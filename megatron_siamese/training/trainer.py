@@ -91,7 +91,7 @@ class Trainer:
 
         args = self.args
         if args.task != "lm":
-            from megatron_siamese.research.arithmetic import TASKS, addition_corpus
+            from megatron_siamese.training.addition import TASKS, addition_corpus
 
             corpus = partial(addition_corpus, reverse=TASKS[args.task], digits=args.addition_digits)
         else:
@@ -238,7 +238,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     if trainer.step not in summary.val_losses and not summary.diverged and not summary.stopped:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
     if args.task != "lm" and not summary.diverged and not summary.stopped:
-        from megatron_siamese.research.arithmetic import TASKS, exact_match_accuracy
+        from megatron_siamese.training.addition import TASKS, exact_match_accuracy
 
         trainer.gpt.train(False)
         summary.accuracy = exact_match_accuracy(trainer.gpt.chunks[0], reverse=TASKS[args.task],
