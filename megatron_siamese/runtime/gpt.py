@@ -30,7 +30,8 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
     import torch.nn.functional as F
 
     from megatron_siamese.config import SiameseTransformerConfig
-    from megatron_siamese.models import num_layers, scheme
+    from megatron_siamese.hybrid_pattern import num_layers
+    from megatron_siamese.models import scheme
 
     dtype = DTYPES[model.dtype]
     on_gpu = torch.cuda.is_available()

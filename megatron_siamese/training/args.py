@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
+from megatron_siamese.hybrid_pattern import hybrid_pattern
 from megatron_siamese.runtime.layout import RECOMPUTE, Layout
 from megatron_siamese.runtime.settings import DTYPE_NAMES, MODEL_CLASSES, SCHEME_NAMES, ModelSettings
 
@@ -109,11 +110,6 @@ def _choice(name: str, value, choices, flag: str) -> List[str]:
     return [f"{flag} must be one of {', '.join(map(str, choices))} (got {value!r})"]
 
 
-def _hybrid_layer_count(args: TrainArgs) -> int:
-    pattern = args.hybrid_layer_pattern or "*-" * args.num_layers
-    return len(pattern.split("/")[0].replace("|", ""))
-
-
 def problems(args: TrainArgs) -> List[str]:
     """Every problem with ``args``, one line each, saying what to change (empty: none)."""
     found: List[str] = []
@@ -183,8 +179,9 @@ def problems(args: TrainArgs) -> List[str]:
     if not bad_sizes & {"pp", "layers"} and (args.vpp is None or args.vpp >= 1):
         stages = args.pp * (args.vpp or 1)
         if args.model == "hybrid":
-            layers = _hybrid_layer_count(args)
-            if "|" not in (args.hybrid_layer_pattern or "") and layers % stages:
+            pattern = hybrid_pattern(args)
+            layers = len(pattern.layers)
+            if not pattern.has_boundaries and layers % stages:
                 found.append(f"the hybrid pattern's {layers} layers do not split into {stages} pipeline stages: change "
                              "--pp/--vpp, or write the stage boundaries into --hybrid-layer-pattern with '|'")
         elif args.num_layers % stages:
