@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_siamese.hybrid_pattern import HybridPattern, hybrid_pattern
+from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
 from megatron_siamese.norms import TorchNorm
 from megatron_siamese.post_norm import get_post_norm_block_spec
 from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec
@@ -61,15 +62,14 @@ SCHEMES: Dict[str, Scheme] = {
     "pre": Scheme(get_pre_norm_block_spec),
     "post": Scheme(get_post_norm_block_spec),
 }
+# the command line offers model_names.SCHEME_NAMES without importing this module
+assert tuple(SCHEMES) == SCHEME_NAMES, f"model_names.SCHEME_NAMES {SCHEME_NAMES} != SCHEMES {tuple(SCHEMES)}"
 
 
 def scheme(name: str) -> Scheme:
     if name not in SCHEMES:
         raise ValueError(f"unknown residual scheme {name!r}; choose one of {', '.join(SCHEMES)}")
     return SCHEMES[name]
-
-
-MODELS = ("gpt", "hybrid")
 
 
 def _per_virtual_stage(build: Callable[..., object], **common) -> list:
@@ -141,4 +141,4 @@ def build_model_chunks(config: TransformerConfig, settings, vocab_size: int) -> 
         return build_gpt_chunks(config, settings.norm, *common)
     if settings.model == "hybrid":
         return build_hybrid_chunks(config, settings.norm, hybrid_pattern(settings).text, *common)
-    raise ValueError(f"model must be one of {MODELS}, got {settings.model!r}")
+    raise ValueError(f"model must be one of {MODEL_CLASSES}, got {settings.model!r}")

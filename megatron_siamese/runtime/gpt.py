@@ -20,9 +20,10 @@ import torch
 from torch import Tensor
 
 from megatron_siamese.runtime.layout import Layout
-from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.runtime.settings import DTYPE_NAMES, ModelSettings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+assert tuple(DTYPES) == DTYPE_NAMES, "runtime/settings.py offers the dtypes this module builds"
 
 
 def transformer_config(model: ModelSettings, layout: Layout, **overrides):

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-# residual schemes (megatron_siamese.models.SCHEMES builds them), model classes, dtypes
-SCHEME_NAMES = ("siamese", "siamese-layer", "siamese-hybrid", "pre", "post")
-MODEL_CLASSES = ("gpt", "hybrid")
-DTYPE_NAMES = ("fp32", "bf16")
+from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
+
+DTYPE_NAMES = ("fp32", "bf16")  # runtime/gpt.py's DTYPES
 
 
 @dataclass(frozen=True)
