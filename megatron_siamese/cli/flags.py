@@ -23,7 +23,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 def add_setting(group, definition: Setting) -> None:
     """The flags of one setting: its own, then its switches, all setting the same field."""
     options = dict(action=definition.action, metavar=definition.metavar, choices=definition.choices,
-                   type=definition.type)
+                   type=definition.value_type)
     group.add_argument(*definition.flags, dest=definition.name, default=definition.default, help=definition.help,
                        **{key: value for key, value in options.items() if value is not None})
     for switch in definition.switches:

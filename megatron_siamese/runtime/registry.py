@@ -10,6 +10,7 @@ Plain data, no torch or Megatron import: the command line uses it before any ran
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import types
@@ -48,12 +49,16 @@ class Setting:
     # filled in by ``definitions`` from the field itself
     name: str = ""
     default: Any = None
-    type: Optional[type] = None  # int or float: what argparse converts a flag's text to
-    optional: bool = False  # Optional[...]: None passes the choices and the minimum
+    value_type: Optional[type] = None  # int or float: what argparse converts a flag's text to
+    optional: bool = False  # Optional[...]: None is always allowed
 
     @property
     def all_flags(self) -> Tuple[str, ...]:
-        return self.flags + tuple(flag for switch in self.switches for flag in switch.flags)
+        """Every flag a parser gets for it: its own (with their ``--no-`` forms for an on/off
+        switch), then its switches'."""
+        on_off = self.action is argparse.BooleanOptionalAction
+        negated = tuple("--no-" + flag[2:] for flag in self.flags) if on_off else ()
+        return self.flags + negated + tuple(flag for switch in self.switches for flag in switch.flags)
 
     @property
     def spelled(self) -> str:
@@ -103,28 +108,26 @@ def definitions(cls) -> Mapping[str, Setting]:
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
         kind, optional = _unwrap_optional(hints[field.name])
         found[field.name] = dataclasses.replace(definition, name=field.name, default=default, optional=optional,
-                                                type=kind if kind in (int, float) else None)
+                                                value_type=kind if kind in (int, float) else None)
     return types.MappingProxyType(found)  # shared by every caller: read-only
 
 
 def field_problems(values, cls=None) -> Dict[str, str]:
     """A problem per field of ``values`` whose value its definition in ``cls`` (default: its
     own class) refuses, as ``{field: one line saying what to change}``."""
-    found: Dict[str, str] = {}
-    for name, definition in definitions(cls or type(values)).items():
-        value = getattr(values, name)
-        problem = None
-        if value is None and definition.optional:
-            pass
-        elif definition.choices is not None and value not in definition.choices:
-            problem = (f"{definition.spelled} must be one of {', '.join(map(str, definition.choices))} "
-                       f"(got {value!r})")
-        elif definition.minimum is not None and value < definition.minimum:
-            problem = f"{definition.spelled} must be at least {definition.minimum:g} (got {value})"
-        problem = problem or (definition.check(value) if definition.check else None)
-        if problem:
-            found[name] = problem
-    return found
+    found = {name: _problem(definition, getattr(values, name))
+             for name, definition in definitions(cls or type(values)).items()}
+    return {name: problem for name, problem in found.items() if problem}
+
+
+def _problem(definition: Setting, value) -> Optional[str]:
+    if value is None and definition.optional:
+        return None
+    if definition.choices is not None and value not in definition.choices:
+        return f"{definition.spelled} must be one of {', '.join(map(str, definition.choices))} (got {value!r})"
+    if definition.minimum is not None and value < definition.minimum:
+        return f"{definition.spelled} must be at least {definition.minimum:g} (got {value})"
+    return definition.check(value) if definition.check else None
 
 
 def config_kwargs(values, cls) -> Dict[str, Any]:
