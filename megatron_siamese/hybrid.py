@@ -54,7 +54,6 @@ except ImportError as error:  # megatron-core < 0.18 has no HybridModel
 import megatron_siamese.te as te
 from megatron_siamese import device
 from megatron_siamese.merge import SiameseFinalNorm
-from megatron_siamese.models import pattern_layers
 from megatron_siamese.norms import TorchNorm
 from megatron_siamese.siamese_sublayer import SiameseSublayerMixin
 from megatron_siamese.specs import siamese_layer_from
@@ -247,21 +246,6 @@ def get_siamese_hybrid_te_stack_spec() -> ModuleSpec:
             moe_layer=_MOE, dsa_layer=_DSA, mla_layer=_MLA,
         ),
     )
-
-
-def staged_pattern(pattern: str, stages: int) -> str:
-    """``pattern`` cut into ``stages`` equal pipeline segments with '|' (a pattern that
-    already has boundaries is the user's layout and is kept)."""
-    if Symbols.PIPE in pattern or stages == 1:
-        return pattern
-    layers = pattern_layers(pattern)
-    if len(layers) % stages:
-        raise ValueError(
-            f"the hybrid pattern {pattern!r} has {len(layers)} layers, which do not split evenly into "
-            f"{stages} pipeline stages; write the stage boundaries into the pattern with '|'"
-        )
-    size = len(layers) // stages
-    return Symbols.PIPE.join(layers[i:i + size] for i in range(0, len(layers), size))
 
 
 # For Megatron-LM: pretrain_hybrid.py --spec megatron_siamese.hybrid siamese_hybrid_stack_spec

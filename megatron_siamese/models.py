@@ -31,6 +31,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_siamese.hybrid_pattern import HybridPattern, hybrid_pattern
+from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
 from megatron_siamese.norms import TorchNorm
 from megatron_siamese.post_norm import get_post_norm_block_spec
 from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec
@@ -60,30 +62,14 @@ SCHEMES: Dict[str, Scheme] = {
     "pre": Scheme(get_pre_norm_block_spec),
     "post": Scheme(get_post_norm_block_spec),
 }
+# the command line offers model_names.SCHEME_NAMES without importing this module
+assert tuple(SCHEMES) == SCHEME_NAMES, f"model_names.SCHEME_NAMES {SCHEME_NAMES} != SCHEMES {tuple(SCHEMES)}"
 
 
 def scheme(name: str) -> Scheme:
     if name not in SCHEMES:
         raise ValueError(f"unknown residual scheme {name!r}; choose one of {', '.join(SCHEMES)}")
     return SCHEMES[name]
-
-
-MODELS = ("gpt", "hybrid")
-
-
-def hybrid_pattern(settings) -> str:
-    """The HybridModel pattern of ``settings``: its own, or ``*-`` per GPT layer (the equivalent)."""
-    return settings.hybrid_layer_pattern or "*-" * settings.num_layers
-
-
-def pattern_layers(pattern: str) -> str:
-    """The layer symbols of a hybrid pattern, without pipeline boundaries ('|') or an MTP part ('/')."""
-    return pattern.split("/")[0].replace("|", "")
-
-
-def num_layers(settings) -> int:
-    """Megatron's num_layers: GPT blocks, or HybridModel layers (one per pattern symbol)."""
-    return len(pattern_layers(hybrid_pattern(settings))) if settings.model == "hybrid" else settings.num_layers
 
 
 def _per_virtual_stage(build: Callable[..., object], **common) -> list:
@@ -136,11 +122,11 @@ def build_hybrid_chunks(
         raise ValueError(f"HybridModel is built with SiameseNorm layers only (norm='siamese'), got norm={norm!r}")
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from megatron_siamese.hybrid import siamese_hybrid_stack_spec, siamese_hybrid_te_stack_spec, staged_pattern
+    from megatron_siamese.hybrid import siamese_hybrid_stack_spec, siamese_hybrid_te_stack_spec
 
     spec = siamese_hybrid_te_stack_spec if config.transformer_impl == "transformer_engine" else siamese_hybrid_stack_spec
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    staged = staged_pattern(pattern, config.pipeline_model_parallel_size * (vpp or 1))
+    staged = HybridPattern(pattern).staged(config.pipeline_model_parallel_size * (vpp or 1))
     return _per_virtual_stage(HybridModel, config=config, hybrid_stack_spec=spec, vocab_size=vocab_size,
                               max_sequence_length=max_sequence_length, hybrid_layer_pattern=staged,
                               position_embedding_type=position_embedding_type,
@@ -154,5 +140,5 @@ def build_model_chunks(config: TransformerConfig, settings, vocab_size: int) -> 
     if settings.model == "gpt":
         return build_gpt_chunks(config, settings.norm, *common)
     if settings.model == "hybrid":
-        return build_hybrid_chunks(config, settings.norm, hybrid_pattern(settings), *common)
-    raise ValueError(f"model must be one of {MODELS}, got {settings.model!r}")
+        return build_hybrid_chunks(config, settings.norm, hybrid_pattern(settings).text, *common)
+    raise ValueError(f"model must be one of {MODEL_CLASSES}, got {settings.model!r}")

@@ -12,6 +12,7 @@ from megatron_siamese.check import DEFAULT_LAYOUTS, SPECS
 from megatron_siamese.check.case import ModelCase
 from megatron_siamese.check.faults import FAULTS
 from megatron_siamese.cli.flags import HelpFormatter
+from megatron_siamese.runtime.divisibility import layout_part, shape_problems, split_problems
 from megatron_siamese.runtime.layout import parse_layout
 from megatron_siamese.runtime.settings import MODEL_CLASSES
 from megatron_siamese.training.args import ConfigError
@@ -85,24 +86,17 @@ def problems(case: ModelCase, layouts: List[str]) -> List[str]:
              for field in SIZES if field != "seed" and (getattr(case, field) or 1) < 1]
     if found:
         return found
-    heads, groups = case.num_attention_heads, case.num_query_groups or case.num_attention_heads
-    if case.hidden_size % heads or heads % groups:
-        found.append(f"--hidden-size {case.hidden_size}, --num-attention-heads {heads} and --num-query-groups {groups} "
-                     "must divide one another")
+    found += shape_problems(case)
     for name in layouts:
         try:
             layout = parse_layout(name)
         except ValueError as error:
             found.append(f"--layouts: {error}")
             continue
-        if groups % layout.tp or (case.ffn_hidden_size or 4 * case.hidden_size) % layout.tp or case.vocab_size % layout.tp:
-            found.append(f"layout {name}: tp{layout.tp} does not divide the query groups ({groups}), the MLP width or "
-                         f"the vocabulary ({case.vocab_size}): choose sizes it divides")
-        stages = layout.pp * (layout.vpp or 1)
-        if case.model == "gpt" and case.num_layers % stages:
-            found.append(f"layout {name}: {stages} pipeline stages do not split --num-layers {case.num_layers}")
-        if case.num_microbatches % layout.dp:
-            found.append(f"layout {name}: dp{layout.dp} does not split --num-microbatches {case.num_microbatches}")
+        found += [f"layout {name}: {problem}" for problem in split_problems(
+            case, layout, vocab_size=case.vocab_size, micro_batch_size=case.micro_batch_size,
+            global_batch_size=case.micro_batch_size * case.num_microbatches,
+            global_batch_flag="--micro-batch-size x --num-microbatches =", spell=layout_part)]
     return found
 
 

@@ -19,10 +19,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
+from megatron_siamese.model_names import SCHEME_NAMES
 from megatron_siamese.training.args import TrainArgs
 from megatron_siamese.training.summary import RunSummary
 
-SCHEMES = ("pre", "post", "siamese", "siamese-hybrid")  # residual schemes of megatron_siamese.models
+SCHEMES = SCHEME_NAMES  # any scheme the trainer builds may be studied; StudyPlan.schemes picks four
 
 
 @dataclasses.dataclass

@@ -21,47 +21,39 @@ from torch import Tensor
 
 from megatron_siamese import device
 from megatron_siamese.runtime.layout import Layout
-from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.runtime.registry import config_kwargs
+from megatron_siamese.runtime.settings import DTYPE_NAMES, ModelSettings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+assert tuple(DTYPES) == DTYPE_NAMES, "runtime/settings.py offers the dtypes this module builds"
 
 
 def transformer_config(model: ModelSettings, layout: Layout, **overrides):
-    """The SiameseTransformerConfig of ``model`` under ``layout`` (``overrides`` win)."""
+    """The SiameseTransformerConfig of ``model`` under ``layout`` (``overrides`` win).
+
+    Settings that TransformerConfig takes as they are come from their definitions
+    (``config=`` in runtime/settings.py and runtime/layout.py); the rest are computed here.
+    """
     import torch.nn.functional as F
 
     from megatron_siamese.config import SiameseTransformerConfig
-    from megatron_siamese.models import num_layers, scheme
+    from megatron_siamese.hybrid_pattern import num_layers
+    from megatron_siamese.models import scheme
 
     dtype = DTYPES[model.dtype]
-    on_gpu = torch.cuda.is_available()
+    on_gpu = device.uses_cuda()
     fields = dict(
-        siamese_fused_ops=model.fused_ops,
-        num_layers=num_layers(model),
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
+        **config_kwargs(model, ModelSettings),  # the base's definitions: ModelCase only changes defaults
+        **config_kwargs(layout, Layout),
+        num_layers=num_layers(model),  # a HybridModel's: one per pattern symbol
         ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
-        normalization=model.normalization,
-        layernorm_zero_centered_gamma=model.zero_centered_gamma,
-        gated_linear_unit=model.gated_linear_unit,
         activation_func=F.silu if model.gated_linear_unit else F.gelu,
-        add_bias_linear=model.add_bias_linear,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=model.init_method_std,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        sequence_parallel=layout.sp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         use_cpu_initialization=not on_gpu,
-        transformer_impl=model.transformer_impl,
-        fp8=model.fp8,
-        fp8_recipe=model.fp8_recipe,
         # gloo + interleaved schedule + batched p2p gives wrong results (docs/parallelism.md)
         batch_p2p_comm=on_gpu,
         **layout.recompute_options(),

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from megatron_siamese.runtime.registry import setting
+
 # the activation-recompute presets, as TransformerConfig fields
 RECOMPUTE_PRESETS = {
     "none": {},
@@ -23,14 +25,18 @@ RECOMPUTE = tuple(RECOMPUTE_PRESETS)
 
 @dataclass(frozen=True)
 class Layout:
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
+    """One way to split a model over ranks. The fields TransformerConfig takes as they are
+    say so (``runtime/registry.config_kwargs``); the command line's settings fill them
+    (``training/args.TrainArgs.layout``)."""
+
+    tp: int = setting(1, config="tensor_model_parallel_size")
+    pp: int = setting(1, config="pipeline_model_parallel_size")
+    vpp: Optional[int] = setting(None, config="virtual_pipeline_model_parallel_size")
+    cp: int = setting(1, config="context_parallel_size")
     dp: int = 1
-    sp: bool = False
-    distributed_optimizer: bool = False
-    recompute: str = "none"
+    sp: bool = setting(False, config="sequence_parallel")
+    distributed_optimizer: bool = False  # DistributedDataParallelConfig's and OptimizerConfig's
+    recompute: str = "none"  # a preset of several TransformerConfig fields: recompute_options()
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:

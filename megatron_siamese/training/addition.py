@@ -42,7 +42,6 @@ def split(digits: int, train_count: int, test_count: int, seed: int):
     return train, test
 
 
-TASKS = {"addition": False, "addition-reversed": True}  # task name: sum written reversed
 
 
 def answer(a: int, b: int, reverse: bool = False) -> str:

@@ -8,16 +8,18 @@ they construct ``TrainArgs``.
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import List, Optional
 
+from megatron_siamese.runtime.divisibility import shape_problems, split_problems
 from megatron_siamese.runtime.layout import RECOMPUTE, Layout
-from megatron_siamese.runtime.settings import DTYPE_NAMES, MODEL_CLASSES, SCHEME_NAMES, ModelSettings
+from megatron_siamese.runtime.registry import definitions, field_problems, setting
+from megatron_siamese.runtime.settings import ModelSettings
 
-TASKS = ("lm", "addition", "addition-reversed")
-FP8_FORMATS = ("hybrid", "e4m3")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+ADDITION_TASKS = {"addition": False, "addition-reversed": True}  # task name: the sum written reversed
+TASKS = ("lm", *ADDITION_TASKS)
 WARMUP_FRACTION = 0.1  # of the run, when no warm-up is given (Megatron-LM's --lr-warmup-fraction)
 BYTE_VOCAB = 258  # ByteTokenizer: 256 bytes, end of document, padding
 VOCAB_MULTIPLE = 64
@@ -41,41 +43,89 @@ def padded_vocab_size(vocab_size: int = BYTE_VOCAB, multiple: int = VOCAB_MULTIP
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+PARALLELISM, TRAINING, CHECKPOINTS, DATA = "parallelism", "training", "checkpoints", "data"  # argparse groups
+
+
 @dataclass(frozen=True)
 class TrainArgs(ModelSettings):
-    """Everything a run needs (the model: ModelSettings); the CLI maps its flags onto these fields."""
+    """Everything a run needs (the model: ModelSettings). Each field is its setting's one
+    definition (runtime/registry.py); the CLI's flags are built from them."""
 
-    tp: int = 2
-    pp: int = 1
-    vpp: Optional[int] = None
-    dp: int = 1
-    sp: bool = False
-    distributed_optimizer: bool = False
-    micro_batch_size: int = 8
-    global_batch_size: int = 16
-    steps: int = 300
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup_steps: Optional[int] = None  # None: WARMUP_FRACTION of the run
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-    seed: int = 1234
-    eval_interval: int = 100
-    eval_iters: int = 8
-    save_interval: Optional[int] = None  # save a checkpoint every N steps (and at the end)
-    load: Optional[str] = None  # a checkpoint directory, or a directory with a `latest` file
-    stop_step: Optional[int] = None  # stop (saving a checkpoint) after this step, e.g. preemption
-    output_dir: str = "runs/default"
-    overwrite: bool = False  # allow an output directory that holds another run's checkpoints
-    # on resume, a schedule (lr, min lr, warm-up, steps) unlike the checkpoint's is refused unless:
-    override_opt_param_scheduler: bool = False  # ... these settings win
-    use_checkpoint_opt_param_scheduler: bool = False  # ... the checkpoint's win
-    cache_dir: str = ".cache/megatron_siamese"
-    data_prefix: Optional[str] = None  # an indexed dataset of byte tokens; default: embedded KJV
-    recompute: str = "none"  # none | full | selective
-    task: str = "lm"  # lm: the corpus; addition(-reversed): synthetic addition (training/addition.py)
-    addition_digits: int = 3  # operands of up to this many digits (task=addition*)
-    progress: bool = True
+    # the layout: each of these sets the Layout field it names
+    tp: int = setting(2, group=PARALLELISM, flag=("--tensor-model-parallel-size", "--tp"), minimum=1, layout="tp",
+                      help="tensor-parallel size")
+    pp: int = setting(1, group=PARALLELISM, flag=("--pipeline-model-parallel-size", "--pp"), minimum=1, layout="pp",
+                      help="pipeline-parallel size")
+    vpp: Optional[int] = setting(None, group=PARALLELISM, flag=("--num-virtual-stages-per-pipeline-rank", "--vpp"),
+                                 minimum=1, layout="vpp",
+                                 help="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
+    dp: int = setting(1, group=PARALLELISM, flag=("--data-parallel-size", "--dp"), minimum=1, layout="dp",
+                      help="data-parallel size")
+    sp: bool = setting(False, group=PARALLELISM, flag=("--sequence-parallel", "--sp"), action="store_true",
+                       layout="sp", help="sequence parallelism (needs TP > 1)")
+    distributed_optimizer: bool = setting(False, group=PARALLELISM,
+                                          flag=("--use-distributed-optimizer", "--distributed-optimizer"),
+                                          action="store_true", layout="distributed_optimizer",
+                                          help="shard optimizer state over data-parallel ranks")
+    recompute: str = setting("none", group=PARALLELISM, flag="--recompute", choices=RECOMPUTE, layout="recompute",
+                             help="activation recompute: full (whole layers) or selective (norms and MLP)")
+
+    micro_batch_size: int = setting(8, group=TRAINING, flag="--micro-batch-size", minimum=1,
+                                    help="sequences per microbatch")
+    global_batch_size: int = setting(16, group=TRAINING, flag="--global-batch-size", minimum=1,
+                                     help="sequences per optimizer step (a multiple of micro batch size x DP)")
+    steps: int = setting(300, group=TRAINING, flag=("--train-iters", "--steps"), minimum=1, help="optimizer steps")
+    lr: float = setting(2e-3, group=TRAINING, flag="--lr", help="peak learning rate (linear warm-up, cosine decay)")
+    min_lr: float = setting(2e-4, group=TRAINING, flag="--min-lr", help="final learning rate")
+    # None: WARMUP_FRACTION of the run
+    warmup_steps: Optional[int] = setting(None, group=TRAINING, flag=("--lr-warmup-iters", "--warmup-steps"),
+                                          help="warm-up steps (default: 10%% of the run)")
+    weight_decay: float = setting(0.1, group=TRAINING, flag="--weight-decay", help="weight decay")
+    clip_grad: float = setting(1.0, group=TRAINING, flag="--clip-grad", help="gradient norm clipping")
+    seed: int = setting(1234, group=TRAINING, flag="--seed", help="random seed (weights and data order)")
+    eval_interval: int = setting(100, group=TRAINING, flag="--eval-interval", minimum=1,
+                                 help="validate every N steps")
+    eval_iters: int = setting(8, group=TRAINING, flag="--eval-iters", minimum=1,
+                              help="validation batches per evaluation")
+    progress: bool = setting(True, group=TRAINING, flag="--progress", action=argparse.BooleanOptionalAction,
+                             help="progress bar and status lines")
+    distributed_timeout_minutes: float = setting(
+        60.0, group=TRAINING, flag="--distributed-timeout-minutes", minimum=0.01,
+        help="under torchrun or srun: how long a rank waits for the others (to join, in a collective, for a "
+             "checkpoint) before the job fails")
+
+    output_dir: str = setting("runs/default", group=CHECKPOINTS, flag="--output-dir",
+                              help="checkpoints (OUTPUT_DIR/checkpoints) and results go here")
+    save_interval: Optional[int] = setting(None, group=CHECKPOINTS, flag="--save-interval", minimum=1,
+                                           help="save a distributed checkpoint every N steps and at the end "
+                                                "(default: none)")
+    # e.g. preemption
+    stop_step: Optional[int] = setting(None, group=CHECKPOINTS, flag=("--stop-step", "--exit-interval"),
+                                       help="stop after this step and save a checkpoint (resume with --load)")
+    # a checkpoint directory, or a directory with a `latest` file
+    load: Optional[str] = setting(None, group=CHECKPOINTS, flag="--load", metavar="DIR",
+                                  help="resume from a checkpoints directory (its `latest`) or one step_<N> in it, "
+                                       "at any TP/PP layout; --train-iters equal to its step only evaluates it")
+    overwrite: bool = setting(False, group=CHECKPOINTS, flag="--overwrite", action="store_true",
+                              help="replace the checkpoints another run left in OUTPUT_DIR (refused otherwise)")
+    # on resume, a schedule (lr, min lr, warm-up, steps) unlike the checkpoint's is refused unless one of these says
+    # which wins
+    override_opt_param_scheduler: bool = setting(
+        False, group=CHECKPOINTS, flag="--override-opt_param-scheduler", action="store_true",
+        help="on resume, train with these --lr/--min-lr/warm-up/--train-iters even if the checkpoint's differ")
+    use_checkpoint_opt_param_scheduler: bool = setting(
+        False, group=CHECKPOINTS, flag="--use-checkpoint-opt_param-scheduler", action="store_true",
+        help="on resume, keep the checkpoint's learning-rate schedule")
+
+    cache_dir: str = setting(".cache/megatron_siamese", group=DATA, flag="--cache-dir",
+                             help="where the tokenized corpus and dataset indices are cached")
+    data_prefix: Optional[str] = setting(None, group=DATA, flag=("--data-prefix", "--data-path"), metavar="PREFIX",
+                                         help="an indexed dataset (.bin/.idx prefix) of byte tokens (default: the "
+                                              "embedded King James Bible)")
+    # addition(-reversed): synthetic addition (training/addition.py)
+    task: str = setting("lm", group=DATA, flag="--task", choices=TASKS,
+                        help="lm (the corpus), or synthetic addition (sum written normally or reversed; TP = PP = 1)")
+    addition_digits: int = setting(3, group=DATA, flag="--addition-digits", help="operand digits (addition tasks)")
 
     def __post_init__(self):
         found = problems(self)
@@ -91,108 +141,43 @@ class TrainArgs(ModelSettings):
 
     @property
     def layout(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, dp=self.dp, sp=self.sp,
-                      distributed_optimizer=self.distributed_optimizer, recompute=self.recompute)
+        """The Layout the settings that name one of its fields fill (the others keep Layout's defaults)."""
+        return Layout(**{d.layout: getattr(self, name) for name, d in definitions(TrainArgs).items() if d.layout})
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.layout.world_size
 
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
 
-def _choice(name: str, value, choices, flag: str) -> List[str]:
-    if value in choices:
-        return []
-    return [f"{flag} must be one of {', '.join(map(str, choices))} (got {value!r})"]
-
-
-def _hybrid_layer_count(args: TrainArgs) -> int:
-    pattern = args.hybrid_layer_pattern or "*-" * args.num_layers
-    return len(pattern.split("/")[0].replace("|", ""))
-
-
 def problems(args: TrainArgs) -> List[str]:
     """Every problem with ``args``, one line each, saying what to change (empty: none)."""
-    found: List[str] = []
-    found += _choice("norm", args.norm, SCHEME_NAMES, "--norm")
-    found += _choice("model", args.model, MODEL_CLASSES, "--model")
-    if args.dtype == "fp16":
-        found.append("--dtype fp16 is not supported (Megatron's fp16 needs loss scaling this trainer does not do): "
-                     "use --bf16 or --dtype fp32")
-    else:
-        found += _choice("dtype", args.dtype, DTYPE_NAMES, "--dtype")
-    found += _choice("normalization", args.normalization, ("LayerNorm", "RMSNorm"), "--normalization")
-    found += _choice("position", args.position_embedding_type, ("rope", "learned_absolute"), "--position-embedding-type")
-    found += _choice("recompute", args.recompute, RECOMPUTE, "--recompute")
-    found += _choice("task", args.task, TASKS, "--task")
-    found += _choice("impl", args.transformer_impl, ("local", "transformer_engine"), "--transformer-impl")
-    found += _choice("recipe", args.fp8_recipe, FP8_RECIPES, "--fp8-recipe")
-    if args.fp8 is not None:
-        found += _choice("fp8", args.fp8, FP8_FORMATS, "--fp8-format")
-        if args.transformer_impl != "transformer_engine":
-            found.append("--fp8-format needs Transformer Engine's GEMMs: add --transformer-impl transformer_engine")
-
-    sizes = dict(tp=("--tensor-model-parallel-size/--tp", args.tp), pp=("--pipeline-model-parallel-size/--pp", args.pp),
-                 dp=("--dp", args.dp), layers=("--num-layers", args.num_layers), hidden=("--hidden-size", args.hidden_size),
-                 heads=("--num-attention-heads", args.num_attention_heads), seq=("--seq-length", args.seq_length),
-                 mbs=("--micro-batch-size", args.micro_batch_size), gbs=("--global-batch-size", args.global_batch_size),
-                 steps=("--train-iters/--steps", args.steps), eval_interval=("--eval-interval", args.eval_interval),
-                 eval_iters=("--eval-iters", args.eval_iters))
-    bad_sizes = {key for key, (flag, value) in sizes.items() if value < 1}
-    found += [f"{sizes[key][0]} must be at least 1 (got {sizes[key][1]})" for key in sorted(bad_sizes, key=list(sizes).index)]
-    for flag, value in (("--num-virtual-stages-per-pipeline-rank/--vpp", args.vpp), ("--save-interval", args.save_interval),
-                        ("--num-query-groups", args.num_query_groups), ("--ffn-hidden-size", args.ffn_hidden_size)):
-        if value is not None and value < 1:
-            found.append(f"{flag} must be at least 1 (got {value})")
+    invalid = field_problems(args, TrainArgs)  # each value against its own definition
+    found = list(invalid.values())
+    if args.fp8 is not None and args.transformer_impl != "transformer_engine":
+        found.append("--fp8-format needs Transformer Engine's GEMMs: add --transformer-impl transformer_engine")
     if args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
         found.append(f"learning rates must satisfy 0 <= --min-lr <= --lr (got --lr {args.lr:g}, --min-lr {args.min_lr:g})")
-
-    if "steps" not in bad_sizes:
+    if "steps" not in invalid:
         if args.warmup_steps is not None and not 0 <= args.warmup_steps < args.steps:
             found.append(f"--lr-warmup-iters/--warmup-steps must lie in [0, --train-iters) (got {args.warmup_steps} "
                          f"for {args.steps} steps): lower it, or leave it out for {WARMUP_FRACTION:.0%} of the run")
         if args.stop_step is not None and not 0 < args.stop_step <= args.steps:
             found.append(f"--stop-step must lie in [1, --train-iters={args.steps}] (got {args.stop_step})")
 
-    if not bad_sizes & {"tp", "hidden", "heads"}:
-        if args.hidden_size % args.num_attention_heads:
-            found.append(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
-                         f"{args.num_attention_heads}: change one of them")
-        if args.num_attention_heads % args.tp:
-            found.append(f"--num-attention-heads {args.num_attention_heads} does not split over --tp {args.tp}: use a "
-                         "tensor-parallel size that divides the head count")
-        groups = args.num_query_groups
-        if groups is not None and groups >= 1 and (args.num_attention_heads % groups or groups % args.tp):
-            found.append(f"--num-query-groups {groups} must divide --num-attention-heads {args.num_attention_heads} "
-                         f"and be a multiple of --tp {args.tp}")
-        ffn = args.ffn_hidden_size or 4 * args.hidden_size
-        if ffn >= 1 and ffn % args.tp:
-            found.append(f"the MLP width {ffn} (--ffn-hidden-size) does not split over --tp {args.tp}")
-        if padded_vocab_size() % args.tp:
-            found.append(f"the padded byte vocabulary ({padded_vocab_size()}) does not split over --tp {args.tp}: "
-                         "use 1, 2, 4, 5, 8, ...")
     if args.sp and args.tp == 1:
         found.append("--sequence-parallel/--sp needs --tp > 1")
     if args.vpp is not None and args.pp == 1:
         found.append("--num-virtual-stages-per-pipeline-rank/--vpp needs --pp > 1")
     if args.distributed_optimizer and args.dp == 1:
         found.append("--use-distributed-optimizer shards optimizer state over data-parallel ranks: it needs --dp > 1")
-    if not bad_sizes & {"pp", "layers"} and (args.vpp is None or args.vpp >= 1):
-        stages = args.pp * (args.vpp or 1)
-        if args.model == "hybrid":
-            layers = _hybrid_layer_count(args)
-            if "|" not in (args.hybrid_layer_pattern or "") and layers % stages:
-                found.append(f"the hybrid pattern's {layers} layers do not split into {stages} pipeline stages: change "
-                             "--pp/--vpp, or write the stage boundaries into --hybrid-layer-pattern with '|'")
-        elif args.num_layers % stages:
-            found.append(f"--num-layers {args.num_layers} does not split over {stages} pipeline stages (--pp "
-                         f"{args.pp}{f' x --vpp {args.vpp}' if args.vpp else ''}): use sizes whose product divides it")
-    if not bad_sizes & {"mbs", "gbs", "dp"} and args.global_batch_size % (args.micro_batch_size * args.dp):
-        found.append(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x --dp = "
-                     f"{args.micro_batch_size * args.dp}")
+    found += shape_problems(args)
+    found += split_problems(args, _layout_to_split(args), vocab_size=padded_vocab_size(),
+                            micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)
+
     if args.task != "lm" and (args.tp, args.pp) != (1, 1):
         found.append("the addition tasks' greedy evaluation runs on one rank: use --tp 1 --pp 1")
     if args.model == "hybrid":
@@ -207,3 +192,12 @@ def problems(args: TrainArgs) -> List[str]:
         found.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
                      "pass one")
     return found
+
+
+def _layout_to_split(args: TrainArgs) -> Layout:
+    """``args.layout``; when its flags conflict (said above in the flags' words), its sizes
+    alone, so that every divisibility problem is still listed in the same run."""
+    try:
+        return args.layout
+    except ValueError:
+        return Layout(tp=args.tp, pp=args.pp, vpp=args.vpp if args.pp > 1 else None, dp=args.dp)

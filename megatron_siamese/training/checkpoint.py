@@ -159,9 +159,9 @@ def _load_gpt_into_hybrid(trainer, checkpoint: str) -> int:
         retarget_sharded_state_dict_to_gpt_checkpoint,
     )
 
-    from megatron_siamese.models import hybrid_pattern
+    from megatron_siamese.hybrid_pattern import hybrid_pattern
 
-    layer_maps = gpt_compatible_layer_maps(hybrid_pattern(trainer.args))
+    layer_maps = gpt_compatible_layer_maps(hybrid_pattern(trainer.args).text)
     state = {key: module.sharded_state_dict(metadata=_metadata(trainer)) for key, module in _models(trainer)}
     for sharded in state.values():
         retarget_sharded_state_dict_to_gpt_checkpoint(sharded, layer_maps)

@@ -29,7 +29,7 @@ from megatron_siamese import device
 from megatron_siamese.runtime import launch, launchers
 from megatron_siamese.runtime.gpt import MegatronGPT
 from megatron_siamese.training import checkpoint
-from megatron_siamese.training.args import ConfigError, TrainArgs, padded_vocab_size
+from megatron_siamese.training.args import ADDITION_TASKS, ConfigError, TrainArgs, padded_vocab_size
 from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
 from megatron_siamese.training.summary import RunSummary, format_summary, shown  # noqa: F401  (format_summary re-exported)
 
@@ -91,9 +91,9 @@ class Trainer:
 
         args = self.args
         if args.task != "lm":
-            from megatron_siamese.training.addition import TASKS, addition_corpus
+            from megatron_siamese.training.addition import addition_corpus
 
-            corpus = partial(addition_corpus, reverse=TASKS[args.task], digits=args.addition_digits)
+            corpus = partial(addition_corpus, reverse=ADDITION_TASKS[args.task], digits=args.addition_digits)
         else:
             corpus = embedded_corpus
         shared_cache = launch.shared_by_all_ranks(args.cache_dir)
@@ -238,10 +238,10 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     if trainer.step not in summary.val_losses and not summary.diverged and not summary.stopped:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
     if args.task != "lm" and not summary.diverged and not summary.stopped:
-        from megatron_siamese.training.addition import TASKS, exact_match_accuracy
+        from megatron_siamese.training.addition import exact_match_accuracy
 
         trainer.gpt.train(False)
-        summary.accuracy = exact_match_accuracy(trainer.gpt.chunks[0], reverse=TASKS[args.task],
+        summary.accuracy = exact_match_accuracy(trainer.gpt.chunks[0], reverse=ADDITION_TASKS[args.task],
                                                 digits=args.addition_digits)
     summary.steps_done = trainer.step
     summary.seconds = time.perf_counter() - start
@@ -290,9 +290,5 @@ def train(args: TrainArgs) -> Optional[RunSummary]:
         _checked_before_start(args)
         return launch.run_job(train_rank, args.world_size, args, timeout_s=24 * 3600,
                               quiet_ranks=range(1, args.world_size), graceful_stop=True, needs=needs)
-    return launch.run_job(_launched_train_rank, args.world_size, args, timeout_s=args_timeout(args), needs=needs)
-
-
-def args_timeout(args: TrainArgs) -> float:
-    """How long a rank waits for the others (joining, a collective, a checkpoint being written)."""
-    return 60.0 * getattr(args, "distributed_timeout_minutes", 60.0)
+    return launch.run_job(_launched_train_rank, args.world_size, args, timeout_s=60 * args.distributed_timeout_minutes,
+                          needs=needs)

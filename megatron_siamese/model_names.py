@@ -1,0 +1,13 @@
+"""The names of the residual schemes and model classes, each list written once.
+
+Plain data, no torch or Megatron import: the command line offers these as choices before
+any rank starts; ``models.py`` builds one scheme per name and refuses to import if the two
+ever differ.
+"""
+
+# siamese: SiameseNorm (Python API); siamese-layer: the layer spec Megatron-LM's --spec names;
+# siamese-hybrid: the authors' QK-norm variant; pre: Megatron's Pre-Norm layer; post: Post-Norm
+SCHEME_NAMES = ("siamese", "siamese-layer", "siamese-hybrid", "pre", "post")
+
+# gpt: GPTModel; hybrid: HybridModel (megatron-core >= 0.19, SiameseNorm only)
+MODEL_CLASSES = ("gpt", "hybrid")

@@ -1,0 +1,90 @@
+"""Whether a model's sizes fit together and split over a layout: each rule written once.
+
+``training/args.py`` applies these to a run's settings and ``cli/check.py`` to the check's
+model under each of its layouts, before any rank starts. Each problem is one line naming
+the flag to change. A rule whose sizes are below 1 is skipped: the callers refuse those
+sizes themselves, and a remainder by zero says nothing useful.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+from megatron_siamese.hybrid_pattern import hybrid_pattern
+from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.runtime.settings import ModelSettings
+
+
+def short_flag(key: str, value: int) -> str:
+    """A layout size as the train command's short flags name it: ``--tp 2``."""
+    return f"--{key} {value}"
+
+
+def layout_part(key: str, value: int) -> str:
+    """A layout size as a layout name spells it: ``tp2``."""
+    return f"{key}{value}"
+
+
+def _positive(*sizes) -> bool:
+    return all(size is not None and size >= 1 for size in sizes)
+
+
+def shape_problems(model: ModelSettings) -> List[str]:
+    """The model's own sizes that do not fit together, whatever the layout."""
+    found = []
+    heads, groups = model.num_attention_heads, model.num_query_groups
+    if _positive(model.hidden_size, heads) and model.hidden_size % heads:
+        found.append(f"--hidden-size {model.hidden_size} is not a multiple of --num-attention-heads {heads}: "
+                     "change one of them")
+    if _positive(heads, groups) and heads % groups:
+        found.append(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
+    return found
+
+
+def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, micro_batch_size: int,
+                   global_batch_size: int, global_batch_flag: str = "--global-batch-size",
+                   spell: Callable[[str, int], str] = short_flag) -> List[str]:
+    """What of ``model`` and its batch does not split over ``layout``: heads, query groups, MLP
+    width and vocabulary over TP, layers (or the hybrid pattern) over the pipeline stages, the
+    global batch over microbatches x DP. ``spell`` names a layout size in the messages."""
+    found = []
+    tp, heads, groups = layout.tp, model.num_attention_heads, model.num_query_groups
+    if _positive(tp, heads) and heads % tp:
+        found.append(f"--num-attention-heads {heads} does not split over {spell('tp', tp)}: use a tensor-parallel "
+                     "size that divides the head count")
+    elif _positive(tp, groups) and groups % tp:
+        found.append(f"--num-query-groups {groups} does not split over {spell('tp', tp)}: use a tensor-parallel "
+                     "size that divides it")
+    ffn = model.ffn_hidden_size or 4 * model.hidden_size  # Megatron's default width
+    if _positive(tp, ffn) and ffn % tp:
+        found.append(f"the MLP width {ffn} (--ffn-hidden-size) does not split over {spell('tp', tp)}")
+    if _positive(tp, vocab_size) and vocab_size % tp:
+        divisors = ", ".join(str(d) for d in range(1, 17) if vocab_size % d == 0)
+        found.append(f"the vocabulary ({vocab_size}) does not split over {spell('tp', tp)}: use a tensor-parallel "
+                     f"size dividing it ({divisors}, ...)")
+    found += _stage_problems(model, layout, spell)
+    dp = layout.dp
+    if _positive(micro_batch_size, global_batch_size, dp) and global_batch_size % (micro_batch_size * dp):
+        found.append(f"{global_batch_flag} {global_batch_size} must be a multiple of --micro-batch-size x "
+                     f"{spell('dp', dp)} = {micro_batch_size * dp}")
+    return found
+
+
+def _stage_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, int], str]) -> List[str]:
+    if not _positive(layout.pp, model.num_layers, layout.vpp or 1):
+        return []
+    stages = layout.pp * (layout.vpp or 1)
+    sizes = spell("pp", layout.pp) + (f" x {spell('vpp', layout.vpp)}" if layout.vpp else "")
+    if model.model != "hybrid":
+        if model.num_layers % stages:
+            return [f"--num-layers {model.num_layers} does not split over {stages} pipeline stages ({sizes}): "
+                    "use sizes whose product divides it"]
+        return []
+    pattern = hybrid_pattern(model)
+    if pattern.has_boundaries and len(pattern.segments) != stages:
+        return [f"--hybrid-layer-pattern has {len(pattern.segments)} pipeline segments ('|') for {stages} pipeline "
+                f"stages ({sizes}): write one segment per stage"]
+    if not pattern.has_boundaries and len(pattern.layers) % stages:
+        return [f"the hybrid pattern's {len(pattern.layers)} layers do not split into {stages} pipeline stages "
+                f"({sizes}): change them, or write the stage boundaries into --hybrid-layer-pattern with '|'"]
+    return []

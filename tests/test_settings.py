@@ -1,0 +1,151 @@
+"""Each setting is defined once (runtime/registry.py): the parser, the validation and the
+TransformerConfig keywords are derived from that definition, and a second definition of a
+flag is refused."""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+
+from megatron_siamese.check.case import ModelCase
+from megatron_siamese.cli import build_parser, check, flags
+from megatron_siamese.hybrid_pattern import HybridPattern
+from megatron_siamese.runtime.layout import Layout, parse_layout
+from megatron_siamese.runtime.registry import KEY, DuplicateSetting, definitions, field_problems, setting
+from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.training.args import ConfigError, TrainArgs
+
+stack_independent = pytest.mark.stack_independent  # plain data: the same on every megatron-core
+
+
+def train_parser():
+    return build_parser()._subparsers._group_actions[0].choices["train"]
+
+
+@stack_independent
+def test_every_train_args_field_is_one_setting_whose_flags_the_parser_has():
+    by_dest = {}
+    for action in train_parser()._actions:
+        by_dest.setdefault(action.dest, set()).update(action.option_strings)
+    for field in dataclasses.fields(TrainArgs):
+        definition = field.metadata.get(KEY)
+        assert definition is not None and definition.flags, f"TrainArgs.{field.name} has no setting() with flags"
+        assert by_dest.pop(field.name) == set(definitions(TrainArgs)[field.name].all_flags), field.name
+    assert set(by_dest) == {"help", "compare", "debug"}  # the train command's own flags, no stray setting
+
+
+@stack_independent
+def test_the_parser_defaults_are_the_dataclass_defaults():
+    options = train_parser().parse_args([])
+    for field in dataclasses.fields(TrainArgs):
+        assert getattr(options, field.name) == field.default, field.name
+    assert flags.train_args(options) == TrainArgs()
+
+
+@stack_independent
+def test_aliases_and_switches_set_their_one_field():
+    parse = train_parser().parse_args
+    assert parse(["--tp", "4"]).tp == parse(["--tensor-model-parallel-size", "4"]).tp == 4
+    assert parse(["--bf16"]).dtype == parse(["--dtype", "bf16"]).dtype == "bf16"
+    assert parse(["--disable-bias-linear"]).add_bias_linear is False
+    assert parse(["--add-bias-linear"]).add_bias_linear is True
+    assert parse(["--no-swiglu"]).gated_linear_unit is False
+    assert parse(["--untie-embeddings-and-output-weights"]).share_embeddings_and_output_weights is False
+
+
+@stack_independent
+def test_a_flag_defined_twice_is_refused():
+    @dataclass(frozen=True)
+    class Planted(TrainArgs):
+        tensor_parallel: int = setting(1, group="parallelism", flag="--tp", help="a second tensor-parallel size")
+
+    with pytest.raises(DuplicateSetting, match=r"Planted.tensor_parallel claims --tp, which Planted.tp"):
+        definitions(Planted)
+
+
+@stack_independent
+def test_a_config_or_layout_field_set_by_two_settings_is_refused():
+    @dataclass(frozen=True)
+    class TwoWidths(ModelSettings):
+        width: int = setting(64, flag="--width", help="width", config="hidden_size")
+
+    @dataclass(frozen=True)
+    class TwoTp(TrainArgs):
+        tensor_parallel: int = setting(1, flag="--tensor-parallel", help="tp", layout="tp")
+
+    with pytest.raises(DuplicateSetting, match="TransformerConfig.hidden_size"):
+        definitions(TwoWidths)
+    with pytest.raises(DuplicateSetting, match="Layout.tp"):
+        definitions(TwoTp)
+
+
+@stack_independent
+def test_values_are_checked_against_their_definitions():
+    @dataclass(frozen=True)
+    class Knobs:
+        size: int = setting(1, flag="--size", help="a size", minimum=1)
+        kind: str = setting("a", flag="--kind", help="a kind", choices=("a", "b"))
+        maybe: Optional[str] = setting(None, flag="--maybe", help="optional", choices=("x",))
+        even: int = setting(2, flag="--even", help="even", check=lambda v: None if v % 2 == 0 else "--even: odd")
+
+    assert field_problems(Knobs()) == {}
+    assert field_problems(Knobs(size=0, kind="c", maybe="y", even=3)) == {
+        "size": "--size must be at least 1 (got 0)", "kind": "--kind must be one of a, b (got 'c')",
+        "maybe": "--maybe must be one of x (got 'y')", "even": "--even: odd"}
+
+
+@stack_independent
+def test_world_size_and_layout_come_from_the_layout_settings():
+    args = TrainArgs(tp=2, pp=2, vpp=2, dp=2, sp=True, distributed_optimizer=True, recompute="full")
+    assert args.layout == Layout(tp=2, pp=2, vpp=2, cp=1, dp=2, sp=True, distributed_optimizer=True,
+                                 recompute="full")
+    assert args.world_size == args.layout.world_size == 8
+
+
+@stack_independent
+def test_train_and_check_refuse_a_split_with_the_same_rule():
+    with pytest.raises(ConfigError) as refused:
+        TrainArgs(num_attention_heads=6, hidden_size=96, tp=4)
+    found = check.problems(ModelCase(num_attention_heads=6, hidden_size=96, num_query_groups=None), ["tp4"])
+    assert "--num-attention-heads 6 does not split over --tp 4" in refused.value.problems[0]
+    assert "layout tp4: --num-attention-heads 6 does not split over tp4" in found[0]
+    # a hybrid pattern's '|' segments must be one per pipeline stage, in both commands
+    case = ModelCase(model="hybrid", hybrid_layer_pattern="*-|*-|*-")
+    assert check.problems(case, ["pp2"]) == [
+        "layout pp2: --hybrid-layer-pattern has 3 pipeline segments ('|') for 2 pipeline stages (pp2): "
+        "write one segment per stage"]
+    assert check.problems(case, [parse_layout("pp3").name]) == []
+
+
+@stack_independent
+def test_hybrid_patterns_are_read_in_one_place():
+    pattern = HybridPattern("*-M*|*-M*/*-")
+    assert (pattern.main, pattern.mtp, pattern.layers) == ("*-M*|*-M*", "*-", "*-M**-M*")
+    assert pattern.segments == ["*-M*", "*-M*"] and pattern.has_boundaries
+    assert HybridPattern("*-*-/-").staged(2) == "*-|*-/-"
+    with pytest.raises(ValueError, match="do not split evenly into 3"):
+        HybridPattern("*-*-").staged(3)
+
+
+# Not stack-independent: TransformerConfig's fields are megatron-core's, per release.
+def test_every_setting_naming_a_transformer_config_field_reaches_it():
+    from megatron_siamese.model_names import SCHEME_NAMES
+    from megatron_siamese.models import SCHEMES
+    from megatron_siamese.runtime.gpt import transformer_config
+
+    assert tuple(SCHEMES) == SCHEME_NAMES
+    changed = dict(hidden_size=64, num_attention_heads=8, num_query_groups=4, normalization="LayerNorm",
+                   gated_linear_unit=False, add_bias_linear=True, zero_centered_gamma=True, init_method_std=0.01,
+                   fused_ops=False, transformer_impl="transformer_engine", fp8="e4m3", fp8_recipe="tensorwise",
+                   tp=4, pp=2, vpp=2, num_layers=4, sp=True)
+    args = TrainArgs(**changed)
+    layout = dataclasses.replace(args.layout, cp=2)  # no setting sets cp yet
+    config = transformer_config(args, layout)
+    declared = [(args, name, d) for name, d in definitions(ModelSettings).items() if d.config]
+    declared += [(layout, name, d) for name, d in definitions(Layout).items() if d.config]
+    assert len(declared) >= 15
+    for values, name, definition in declared:
+        value = getattr(values, name)
+        assert value != definition.default, f"{name}: give it a value other than its default here"
+        assert getattr(config, definition.config) == value, f"{name} does not reach {definition.config}"
