@@ -215,7 +215,7 @@ def test_the_slurm_examples_hand_srun_commands_that_parse(tmp_path):
     cli_args = check[check.index("megatron_siamese.cli") + 1:]
     options = build_parser().parse_args(cli_args)
     assert options.layouts == "all" and options.transformer_impl == "transformer_engine" and options.dtype == "bf16"
-    case = ModelCase(**{field: getattr(options, field) for field in check_command.SIZES})
+    case = ModelCase(**{name: getattr(options, name) for name in check_command.CASE_SETTINGS + check_command.SIZES})
     assert check_command.problems(case, ["tp8-pp2", "tp4-pp2-dp2-sp", "tp2-dp8-sp-do"]) == []
 
     train = submitted("pretrain.sbatch", tmp_path, OUT=str(tmp_path / "out"))

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 from typing import List, Optional
 
 from megatron_siamese.check import DEFAULT_LAYOUTS, SPECS
 from megatron_siamese.check.case import ModelCase
 from megatron_siamese.check.faults import FAULTS
-from megatron_siamese.cli.flags import HelpFormatter
+from megatron_siamese.cli.flags import HelpFormatter, add_setting
 from megatron_siamese.runtime.divisibility import layout_part, shape_problems, split_problems
 from megatron_siamese.runtime.layout import parse_layout
-from megatron_siamese.runtime.settings import MODEL_CLASSES
+from megatron_siamese.runtime.registry import definitions, field_problems
+from megatron_siamese.runtime.settings import ModelSettings
 from megatron_siamese.training.args import ConfigError
 
 DESCRIPTION = """\
@@ -39,8 +41,27 @@ Layout names: sizes tpN, ppN, vppN (virtual stages per pipeline rank), cpN, dpN 
 joined by '-'; 'single' is one rank. Example: tp2-pp2-sp.
 """
 
-SIZES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
-         "seq_length", "micro_batch_size", "num_microbatches", "seed")
+# the model settings the check takes, as the trainer defines them, with the check's tiny defaults
+CASE_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                 "seq_length", "normalization", "model", "hybrid_layer_pattern", "dtype", "transformer_impl", "fp8",
+                 "fp8_recipe")
+# the check's own sizes (its data: random tokens of a vocabulary, a fixed global batch)
+SIZES = ("vocab_size", "micro_batch_size", "num_microbatches", "seed")
+CASE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(ModelCase)}
+
+
+def add_case_flags(parser: argparse.ArgumentParser) -> None:
+    settings = definitions(ModelSettings)
+    group = parser.add_argument_group("model and precision (the trainer's flags; defaults: the check's tiny GPT)")
+    for name in CASE_SETTINGS:
+        # the trainer's own default, where its help names one, is not the check's
+        help = re.sub(r" \(\)", "", re.sub(r"(; )?default: [^)]*\)", ")", settings[name].help))
+        add_setting(group, dataclasses.replace(settings[name], default=CASE_DEFAULTS[name], help=help))
+    data = parser.add_argument_group("data")
+    for name in SIZES:
+        data.add_argument("--" + name.replace("_", "-"), type=int, default=CASE_DEFAULTS[name],
+                          help="the global batch: --num-microbatches of --micro-batch-size random sequences over "
+                               "--vocab-size tokens, from --seed" if name == "vocab_size" else "see --vocab-size")
 
 
 def add_parser(commands, name: str) -> argparse.ArgumentParser:
@@ -53,26 +74,10 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
                         help="siamese: SiameseNorm via the Python API; siamese-layer: via the layer spec object "
                              "Megatron-LM's --spec imports; siamese-hybrid: the authors' hybrid variant; stock: "
                              "Megatron's Pre-Norm layer, as a control for the check itself")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="parameter and activation dtype (bf16: mixed precision, fp32 main grads); sets the tolerance")
-    parser.add_argument("--bf16", dest="dtype", action="store_const", const="bf16", help="same as --dtype bf16")
-    parser.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
-                        help="Megatron's own modules, or Transformer Engine's GEMMs and attention (GPUs)")
-    parser.add_argument("--fp8-format", dest="fp8", choices=("hybrid", "e4m3"), default=None,
-                        help="Transformer Engine FP8 format (judged by the FP8 tolerance)")
-    parser.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "mxfp8", "blockwise"), default="delayed",
-                        help="FP8 scaling recipe, as Megatron names it")
     parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                         help="how long a rank waits for the others (joining, a collective, a layout it sits out) "
                              "before the whole check fails")
-    for field in SIZES:
-        parser.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(ModelCase, field),
-                            help="model and data size")
-    parser.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="norm kind")
-    parser.add_argument("--model", choices=MODEL_CLASSES, default="gpt",
-                        help="GPTModel, or HybridModel (megatron-core >= 0.19) with SiameseNorm sublayers")
-    parser.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
-                        help="HybridModel layers, e.g. '*-*-' (default: '*-' per --num-layers)")
+    add_case_flags(parser)
     parser.add_argument("--plant-fault", choices=sorted(FAULTS), default=None,
                         help="plant a known bug on every rank to see the check fail")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -82,8 +87,9 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
 
 def problems(case: ModelCase, layouts: List[str]) -> List[str]:
     """What keeps the check from running (one line each), found before any rank starts."""
-    found = [f"--{field.replace('_', '-')} must be at least 1 (got {getattr(case, field)})"
-             for field in SIZES if field != "seed" and (getattr(case, field) or 1) < 1]
+    found = [problem for name, problem in field_problems(case, ModelSettings).items() if name in CASE_SETTINGS]
+    found += [f"--{field.replace('_', '-')} must be at least 1 (got {getattr(case, field)})"
+              for field in SIZES if field != "seed" and getattr(case, field) < 1]
     if found:
         return found
     found += shape_problems(case)
@@ -115,6 +121,8 @@ def engine_problems(case: ModelCase) -> List[str]:
     found = []
     if case.fp8 and case.transformer_impl != "transformer_engine":
         found.append("--fp8-format needs Transformer Engine's GEMMs: add --transformer-impl transformer_engine")
+    if case.fp8 and case.dtype != "bf16":
+        found.append("--fp8-format runs FP8 GEMMs in a bf16 model: add --bf16")
     if case.transformer_impl == "transformer_engine":
         from megatron_siamese import te
 
@@ -142,10 +150,7 @@ def run(options: argparse.Namespace) -> int:
     if options.list:
         print("\n".join(DEFAULT_LAYOUTS))
         return 0
-    case = ModelCase(norm=SPECS[options.spec], dtype=options.dtype, normalization=options.normalization,
-                     model=options.model, hybrid_layer_pattern=options.hybrid_layer_pattern,
-                     transformer_impl=options.transformer_impl, fp8=options.fp8, fp8_recipe=options.fp8_recipe,
-                     **{field: getattr(options, field) for field in SIZES})
+    case = ModelCase(norm=SPECS[options.spec], **{name: getattr(options, name) for name in CASE_SETTINGS + SIZES})
     launch = launchers.detect()  # LaunchError: the launcher's variables contradict one another
     world = None if launch is None else launch.world_size
     layouts = chosen_layouts(options.layouts, case, world)

@@ -103,7 +103,7 @@ def _stop_on_first_signal() -> None:
 # the joined job: its launch, backend, timeout, the rendezvous store the process groups
 # are formed on, and how many times they were re-formed
 _job: dict = {}
-_console = {"fd": None}
+_console = {"queue": None}  # spawned ranks: the launcher prints what rank 0 sends it
 
 
 def joined() -> Optional[Launch]:
@@ -112,15 +112,15 @@ def joined() -> Optional[Launch]:
 
 
 def console(line: str) -> None:
-    """Print ``line`` for the job: on rank 0 only, to the terminal even when rank 0's own
-    output goes to a log (spawned quiet ranks)."""
+    """Print ``line`` for the job, on rank 0 only: in a launched job to its output, in a job
+    spawned here by the launching process (to its stdout, whatever rank 0's own output is)."""
     launch = joined()
     if launch is not None and launch.rank != 0:
         return
-    if _console["fd"] is None:
+    if _console["queue"] is None:
         print(line, flush=True)
     else:
-        os.write(_console["fd"], (line + "\n").encode())
+        _console["queue"].put((CONSOLE, None, line))
 
 
 def _init_group(size: int, tag: str) -> None:
@@ -225,10 +225,10 @@ def _worker(launch, timeout_s, fn, args, results, stop_event, log_path):
     for sig in STOP_SIGNALS:  # the launcher decides when ranks stop
         signal.signal(sig, signal.SIG_IGN)
     _stop["event"] = stop_event
+    _console["queue"] = results
     if log_path is not None:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        _console["fd"] = os.dup(1)
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -278,13 +278,20 @@ def _tail(path: Optional[str], lines: int = 40) -> str:
         return "".join(f.readlines()[-lines:])
 
 
+CONSOLE = -1  # a message from rank 0 for the launcher to print, not a rank's report
+
+
 def _next_result(results, procs, timeout_s: float, logs):
-    """The next rank's report; fails at once when a rank died without one (a crash, a
-    signal, a script without a ``__main__`` guard re-running itself)."""
+    """The next rank's report (printing rank 0's console lines as they come); fails at once
+    when a rank died without one (a crash, a signal, a script without a ``__main__`` guard
+    re-running itself)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            return results.get(timeout=1.0)
+            message = results.get(timeout=1.0)
+            if message[0] != CONSOLE:
+                return message
+            print(message[2], flush=True)
         except queue.Empty:
             dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
             if dead:
