@@ -34,14 +34,18 @@ def agents(nnodes, nproc, args, cwds=None, timeout=600):
     return [(proc.wait(timeout=timeout), proc.stdout.read()) for proc in procs]
 
 
-def srun(ntasks, args, env=None, started=None, timeout=300):
-    """An srun step of ``ntasks`` tasks on one node, by hand (only the tasks in ``started`` run)."""
+def srun_tasks(ntasks, args, env=None, started=None):
+    """The tasks of an srun step of ``ntasks`` on one node, started by hand (only those in ``started``)."""
     base = dict(os.environ, SLURM_NTASKS=str(ntasks), SLURM_NNODES="1", SLURM_NODEID="0",
                 SLURM_NODELIST="localhost", SLURM_STEP_ID="0", SLURM_JOB_ID="1", MASTER_PORT=str(free_port()))
-    procs = [subprocess.Popen([sys.executable, *CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), **(env or {})})
-             for rank in (range(ntasks) if started is None else started)]
-    return [(proc.wait(timeout=timeout), proc.stdout.read()) for proc in procs]
+    return [subprocess.Popen([sys.executable, *CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), **(env or {})})
+            for rank in (range(ntasks) if started is None else started)]
+
+
+def srun(ntasks, args, env=None, started=None, timeout=300):
+    """Such a step run to its end: (rc, output) per task."""
+    return [(proc.wait(timeout=timeout), proc.stdout.read()) for proc in srun_tasks(ntasks, args, env, started)]
 
 
 def losses(output_dir):
@@ -228,3 +232,17 @@ def test_the_slurm_examples_hand_srun_commands_that_parse(tmp_path):
     import importlib
 
     assert hasattr(importlib.import_module(module), name)
+
+
+def test_a_rank_that_dies_ends_the_job_instead_of_hanging_it(tmp_path):
+    import time
+
+    rank0, rank1 = srun_tasks(2, [*TINY_TRAIN, "--tp", "2", "--steps", "5000", "--cache-dir", tmp_path / "cache",
+                                  "--output-dir", tmp_path / "out", "--distributed-timeout-minutes", "0.5"])
+    time.sleep(15)  # joined (or still joining: then the timeout ends it)
+    rank1.kill()
+    start = time.monotonic()
+    rc = rank0.wait(timeout=120)
+    said = rank0.stdout.read()
+    assert rc in (1, 2) and time.monotonic() - start < 60, (rc, said)
+    assert said.startswith("megatron-siamese train: error: ") and "Traceback" not in said, said
