@@ -246,3 +246,14 @@ def test_a_rank_that_dies_ends_the_job_instead_of_hanging_it(tmp_path):
     said = rank0.stdout.read()
     assert rc in (1, 2) and time.monotonic() - start < 60, (rc, said)
     assert said.startswith("megatron-siamese train: error: ") and "Traceback" not in said, said
+
+
+def test_an_output_directory_it_cannot_write_is_refused_before_the_first_step(tmp_path):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    done = subprocess.run([sys.executable, *CLI, *TINY_TRAIN, "--tp", "2", "--cache-dir", tmp_path / "cache",
+                           "--output-dir", not_a_directory / "out"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"megatron-siamese train: error: --output-dir {not_a_directory / 'out'}: cannot write in "
+        f"{not_a_directory / 'out'}: Not a directory; choose a directory this job can write"]

@@ -48,6 +48,7 @@ import torch.multiprocessing as mp
 from megatron_siamese import device
 from megatron_siamese.runtime import cpu_shim, launchers
 from megatron_siamese.runtime.launchers import Launch, LaunchError
+from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -200,20 +201,26 @@ def gather_to_rank0(value: Any) -> Optional[List[Any]]:
 
 def shared_by_all_ranks(directory: str) -> bool:
     """Whether every rank of the joined job sees the same ``directory`` (a shared file system,
-    or one node): rank 0 leaves a mark in it that every rank looks for. Every rank must call it."""
+    or one node): rank 0 leaves a mark in it that every rank looks for. Every rank must call it;
+    if rank 0 cannot write there, every rank raises that OSError."""
     import uuid
 
-    mark = [os.path.join(directory, f".megatron-siamese-mark-{uuid.uuid4().hex}")]
-    torch.distributed.broadcast_object_list(mark, src=0)
+    mark = os.path.join(directory, f".megatron-siamese-mark-{uuid.uuid4().hex}")
+    written = [mark, None]
     if torch.distributed.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        open(mark[0], "w").close()
-    torch.distributed.barrier()
-    seen = torch.tensor([float(os.path.exists(mark[0]))], device=device.current())
+        try:
+            os.makedirs(directory, exist_ok=True)
+            open(mark, "w").close()
+        except OSError as error:
+            written[1] = f"cannot write in {directory}: {error.strerror or error}"
+    torch.distributed.broadcast_object_list(written, src=0)  # the same (relative) path to every rank
+    if written[1] is not None:
+        raise OSError(written[1])
+    seen = torch.tensor([float(os.path.exists(written[0]))], device=device.current())
     torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        os.remove(mark[0])
+        os.remove(mark)
     return bool(seen.item())
 
 
@@ -243,7 +250,8 @@ def _worker(launch, timeout_s, fn, args, results, stop_event, log_path):
         results.put((launch.rank, True, buffer.getvalue() if launch.rank == 0 else None))
     except BaseException as error:  # report every failure, including SystemExit from asserts in fn
         summary = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
-        results.put((launch.rank, False, (summary[:500], traceback.format_exc())))
+        problems = error.problems if isinstance(error, ConfigError) else None  # settings, not a crash
+        results.put((launch.rank, False, (summary[:500], traceback.format_exc(), problems)))
     finally:
         leave()
 
@@ -386,7 +394,9 @@ def launch(
             for reported in range(1, world_size + 1):
                 rank, ok, value = _next_result(results, procs, timeout_s, logs)
                 if not ok:
-                    summary, trace = value
+                    summary, trace, problems = value
+                    if problems is not None:
+                        raise ConfigError(problems)
                     raise _root_cause(procs, logs) or RankFailed(f"rank {rank} of {world_size} failed: {summary}",
                                                                  trace + _tail(logs[rank]))
                 if rank == 0:

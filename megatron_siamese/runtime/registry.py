@@ -16,7 +16,17 @@ import functools
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+class ConfigError(ValueError):
+    """Settings a run cannot honour; ``problems`` holds one line per problem (each saying what
+    to change). Raised before any rank starts, or by the ranks of a job, which then re-raise
+    it wherever the job was launched from."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
 
 KEY = "megatron_siamese.setting"  # the field-metadata key holding a Setting
 

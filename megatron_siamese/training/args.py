@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from megatron_siamese.runtime.divisibility import shape_problems, split_problems
 from megatron_siamese.runtime.layout import RECOMPUTE, Layout
-from megatron_siamese.runtime.registry import definitions, field_problems, setting
+from megatron_siamese.runtime.registry import ConfigError, definitions, field_problems, setting  # noqa: F401
 from megatron_siamese.runtime.settings import ModelSettings
 
 ADDITION_TASKS = {"addition": False, "addition-reversed": True}  # task name: the sum written reversed
@@ -23,14 +23,6 @@ TASKS = ("lm", *ADDITION_TASKS)
 WARMUP_FRACTION = 0.1  # of the run, when no warm-up is given (Megatron-LM's --lr-warmup-fraction)
 BYTE_VOCAB = 258  # ByteTokenizer: 256 bytes, end of document, padding
 VOCAB_MULTIPLE = 64
-
-
-class ConfigError(ValueError):
-    """Settings a run cannot honour; ``problems`` holds one line per problem."""
-
-    def __init__(self, problems: List[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 def padded_vocab_size(vocab_size: int = BYTE_VOCAB, multiple: int = VOCAB_MULTIPLE) -> int:

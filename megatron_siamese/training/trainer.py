@@ -177,7 +177,11 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
     from megatron_siamese.training.preflight import checkpoint_dir
 
-    if not launch.shared_by_all_ranks(args.output_dir):
+    try:
+        shared = launch.shared_by_all_ranks(args.output_dir)
+    except OSError as error:  # found before the first step, not at the first save
+        raise ConfigError([f"--output-dir {args.output_dir}: {error}; choose a directory this job can write"]) from None
+    if not shared:
         raise ConfigError([f"--output-dir {args.output_dir} is not the same directory on every node: checkpoints "
                            "need a path all ranks see (a shared file system)"])
     trainer = Trainer(args)
