@@ -75,6 +75,7 @@ STEPS = (
     Step("te-layer-bench", "layers.py", 2, 180, needs=TE, te=True, expected_s=50, min_s=40),
     Step("model-bench", "model_bench.py", 2, 330, needs=TE, te=True, expected_s=210, min_s=90),
     Step("te-vs-local", "te_parity.py", 2, 120, needs=TE, te=True, expected_s=22, min_s=40),
+    Step("te-check", "te_check.py", 2, 150, needs=TE, te=True, expected_s=45, min_s=40),
     Step("fp8-training", "training.py", 2, 240, needs=TE, te=True, expected_s=106, min_s=130),
 )
 
