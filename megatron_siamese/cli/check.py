@@ -81,7 +81,8 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
     parser.add_argument("--plant-fault", choices=sorted(FAULTS), default=None,
                         help="plant a known bug on every rank to see the check fail")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    parser.add_argument("--list", action="store_true", help="print the default layouts and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="print the layouts --layouts picks (with 'all': those that fit this job and model) and exit")
     return parser
 
 
@@ -147,13 +148,14 @@ def chosen_layouts(requested: str, case: ModelCase, world: Optional[int]) -> Lis
 def run(options: argparse.Namespace) -> int:
     from megatron_siamese.runtime import launchers
 
-    if options.list:
-        print("\n".join(DEFAULT_LAYOUTS))
-        return 0
     case = ModelCase(norm=SPECS[options.spec], **{name: getattr(options, name) for name in CASE_SETTINGS + SIZES})
     launch = launchers.detect()  # LaunchError: the launcher's variables contradict one another
     world = None if launch is None else launch.world_size
     layouts = chosen_layouts(options.layouts, case, world)
+    if options.list:
+        if launch is None or launch.rank == 0:
+            print("\n".join(layouts))
+        return 0
     found = problems(case, layouts) + fit_problems(layouts, world) + engine_problems(case)
     if not layouts:
         found.append(f"--layouts {options.layouts!r} leaves no layout to run")
