@@ -21,14 +21,15 @@ TINY_TRAIN = ["train", "--num-layers", "2", "--hidden-size", "64", "--seq-length
               "--global-batch-size", "8", "--steps", "6", "--eval-interval", "3", "--eval-iters", "1", "--no-progress"]
 
 
-def agents(nnodes, nproc, args, cwds=None, timeout=600):
-    """``nnodes`` torchrun agents of ``nproc`` ranks each, on one c10d rendezvous; (rc, output) per agent."""
+def agents(nnodes, nproc, args, cwds=None, per_node=None, timeout=600):
+    """``nnodes`` torchrun agents of ``nproc`` ranks each, on one c10d rendezvous (``per_node``: more
+    arguments for each agent's ranks); (rc, output) per agent."""
     endpoint = f"localhost:{free_port()}"
     procs = []
     for node in range(nnodes):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
                    str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", endpoint,
-                   *CLI, *map(str, args)]
+                   *CLI, *map(str, args), *map(str, per_node[node] if per_node else ())]
         procs.append(subprocess.Popen(command, cwd=cwds[node] if cwds else None, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     return [(proc.wait(timeout=timeout), proc.stdout.read()) for proc in procs]
@@ -109,13 +110,13 @@ def test_all_layouts_that_fit_a_job():
 
 def test_check_on_two_nodes(tmp_path):
     report = tmp_path / "check.json"
-    runs = agents(2, 2, ["check", "--layouts", "tp2-pp2,dp2-tp2-sp,tp2", "--num-layers", "2", "--json", report])
+    runs = agents(2, 2, ["check", "--layouts", "tp2-pp2,dp2-tp2-sp,dp2-do", "--num-layers", "2", "--json", report])
     assert [rc for rc, _ in runs] == [0, 0], runs
     table = "".join(out for _, out in runs)
     assert table.count("tolerance (fp32)") == 1 and "torchrun job of 4 ranks on 2 node(s)" in table
     assert "3 passed, 0 failed, 0 skipped" in table and "Traceback" not in table and "Warning" not in table
     written = json.loads(report.read_text())
-    assert written["passed"] and [row["layout"] for row in written["rows"]] == ["tp2-pp2", "dp2-tp2-sp", "tp2"]
+    assert written["passed"] and [row["layout"] for row in written["rows"]] == ["tp2-pp2", "dp2-tp2-sp", "dp2-do"]
     assert written["launch"]["nnodes"] == 2 and all(row["status"] == "PASS" for row in written["rows"])
 
 
@@ -152,6 +153,12 @@ def test_training_across_nodes_resumes_on_other_node_counts(tmp_path):
     assert sorted(resumed) == [4, 5, 6]
     assert all(abs(resumed[step] - uninterrupted[step]) < 1e-5 * uninterrupted[step] for step in resumed)
 
+    # a one-rank command under a larger job says how to launch it
+    runs = srun(2, ["analyze", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
+                    "--load", first / "checkpoints", "--output-dir", tmp_path / "analysis"])
+    assert [rc for rc, _ in runs] == [2, 2], runs
+    assert "but analyze uses 1 rank: launch 1 rank (torchrun --nproc-per-node 1, srun --ntasks 1)" in runs[0][1], runs
+
 
 def test_checkpoints_need_a_directory_every_node_sees(tmp_path):
     nodes = [tmp_path / "node0", tmp_path / "node1"]
@@ -177,8 +184,8 @@ def test_a_job_of_the_wrong_size_is_refused_on_rank_0():
     runs = srun(2, ["train", "--tp", "1"])
     assert [rc for rc, _ in runs] == [2, 2], runs
     assert runs[0][1].strip().splitlines() == [
-        "megatron-siamese train: error: the slurm job has 2 ranks but --tp 1 x --pp 1 x --dp 1 uses 1: launch 1 "
-        "ranks, or change the layout to use 2"]
+        "megatron-siamese train: error: the slurm job has 2 ranks but --tp 1 x --pp 1 x --dp 1 uses 1 rank: launch "
+        "1 rank, or change the layout to use 2"]
     assert runs[1][1] == ""
     runs = srun(2, ["check", "--layouts", "tp2,tp2-pp2"])
     assert [rc for rc, _ in runs] == [2, 2] and "layout tp2-pp2 needs 4 ranks but the launched job has 2" in runs[0][1]
@@ -188,6 +195,9 @@ def test_a_rank_that_never_joins_ends_the_job_with_a_timeout():
     (rc, out), = srun(2, ["check", "--layouts", "tp2", "--distributed-timeout-minutes", "0.1"], started=[0], timeout=120)
     assert rc == 2 and "did not meet the others within 6s" in out and "1/2 clients joined" in out, out
     assert "Traceback" not in out
+    # the one missing may be rank 0: the others say so themselves
+    (rc, out), = srun(2, ["check", "--layouts", "tp2", "--distributed-timeout-minutes", "0.1"], started=[1], timeout=120)
+    assert rc == 2 and "megatron-siamese check: error: rank 1: rank 1 of the slurm job of 2 ranks" in out, out
 
 
 # -- the SLURM examples ------------------------------------------------------------------------
@@ -208,6 +218,20 @@ def submitted(script, tmp_path, **env):
                      SLURM_JOB_NODELIST="node[001-002]", SLURM_NNODES="2", SLURM_JOB_ID="77", **env)
     subprocess.run(["bash", os.path.join(EXAMPLES, script)], check=True, env=variables, cwd=tmp_path)
     return record.read_text().split("\0")[:-1]
+
+
+def test_directories_are_each_nodes_own_paths(tmp_path):
+    """Nodes given other absolute paths (a command line per node) do not share them: each node
+    builds its corpus in its own cache; checkpoints in two places are refused."""
+    caches = [tmp_path / "cache0", tmp_path / "cache1"]
+    runs = agents(2, 1, [*TINY_TRAIN, "--tp", "2", "--output-dir", tmp_path / "out"],
+                  per_node=[["--cache-dir", cache] for cache in caches])
+    assert [rc for rc, _ in runs] == [0, 0], runs
+    assert all(any(name.startswith("kjv-bytes") for name in os.listdir(cache)) for cache in caches)
+    runs = agents(2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", caches[0]],
+                  per_node=[["--output-dir", tmp_path / f"out{node}"] for node in (0, 1)])
+    said = "".join(out for _, out in runs)
+    assert all(rc != 0 for rc, _ in runs) and said.count("is not the same directory on every node") == 1, said
 
 
 def test_the_slurm_examples_hand_srun_commands_that_parse(tmp_path):

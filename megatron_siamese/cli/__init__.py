@@ -26,7 +26,7 @@ import traceback
 from typing import List, Optional
 
 from megatron_siamese.cli import check, research, train
-from megatron_siamese.runtime.launchers import LaunchError
+from megatron_siamese.runtime.launchers import JoinError, LaunchError
 from megatron_siamese.training.args import ConfigError
 
 DEBUG_ENV = "MEGATRON_SIAMESE_DEBUG"
@@ -74,7 +74,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as error:  # settings it cannot run with: say what to change
         _report(options.command, error.problems)
         return 2
-    except LaunchError as error:  # a launch that cannot be this run's job
+    except JoinError as error:  # this rank could not meet the others: each rank says so itself
+        _report(options.command, [str(error)], every_rank=True)
+        return 2
+    except LaunchError as error:  # a launch that cannot be this run's job (the same on every rank)
         _report(options.command, [str(error)])
         return 2
     except KeyboardInterrupt:
@@ -83,7 +86,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BrokenPipeError:  # the reader went away (`... --list | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except Exception as error:
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         return _failed(options.command, error, debug)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import re
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megatron_siamese.check import DEFAULT_LAYOUTS, SPECS
 from megatron_siamese.check.case import ModelCase
@@ -33,7 +33,7 @@ largest layout needs. Under torchrun or srun, across nodes, the job's ranks run 
 smaller than the job use its first ranks while the others wait, and --layouts all picks every
 layout that fits the job (docs/parallelism.md, "On a cluster"):
 
-  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m megatron_siamese.cli check --layouts all --bf16 --json check.json
 
 Layout names: sizes tpN, ppN, vppN (virtual stages per pipeline rank), cpN, dpN and flags sp
@@ -112,9 +112,17 @@ def fit_problems(layouts: List[str], world: Optional[int]) -> List[str]:
     as many ranks as the largest layout needs)."""
     if world is None:
         return []
-    too_big = [name for name in layouts if parse_layout(name).world_size > world]
+    too_big = [name for name in layouts if _parses(name) and parse_layout(name).world_size > world]
     return [f"layout {name} needs {parse_layout(name).world_size} ranks but the launched job has {world}: launch more "
             "ranks, drop it, or pass --layouts all for every layout that fits" for name in too_big]
+
+
+def _parses(name: str) -> bool:
+    try:
+        parse_layout(name)
+    except ValueError:
+        return False  # problems() says why
+    return True
 
 
 def engine_problems(case: ModelCase) -> List[str]:
@@ -133,16 +141,17 @@ def engine_problems(case: ModelCase) -> List[str]:
     return found
 
 
-def chosen_layouts(requested: str, case: ModelCase, world: Optional[int]) -> List[str]:
+def chosen_layouts(requested: str, case: ModelCase, world: Optional[int]) -> Tuple[List[str], Dict[str, str]]:
     """The layouts to run: the names given, or (``all``) every candidate that fits the job and
-    that the model admits."""
+    that the model admits; and the candidates left out, each with the first reason."""
     if requested.strip() != "all":
-        return [name.strip() for name in requested.split(",") if name.strip()]
+        return [name.strip() for name in requested.split(",") if name.strip()], {}
     from megatron_siamese.check.command import job_size
     from megatron_siamese.check.matrix import layouts_that_fit
 
     fits = world or job_size([parse_layout(name) for name in DEFAULT_LAYOUTS])
-    return [name for name in layouts_that_fit(fits) if not problems(case, [name])]
+    reasons = {name: problems(case, [name]) for name in layouts_that_fit(fits)}
+    return [name for name, found in reasons.items() if not found], {name: found[0] for name, found in reasons.items() if found}
 
 
 def run(options: argparse.Namespace) -> int:
@@ -151,7 +160,7 @@ def run(options: argparse.Namespace) -> int:
     case = ModelCase(norm=SPECS[options.spec], **{name: getattr(options, name) for name in CASE_SETTINGS + SIZES})
     launch = launchers.detect()  # LaunchError: the launcher's variables contradict one another
     world = None if launch is None else launch.world_size
-    layouts = chosen_layouts(options.layouts, case, world)
+    layouts, left_out = chosen_layouts(options.layouts, case, world)
     if options.list:
         if launch is None or launch.rank == 0:
             print("\n".join(layouts))
@@ -171,6 +180,9 @@ def run(options: argparse.Namespace) -> int:
               f"layers={case.num_layers} hidden={case.hidden_size} microbatches={case.num_microbatches}; {where}")
         print(f"tolerance ({'fp8' if case.fp8 else case.dtype}): {tolerance_of(case).describe()}; "
               "errors shown are max|a-b| / max|ref|")
+        if left_out:  # the model's sizes rule them out: say so, or a user may think them checked
+            print(f"--layouts all leaves out {len(left_out)}: " + "; ".join(
+                f"{name} ({reason.split(': ', 1)[-1]})" for name, reason in left_out.items()))
         print(HEADER, flush=True)
     start = time.perf_counter()
     rows = run_check(case, layouts, options.spec, fault=options.plant_fault,
@@ -184,7 +196,10 @@ def run(options: argparse.Namespace) -> int:
         if options.json:
             report = dict(spec=options.spec, case=dataclasses.asdict(case), launch=None if launch is None else
                           dataclasses.asdict(launch), tolerance=tolerance_of(case).describe(), seconds=seconds,
-                          passed=not bad, rows=[dataclasses.asdict(r) for r in rows])
+                          passed=not bad, left_out=left_out, rows=[dataclasses.asdict(r) for r in rows])
             with open(options.json, "w") as out:
                 json.dump(report, out, indent=2)
+    from megatron_siamese.runtime.launch import synchronize
+
+    synchronize()  # no rank exits (which lets a launcher stop the others) before rank 0 has written
     return 1 if bad else 0

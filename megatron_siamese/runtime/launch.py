@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 
 from megatron_siamese import device
 from megatron_siamese.runtime import cpu_shim, launchers
-from megatron_siamese.runtime.launchers import Launch, LaunchError
+from megatron_siamese.runtime.launchers import JoinError, Launch, LaunchError
 from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
 
@@ -107,6 +107,13 @@ _job: dict = {}
 _console = {"queue": None}  # spawned ranks: the launcher prints what rank 0 sends it
 
 
+def synchronize() -> None:
+    """In a launched job, wait here for every rank (e.g. until rank 0 has written its report,
+    before a rank's exit lets the launcher stop the others)."""
+    if joined() is not None and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
 def joined() -> Optional[Launch]:
     """The job this process joined, if it did."""
     return _job.get("launch")
@@ -138,7 +145,7 @@ def join(launch: Launch, timeout_s: float) -> None:
     backend = device.backend()
     if backend == "nccl":
         if launch.local_rank >= device.gpu_count():
-            raise LaunchError(f"local rank {launch.local_rank} has no GPU ({device.gpu_count()} visible): start at "
+            raise JoinError(f"local rank {launch.local_rank} has no GPU ({device.gpu_count()} visible): start at "
                               "most one rank per GPU on each node")
         torch.cuda.set_device(launch.local_rank)
     else:
@@ -147,7 +154,7 @@ def join(launch: Launch, timeout_s: float) -> None:
     try:
         store, _, _ = next(torch.distributed.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
     except (RuntimeError, OSError) as error:  # torch's DistStoreError is a RuntimeError
-        raise LaunchError(
+        raise JoinError(
             f"rank {launch.rank} of the {launch.describe()} did not meet the others within {timeout_s:.0f}s "
             f"({str(error).strip().splitlines()[0][:160]}): check that every node started and reaches "
             f"{launch.master_addr}:{launch.master_port}") from None
@@ -205,18 +212,19 @@ def shared_by_all_ranks(directory: str) -> bool:
     if rank 0 cannot write there, every rank raises that OSError."""
     import uuid
 
-    mark = os.path.join(directory, f".megatron-siamese-mark-{uuid.uuid4().hex}")
-    written = [mark, None]
+    written = [f".megatron-siamese-mark-{uuid.uuid4().hex}", None]  # rank 0's name for the mark
+    torch.distributed.broadcast_object_list(written, src=0)
+    mark = os.path.join(directory, written[0])  # in this rank's own directory: its own path, its own cwd
     if torch.distributed.get_rank() == 0:
         try:
             os.makedirs(directory, exist_ok=True)
             open(mark, "w").close()
         except OSError as error:
             written[1] = f"cannot write in {directory}: {error.strerror or error}"
-    torch.distributed.broadcast_object_list(written, src=0)  # the same (relative) path to every rank
+    torch.distributed.broadcast_object_list(written, src=0)
     if written[1] is not None:
         raise OSError(written[1])
-    seen = torch.tensor([float(os.path.exists(written[0]))], device=device.current())
+    seen = torch.tensor([float(os.path.exists(mark))], device=device.current())
     torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
@@ -431,9 +439,14 @@ def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeo
 
 
 def _mismatch(launch: Launch, world_size: int, needs: str) -> str:
+    """``needs``: the flags whose layout asks for ``world_size`` ranks, or a command that runs on
+    that many (``upcycle``, ``analyze``: one), which only a launch of that size can change."""
     what = f"{needs} uses" if needs else "this run needs"
-    return (f"the {launch.launcher} job has {launch.world_size} ranks but {what} {world_size}: launch "
-            f"{world_size} ranks, or change the layout to use {launch.world_size}")
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+    layout = needs.startswith("--") or needs.startswith("layout")
+    return (f"the {launch.launcher} job has {launch.world_size} ranks but {what} {ranks}: launch {ranks}"
+            + (f", or change the layout to use {launch.world_size}" if layout else
+               f" (torchrun --nproc-per-node {world_size}, srun --ntasks {world_size})"))
 
 
 def job_world_size() -> Optional[int]:

@@ -24,6 +24,11 @@ class LaunchError(RuntimeError):
     """The launcher's variables cannot describe one job; the message says which and what to change."""
 
 
+class JoinError(LaunchError):
+    """This rank could not meet the others: its own problem, which every rank reports itself
+    (rank 0 may be the one missing)."""
+
+
 @dataclass(frozen=True)
 class Launch:
     """This process's place in a job some launcher started."""
@@ -53,10 +58,9 @@ def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> in
         if default is None:
             raise LaunchError(f"{name} is not set")
         return default
-    match = re.match(r"^\s*(\d+)", value)  # SLURM writes some counts as "4(x2)"
-    if not match:
+    if not re.fullmatch(r"\s*\d+\s*", value):
         raise LaunchError(f"{name}={value!r} is not a count")
-    return int(match.group(1))
+    return int(value)
 
 
 def first_host(nodelist: str) -> str:

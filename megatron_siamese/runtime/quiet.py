@@ -32,6 +32,8 @@ KNOWN_NOTICES = (
     # torch's own deprecations of collectives Megatron calls (with --dp, SP, the distributed optimizer)
     "`torch.distributed.reduce_scatter_tensor` is deprecated",
     "`torch.distributed.all_gather_into_tensor` is deprecated",
+    # torch, when Megatron's distributed optimizer reads a non-leaf tensor's .grad (stock layers too)
+    "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
     # at exit, about the queues Megatron's checkpoint writer processes leave behind
     "resource_tracker",
     # logged rather than warned

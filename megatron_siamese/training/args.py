@@ -81,6 +81,10 @@ class TrainArgs(ModelSettings):
                               help="validation batches per evaluation")
     progress: bool = setting(True, group=TRAINING, flag="--progress", action=argparse.BooleanOptionalAction,
                              help="progress bar and status lines")
+    log_interval: Optional[int] = setting(
+        None, group=TRAINING, flag="--log-interval", minimum=1,
+        help="with --no-progress: a log line every N steps (loss, lr, grad norm, tokens/s), and the status lines "
+             "(resume, checkpoints): what a batch job's log file wants")
     distributed_timeout_minutes: float = setting(
         60.0, group=TRAINING, flag="--distributed-timeout-minutes", minimum=0.01,
         help="under torchrun or srun: how long a rank waits for the others (to join, in a collective, for a "
@@ -90,7 +94,7 @@ class TrainArgs(ModelSettings):
                               help="checkpoints (OUTPUT_DIR/checkpoints) and results go here")
     save_interval: Optional[int] = setting(None, group=CHECKPOINTS, flag="--save-interval", minimum=1,
                                            help="save a distributed checkpoint every N steps and at the end "
-                                                "(default: none)")
+                                                "(unset: none but --stop-step's and a signal's)")
     # e.g. preemption
     stop_step: Optional[int] = setting(None, group=CHECKPOINTS, flag=("--stop-step", "--exit-interval"),
                                        help="stop after this step and save a checkpoint (resume with --load)")

@@ -186,7 +186,9 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
                            "need a path all ranks see (a shared file system)"])
     trainer = Trainer(args)
     rank0 = torch.distributed.get_rank() == 0
-    echo = (lambda line: print(line, flush=True)) if rank0 and args.progress else (lambda line: None)
+    # status lines with the progress bar, or in a plain log (--log-interval: cluster jobs' files)
+    echo = ((lambda line: print(line, flush=True)) if rank0 and (args.progress or args.log_interval)
+            else (lambda line: None))
     summary = RunSummary(args=asdict(args), steps_done=0)
     last_step = args.stop_step or args.steps
     directory = checkpoint_dir(args)
@@ -224,6 +226,12 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             (trainer.step == last_step and (args.save_interval or args.stop_step)) or stop
         ):
             summary.checkpoints.append(checkpoint.save(trainer, directory))
+            if bar is None:
+                echo(f"saved {summary.checkpoints[-1]}")
+        if bar is None and args.log_interval and trainer.step % args.log_interval == 0:
+            validation = f" | val loss {summary.val_losses[trainer.step]:.4f}" if trainer.step in summary.val_losses else ""
+            echo(f"step {trainer.step}/{args.steps} | loss {stats['loss']:.4f} | lr {stats['lr']:.3e} | grad norm "
+                 f"{stats['grad_norm']:.3f} | {tokens_per_step / elapsed:.0f} tokens/s{validation}")
         if bar is not None:
             bar.set_postfix(
                 loss=f"{stats['loss']:.3f}",
