@@ -35,7 +35,13 @@ COMMANDS = {"train": train, "check": check, "study": research.study, "upcycle": 
 
 
 class Parser(argparse.ArgumentParser):
-    """One line for a usage error (not the whole usage of a forty-flag command), exit status 2."""
+    """One line for a usage error (not the whole usage of a forty-flag command), exit status 2.
+    No abbreviations: ``--save DIR`` must not silently mean ``--save-interval`` (subcommands'
+    parsers are of this class too)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

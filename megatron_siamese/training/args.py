@@ -38,6 +38,15 @@ def padded_vocab_size(vocab_size: int = BYTE_VOCAB, multiple: int = VOCAB_MULTIP
 PARALLELISM, TRAINING, CHECKPOINTS, DATA = "parallelism", "training", "checkpoints", "data"  # argparse groups
 
 
+def _a_prefix(prefix: str) -> Optional[str]:
+    """Megatron names an indexed dataset by the path both its files share."""
+    for suffix in (".bin", ".idx"):
+        if prefix.endswith(suffix):
+            return (f"--data-path {prefix} names a file: give the prefix its .bin and .idx share "
+                    f"(--data-path {prefix[:-len(suffix)]})")
+    return None
+
+
 @dataclass(frozen=True)
 class TrainArgs(ModelSettings):
     """Everything a run needs (the model: ModelSettings). Each field is its setting's one
@@ -116,7 +125,7 @@ class TrainArgs(ModelSettings):
     cache_dir: str = setting(".cache/megatron_siamese", group=DATA, flag="--cache-dir",
                              help="where the tokenized corpus and dataset indices are cached")
     data_prefix: Optional[str] = setting(None, group=DATA, flag=("--data-prefix", "--data-path"), metavar="PREFIX",
-                                         help="an indexed dataset (.bin/.idx prefix) of byte tokens (default: the "
+                                         check=_a_prefix, help="an indexed dataset (.bin/.idx prefix) of byte tokens (default: the "
                                               "embedded King James Bible)")
     # addition(-reversed): synthetic addition (training/addition.py)
     task: str = setting("lm", group=DATA, flag="--task", choices=TASKS,
