@@ -330,14 +330,16 @@ def _kill_group(proc) -> None:
 
 
 def _root_cause(procs, logs, wait_s: float = 1.0) -> Optional[RankFailed]:
-    """A rank killed by a signal, if one was: the others then fail on their broken
-    connections, and the one that died is what to report."""
+    """A rank that died without a report (killed by a signal, or exited non-zero: a crash),
+    if one did: the others then fail on their broken connections, and the one that died is
+    what to report. (A rank that reports its error still exits 0.)"""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         for rank, proc in enumerate(procs):
-            if proc.exitcode is not None and proc.exitcode < 0:
-                name = signal.Signals(-proc.exitcode).name
-                return RankFailed(f"rank {rank} was killed by {name}", _tail(logs[rank]))
+            if proc.exitcode is not None and proc.exitcode != 0:
+                how = (f"was killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
+                       else f"exited with code {proc.exitcode}")
+                return RankFailed(f"rank {rank} {how} before reporting", _tail(logs[rank]))
         time.sleep(0.05)
     return None
 
