@@ -272,16 +272,18 @@ def _checked_before_start(args: TrainArgs) -> None:
     tells the others)."""
     from megatron_siamese.training.preflight import clear_for_overwrite, preflight
 
-    problems = preflight(args) if launch.joined() is None or torch.distributed.get_rank() == 0 else []
-    if launch.joined() is not None:
+    in_job = launch.joined() is not None
+    speaks = not in_job or torch.distributed.get_rank() == 0
+    problems = preflight(args) if speaks else []
+    if in_job:
         shared = [problems]
         torch.distributed.broadcast_object_list(shared, src=0)
         problems = shared[0]
     if problems:
         raise ConfigError(problems)
-    if launch.joined() is None or torch.distributed.get_rank() == 0:
+    if speaks:
         clear_for_overwrite(args)
-    if launch.joined() is not None:
+    if in_job:
         torch.distributed.barrier()
 
 
