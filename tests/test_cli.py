@@ -83,6 +83,17 @@ def test_every_problem_is_listed_at_once():
     assert len(done.stderr.strip().splitlines()) >= 3
 
 
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_hybrid_model_on_megatron_core_before_0_19_is_refused_by_both_commands(command):
+    from megatron_siamese.versions import installed_megatron_core, release
+
+    if release(installed_megatron_core()) >= (0, 19, 0):
+        pytest.skip("this megatron-core builds HybridModel (test_hybrid.py runs it)")
+    done = cli(command, "--model", "hybrid")
+    assert_refused(done, "--model hybrid needs megatron-core >= 0.19")
+    assert done.seconds < 2.0
+
+
 def test_analyze_on_a_directory_that_is_no_checkpoint(tmp_path):
     assert_refused(cli("analyze", "--load", tmp_path), "is not a checkpoint")
 

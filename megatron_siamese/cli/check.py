@@ -16,7 +16,7 @@ from megatron_siamese.cli.flags import HelpFormatter, add_setting
 from megatron_siamese.runtime.divisibility import layout_part, shape_problems, split_problems
 from megatron_siamese.runtime.layout import parse_layout
 from megatron_siamese.runtime.registry import definitions, field_problems
-from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.runtime.settings import ModelSettings, model_class_problems
 from megatron_siamese.training.args import ConfigError
 
 DESCRIPTION = """\
@@ -91,6 +91,7 @@ def problems(case: ModelCase, layouts: List[str]) -> List[str]:
     found = [problem for name, problem in field_problems(case, ModelSettings).items() if name in CASE_SETTINGS]
     found += [f"--{field.replace('_', '-')} must be at least 1 (got {getattr(case, field)})"
               for field in SIZES if field != "seed" and getattr(case, field) < 1]
+    found += model_class_problems(case)
     if found:
         return found
     found += shape_problems(case)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
 from megatron_siamese.runtime.registry import Switch, setting
@@ -92,3 +92,15 @@ class ModelSettings:
                                  config="fp8", help="Transformer Engine FP8 format")
     fp8_recipe: str = setting("delayed", group=PRECISION, flag="--fp8-recipe", choices=FP8_RECIPES,
                               config="fp8_recipe", help="FP8 scaling recipe, as Megatron names it")
+
+
+def model_class_problems(settings: ModelSettings) -> List[str]:
+    """What the installed megatron-core cannot build of ``settings``' model class (train and check)."""
+    if settings.model != "hybrid":
+        return []
+    from megatron_siamese.versions import installed_megatron_core, release
+
+    if release(installed_megatron_core()) < (0, 19, 0):
+        return [f"--model hybrid needs megatron-core >= 0.19 (installed: {installed_megatron_core()}); "
+                "use --model gpt here"]
+    return []

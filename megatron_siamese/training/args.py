@@ -16,7 +16,7 @@ from typing import List, Optional
 from megatron_siamese.runtime.divisibility import shape_problems, split_problems
 from megatron_siamese.runtime.layout import RECOMPUTE, Layout
 from megatron_siamese.runtime.registry import ConfigError, definitions, field_problems, setting  # noqa: F401
-from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.runtime.settings import ModelSettings, model_class_problems
 
 ADDITION_TASKS = {"addition": False, "addition-reversed": True}  # task name: the sum written reversed
 TASKS = ("lm", *ADDITION_TASKS)
@@ -188,11 +188,7 @@ def problems(args: TrainArgs) -> List[str]:
     if args.model == "hybrid":
         if args.norm != "siamese":
             found.append(f"--model hybrid builds SiameseNorm layers only: use --norm siamese (got --norm {args.norm})")
-        from megatron_siamese.versions import installed_megatron_core, release
-
-        if release(installed_megatron_core()) < (0, 19, 0):
-            found.append(f"--model hybrid needs megatron-core >= 0.19 (installed: {installed_megatron_core()}); "
-                         "use --model gpt here")
+    found += model_class_problems(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         found.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
                      "pass one")
