@@ -319,6 +319,15 @@ def test_check_prints_its_table_and_little_else():
     assert done.stderr == ""
 
 
+def test_a_run_with_every_parallelism_and_a_save_prints_no_warnings(tmp_path, cache):
+    """Megatron's and torch's known notices (DP collectives, SP, the distributed optimizer, the
+    checkpoint writer) are hidden on each stack; anything else would show here."""
+    done = train(tmp_path, cache, "quiet", "--steps", "2", "--tp", "2", "--sp", "--dp", "2",
+                 "--distributed-optimizer", "--save-interval", "1", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
 @pytest.mark.stack_independent
 def test_one_progress_bar_and_where_checkpoints_go(tmp_path, cache):
     done = train(tmp_path, cache, "bar", "--steps", "3", "--save-interval", "3", "--tp", "2")
