@@ -5,6 +5,7 @@ a user runs it (subprocesses with a timeout)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -258,7 +259,12 @@ def test_an_out_of_range_id_deep_inside_stops_the_run_before_it_trains_on_it(tmp
     documents = byte_documents(60)
     documents[30][100] = 50_000
     prefix = build(str(tmp_path / "deep"), documents)
-    done = train(tmp_path, prefix, "--train-iters", "200", "--eval-interval", "1000", timeout=600)
+    done = train(tmp_path, prefix, "--train-iters", "200", "--eval-interval", "1000", "--log-interval", "1",
+                 timeout=600)
     assert_one_line_refusal(done, f"--data-prefix {prefix}: token id 50,000 in document 30 (train sample ",
                             "outside the vocabulary of 320 ids (0-319)", "stopped before training on it")
-    assert "val loss" not in done.stdout and not os.path.exists(tmp_path / "out" / "summary.json")
+    sample = int(re.search(r"train sample ([0-9,]+)\)", done.stderr).group(1).replace(",", ""))
+    # it trained until the step whose batch (4 samples) holds the id, and not that step
+    steps = [int(step) for step in re.findall(r"^step ([0-9]+)/200 ", done.stdout, re.M)]
+    assert steps == list(range(1, sample // 4 + 1)) and steps, done.stdout[-2000:]
+    assert not os.path.exists(tmp_path / "out" / "summary.json")

@@ -196,7 +196,7 @@ def out_of_range_error(prefix: str, split: str, dataset, sample: int, bad: int, 
     """The one line for an out-of-range id met in ``sample`` of ``dataset`` (a GPTDataset)."""
     where = f"{split} sample {sample:,}"
     try:  # the document it came from (Megatron's own sample-to-documents lookup)
-        _, documents = dataset._query_document_sample_shuffle_indices(sample)
+        documents = dataset._query_document_sample_shuffle_indices(sample)[1]  # (text, document ids, ...)
         holding = [int(d) for d in documents if bad in numpy.asarray(dataset.dataset.get(int(d)))]
         if holding:
             where = f"document {holding[0]:,} ({where})"
