@@ -213,6 +213,15 @@ def test_the_embedded_corpus_passes_and_its_stats_match_a_scan(tmp_path):
     assert problems(prefix, seq_length=4096, train_samples=300 * 16, valid_samples=8 * 16) == []
 
 
+def test_the_addition_corpus_passes(tmp_path):
+    from megatron_siamese.training.addition import addition_corpus
+
+    prefix = addition_corpus(str(tmp_path), train_count=2000)
+    with open(prefix + STATS_SUFFIX) as f:
+        assert json.load(f)["max_token_id"] == 256
+    assert problems(prefix) == []
+
+
 # -- the command line ---------------------------------------------------------------------
 
 

@@ -42,6 +42,10 @@ _DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: num
 class DataError(ConfigError):
     """A corpus the run cannot use: one line naming the file and what is wrong."""
 
+    # raised by the rank that read the bad batch, which other ranks of a torchrun/srun job may
+    # not have read: it says so itself (the CLI names the rank)
+    every_rank = True
+
     def __init__(self, line: str):
         super().__init__([line])
 
