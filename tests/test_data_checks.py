@@ -114,6 +114,7 @@ def test_a_broken_file_is_named_in_one_line(tmp_path, kind):
     found = problems(prefix)
     assert len(found) == 1 and "\n" not in found[0], found
     assert prefix + suffix in found[0] and message in found[0], found
+    assert data_checks.main([prefix]) == 2 and not os.path.exists(prefix + STATS_SUFFIX)  # nor the stats command
 
 
 # -- the size -----------------------------------------------------------------------------

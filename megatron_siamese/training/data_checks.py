@@ -35,8 +35,6 @@ from megatron_siamese.runtime.registry import ConfigError
 STATS_SUFFIX = ".stats.json"  # PREFIX.stats.json: the corpus's smallest and largest token id
 _MAGIC = b"MMIDIDX\x00\x00"  # Megatron's _INDEX_HEADER
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document-index count
-_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64, 6: numpy.float64,
-           7: numpy.float32, 8: numpy.uint16}  # Megatron's DType codes (indexed_dataset.DType)
 
 
 class DataError(ConfigError):
@@ -85,17 +83,18 @@ def read_index(prefix: str):
         raise DataError(f"{idx} is not a Megatron indexed-dataset index (it does not start with {_MAGIC!r})")
     if len(head) < _HEADER.size:
         raise DataError(f"{idx} is truncated: {idx_bytes} bytes, shorter than the {_HEADER.size}-byte header")
+    from megatron.core.datasets.indexed_dataset import DType, _IndexReader
+
     _, version, code, sequences, boundaries = _HEADER.unpack(head)
     if version != 1:
         raise DataError(f"{idx}: index version {version}, this Megatron reads version 1")
-    if code not in _DTYPES:
-        raise DataError(f"{idx}: unknown token dtype code {code} (Megatron's are {sorted(_DTYPES)})")
+    codes = sorted(d.value for d in DType)
+    if code not in codes:
+        raise DataError(f"{idx}: unknown token dtype code {code} (Megatron's are {codes})")
     expected = _HEADER.size + sequences * (4 + 8) + boundaries * 8
     if idx_bytes < expected:
         raise DataError(f"{idx} is truncated: {idx_bytes:,} bytes, its header promises {_plural(sequences, 'sequence')} "
                         f"and {boundaries:,} document boundaries ({expected:,} bytes); rebuild it")
-
-    from megatron.core.datasets.indexed_dataset import _IndexReader
 
     index = _IndexReader(idx, multimodal=False)
     lengths, pointers, documents = index.sequence_lengths, index.sequence_pointers, index.document_indices
@@ -280,7 +279,7 @@ def corpus_problems(prefix: str, vocab_size: int, seq_length: int, train_samples
 
 def data_problems(args) -> List[str]:
     """The preflight's check of a user's ``--data-prefix`` (the embedded corpora are ours)."""
-    if not args.data_prefix or args.task != "lm":
+    if not args.data_prefix:
         return []
     from megatron_siamese.training.args import padded_vocab_size
     from megatron_siamese.training.data import SPLIT
