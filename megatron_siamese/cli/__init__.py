@@ -78,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return COMMANDS[options.command].run(options)
     except ConfigError as error:  # settings it cannot run with: say what to change
-        _report(options.command, error.problems)
+        _report(options.command, error.problems, every_rank=getattr(error, "every_rank", False))
         return 2
     except JoinError as error:  # this rank could not meet the others: each rank says so itself
         _report(options.command, [str(error)], every_rank=True)

@@ -82,15 +82,24 @@ def kjv_chapters() -> List[str]:
 
 
 def build_indexed_dataset(documents: List[str], prefix: str, tokenizer: ByteTokenizer) -> str:
-    """Write ``prefix.bin`` / ``prefix.idx`` (atomically: a crash leaves no half-written pair)."""
+    """Write ``prefix.bin`` / ``prefix.idx`` (atomically: a crash leaves no half-written pair),
+    and ``prefix.stats.json``: its smallest and largest token id, which Megatron's index lacks
+    (data_checks.py reads it)."""
+    from megatron_siamese.training.data_checks import write_stats
+
     tmp = f"{prefix}.tmp{os.getpid()}"
     builder = IndexedDatasetBuilder(get_bin_path(tmp), dtype=numpy.uint16)
+    lows, highs = [], []
     for document in documents:
-        builder.add_item(torch.tensor(tokenizer.tokenize(document) + [tokenizer.eod]))
+        ids = tokenizer.tokenize(document) + [tokenizer.eod]
+        lows.append(min(ids))
+        highs.append(max(ids))
+        builder.add_item(torch.tensor(ids))
         builder.end_document()
     builder.finalize(get_idx_path(tmp))
     os.replace(get_bin_path(tmp), get_bin_path(prefix))
     os.replace(get_idx_path(tmp), get_idx_path(prefix))
+    write_stats(prefix, min(lows, default=None), max(highs, default=None))
     return prefix
 
 

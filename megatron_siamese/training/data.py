@@ -5,18 +5,23 @@ them on rank 0 first) and reads its own microbatches: for global step ``k`` the 
 batch is samples ``[k * G, (k + 1) * G)`` with ``G = micro_batch_size * num_microbatches
 * dp``, and data-parallel rank ``d`` takes the ``d``-th contiguous share of it. Ranks of
 one model replica (TP, PP) read identical microbatches, as Megatron-LM's broadcast would
-give them.
+give them. Every microbatch's token ids are checked against the vocabulary as it is read
+(``data_checks``): an out-of-range id stops the run with one line, before the model sees it.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.data import default_collate
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from megatron_siamese.training.data_checks import batch_id_problem, out_of_range_error
+
+SPLIT = "98,2,0"  # train, validation, test weights, over sequences (Megatron-LM's --split)
 
 
 def build_gpt_datasets(
@@ -27,7 +32,7 @@ def build_gpt_datasets(
     train_samples: int,
     valid_samples: int,
     cache_dir: str,
-    split: str = "98,2,0",
+    split: str = SPLIT,
 ) -> Tuple[GPTDataset, GPTDataset]:
     """Train and validation GPTDatasets over the indexed dataset at ``prefix``."""
     config = GPTDatasetConfig(
@@ -51,8 +56,10 @@ def build_gpt_datasets(
 class MicrobatchReader:
     """This data-parallel rank's microbatches of a given global step."""
 
-    def __init__(self, dataset, micro_batch_size: int, num_microbatches: int, dp_rank: int, dp: int):
+    def __init__(self, dataset, micro_batch_size: int, num_microbatches: int, dp_rank: int, dp: int,
+                 vocab_size: Optional[int] = None, prefix: str = "", name: str = "train"):
         self.dataset = dataset
+        self.vocab_size, self.prefix, self.name = vocab_size, prefix, name
         self.micro_batch_size = micro_batch_size
         self.num_microbatches = num_microbatches
         self.dp_rank = dp_rank
@@ -60,12 +67,21 @@ class MicrobatchReader:
 
     def step(self, step: int) -> List[Dict[str, torch.Tensor]]:
         first = step * self.global_batch_size + self.dp_rank * self.micro_batch_size * self.num_microbatches
-        return [
-            default_collate(
-                [self.dataset[first + m * self.micro_batch_size + i] for i in range(self.micro_batch_size)]
-            )
-            for m in range(self.num_microbatches)
-        ]
+        batches = []
+        for m in range(self.num_microbatches):
+            samples = [first + m * self.micro_batch_size + i for i in range(self.micro_batch_size)]
+            batch = default_collate([self.dataset[s] for s in samples])
+            if self.vocab_size is not None:
+                self._check_ids(batch, samples)
+            batches.append(batch)
+        return batches
+
+    def _check_ids(self, batch, samples: List[int]) -> None:
+        """Exact and cheap (a min and a max of each microbatch): no out-of-range id trains."""
+        found = batch_id_problem(batch["tokens"], batch["labels"], self.vocab_size)
+        if found is not None:
+            row, bad = found
+            raise out_of_range_error(self.prefix, self.name, self.dataset, samples[row], bad, self.vocab_size)
 
     def steps_available(self) -> int:
         return len(self.dataset) // self.global_batch_size

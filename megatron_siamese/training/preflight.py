@@ -14,6 +14,7 @@ from typing import List
 
 from megatron_siamese.training import checkpoint_files
 from megatron_siamese.training.args import TrainArgs
+from megatron_siamese.training.data_checks import data_problems
 
 # what the schedule of a resumed run is compared on: checkpoint key, the run's value, its flag
 _SCHEDULE = (("max_lr", lambda a: a.lr, "--lr"), ("min_lr", lambda a: a.min_lr, "--min-lr"),
@@ -75,8 +76,7 @@ def preflight(args: TrainArgs) -> List[str]:
         found += _output_problems(args)
     except checkpoint_files.CheckpointError:
         pass  # the --load problem is reported above
-    if args.data_prefix and not os.path.exists(args.data_prefix + ".bin"):
-        found.append(f"--data-prefix {args.data_prefix}: no {args.data_prefix}.bin (give the prefix of an indexed dataset)")
+    found += data_problems(args)  # a user's --data-prefix: its files, size and token ids
     return found
 
 
