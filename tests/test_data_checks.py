@@ -26,7 +26,7 @@ from megatron_siamese.training.data_checks import (
     write_stats,
 )
 
-VOCAB = 320  # the byte tokenizer's 258, padded
+VOCAB = 258  # the byte tokenizer's (the model pads it to 320; those rows are no tokens)
 TINY = ["--tp", "1", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--eval-iters", "1", "--no-progress"]
 REFUSED_WITHIN_S = 150  # the refusal needs torch and Megatron imported (seconds; generous for a loaded machine)
@@ -170,7 +170,7 @@ def test_the_stats_file_refuses_out_of_range_ids_before_training(tmp_path):
     assert (stats["min_token_id"], stats["max_token_id"]) == (0, 50_000)
     assert data_checks._scan(prefix, numpy.dtype(numpy.int32), 8000, block=7) == (0, 50_000)  # read in blocks
     found = problems(prefix)
-    assert len(found) == 1 and "token id 50,000" in found[0] and "vocabulary of 320 ids (0-319)" in found[0], found
+    assert len(found) == 1 and "token id 50,000" in found[0] and "vocabulary of 258 ids (0-257)" in found[0], found
     # a negative id too
     documents[-1][-1] = -3
     build(prefix, documents)
@@ -198,9 +198,9 @@ def test_token_ids_stored_as_floats_are_refused(tmp_path):
 def test_the_batch_check_finds_the_row_and_the_id():
     tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
     assert batch_id_problem(tokens, tokens, VOCAB) is None
-    assert batch_id_problem(tokens, torch.tensor([[1, 2, 3], [4, 320, 6]]), VOCAB) == (1, 320)
+    assert batch_id_problem(tokens, torch.tensor([[1, 2, 3], [4, 258, 6]]), VOCAB) == (1, 258)
     assert batch_id_problem(torch.tensor([[1, -1, 3], [4, 5, 6]]), tokens, VOCAB) == (0, -1)
-    assert batch_id_problem(tokens, torch.tensor([[1, 2, 319], [4, 5, 6]]), VOCAB) is None
+    assert batch_id_problem(tokens, torch.tensor([[1, 2, 257], [4, 5, 6]]), VOCAB) is None
 
 
 def test_the_embedded_corpus_passes_and_its_stats_match_a_scan(tmp_path):
@@ -260,7 +260,7 @@ def test_out_of_range_ids_with_a_stats_file_are_refused_before_training(tmp_path
     assert f"{prefix}: 60 documents, 12,000 tokens, ids 0-" in command.stdout
     done = train(tmp_path, prefix, timeout=300)
     assert_one_line_refusal(done, f"--data-prefix {prefix}: token id ", f"from {prefix}{STATS_SUFFIX}",
-                            "outside the vocabulary of 320 ids (0-319)")
+                            "outside the byte tokenizer's vocabulary of 258 ids (0-257)")
     assert not os.path.exists(tmp_path / "out" / "summary.json")
 
 
@@ -272,7 +272,7 @@ def test_an_out_of_range_id_deep_inside_stops_the_run_before_it_trains_on_it(tmp
     done = train(tmp_path, prefix, "--train-iters", "200", "--eval-interval", "1000", "--log-interval", "1",
                  timeout=600)
     assert_one_line_refusal(done, f"--data-prefix {prefix}: token id 50,000 in document 30 (train sample ",
-                            "outside the vocabulary of 320 ids (0-319)", "stopped before training on it")
+                            "outside the byte tokenizer's vocabulary of 258 ids (0-257)", "stopped before training on it")
     sample = int(re.search(r"train sample ([0-9,]+)\)", done.stderr).group(1).replace(",", ""))
     # it trained until the step whose batch (4 samples) holds the id, and not that step
     steps = [int(step) for step in re.findall(r"^step ([0-9]+)/200 ", done.stdout, re.M)]

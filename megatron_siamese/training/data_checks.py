@@ -150,7 +150,7 @@ def _scan(prefix: str, dtype: numpy.dtype, tokens: int, block: int = 1 << 26) ->
 
 
 def _vocabulary(vocab_size: int) -> str:
-    return f"the vocabulary of {vocab_size} ids (0-{vocab_size - 1}) this model has"
+    return f"the byte tokenizer's vocabulary of {vocab_size} ids (0-{vocab_size - 1})"
 
 
 def id_problems(prefix: str, index, vocab_size: int) -> List[str]:
@@ -180,7 +180,7 @@ def id_problems(prefix: str, index, vocab_size: int) -> List[str]:
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         return [f"--data-prefix {prefix}: token id {bad:,} (from {path}: ids {low:,}-{high:,}) is outside "
-                f"{_vocabulary(vocab_size)}: tokenize the corpus with the byte tokenizer (ids 0-257)"]
+                f"{_vocabulary(vocab_size)}: tokenize the corpus with the byte tokenizer"]
     return []
 
 
@@ -206,7 +206,7 @@ def out_of_range_error(prefix: str, split: str, dataset, sample: int, bad: int, 
     except Exception:  # noqa: BLE001  (only the message is less precise)
         pass
     return DataError(f"--data-prefix {prefix}: token id {bad:,} in {where} is outside {_vocabulary(vocab_size)}: "
-                     "tokenize the corpus with the byte tokenizer (ids 0-257); stopped before training on it")
+                     "tokenize the corpus with the byte tokenizer; stopped before training on it")
 
 
 # -- the size -----------------------------------------------------------------------------
@@ -281,11 +281,11 @@ def data_problems(args) -> List[str]:
     """The preflight's check of a user's ``--data-prefix`` (the embedded corpora are ours)."""
     if not args.data_prefix:
         return []
-    from megatron_siamese.training.args import padded_vocab_size
+    from megatron_siamese.training.args import BYTE_VOCAB
     from megatron_siamese.training.data import SPLIT
 
     return corpus_problems(
-        args.data_prefix, padded_vocab_size(), args.seq_length, args.steps * args.global_batch_size,
+        args.data_prefix, BYTE_VOCAB, args.seq_length, args.steps * args.global_batch_size,
         args.eval_iters * args.global_batch_size, SPLIT,
         (f"--train-iters {args.steps} x --global-batch-size {args.global_batch_size}",
          f"--eval-iters {args.eval_iters} x --global-batch-size {args.global_batch_size}"))

@@ -115,7 +115,8 @@ class Trainer:
             cache_dir=os.path.join(args.cache_dir, "indices") if shared_cache else "",
         )
         dp_rank = parallel_state.get_data_parallel_rank()
-        vocab = padded_vocab_size(self.tokenizer.vocab_size)  # every microbatch's ids are checked against it
+        # every microbatch's ids are checked against the tokenizer's (the padded rows are no tokens)
+        vocab = self.tokenizer.vocab_size
         self.train_data = MicrobatchReader(train, args.micro_batch_size, args.num_microbatches, dp_rank, args.dp,
                                            vocab, prefix, "train")
         self.valid_data = MicrobatchReader(valid, args.micro_batch_size, args.num_microbatches, dp_rank, args.dp,
