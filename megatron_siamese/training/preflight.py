@@ -12,7 +12,7 @@ import os
 import shutil
 from typing import List
 
-from megatron_siamese.training import checkpoint_files
+from megatron_siamese.training import checkpoint_files, scalar_loggers
 from megatron_siamese.training.args import TrainArgs
 
 # what the schedule of a resumed run is compared on: checkpoint key, the run's value, its flag
@@ -75,6 +75,7 @@ def preflight(args: TrainArgs) -> List[str]:
         found += _output_problems(args)
     except checkpoint_files.CheckpointError:
         pass  # the --load problem is reported above
+    found += scalar_loggers.missing_packages(args)  # --tensorboard-dir, --wandb-project
     if args.data_prefix and not os.path.exists(args.data_prefix + ".bin"):
         found.append(f"--data-prefix {args.data_prefix}: no {args.data_prefix}.bin (give the prefix of an indexed dataset)")
     return found
