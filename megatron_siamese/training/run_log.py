@@ -44,7 +44,7 @@ class Console:
     log_interval: Optional[int]  # None: no log lines
 
     @property
-    def speaks(self) -> bool:
+    def status_lines(self) -> bool:
         """Whether the status lines are printed (anything but --no-progress alone)."""
         return self.bar or self.log_interval is not None
 
@@ -90,7 +90,7 @@ class RunLog:
 
     def echo(self, line: str) -> None:
         """A status line (where checkpoints go, a resume): above the bar when there is one."""
-        if self.speaks and self.console.speaks:
+        if self.speaks and self.console.status_lines:
             self._print(line)
 
     def begin(self, step: int) -> None:
