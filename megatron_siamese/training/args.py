@@ -133,7 +133,7 @@ class TrainArgs(ModelSettings):
         help="--progress: the progress bar; --no-progress: no bar and, without --log-interval, no log lines; "
              "unset: the bar when stdout is a terminal, else Megatron-LM's log lines (a batch job's log file)")
     log_interval: Optional[int] = setting(
-        None, group=LOGGING, flag="--log-interval", minimum=1,
+        None, group=LOGGING, flag="--log-interval", minimum=1, metavar="N",
         help="Megatron-LM's log line every N steps (iteration, consumed samples, ms per iteration, learning rate, "
              "lm loss, grad norm, ...) and a validation line per evaluation, above the bar with --progress "
              "(unset: none beside the bar; in a log file every min(100, steps/10) steps)")
