@@ -65,7 +65,11 @@ setup(
         "tqdm",
         "matplotlib",  # loss curves of `train --compare` and the analysis plots
     ],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
+    extras_require={
+        "test": ["pytest", "pytest-timeout"],
+        "tensorboard": ["tensorboard"],  # train --tensorboard-dir
+        "wandb": ["wandb"],  # train --wandb-project
+    },
     ext_modules=extension_modules(),
     cmdclass={"build_ext": build_ext_class()},
     entry_points={"console_scripts": ["megatron-siamese=megatron_siamese.cli:main"]},

@@ -330,7 +330,8 @@ def test_a_run_with_every_parallelism_and_a_save_prints_no_warnings(tmp_path, ca
 
 @pytest.mark.stack_independent
 def test_one_progress_bar_and_where_checkpoints_go(tmp_path, cache):
-    done = train(tmp_path, cache, "bar", "--steps", "3", "--save-interval", "3", "--tp", "2")
+    # --progress: the bar even though stdout is a pipe here (without it: Megatron-LM's log lines, test_run_log.py)
+    done = train(tmp_path, cache, "bar", "--steps", "3", "--save-interval", "3", "--tp", "2", "--progress")
     assert done.returncode == 0, done.stderr
     assert len(re.findall(r"\s0%\|", done.stderr)) == 1  # rank 0's bar only, not one per TP rank
     assert f"checkpoints: every 3 steps and at step 3, in {tmp_path / 'bar' / 'checkpoints'}" in done.stdout

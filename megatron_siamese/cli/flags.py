@@ -8,7 +8,7 @@ import argparse
 
 from megatron_siamese.runtime.registry import Setting, definitions
 from megatron_siamese.runtime.settings import MODEL, PRECISION
-from megatron_siamese.training.args import CHECKPOINTS, DATA, PARALLELISM, TRAINING, TrainArgs
+from megatron_siamese.training.args import CHECKPOINTS, DATA, LOGGING, PARALLELISM, TRAINING, TrainArgs
 
 SETTINGS = definitions(TrainArgs)
 DEFAULTS = {name: definition.default for name, definition in SETTINGS.items()}
@@ -55,6 +55,10 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     add_group(parser, CHECKPOINTS)
+
+
+def add_logging_flags(parser: argparse.ArgumentParser) -> None:
+    add_group(parser, LOGGING)
 
 
 def add_data_flags(parser: argparse.ArgumentParser, tasks: bool = True) -> None:

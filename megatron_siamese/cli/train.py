@@ -26,6 +26,7 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
     flags.add_training_flags(parser)
     flags.add_checkpoint_flags(parser)
     flags.add_data_flags(parser)
+    flags.add_logging_flags(parser)
     parser.add_argument("--compare", nargs="?", const="pre,siamese", default=None, metavar="NORMS",
                         help="run the same training for each comma-separated scheme (pre,siamese without a value), "
                              "print a side-by-side table and write loss curves to OUTPUT_DIR/compare.png")
@@ -46,6 +47,7 @@ def run(options: argparse.Namespace) -> int:
         if table is not None:  # rank 0 of a launched job speaks for it
             print(table)
         return 0
+    from megatron_siamese.training.run_log import results_line
     from megatron_siamese.training.trainer import format_summary, train
 
     summary = train(args)
@@ -57,6 +59,7 @@ def run(options: argparse.Namespace) -> int:
               f"(resume with --load {args.output_dir}/checkpoints)", file=sys.stderr)
         return 0
     print(format_summary(summary))
+    print(results_line(args, summary))
     return 0
 
 

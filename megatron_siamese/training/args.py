@@ -35,7 +35,7 @@ def padded_vocab_size(vocab_size: int = BYTE_VOCAB, multiple: int = VOCAB_MULTIP
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-PARALLELISM, TRAINING, CHECKPOINTS, DATA = "parallelism", "training", "checkpoints", "data"  # argparse groups
+PARALLELISM, TRAINING, CHECKPOINTS, DATA, LOGGING = "parallelism", "training", "checkpoints", "data", "logging"  # argparse groups
 
 
 def _a_prefix(prefix: str) -> Optional[str]:
@@ -88,19 +88,14 @@ class TrainArgs(ModelSettings):
                                  help="validate every N steps")
     eval_iters: int = setting(8, group=TRAINING, flag="--eval-iters", minimum=1,
                               help="validation batches per evaluation")
-    progress: bool = setting(True, group=TRAINING, flag="--progress", action=argparse.BooleanOptionalAction,
-                             help="progress bar and status lines")
-    log_interval: Optional[int] = setting(
-        None, group=TRAINING, flag="--log-interval", minimum=1,
-        help="with --no-progress: a log line every N steps (loss, lr, grad norm, tokens/s), and the status lines "
-             "(resume, checkpoints): what a batch job's log file wants")
     distributed_timeout_minutes: float = setting(
         60.0, group=TRAINING, flag="--distributed-timeout-minutes", minimum=0.01,
         help="under torchrun or srun: how long a rank waits for the others (to join, in a collective, for a "
              "checkpoint) before the job fails")
 
     output_dir: str = setting("runs/default", group=CHECKPOINTS, flag="--output-dir",
-                              help="checkpoints (OUTPUT_DIR/checkpoints) and results go here")
+                              help="the run's directory: checkpoints (OUTPUT_DIR/checkpoints), settings.json, "
+                                   "metrics.jsonl, summary.json and loss.png")
     save_interval: Optional[int] = setting(None, group=CHECKPOINTS, flag="--save-interval", minimum=1,
                                            help="save a distributed checkpoint every N steps and at the end "
                                                 "(unset: none but --stop-step's and a signal's)")
@@ -131,6 +126,28 @@ class TrainArgs(ModelSettings):
     task: str = setting("lm", group=DATA, flag="--task", choices=TASKS,
                         help="lm (the corpus), or synthetic addition (sum written normally or reversed; TP = PP = 1)")
     addition_digits: int = setting(3, group=DATA, flag="--addition-digits", help="operand digits (addition tasks)")
+
+    # what a run tells while it trains (training/run_log.py); metrics.jsonl and settings.json are always written
+    progress: Optional[bool] = setting(
+        None, group=LOGGING, flag="--progress", action=argparse.BooleanOptionalAction,
+        help="--progress: the progress bar; --no-progress: no bar and, without --log-interval, no log lines; "
+             "unset: the bar when stdout is a terminal, else Megatron-LM's log lines (a batch job's log file)")
+    log_interval: Optional[int] = setting(
+        None, group=LOGGING, flag="--log-interval", minimum=1, metavar="N",
+        help="Megatron-LM's log line every N steps (iteration, consumed samples, ms per iteration, learning rate, "
+             "lm loss, grad norm, ...) and a validation line per evaluation, above the bar with --progress "
+             "(unset: none beside the bar; in a log file every min(100, steps/10) steps)")
+    tensorboard_dir: Optional[str] = setting(
+        None, group=LOGGING, flag="--tensorboard-dir", metavar="DIR",
+        help="write TensorBoard scalars (Megatron-LM's names: lm loss, learning-rate, grad-norm, ...) here "
+             "(needs the tensorboard package)")
+    wandb_project: Optional[str] = setting(None, group=LOGGING, flag="--wandb-project", metavar="NAME",
+                                           help="log the same scalars to this Weights & Biases project "
+                                                "(needs the wandb package: pip install wandb)")
+    wandb_exp_name: Optional[str] = setting(None, group=LOGGING, flag="--wandb-exp-name", metavar="NAME",
+                                            help="the wandb run's name (unset: the --output-dir's name)")
+    wandb_save_dir: Optional[str] = setting(None, group=LOGGING, flag="--wandb-save-dir", metavar="DIR",
+                                            help="wandb's local files (unset: OUTPUT_DIR/wandb)")
 
     def __post_init__(self):
         found = problems(self)

@@ -12,7 +12,7 @@ import os
 import shutil
 from typing import List
 
-from megatron_siamese.training import checkpoint_files
+from megatron_siamese.training import checkpoint_files, scalar_loggers
 from megatron_siamese.training.args import TrainArgs
 from megatron_siamese.training.data_checks import data_problems
 
@@ -77,6 +77,7 @@ def preflight(args: TrainArgs) -> List[str]:
     except checkpoint_files.CheckpointError:
         pass  # the --load problem is reported above
     found += data_problems(args)  # a user's --data-prefix: its files, size and token ids
+    found += scalar_loggers.missing_packages(args)  # --tensorboard-dir, --wandb-project
     return found
 
 

@@ -31,6 +31,7 @@ from megatron_siamese.runtime.gpt import MegatronGPT
 from megatron_siamese.training import checkpoint
 from megatron_siamese.training.args import ADDITION_TASKS, ConfigError, TrainArgs, padded_vocab_size
 from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
+from megatron_siamese.training.run_log import RunLog
 from megatron_siamese.training.summary import RunSummary, format_summary, shown  # noqa: F401  (format_summary re-exported)
 
 
@@ -142,10 +143,11 @@ class Trainer:
         self.gpt.train()
         self.gpt.zero_grad()
         loss = self._forward_backward(self.train_data.step(self.step), forward_only=False)
-        _, grad_norm, _ = self.optimizer.step()
+        updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.step += 1
-        return dict(loss=loss, grad_norm=float(grad_norm or 0.0), lr=self.optimizer.param_groups[0]["lr"])
+        return dict(loss=loss, grad_norm=float(grad_norm or 0.0), lr=self.optimizer.param_groups[0]["lr"],
+                    loss_scale=float(self.optimizer.get_loss_scale()), skipped=not updated)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -190,9 +192,8 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
                            "need a path all ranks see (a shared file system)"])
     trainer = Trainer(args)
     rank0 = torch.distributed.get_rank() == 0
-    # status lines with the progress bar, or in a plain log (--log-interval: cluster jobs' files)
-    echo = ((lambda line: print(line, flush=True)) if rank0 and (args.progress or args.log_interval)
-            else (lambda line: None))
+    log = RunLog(args, resumed_at=trainer.step, speaks=rank0)  # the console, metrics.jsonl, settings.json, ...
+    echo = log.echo
     summary = RunSummary(args=asdict(args), steps_done=0)
     last_step = args.stop_step or args.steps
     directory = checkpoint_dir(args)
@@ -204,11 +205,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         echo(f"checkpoints: {when}, in {directory}")
     else:
         echo("checkpoints: none (--save-interval N or --stop-step N saves them; Ctrl-C saves one and stops)")
-    bar = None
-    if rank0 and args.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, initial=trainer.step, desc=args.norm, dynamic_ncols=True)
+    log.begin(trainer.step)
     tokens_per_step = args.global_batch_size * args.seq_length
     start = time.perf_counter()
     timed_steps, timed_seconds = 0, 0.0
@@ -220,39 +217,25 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         if trainer.step > first_step + 1:  # the first step includes one-time setup costs
             timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
         summary.train_losses[trainer.step] = stats["loss"]
+        log.step(trainer.step, stats, elapsed)
         if not math.isfinite(stats["loss"]):
             summary.diverged = True
             break
         stop = _agreed_stop()
         if trainer.step % args.eval_interval == 0 or trainer.step == last_step:
             summary.val_losses[trainer.step] = trainer.evaluate()
+            log.evaluated(trainer.step, summary.val_losses[trainer.step])
         if (args.save_interval and trainer.step % args.save_interval == 0) or (
             (trainer.step == last_step and (args.save_interval or args.stop_step)) or stop
         ):
             summary.checkpoints.append(checkpoint.save(trainer, directory))
-            if bar is None:
-                echo(f"saved {summary.checkpoints[-1]}")
-        if bar is None and args.log_interval and trainer.step % args.log_interval == 0:
-            validation = f" | val loss {summary.val_losses[trainer.step]:.4f}" if trainer.step in summary.val_losses else ""
-            echo(f"step {trainer.step}/{args.steps} | loss {stats['loss']:.4f} | lr {stats['lr']:.3e} | grad norm "
-                 f"{stats['grad_norm']:.3f} | {tokens_per_step / elapsed:.0f} tokens/s{validation}")
-        if bar is not None:
-            bar.set_postfix(
-                loss=f"{stats['loss']:.3f}",
-                lr=f"{stats['lr']:.2e}",
-                gnorm=f"{stats['grad_norm']:.2f}",
-                tok_s=f"{tokens_per_step / elapsed:.0f}",
-                val=shown(summary.val_losses, 3),
-                refresh=False,  # update() redraws it, once per step at most
-            )
-            bar.update(1)
+            log.saved(summary.checkpoints[-1])
         if stop:
             summary.stopped = True
             break
-    if bar is not None:
-        bar.close()
     if trainer.step not in summary.val_losses and not summary.diverged and not summary.stopped:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
+        log.evaluated(trainer.step, summary.val_losses[trainer.step])
     if args.task != "lm" and not summary.diverged and not summary.stopped:
         from megatron_siamese.training.addition import exact_match_accuracy
 
@@ -264,6 +247,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     summary.tokens_per_second = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
     summary.peak_memory_mb = trainer.peak_memory_mb()
     trainer.gpt.close()
+    log.close()
     if not rank0:
         return None
     summary.write(os.path.join(args.output_dir, SUMMARY_FILE))
