@@ -62,6 +62,17 @@ def test_an_earlier_release_checkpoint_resumes_where_it_stopped(tmp_path, cache)
     assert sorted(os.listdir(checkpoints)) == ["iter_0000004", TRACKER]
     assert (checkpoints / TRACKER).read_text() == "4"
     assert sorted(os.listdir(old)) == ["latest", "step_2"]
+    # with the common state Megatron-LM's load_checkpoint reads
+    from megatron_siamese.training.checkpoint_files import common_state
+
+    common = common_state(str(checkpoints / "iter_0000004"))
+    args = common["args"]
+    assert (common["iteration"], common["checkpoint_version"]) == (4, 3.0)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (1, 1, 1)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.padded_vocab_size) == (1, 16, 2, 320)
+    assert args.no_save_rng and not args.no_save_optim and args.consumed_train_samples == 4 * 8
+    assert common["opt_param_scheduler"]["num_steps"] == 4 * 8  # samples, as Megatron-LM's loop counts them
+    assert common["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
     # an output directory holding the old layout is another run's, and --overwrite clears it all
     reused = tmp_path / "reused"
