@@ -14,6 +14,7 @@ import pytest
 
 from megatron_siamese.cli import build_parser
 from megatron_siamese.training.args import TrainArgs
+from megatron_siamese.training.checkpoint_files import TRACKER
 
 CLI = [sys.executable, "-m", "megatron_siamese.cli"]
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
@@ -159,7 +160,7 @@ def finished_run(tmp_path_factory, cache):
 
 def snapshot(directory):
     return {path: os.stat(os.path.join(directory, path)).st_mtime_ns
-            for path in sorted(os.listdir(directory))} | {"latest:": open(os.path.join(directory, "latest")).read()}
+            for path in sorted(os.listdir(directory))} | {"tracker:": open(os.path.join(directory, TRACKER)).read()}
 
 
 def test_a_rerun_into_a_used_output_dir_is_refused_and_touches_nothing(tmp_path, cache, finished_run):
@@ -167,14 +168,14 @@ def test_a_rerun_into_a_used_output_dir_is_refused_and_touches_nothing(tmp_path,
     shutil.copytree(finished_run, output)
     before = snapshot(output / "checkpoints")
     done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", output, "--steps", "2", "--save-interval", "2")
-    assert_refused(done, "already holds another run's checkpoints (step_2, step_4)", "--overwrite")
+    assert_refused(done, "already holds another run's checkpoints (iter_0000002, iter_0000004)", "--overwrite")
     assert snapshot(output / "checkpoints") == before
     # --overwrite replaces them: nothing of the old run is left to mix with the new one
     done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", output, "--steps", "2", "--save-interval", "2",
                "--overwrite")
     assert done.returncode == 0, done.stderr
-    assert sorted(os.listdir(output / "checkpoints")) == ["latest", "step_2"]
-    assert (output / "checkpoints" / "step_2").stat().st_mtime_ns != before["step_2"]
+    assert sorted(os.listdir(output / "checkpoints")) == ["iter_0000002", TRACKER]
+    assert (output / "checkpoints" / "iter_0000002").stat().st_mtime_ns != before["iter_0000002"]
 
 
 def test_evaluating_a_checkpoint_as_saved_needs_no_other_flag(tmp_path, cache, finished_run):
@@ -188,20 +189,20 @@ def test_evaluating_a_checkpoint_as_saved_needs_no_other_flag(tmp_path, cache, f
 def test_resuming_with_another_schedule_is_refused_unless_a_flag_says_which_wins(tmp_path, cache, finished_run):
     checkpoints = finished_run / "checkpoints"
     refused = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "a", "--steps", "6",
-                  "--load", checkpoints / "step_2", "--lr", "0", "--min-lr", "0")
+                  "--load", checkpoints / "iter_0000002", "--lr", "0", "--min-lr", "0")
     assert_refused(refused, "another schedule", "--lr 0 (checkpoint: 0.002)", "--train-iters 6 (checkpoint: 4)",
                    "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
     # these settings win: a zero learning rate leaves the weights where step 2 left them
     frozen = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "b", "--steps", "6",
-                 "--load", checkpoints / "step_2", "--lr", "0", "--min-lr", "0", "--override-opt_param-scheduler")
+                 "--load", checkpoints / "iter_0000002", "--lr", "0", "--min-lr", "0", "--override-opt_param-scheduler")
     as_saved = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "c", "--steps", "2",
-                   "--load", checkpoints / "step_2")
+                   "--load", checkpoints / "iter_0000002")
     assert frozen.returncode == 0 and as_saved.returncode == 0, frozen.stderr + as_saved.stderr
     assert "resumed from" in frozen.stdout and "at step 2" in frozen.stdout
     assert final_val_loss(frozen) == final_val_loss(as_saved)
     # the checkpoint's win: it trains on (the weights move)
     kept = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "d", "--steps", "6",
-               "--load", checkpoints / "step_2", "--lr", "0", "--min-lr", "0", "--use-checkpoint-opt_param-scheduler")
+               "--load", checkpoints / "iter_0000002", "--lr", "0", "--min-lr", "0", "--use-checkpoint-opt_param-scheduler")
     assert kept.returncode == 0, kept.stderr
     assert final_val_loss(kept) != final_val_loss(as_saved)
 
@@ -217,16 +218,16 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("name", sorted(CORRUPTIONS))
 def test_a_broken_checkpoint_is_named_with_the_steps_to_load_instead(tmp_path, cache, finished_run, name):
     filename, corrupt, what = CORRUPTIONS[name]
-    if not (finished_run / "checkpoints" / "step_4" / filename).exists():
+    if not (finished_run / "checkpoints" / "iter_0000004" / filename).exists():
         pytest.skip(f"this megatron-core writes no {filename} (from 0.19 the common state is one of the shards)")
     shutil.copytree(finished_run, tmp_path / "run")
     checkpoints = tmp_path / "run" / "checkpoints"
-    corrupt(checkpoints / "step_4" / filename)
-    for load in (checkpoints, checkpoints / "step_4"):  # through `latest`, and named directly
+    corrupt(checkpoints / "iter_0000004" / filename)
+    for load in (checkpoints, checkpoints / "iter_0000004"):  # through the tracker, and named directly
         done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "run", "--steps", "4",
                    "--load", load)
-        assert_refused(done, f"{checkpoints / 'step_4' / filename}", what,
-                       f"complete checkpoints in {checkpoints}: step_2 (pass one to --load)")
+        assert_refused(done, f"{checkpoints / 'iter_0000004' / filename}", what,
+                       f"complete checkpoints in {checkpoints}: iter_0000002 (pass one to --load)")
 
 
 def ranks_of(process: subprocess.Popen):
@@ -235,7 +236,7 @@ def ranks_of(process: subprocess.Popen):
     return [rank for server in servers for rank in server.children()]
 
 
-def test_a_rank_killed_mid_save_leaves_latest_on_the_last_complete_checkpoint(tmp_path, cache):
+def test_a_rank_killed_mid_save_leaves_the_tracker_on_the_last_complete_checkpoint(tmp_path, cache):
     output = tmp_path / "killed"
     checkpoints = output / "checkpoints"
     process = subprocess.Popen([*CLI, "train", "--num-layers", "4", "--hidden-size", "256", "--seq-length", "32",
@@ -246,8 +247,8 @@ def test_a_rank_killed_mid_save_leaves_latest_on_the_last_complete_checkpoint(tm
     killed = None
     deadline = time.monotonic() + 240
     while killed is None and time.monotonic() < deadline and process.poll() is None:
-        saving = [p for p in checkpoints.glob("step_*") if not (p / ".metadata").exists()]
-        if saving and (checkpoints / "latest").exists():
+        saving = [p for p in checkpoints.glob("iter_*") if not (p / ".metadata").exists()]
+        if saving and (checkpoints / TRACKER).exists():
             victim = ranks_of(process)[-1]
             victim.kill()
             killed = saving[0].name
@@ -256,15 +257,15 @@ def test_a_rank_killed_mid_save_leaves_latest_on_the_last_complete_checkpoint(tm
     assert killed is not None, f"no save was caught in progress: {err[-2000:]}"
     assert process.returncode == 1 and "Traceback" not in err
     assert re.search(r"error: rank \d was killed by SIGKILL", err), err
-    latest = (checkpoints / "latest").read_text().strip()
-    assert latest != killed and not list((checkpoints / latest).glob("*.distcp")) == []
-    assert (checkpoints / latest / ".metadata").exists()
+    latest = int((checkpoints / TRACKER).read_text())
+    assert f"iter_{latest:07d}" != killed and not list((checkpoints / f"iter_{latest:07d}").glob("*.distcp")) == []
+    assert (checkpoints / f"iter_{latest:07d}" / ".metadata").exists()
     resumed = cli("train", "--num-layers", "4", "--hidden-size", "256", "--seq-length", "32", "--micro-batch-size", "2",
                   "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "100", "--cache-dir", cache,
-                  "--output-dir", output, "--steps", "40", "--stop-step", str(int(latest.split("_")[1]) + 2),
+                  "--output-dir", output, "--steps", "40", "--stop-step", str(latest + 2),
                   "--load", checkpoints)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"at step {latest.split('_')[1]}" in resumed.stdout
+    assert f"at step {latest}" in resumed.stdout
 
 
 # -- signals -----------------------------------------------------------------------------
@@ -293,9 +294,9 @@ def test_a_stop_signal_finishes_the_step_saves_and_exits_0(tmp_path, cache, how)
     assert len(stopped) == 1, err[-3000:]
     step = int(re.search(r"stopped at step (\d+)", stopped[0]).group(1))
     checkpoints = tmp_path / "checkpoints"
-    assert f"checkpoint saved to {checkpoints / f'step_{step}'}" in stopped[0]
-    assert (checkpoints / "latest").read_text().strip() == f"step_{step}"
-    assert (checkpoints / f"step_{step}" / ".metadata").exists()
+    assert f"checkpoint saved to {checkpoints / f'iter_{step:07d}'}" in stopped[0]
+    assert (checkpoints / TRACKER).read_text() == str(step)
+    assert (checkpoints / f"iter_{step:07d}" / ".metadata").exists()
 
 
 @pytest.mark.stack_independent

@@ -136,18 +136,18 @@ def test_training_across_nodes_resumes_on_other_node_counts(tmp_path):
                          "--output-dir", first], cwds=nodes)
     assert [rc for rc, _ in runs] == [0, 0], runs
     assert all(any(name.startswith("kjv-bytes") for name in os.listdir(node / "cache")) for node in nodes)
-    assert sorted(os.listdir(first / "checkpoints")) == ["latest", "step_3", "step_6"]
+    assert sorted(os.listdir(first / "checkpoints")) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
     uninterrupted = losses(first)
 
     one_node = tmp_path / "one-node"
     runs = agents(1, 4, [*TINY_TRAIN, "--tp", "2", "--dp", "2", "--cache-dir", tmp_path / "cache",
-                         "--output-dir", one_node, "--load", first / "checkpoints" / "step_3"])
+                         "--output-dir", one_node, "--load", first / "checkpoints" / "iter_0000003"])
     assert runs[0][0] == 0, runs
     assert losses(one_node) == {step: uninterrupted[step] for step in (4, 5, 6)}  # same layout: bit for bit
 
     two_small_nodes = tmp_path / "two-small-nodes"
     runs = agents(2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", tmp_path / "cache", "--output-dir", two_small_nodes,
-                         "--load", first / "checkpoints" / "step_3"])
+                         "--load", first / "checkpoints" / "iter_0000003"])
     assert [rc for rc, _ in runs] == [0, 0], runs
     resumed = losses(two_small_nodes)
     assert sorted(resumed) == [4, 5, 6]

@@ -51,7 +51,7 @@ def test_upcycle_command_and_analysis_on_trained_checkpoints(tmp_path):
     pre = train(TrainArgs(**TINY, norm="pre", save_interval=8, cache_dir=cache, output_dir=str(tmp_path / "pre")))
     args = TrainArgs(**{**TINY, "steps": 8}, cache_dir=cache, output_dir=str(tmp_path / "upcycled"))
     path = upcycle(args, str(tmp_path / "pre" / "checkpoints"))
-    assert path.endswith("step_0")
+    assert path.endswith("iter_0000000")
     # evaluated as is (step 0 of 0 steps left is not allowed, so: the SiameseNorm model at step 0)
     evaluated = train(dataclasses.replace(args, steps=1, warmup_steps=0, stop_step=None,
                                           load=str(tmp_path / "upcycled" / "checkpoints"),

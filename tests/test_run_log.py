@@ -228,7 +228,7 @@ def test_a_resume_appends_to_the_metrics_and_drops_the_steps_it_runs_again(tmp_p
     assert float(lines[4]["lm loss"]) == pytest.approx((first_train[3] + first_train[4]) / 2, rel=1e-6)
     assert sorted(first_val) == [3, 5]
     # resumed from step 4: steps 5 and on run again and replace what the first run logged of them
-    second = cli("train", *TINY, "--steps", "6", "--load", out / "checkpoints" / "step_4", "--log-interval", "2",
+    second = cli("train", *TINY, "--steps", "6", "--load", out / "checkpoints" / "iter_0000004", "--log-interval", "2",
                  "--cache-dir", cache, "--output-dir", out)
     assert second.returncode == 0, second.stderr[-3000:]
     second_train, second_val, _ = summary_of(out)
@@ -301,16 +301,16 @@ def test_run_sh_leaves_each_run_in_a_new_directory(tmp_path, cache):
                               capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
         where = re.search(r"^run directory: (runs/\S+)$", done.stdout, re.M).group(1)
-        assert f"results in {where}: settings.json, metrics.jsonl, loss.png, summary.json, checkpoints/ (last: step_2)" \
+        assert f"results in {where}: settings.json, metrics.jsonl, loss.png, summary.json, checkpoints/ (last: iter_0000002)" \
             in done.stdout
         directories.append(repo / where)
     assert directories[0] != directories[1] and sorted(os.listdir(repo / "runs")) == sorted(d.name for d in directories)
     for run in directories:
         assert {"settings.json", "metrics.jsonl", "loss.png", "summary.json", "checkpoints"} <= set(os.listdir(run))
-        assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+        assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
         assert [e["step"] for e in read_jsonl(run / "metrics.jsonl") if "loss" in e] == [1, 2]
     # an --output-dir given to run.sh is used as it is (and then a rerun is refused as `train` refuses it)
     done = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), *TINY, "--steps", "2", "--cache-dir", cache,
                            "--output-dir", str(directories[0])], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 2 and "already holds another run's checkpoints (step_2)" in done.stderr
+    assert done.returncode == 2 and "already holds another run's checkpoints (iter_0000002)" in done.stderr
     assert "run directory:" not in done.stdout and len(os.listdir(repo / "runs")) == 2

@@ -1,6 +1,7 @@
 """The training command: a few steps under TP and PP, checkpoints, resume and resharding."""
 
 import math
+from argparse import Namespace
 
 import numpy
 import pytest
@@ -104,19 +105,25 @@ def test_compare_runs_every_scheme_on_identical_data(tmp_path, cache):
     assert all(abs(v - math.log(320)) < 0.5 for v in first_losses.values())
 
 
+SCHEDULE = {"max_lr": 0.5, "min_lr": 0.05, "start_wd": 0.3}
+
+
 @pytest.mark.parametrize("saved, optimizer_from", [
-    ({"model_only": False, "model_class": "gpt"}, "checkpoint"),
-    ({"model_only": True, "model_class": "gpt"}, "run"),  # e.g. an upcycled model: a fresh optimizer
-    ({"model_only": False, "model_class": "hybrid"}, "run"),  # another model class: weights only
+    ({"args": Namespace(no_save_optim=False), "model_class": "gpt", "opt_param_scheduler": SCHEDULE}, "checkpoint"),
+    # e.g. an upcycled model: a fresh optimizer (Megatron-LM's --no-save-optim)
+    ({"args": Namespace(no_save_optim=True), "model_class": "gpt"}, "run"),
+    ({"args": Namespace(no_save_optim=False), "model_class": "hybrid", "opt_param_scheduler": SCHEDULE}, "run"),
+    ({"opt_param_scheduler": SCHEDULE}, "checkpoint"),  # Megatron-LM's own, with no model class: a GPT
+    ({"model_only": False, "model_class": "gpt", "scheduler": SCHEDULE}, "checkpoint"),  # an earlier release's keys
+    ({"model_only": True, "model_class": "gpt", "scheduler": SCHEDULE}, "run"),
 ])
 def test_the_optimizer_is_built_with_the_schedule_of_the_state_it_resumes(monkeypatch, saved, optimizer_from):
     # megatron-core 0.19 matches saved parameter groups by their learning rates: an optimizer whose
     # state is loaded must be built with the checkpoint's, a fresh one with the run's
     from megatron_siamese.training import checkpoint
 
-    scheduler = {"max_lr": 0.5, "min_lr": 0.05, "start_wd": 0.3}
     monkeypatch.setattr(checkpoint, "resolve", lambda path: path)
-    monkeypatch.setattr(checkpoint, "common_state", lambda path: {**saved, "scheduler": scheduler})
+    monkeypatch.setattr(checkpoint, "common_state", lambda path: saved)
     args = TrainArgs(load="somewhere", lr=1e-3, min_lr=1e-4, weight_decay=0.1, override_opt_param_scheduler=True)
     expected = dict(lr=0.5, min_lr=0.05, weight_decay=0.3) if optimizer_from == "checkpoint" else None
     assert checkpoint.saved_optimizer_schedule(args) == expected

@@ -102,9 +102,10 @@ class TrainArgs(ModelSettings):
     # e.g. preemption
     stop_step: Optional[int] = setting(None, group=CHECKPOINTS, flag=("--stop-step", "--exit-interval"),
                                        help="stop after this step and save a checkpoint (resume with --load)")
-    # a checkpoint directory, or a directory with a `latest` file
+    # a checkpoint directory, or a directory with a tracker file (Megatron-LM's, or an earlier release's `latest`)
     load: Optional[str] = setting(None, group=CHECKPOINTS, flag="--load", metavar="DIR",
-                                  help="resume from a checkpoints directory (its `latest`) or one step_<N> in it, "
+                                  help="resume from a checkpoints directory (its latest_checkpointed_iteration.txt) "
+                                       "or one iter_<N> in it, ours or Megatron-LM's, "
                                        "at any TP/PP layout; --train-iters equal to its step only evaluates it")
     overwrite: bool = setting(False, group=CHECKPOINTS, flag="--overwrite", action="store_true",
                               help="replace the checkpoints another run left in OUTPUT_DIR (refused otherwise)")

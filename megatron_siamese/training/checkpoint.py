@@ -6,11 +6,15 @@ optimizer in the format ``distributed_optimizer_format`` picks), the LR schedule
 description for the *current* layout and lets dist_checkpointing fetch the matching slices,
 so a checkpoint saved at TP2 x PP2 loads at TP1 x PP1 and the reverse.
 
-Layout on disk: ``<dir>/step_<N>/`` per checkpoint and ``<dir>/latest`` naming the newest
-complete one (``checkpoint_files.py``: written atomically after every rank finished).
+Layout and common state are Megatron-LM's (``checkpoint_files.py``: ``<dir>/iter_0000010/``,
+``<dir>/latest_checkpointed_iteration.txt`` written atomically after every rank finished; the
+common state's ``args``, ``iteration``, ``opt_param_scheduler``, ... as Megatron-LM's
+``generate_state_dict`` writes them, and its sharded-state-dict content metadata), so
+Megatron-LM's ``pretrain_gpt.py --load`` resumes a checkpoint of this trainer and the reverse
+(docs/megatron-lm.md). Checkpoints of earlier releases (``step_<N>``, ``latest``) still load.
 
 The run is deterministic without RNG state (no dropout; the data is a function of the step),
-so no RNG state is stored.
+so no RNG state is stored (``args.no_save_rng``: Megatron-LM's loader then skips it).
 
 On CPU the torch_dist writer hangs when psutil is missing (its worker calls a memory probe
 outside its try block, dies, and the parent waits forever); psutil is a dependency, and
@@ -24,14 +28,19 @@ from typing import Optional
 
 import torch
 
+from megatron_siamese.training import megatron_lm_args
+from megatron_siamese.training.args import VOCAB_MULTIPLE
 from megatron_siamese.training.checkpoint_files import (
     MODEL_CLASS,
-    MODEL_ONLY,
     CheckpointError,
     brings_training_state,
     checked,
     common_state,
+    iteration,
+    iteration_dir,
+    model_only,
     resolve,
+    scheduler_state,
     write_latest,
 )
 
@@ -59,6 +68,12 @@ def _metadata(trainer) -> dict:
     return metadata
 
 
+def _content_metadata(metadata: dict) -> dict:
+    """What Megatron-LM records of the sharded-state-dict metadata (``content_metadata``, read
+    back by its loader to build the same description): the plain flags, not the process group."""
+    return {key: value for key, value in metadata.items() if key != "dp_cp_group"}
+
+
 def distributed_optimizer_format() -> str:
     """How the distributed optimizer's state is checkpointed.
 
@@ -80,21 +95,26 @@ def _models(trainer):
 
 
 def sharded_state_dict(trainer, is_loading: bool, model_only: bool = False) -> dict:
+    """The state Megatron-LM's ``generate_state_dict`` describes (its keys), plus the model class."""
     metadata = _metadata(trainer)
     state = {key: module.sharded_state_dict(metadata=metadata) for key, module in _models(trainer)}
-    state["step"] = trainer.step
-    state[MODEL_ONLY] = model_only
+    state["args"] = megatron_lm_args.checkpoint_args(
+        trainer.args, trainer.step, trainer.vocab_size, VOCAB_MULTIPLE, model_only=model_only
+    )
+    state["checkpoint_version"] = megatron_lm_args.CHECKPOINT_VERSION
+    state["iteration"] = trainer.step
+    state["num_floating_point_operations_so_far"] = 0  # not counted by this trainer
     state[MODEL_CLASS] = trainer.args.model
     if not model_only:
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=metadata
         )
-        state["scheduler"] = trainer.scheduler.state_dict()
+        state["opt_param_scheduler"] = trainer.scheduler.state_dict()
     return state
 
 
 def save(trainer, directory: str, model_only: bool = False) -> str:
-    """Save the trainer's state under ``directory/step_<N>`` and point ``latest`` at it.
+    """Save the trainer's state under ``directory/iter_<N>`` and record it in the tracker file.
 
     ``model_only``: weights and step without optimizer or scheduler (a converted model, e.g. an
     upcycled one); loading it starts a fresh optimizer, like Megatron-LM's ``--no-load-optim``.
@@ -102,14 +122,15 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
     from megatron.core import dist_checkpointing
 
     require_psutil()
-    path = os.path.join(directory, f"step_{trainer.step}")
+    path = os.path.join(directory, iteration_dir(trainer.step))
     if torch.distributed.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path)
+    dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path,
+                            content_metadata=_content_metadata(_metadata(trainer)))
     torch.distributed.barrier()  # every rank's shards are written: the checkpoint is complete
     if torch.distributed.get_rank() == 0:
-        write_latest(directory, f"step_{trainer.step}")
+        write_latest(directory, trainer.step)
     torch.distributed.barrier()
     return path
 
@@ -165,18 +186,18 @@ def _load_gpt_into_hybrid(trainer, checkpoint: str) -> int:
     state = {key: module.sharded_state_dict(metadata=_metadata(trainer)) for key, module in _models(trainer)}
     for sharded in state.values():
         retarget_sharded_state_dict_to_gpt_checkpoint(sharded, layer_maps)
-    state["step"] = trainer.step
     loaded = dist_checkpointing.load(state, checkpoint)
     for key, module in _models(trainer):
         module.load_state_dict(loaded[key])
-    return _start_schedule_at(trainer, int(loaded["step"]))
+    return _start_schedule_at(trainer, iteration(loaded))
 
 
 def _start_schedule_at(trainer, step: int) -> int:
-    """A fresh optimizer, the schedule continuing from ``step``."""
+    """A fresh optimizer, the schedule continuing from ``step`` (counted in samples, as
+    Megatron-LM's training loop steps it)."""
     trainer.step = step
     if step:
-        trainer.scheduler.step(increment=step)
+        trainer.scheduler.step(increment=step * trainer.args.global_batch_size)
     return step
 
 
@@ -190,7 +211,7 @@ def saved_optimizer_schedule(args) -> Optional[dict]:
     if not args.load:
         return None
     common = common_state(resolve(args.load))
-    scheduler = common.get("scheduler")
+    scheduler = scheduler_state(common, args.global_batch_size)
     if not (brings_training_state(common, args.model) and scheduler):
         return None
     return dict(lr=scheduler["max_lr"], min_lr=scheduler["min_lr"], weight_decay=scheduler["start_wd"])
@@ -213,12 +234,12 @@ def load(trainer, path: str) -> int:
             f"{checkpoint} holds a {saved_class} model and this run builds a {wanted_class} model; load it "
             f"with --model {saved_class} (a GPT checkpoint loads into --model hybrid, not the reverse)"
         )
-    model_only = bool(common.get(MODEL_ONLY, False))
-    if not model_only:
+    weights_only = model_only(common)
+    if not weights_only:
         _materialize_optimizer_state(trainer.optimizer)
     try:
         loaded = dist_checkpointing.load(
-            sharded_state_dict(trainer, is_loading=True, model_only=model_only), checkpoint
+            sharded_state_dict(trainer, is_loading=True, model_only=weights_only), checkpoint
         )
     except Exception as error:  # the files looked sound: the model does not match them
         raise CheckpointError(
@@ -227,11 +248,11 @@ def load(trainer, path: str) -> int:
         ) from error
     for key, module in _models(trainer):
         module.load_state_dict(loaded[key])
-    if model_only:  # a fresh optimizer; the schedule continues from the checkpoint's step
-        return _start_schedule_at(trainer, int(loaded["step"]))
+    if weights_only:  # a fresh optimizer; the schedule continues from the checkpoint's step
+        return _start_schedule_at(trainer, iteration(loaded))
     with torch.no_grad():  # fp32 distributed-optimizer state is copied into parameter views
         trainer.optimizer.load_state_dict(loaded["optimizer"])
-    trainer.step = int(loaded["step"])
+    trainer.step = iteration(loaded)
     if trainer.step < trainer.args.steps:  # evaluating the checkpoint as saved needs no schedule
         if trainer.args.override_opt_param_scheduler:
             # the parameter groups hold the checkpoint's peak and final learning rates (and weight
@@ -241,6 +262,6 @@ def load(trainer, path: str) -> int:
                 for key in ("start_wd", "end_wd"):
                     if key in group:
                         group[key] = trainer.args.weight_decay
-        trainer.scheduler.load_state_dict(loaded["scheduler"])
+        trainer.scheduler.load_state_dict(scheduler_state(loaded, trainer.args.global_batch_size))
     _restore_adam_step_count(trainer.optimizer, trainer.step)
     return trainer.step

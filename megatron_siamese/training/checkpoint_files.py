@@ -1,10 +1,16 @@
 """Checkpoint directories on disk: which steps are complete, what is wrong with a broken one.
 
-Layout: ``<dir>/step_<N>/`` per checkpoint (Megatron's torch_dist format: ``metadata.json``,
-torch's ``.metadata`` and ``*.distcp`` shards, and up to megatron-core 0.18 ``common.pt``; from
-0.19 the common state is a shard too) and ``<dir>/latest`` naming the newest complete one.
-``latest`` is written only after every rank finished saving, and atomically (a rename), so it
-never names a partial checkpoint.
+Layout: Megatron-LM's, so that checkpoints move both ways between this trainer and
+Megatron-LM's ``pretrain_gpt.py``: ``<dir>/iter_<N, 7 digits>/`` per checkpoint (Megatron's
+torch_dist format: ``metadata.json``, torch's ``.metadata`` and ``*.distcp`` shards, and up to
+megatron-core 0.18 ``common.pt``; from 0.19 the common state is a shard too) and
+``<dir>/latest_checkpointed_iteration.txt`` holding the newest complete one's iteration. The
+tracker is written only after every rank finished saving, and atomically (a rename), so it never
+names a partial checkpoint.
+
+Checkpoints of earlier releases (``<dir>/step_<N>/`` and ``<dir>/latest`` naming one) are still
+read: ``resolve`` follows either tracker, and their common state is read in today's keys
+(``in_megatron_keys``).
 
 Everything here runs in the launching process before any rank starts (torch and Megatron's
 checkpoint reader are imported only to read a checkpoint's metadata and common state), so a
@@ -18,13 +24,26 @@ import json
 import os
 import re
 import warnings
+from argparse import Namespace
 from typing import List, Optional, Tuple
 
-LATEST = "latest"
-STEP_DIR = re.compile(r"^step_(\d+)$")
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's: the newest complete iteration
+ITER_DIR = re.compile(r"^iter_(\d{7,})$")  # Megatron-LM's get_checkpoint_name: iter_{:07d}
+LATEST = "latest"  # earlier releases' tracker: the name of the newest complete step_<N>
+STEP_DIR = re.compile(r"^step_(\d+)$")  # earlier releases' checkpoint directories
 # torch's .metadata is written last, when every rank's shards are on disk
 REQUIRED_FILES = ("metadata.json", ".metadata")
 LEGACY_COMMON = "common.pt"  # megatron-core < 0.19 keeps the common state here
+
+
+def iteration_dir(step: int) -> str:
+    """The directory name Megatron-LM gives the checkpoint of iteration ``step``."""
+    return f"iter_{step:07d}"
+
+
+def _step_of(name: str) -> Optional[int]:
+    match = ITER_DIR.match(name) or STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
 
 
 class CheckpointError(ValueError):
@@ -32,11 +51,12 @@ class CheckpointError(ValueError):
 
 
 def step_dirs(directory: str) -> List[Tuple[int, str]]:
-    """(step, path) of every ``step_<N>`` directory, oldest first."""
+    """(step, path) of every checkpoint directory (``iter_<N>``, or an earlier release's
+    ``step_<N>``), oldest first."""
     if not os.path.isdir(directory):
         return []
-    found = [(int(m.group(1)), os.path.join(directory, name))
-             for name in os.listdir(directory) if (m := STEP_DIR.match(name))]
+    found = [(step, os.path.join(directory, name))
+             for name in os.listdir(directory) if (step := _step_of(name)) is not None]
     return sorted(found)
 
 
@@ -48,39 +68,68 @@ def complete_steps(directory: str) -> List[int]:
     return [step for step, path in step_dirs(directory) if not missing_files(path)]
 
 
-def write_latest(directory: str, name: str) -> None:
-    """Point ``latest`` at ``name``: a new file renamed over the old, never half written."""
-    tmp = os.path.join(directory, f".{LATEST}.tmp")
+def write_latest(directory: str, step: int) -> None:
+    """Record ``step`` as the newest complete checkpoint in Megatron-LM's tracker file: a new
+    file renamed over the old, never half written."""
+    tmp = os.path.join(directory, f".{TRACKER}.tmp")
     with open(tmp, "w") as out:
-        out.write(f"{name}\n")
+        out.write(str(step))
         out.flush()
         os.fsync(out.fileno())
-    os.replace(tmp, os.path.join(directory, LATEST))
+    os.replace(tmp, os.path.join(directory, TRACKER))
+
+
+def trackers(directory: str) -> List[str]:
+    """The tracker files in a checkpoints directory (today's and an earlier release's)."""
+    return [path for name in (TRACKER, LATEST) if os.path.isfile(path := os.path.join(directory, name))]
 
 
 def _instead(directory: str, exclude: Optional[str] = None) -> str:
-    steps = [s for s in complete_steps(directory) if os.path.join(directory, f"step_{s}") != exclude]
-    if not steps:
+    names = [os.path.basename(path) for _, path in step_dirs(directory)
+             if not missing_files(path) and path != exclude]
+    if not names:
         return f"there is no complete checkpoint in {directory}"
-    return f"complete checkpoints in {directory}: {', '.join(f'step_{s}' for s in steps)} (pass one to --load)"
+    return f"complete checkpoints in {directory}: {', '.join(names)} (pass one to --load)"
 
 
-def resolve(path: str) -> str:
-    """The checkpoint ``path`` names: itself, or the one its ``latest`` file names."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"--load {path}: no such file or directory")
-    latest = os.path.join(path, LATEST)
+def _tracked(path: str) -> Optional[str]:
+    """The checkpoint directory a tracker in ``path`` names (Megatron-LM's, else an earlier
+    release's ``latest``); None without a tracker."""
+    tracker, latest = os.path.join(path, TRACKER), os.path.join(path, LATEST)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        if text == "release":  # Megatron-LM's name for a converted, step-less checkpoint
+            name = "release"
+        elif text.isdigit():
+            name = iteration_dir(int(text))
+        else:
+            raise CheckpointError(f"{tracker} holds {text!r}, not an iteration; {_instead(path)}")
+        if not os.path.isdir(os.path.join(path, name)):
+            raise CheckpointError(f"{tracker} names iteration {text}, but there is no {os.path.join(path, name)}; "
+                                  f"{_instead(path)}")
+        return os.path.join(path, name)
     if os.path.isfile(latest):
         with open(latest) as f:
             name = f.read().strip()
         target = os.path.join(path, name)
-        if not STEP_DIR.match(name) or not os.path.isdir(target):
+        if _step_of(name) is None or not os.path.isdir(target):
             raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint directory here; {_instead(path)}")
         return target
-    if os.path.isfile(os.path.join(path, "metadata.json")) or STEP_DIR.match(os.path.basename(os.path.normpath(path))):
+    return None
+
+
+def resolve(path: str) -> str:
+    """The checkpoint ``path`` names: itself, or the one its tracker file names."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"--load {path}: no such file or directory")
+    tracked = _tracked(path)
+    if tracked:
+        return tracked
+    if os.path.isfile(os.path.join(path, "metadata.json")) or _step_of(os.path.basename(os.path.normpath(path))) is not None:
         return path
-    raise CheckpointError(f"--load {path} is not a checkpoint: it has neither a `{LATEST}` file nor metadata.json "
-                          "(give a checkpoints directory or one step_<N> inside it)")
+    raise CheckpointError(f"--load {path} is not a checkpoint: it has neither a `{TRACKER}` file nor metadata.json "
+                          "(give a checkpoints directory or one iter_<N> inside it)")
 
 
 def problems(checkpoint: str) -> List[str]:
@@ -152,20 +201,55 @@ def checked(path: str) -> str:
     return checkpoint
 
 
-MODEL_ONLY = "model_only"  # common-state flag: the checkpoint holds no optimizer state
 MODEL_CLASS = "model_class"  # common state: "gpt" (GPTModel) or "hybrid" (HybridModel); absent = "gpt"
+# Megatron-LM's common state, which ``checkpoint.save`` writes: "args" (an argparse.Namespace
+# with Megatron-LM's argument names), "checkpoint_version", "iteration", "opt_param_scheduler"
+# (its step counts in samples, as Megatron-LM's training loop steps it), "optimizer",
+# "num_floating_point_operations_so_far". Earlier releases wrote these instead:
+LEGACY_STEP, LEGACY_SCHEDULER = "step", "scheduler"  # the scheduler's counts in optimizer steps
+LEGACY_MODEL_ONLY = "model_only"  # today: args.no_save_optim, Megatron-LM's flag
+_SCHEDULER_COUNTS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+def iteration(common: dict) -> int:
+    """The step a checkpoint with this common state was saved at."""
+    return int(common.get("iteration", common.get(LEGACY_STEP, 0)))
+
+
+def saved_args(common: dict) -> Namespace:
+    """The checkpoint's run arguments (Megatron-LM's names; empty for an earlier release's)."""
+    return common.get("args") or Namespace()
+
+
+def model_only(common: dict) -> bool:
+    """Whether the checkpoint holds no optimizer state (``--no-save-optim`` in Megatron-LM)."""
+    return bool(getattr(saved_args(common), "no_save_optim", False) or common.get(LEGACY_MODEL_ONLY, False))
+
+
+def scheduler_state(common: dict, global_batch_size: int) -> Optional[dict]:
+    """The checkpoint's OptimizerParamScheduler state in Megatron-LM's units (samples), or None.
+
+    An earlier release counted the scheduler in optimizer steps and did not record its batch
+    size: its counts are taken as this run's ``global_batch_size`` samples per step, which keeps
+    its learning rate at every step (the resumed run's batch size, as it was, or as now set)."""
+    if "opt_param_scheduler" in common:
+        return common["opt_param_scheduler"]
+    legacy = common.get(LEGACY_SCHEDULER)
+    if legacy is None:
+        return None
+    return {**legacy, **{key: legacy[key] * global_batch_size for key in _SCHEDULER_COUNTS if key in legacy}}
 
 
 def brings_training_state(common: dict, model: str) -> bool:
     """Whether loading a checkpoint with this common state into a ``model`` run restores its
     optimizer and schedule (else only weights load: a model-only checkpoint, or a GPTModel's
     weights translated into a HybridModel)."""
-    return not common.get(MODEL_ONLY, False) and common.get(MODEL_CLASS, "gpt") == model
+    return not model_only(common) and common.get(MODEL_CLASS, "gpt") == model
 
 
 def common_state(checkpoint: str) -> dict:
-    """The checkpoint's non-sharded entries (step, scheduler, model class, ...), from either
-    format (Megatron's own reader)."""
+    """The checkpoint's non-sharded entries (args, iteration, scheduler, model class, ...), from
+    either torch_dist format (Megatron's own reader)."""
     from megatron.core import dist_checkpointing
 
     with warnings.catch_warnings():  # reading it in one process, without torch.distributed, is the intent

@@ -16,10 +16,12 @@ from megatron_siamese.training import checkpoint_files, scalar_loggers
 from megatron_siamese.training.args import TrainArgs
 from megatron_siamese.training.data_checks import data_problems
 
-# what the schedule of a resumed run is compared on: checkpoint key, the run's value, its flag
-_SCHEDULE = (("max_lr", lambda a: a.lr, "--lr"), ("min_lr", lambda a: a.min_lr, "--min-lr"),
-             ("lr_warmup_steps", lambda a: a.warmup, "--lr-warmup-iters"),
-             ("lr_decay_steps", lambda a: a.steps, "--train-iters"), ("start_wd", lambda a: a.weight_decay, "--weight-decay"))
+# what the schedule of a resumed run is compared on: checkpoint key, the run's value, its flag, and
+# the key's unit in the run's (the scheduler counts samples, as Megatron-LM's does; flags count steps)
+_SCHEDULE = (("max_lr", lambda a: a.lr, "--lr", lambda a: 1), ("min_lr", lambda a: a.min_lr, "--min-lr", lambda a: 1),
+             ("lr_warmup_steps", lambda a: a.warmup, "--lr-warmup-iters", lambda a: a.global_batch_size),
+             ("lr_decay_steps", lambda a: a.steps, "--train-iters", lambda a: a.global_batch_size),
+             ("start_wd", lambda a: a.weight_decay, "--weight-decay", lambda a: 1))
 
 
 def checkpoint_dir(args: TrainArgs) -> str:
@@ -28,15 +30,17 @@ def checkpoint_dir(args: TrainArgs) -> str:
 
 def _schedule_problems(args: TrainArgs, checkpoint: str) -> List[str]:
     common = checkpoint_files.common_state(checkpoint)
-    scheduler, step = common.get("scheduler"), int(common.get("step", 0))
+    scheduler = checkpoint_files.scheduler_state(common, args.global_batch_size)
+    step = checkpoint_files.iteration(common)
     if scheduler is None or step >= args.steps:  # no schedule saved, or evaluating the checkpoint as saved
         return []
     if not checkpoint_files.brings_training_state(common, args.model):  # weights only: this run's schedule
         return []
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return []
-    differ = [f"{flag} {value(args):g} (checkpoint: {scheduler[key]:g})" for key, value, flag in _SCHEDULE
-              if key in scheduler and abs(float(scheduler[key]) - float(value(args))) > 1e-12 * max(1.0, abs(value(args)))]
+    differ = [f"{flag} {value(args):g} (checkpoint: {scheduler[key] / unit(args):g})"
+              for key, value, flag, unit in _SCHEDULE if key in scheduler
+              and abs(float(scheduler[key]) - float(value(args) * unit(args))) > 1e-12 * max(1.0, abs(value(args) * unit(args)))]
     if not differ:
         return []
     return [f"resuming {checkpoint} with another schedule: {', '.join(differ)}; pass --override-opt_param-scheduler "
@@ -52,7 +56,7 @@ def _output_problems(args: TrainArgs) -> List[str]:
         resumed = os.path.dirname(os.path.normpath(checkpoint_files.resolve(args.load)))
         if os.path.realpath(resumed) == os.path.realpath(directory):
             return []  # resuming: new checkpoints continue the same run
-    steps = ", ".join(f"step_{step}" for step, _ in existing)
+    steps = ", ".join(os.path.basename(path) for _, path in existing)
     return [f"--output-dir {args.output_dir} already holds another run's checkpoints ({steps}): resume it with "
             f"--load {directory}, choose another --output-dir, or pass --overwrite to replace them"]
 
@@ -90,7 +94,6 @@ def clear_for_overwrite(args: TrainArgs) -> List[str]:
         return []
     for path in removed:
         shutil.rmtree(path)
-    latest = os.path.join(directory, checkpoint_files.LATEST)
-    if os.path.exists(latest):
-        os.remove(latest)
+    for tracker in checkpoint_files.trackers(directory):
+        os.remove(tracker)
     return removed

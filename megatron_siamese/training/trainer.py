@@ -29,6 +29,7 @@ from megatron_siamese import device
 from megatron_siamese.runtime import launch, launchers
 from megatron_siamese.runtime.gpt import MegatronGPT
 from megatron_siamese.training import checkpoint
+from megatron_siamese.training.megatron_lm_args import ADAM_BETAS, LR_DECAY_STYLE
 from megatron_siamese.training.args import ADDITION_TASKS, ConfigError, TrainArgs, padded_vocab_size
 from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
 from megatron_siamese.training.run_log import RunLog
@@ -55,25 +56,27 @@ class Trainer:
 
         self.args = args
         self.tokenizer = ByteTokenizer()
+        self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size)
         self.gpt = MegatronGPT(
             args,
             args.layout,
-            padded_vocab_size(self.tokenizer.vocab_size),
-            dict(**_optimizer_schedule(args), adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad),
+            self.vocab_size,
+            dict(**_optimizer_schedule(args), **ADAM_BETAS, clip_grad=args.clip_grad),
             args.seed,
         )
         self.config, self.model, self.optimizer = self.gpt.config, self.gpt.model, self.gpt.optimizer
+        samples = args.global_batch_size  # per step: the schedule counts samples, as Megatron-LM's does
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
             max_lr=args.lr,
             min_lr=args.min_lr,
-            lr_warmup_steps=args.warmup,
-            lr_decay_steps=args.steps,
-            lr_decay_style="cosine",
+            lr_warmup_steps=args.warmup * samples,
+            lr_decay_steps=args.steps * samples,
+            lr_decay_style=LR_DECAY_STYLE,
             start_wd=args.weight_decay,
             end_wd=args.weight_decay,
-            wd_incr_steps=args.steps,
+            wd_incr_steps=args.steps * samples,
             wd_incr_style="constant",
             # a resumed run whose schedule differs from the checkpoint's was refused before
             # launch unless one of these says which wins (as Megatron-LM's flags do)
@@ -144,7 +147,7 @@ class Trainer:
         self.gpt.zero_grad()
         loss = self._forward_backward(self.train_data.step(self.step), forward_only=False)
         updated, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        self.scheduler.step(increment=self.args.global_batch_size)
         self.step += 1
         return dict(loss=loss, grad_norm=float(grad_norm or 0.0), lr=self.optimizer.param_groups[0]["lr"],
                     loss_scale=float(self.optimizer.get_loss_scale()), skipped=not updated)

@@ -1,0 +1,95 @@
+"""The run's arguments as Megatron-LM names them: the ``args`` of a checkpoint's common state.
+
+Megatron-LM stores its whole argparse.Namespace in every checkpoint and its ``load_checkpoint``
+reads it back: the TP/PP/DP sizes (whether RNG and optimizer state can load as saved),
+``no_save_rng`` / ``no_save_optim`` (whether they were saved at all), the consumed samples
+(where its data continues), and ``check_checkpoint_args`` compares the model's shape with the
+resuming run's. Writing the same names lets ``pretrain_gpt.py --load`` resume a checkpoint of
+this trainer, and ``--use-checkpoint-args`` rebuild its model from it.
+
+Plain values only (str, int, float, bool, None): megatron-core 0.19 reads the common state with
+``weights_only=True``, which allows a Namespace but not arbitrary objects.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+from megatron_siamese.runtime.settings import ModelSettings
+
+ADAM_BETAS = dict(adam_beta1=0.9, adam_beta2=0.95)  # the trainer's Adam (Megatron-LM's --adam-beta1/2)
+LR_DECAY_STYLE = "cosine"  # the trainer's schedule (Megatron-LM's --lr-decay-style; its default is linear)
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current "checkpoint_version" (3.0: no QKV reordering on load)
+# the layer spec Megatron-LM's --spec names for a scheme, where there is one (docs/megatron-lm.md)
+SPECS = {"siamese-layer": ["megatron_siamese.specs", "siamese_layer_spec"]}
+
+
+def model_args(model: ModelSettings, vocab_size: int, vocab_multiple: int) -> dict:
+    """The model's shape in Megatron-LM's argument names (what --use-checkpoint-args reads)."""
+    return dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        group_query_attention=model.num_query_groups is not None,
+        num_query_groups=model.num_query_groups or model.num_attention_heads,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        seq_length=model.seq_length,
+        encoder_seq_length=model.seq_length,
+        max_position_embeddings=model.seq_length,
+        position_embedding_type=model.position_embedding_type,
+        add_position_embedding=True,  # Megatron-LM's default: learned positions where the type asks for them
+        normalization=model.normalization,
+        apply_layernorm_1p=model.zero_centered_gamma,
+        swiglu=model.gated_linear_unit,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_bias_linear,
+        untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
+        init_method_std=model.init_method_std,
+        padded_vocab_size=vocab_size,
+        make_vocab_size_divisible_by=vocab_multiple,
+        bf16=model.dtype == "bf16",
+        fp16=False,
+        transformer_impl=model.transformer_impl,
+        spec=SPECS.get(model.norm),
+    )
+
+
+def checkpoint_args(args, step: int, vocab_size: int, vocab_multiple: int, model_only: bool) -> Namespace:
+    """The Namespace a checkpoint of ``args`` (a TrainArgs) saved at ``step`` carries."""
+    return Namespace(
+        **model_args(args, vocab_size, vocab_multiple),
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+        context_parallel_size=1,
+        data_parallel_size=args.dp,
+        world_size=args.world_size,
+        sequence_parallel=args.sp,
+        use_distributed_optimizer=args.distributed_optimizer,
+        ckpt_format="torch_dist",
+        # the run is deterministic without RNG state (no dropout; the data is a function of the
+        # step): none is saved, and Megatron-LM's loader then skips it (no --no-load-rng needed)
+        no_save_rng=True,
+        no_save_optim=model_only,  # a model-only checkpoint: Megatron-LM then starts a fresh optimizer
+        iteration=step,
+        train_iters=args.steps,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        consumed_train_samples=step * args.global_batch_size,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,  # validation reads the same fixed batches each time
+        lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_iters=args.warmup,
+        lr_decay_iters=args.steps,
+        lr_decay_style=LR_DECAY_STYLE,
+        weight_decay=args.weight_decay,
+        start_weight_decay=args.weight_decay,
+        end_weight_decay=args.weight_decay,
+        weight_decay_incr_style="constant",
+        clip_grad=args.clip_grad,
+        **ADAM_BETAS,
+        optimizer="adam",
+        seed=args.seed,
+    )
