@@ -1,0 +1,46 @@
+"""No orphan ranks: a rank that outlives the process that started it ends itself.
+
+``die_with_parent(signum)`` asks Linux to send this process ``signum`` when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``), whatever killed the parent, SIGKILL included. A spawned rank's
+parent is the fork server, which exits as soon as the launcher does (its pipe to the launcher
+closes), so a killed launcher takes its ranks with it within a second instead of leaving them
+to finish the run and keep writing checkpoints. Elsewhere than Linux it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from typing import Optional
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(signum: int, launcher_pid: Optional[int] = None) -> bool:
+    """Have ``signum`` sent to this process when its parent dies; returns whether it is set.
+    If the parent (or ``launcher_pid``) is already gone, the signal is sent now: the death
+    signal is not sent for a parent that died before it was asked for."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent or parent == 1 or (launcher_pid is not None and not _alive(launcher_pid)):
+        os.kill(os.getpid(), signum)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
