@@ -56,6 +56,18 @@ def job_processes(pid: int):
     return [root, *root.children(recursive=True)]
 
 
+def running(processes):
+    """Those still running (a zombie has exited: its parent has not reaped it yet)."""
+    alive = []
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
 def send(processes, signum):
     for process in processes:
         try:
@@ -153,7 +165,10 @@ def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path, cache, how):
     else:
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=30)
-    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and running(ranks):
+        time.sleep(0.2)
+    alive = running(ranks)
     for rank in alive:
         rank.kill()
     assert not alive, f"ranks still running 10 s after the launcher was killed: {[r.pid for r in alive]}"
@@ -235,5 +250,5 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_one_agreed_step(tmp_pa
     assert reason == "SIGTERM"
     assert_complete_latest(checkpoints, step)
     assert "megatron_siamese/" not in out  # no traceback of ours (torchrun reports its own SIGTERM)
-    assert not [p for p in processes[1:] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not running(processes[1:])
     resumes(tmp_path, cache, checkpoints, step)

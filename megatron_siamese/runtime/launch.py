@@ -24,12 +24,13 @@ sends them) may reach any process of the job: the launcher alone, one rank, or a
 once (a scheduler's time limit). The first one a process gets asks for a stop after the step
 the ranks are in (``stop_requested()``: the signal's number; the trainer all-reduces it, so
 every rank stops after the same step and saves); a second one stops that process at once.
-The same signal again within ``SAME_SIGNAL_S`` is the same request (torchrun forwards the
-SIGTERM its ranks already got from the scheduler). Without ``graceful_stop`` the launcher's
+Another stop signal within ``SAME_SIGNAL_S`` of the first is the same request (torchrun
+forwards the SIGTERM its ranks already got from the scheduler; a torchrun agent killed by
+SIGUSR1 sends its ranks their parent-death SIGTERM). Without ``graceful_stop`` the launcher's
 first signal stops at once. The launcher's helpers (fork server, resource tracker) ignore
 these signals: they end with the launcher, and a fork server killed by a job-wide SIGTERM would
-lose the ranks' exit codes. A spawned rank dies with its parent (``orphans.die_with_parent``),
-so a launcher killed by any signal, SIGKILL included, leaves no rank running.
+lose the ranks' exit codes. A spawned rank dies with the launcher and with its parent, the fork server
+(``orphans``), so a launcher killed by any signal, SIGKILL included, leaves no rank running.
 ``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
 """
 
@@ -59,7 +60,7 @@ from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-SAME_SIGNAL_S = 1.0  # a repeat of the first signal this soon is the same request, not a second one
+SAME_SIGNAL_S = 1.0  # a stop signal this soon after the first is the same request, not a second one
 
 
 class RankFailed(RuntimeError):
@@ -102,7 +103,7 @@ def _stop_on_first_signal() -> None:
         if not first:
             _stop.update(signum=signum, at=time.monotonic())
             return
-        if signum == first and time.monotonic() - at < SAME_SIGNAL_S:
+        if time.monotonic() - at < SAME_SIGNAL_S:  # one request arriving twice (torchrun forwarding, its death)
             return
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)  # a third one ends the process even inside a collective
@@ -251,7 +252,8 @@ def shared_by_all_ranks(directory: str) -> bool:
 
 def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher_pid):
     os.setpgrp()  # a group of its own: the launcher can stop it with whatever it started (writer processes)
-    orphans.die_with_parent(signal.SIGKILL, launcher_pid)  # parent: the fork server, gone with the launcher
+    orphans.die_with_parent(signal.SIGKILL, launcher_pid)  # parent: the fork server (or the launcher)
+    orphans.watch(launcher_pid)  # the fork server outlives a killed launcher while ranks run
     _stop.update(shared=stop_value, signum=0, at=0.0)
     _stop_on_first_signal()
     _console["queue"] = results
