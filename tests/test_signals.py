@@ -252,3 +252,22 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_one_agreed_step(tmp_pa
     assert "megatron_siamese/" not in out  # no traceback of ours (torchrun reports its own SIGTERM)
     assert not running(processes[1:])
     resumes(tmp_path, cache, checkpoints, step)
+
+
+def test_sigterm_to_every_task_of_a_slurm_step_saves_one_agreed_step_and_each_exits_0(tmp_path, cache):
+    base = dict(os.environ, SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_NODELIST="localhost",
+                SLURM_STEP_ID="0", SLURM_JOB_ID="1", MASTER_PORT=str(free_port()))
+    tasks = [subprocess.Popen(command(tmp_path, cache, "--tp", "2"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
+             for rank in range(2)]
+    first = tasks[0].stdout.readline()
+    assert first.startswith("checkpoints: "), first + (tasks[0].stdout.read() if tasks[0].poll() is not None else "")
+    time.sleep(2.0)
+    for task in tasks:  # what slurmstepd does at the time limit
+        task.send_signal(signal.SIGTERM)
+    said = [task.communicate(timeout=180)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], said
+    assert "Traceback" not in "".join(said)
+    step, reason, _, _ = stopped_line(said[0])
+    assert reason == "SIGTERM" and "stopped at step" not in said[1]  # rank 0 speaks for the job
+    assert_complete_latest(tmp_path / "checkpoints", step)

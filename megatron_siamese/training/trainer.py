@@ -340,7 +340,7 @@ def _launched_train_rank(args: TrainArgs) -> Optional[RunSummary]:
     from megatron_siamese.training.preflight import checkpoint_dir
 
     lock = _checked_before_start(args)
-    before = _existing_checkpoints(args) if lock is not None else set()
+    before = _existing_checkpoints(args) if torch.distributed.get_rank() == 0 else set()
     try:
         return train_rank(args)
     except KeyboardInterrupt:
