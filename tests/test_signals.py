@@ -228,11 +228,12 @@ def test_a_second_job_into_a_live_jobs_output_dir_is_refused_and_a_dead_ones_loc
 
 # -- a launched job (torchrun) -------------------------------------------------------------
 
-def test_sigterm_to_every_process_of_a_torchrun_job_saves_one_agreed_step(tmp_path, cache):
+def torchrun(output, cache):
+    """A torchrun agent of two ranks running a long job, once its ranks train."""
     endpoint = f"localhost:{free_port()}"
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", endpoint,
-                              *command(tmp_path, cache)[1:]],
+                              *command(output, cache)[1:]],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     said = []
     for line in agent.stdout:
@@ -241,10 +242,15 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_one_agreed_step(tmp_pa
             break
     assert said and said[-1].startswith("checkpoints: "), "".join(said)
     time.sleep(2.0)
+    return agent, "".join(said)
+
+
+def test_sigterm_to_every_process_of_a_torchrun_job_saves_one_agreed_step(tmp_path, cache):
+    agent, said = torchrun(tmp_path, cache)
     processes = job_processes(agent.pid)
     assert len(processes) >= 3  # the agent and its two ranks
-    send(processes, signal.SIGTERM)
-    out = "".join(said) + agent.communicate(timeout=180)[0]
+    send(processes, signal.SIGTERM)  # the ranks get it twice: torchrun forwards its own
+    out = said + agent.communicate(timeout=180)[0]
     checkpoints = tmp_path / "checkpoints"
     step, reason, _, _ = stopped_line(out)
     assert reason == "SIGTERM"
@@ -252,6 +258,18 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_one_agreed_step(tmp_pa
     assert "megatron_siamese/" not in out  # no traceback of ours (torchrun reports its own SIGTERM)
     assert not running(processes[1:])
     resumes(tmp_path, cache, checkpoints, step)
+
+
+def test_ranks_of_a_torchrun_agent_killed_by_sigkill_save_and_exit(tmp_path, cache):
+    agent, said = torchrun(tmp_path, cache)
+    ranks = job_processes(agent.pid)[1:]
+    agent.kill()  # the ranks' parent-death signal: SIGTERM
+    agent.wait(timeout=30)
+    out = said + agent.stdout.read()  # the ranks hold the pipe until they exit
+    assert not running(ranks)
+    step, reason, _, _ = stopped_line(out)
+    assert reason == "SIGTERM" and "Traceback" not in out
+    assert_complete_latest(tmp_path / "checkpoints", step)
 
 
 def test_sigterm_to_every_task_of_a_slurm_step_saves_one_agreed_step_and_each_exits_0(tmp_path, cache):
