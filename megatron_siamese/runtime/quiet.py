@@ -40,6 +40,8 @@ KNOWN_NOTICES = (
     "GPTModel IS DEPRECATED",
     "No CUDA runtime is found",
     "DistributedDataParallel: full_param_layout not provided",
+    # megatron-core 0.19, at the first (synchronous) save of a process
+    "MCore's async save is deprecated",
 )
 _PATTERN = re.compile("|".join(f"(?:{notice})" for notice in KNOWN_NOTICES))
 # loggers that log a known notice while torch is being imported, before its handlers exist:
