@@ -28,9 +28,10 @@ Another stop signal within ``SAME_SIGNAL_S`` of the first is the same request (t
 forwards the SIGTERM its ranks already got from the scheduler; a torchrun agent killed by
 SIGUSR1 sends its ranks their parent-death SIGTERM). Without ``graceful_stop`` the launcher's
 first signal stops at once. The launcher's helpers (fork server, resource tracker) ignore
-these signals: they end with the launcher, and a fork server killed by a job-wide SIGTERM would
-lose the ranks' exit codes. A spawned rank dies with the launcher and with its parent, the fork server
-(``orphans``), so a launcher killed by any signal, SIGKILL included, leaves no rank running.
+these signals: they end with the launcher, and a fork server killed by a job-wide SIGTERM
+would lose the ranks' exit codes. A spawned rank dies with the launcher and with its parent,
+the fork server (``orphans``), so a launcher killed by any signal, SIGKILL included, leaves
+no rank running.
 ``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
 """
 

@@ -13,7 +13,6 @@ than Linux they do nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import select
 import signal
@@ -33,7 +32,7 @@ def die_with_parent(signum: int, launcher_pid: Optional[int] = None) -> bool:
         return False
     parent = os.getppid()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # this process's own symbols: libc's prctl among them
         if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
             return False
     except (OSError, AttributeError):
