@@ -13,8 +13,10 @@ TP, SP, PP (virtual stages too), DP with the distributed optimizer, recompute; t
 King James Bible, byte-level. Megatron-LM's flag names work (--tensor-model-parallel-size,
 --train-iters, --micro-batch-size, ...) beside the short ones (--tp, --steps, ...).
 
-Checkpoints: --save-interval N (and at the end), --stop-step N; Ctrl-C or SIGTERM finishes the
-step, saves a checkpoint and exits 0 (a second Ctrl-C stops at once); --load resumes.
+Checkpoints: --save-interval N (and at the end), --stop-step N, --exit-interval N,
+--exit-duration-in-mins M; Ctrl-C, SIGTERM, SIGUSR1 or SIGUSR2 (to the command, any rank, or all
+of a job's processes) finishes the step on every rank, saves a checkpoint and exits 0 (a second
+signal stops at once); --load resumes. One job at a time per --output-dir (a lock file).
 """
 
 
@@ -55,7 +57,8 @@ def run(options: argparse.Namespace) -> int:
         return 0
     if summary.stopped:
         where = summary.checkpoints[-1] if summary.checkpoints else "(no checkpoint)"
-        print(f"stopped at step {summary.steps_done}: checkpoint saved to {where} "
+        why = f" ({summary.stop_reason})" if summary.stop_reason else ""
+        print(f"stopped at step {summary.steps_done}{why}: checkpoint saved to {where} "
               f"(resume with --load {args.output_dir}/checkpoints)", file=sys.stderr)
         return 0
     print(format_summary(summary))

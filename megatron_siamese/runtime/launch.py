@@ -19,11 +19,20 @@ world (Megatron builds its groups over the default group), while the other ranks
 ``check`` runs layouts of every size in one job. ``console(line)`` prints for the job
 (rank 0) even when rank 0's own output goes to a log.
 
-Signals belong to the launcher: spawned ranks ignore SIGINT and SIGTERM. With
-``graceful_stop`` the first SIGINT (Ctrl-C) or SIGTERM (what a cluster scheduler sends before
-a job's end) asks the ranks to stop after the step they are in (``stop_requested()``; the
-trainer saves a checkpoint then); a second one stops them at once. Without it, the first
-one does. ``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
+Stop signals (``STOP_SIGNALS``: SIGINT, SIGTERM, and SIGUSR1/SIGUSR2 as SLURM's ``--signal``
+sends them) may reach any process of the job: the launcher alone, one rank, or all of them at
+once (a scheduler's time limit). The first one a process gets asks for a stop after the step
+the ranks are in (``stop_requested()``: the signal's number; the trainer all-reduces it, so
+every rank stops after the same step and saves); a second one stops that process at once.
+Another stop signal within ``SAME_SIGNAL_S`` of the first is the same request (torchrun
+forwards the SIGTERM its ranks already got from the scheduler; a torchrun agent killed by
+SIGUSR1 sends its ranks their parent-death SIGTERM). Without ``graceful_stop`` the launcher's
+first signal stops at once. The launcher's helpers (fork server, resource tracker) ignore
+these signals: they end with the launcher, and a fork server killed by a job-wide SIGTERM
+would lose the ranks' exit codes. A spawned rank dies with the launcher and with its parent,
+the fork server (``orphans``), so a launcher killed by any signal, SIGKILL included, leaves
+no rank running.
+``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
 """
 
 from __future__ import annotations
@@ -46,12 +55,13 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_siamese import device
-from megatron_siamese.runtime import cpu_shim, launchers
+from megatron_siamese.runtime import cpu_shim, launchers, orphans
 from megatron_siamese.runtime.launchers import JoinError, Launch, LaunchError
 from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SAME_SIGNAL_S = 1.0  # a stop signal this soon after the first is the same request, not a second one
 
 
 class RankFailed(RuntimeError):
@@ -75,24 +85,30 @@ def default_backend() -> str:
 
 # -- stop requests ---------------------------------------------------------------------
 
-_stop = {"event": None, "signalled": False}
+_stop = {"shared": None, "signum": 0, "at": 0.0}
 
 
-def stop_requested() -> bool:
-    """Whether this rank was asked to stop after its current step (by the launcher, or, in a
-    launched job, by a signal to this process). Ranks must agree on when: all-reduce it."""
-    event = _stop["event"]
-    return _stop["signalled"] or (event is not None and event.is_set())
+def stop_requested() -> int:
+    """The stop signal this rank was asked to stop by, after its current step (by the
+    launcher, or by a signal to this process); 0 if none. Ranks must agree on when: all-reduce it."""
+    shared = _stop["shared"]
+    return _stop["signum"] or (shared.value if shared is not None else 0)
 
 
 def _stop_on_first_signal() -> None:
-    """Launched ranks: the first SIGINT/SIGTERM asks for a stop, the second one stops at once."""
+    """This rank's stop signals: the first asks for a stop, a second (not a repeat of the first
+    within SAME_SIGNAL_S) stops at once."""
 
     def handler(signum, frame):
-        if _stop["signalled"]:
-            signal.signal(signum, signal.SIG_DFL)
-            raise KeyboardInterrupt
-        _stop["signalled"] = True
+        first, at = _stop["signum"], _stop["at"]
+        if not first:
+            _stop.update(signum=signum, at=time.monotonic())
+            return
+        if time.monotonic() - at < SAME_SIGNAL_S:  # one request arriving twice (torchrun forwarding, its death)
+            return
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)  # a third one ends the process even inside a collective
+        raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
@@ -235,11 +251,12 @@ def shared_by_all_ranks(directory: str) -> bool:
 # -- ranks spawned here ----------------------------------------------------------------
 
 
-def _worker(launch, timeout_s, fn, args, results, stop_event, log_path):
+def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher_pid):
     os.setpgrp()  # a group of its own: the launcher can stop it with whatever it started (writer processes)
-    for sig in STOP_SIGNALS:  # the launcher decides when ranks stop
-        signal.signal(sig, signal.SIG_IGN)
-    _stop["event"] = stop_event
+    orphans.die_with_parent(signal.SIGKILL, launcher_pid)  # parent: the fork server (or the launcher)
+    orphans.watch(launcher_pid)  # the fork server outlives a killed launcher while ranks run
+    _stop.update(shared=stop_value, signum=0, at=0.0)
+    _stop_on_first_signal()
     _console["queue"] = results
     if log_path is not None:
         for stream in (sys.stdout, sys.stderr):
@@ -256,6 +273,8 @@ def _worker(launch, timeout_s, fn, args, results, stop_event, log_path):
         buffer = io.BytesIO()
         torch.save(values, buffer)
         results.put((launch.rank, True, buffer.getvalue() if launch.rank == 0 else None))
+    except KeyboardInterrupt:  # a second stop signal to this rank: stopped at once
+        results.put((launch.rank, False, (INTERRUPTED, "", None)))
     except BaseException as error:  # report every failure, including SystemExit from asserts in fn
         summary = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
         problems = error.problems if isinstance(error, ConfigError) else None  # settings, not a crash
@@ -295,6 +314,7 @@ def _tail(path: Optional[str], lines: int = 40) -> str:
 
 
 CONSOLE = -1  # a message from rank 0 for the launcher to print, not a rank's report
+INTERRUPTED = "interrupted"  # a rank's report: a second stop signal stopped it at once
 
 
 def _next_result(results, procs, timeout_s: float, logs):
@@ -345,16 +365,42 @@ def _root_cause(procs, logs, wait_s: float = 1.0) -> Optional[RankFailed]:
 
 
 @contextmanager
-def _signals_handled(stop_event, graceful: bool, echo: Callable[[str], None]):
-    """The launcher's SIGINT/SIGTERM: a stop request first (graceful), at once after."""
+def _helpers_ignore_stop_signals():
+    """Start the fork server and resource tracker (if not yet running) with the stop signals
+    ignored, which they keep: a job-wide SIGTERM must not kill them under the ranks (the ranks'
+    exit codes reach the launcher through the fork server; lost, they read as 255)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _start_helpers(ctx) -> None:
+    from multiprocessing import forkserver, resource_tracker
+
+    with _helpers_ignore_stop_signals():
+        resource_tracker.ensure_running()
+        if ctx.get_start_method() == "forkserver":
+            forkserver.ensure_running()
+
+
+@contextmanager
+def _signals_handled(stop_value, graceful: bool, echo: Callable[[str], None]):
+    """The launcher's stop signals: a stop request first (graceful), at once after."""
     received = []
 
     def handler(signum, frame):
         received.append(signum)
         if graceful and len(received) == 1:
-            stop_event.set()
-            echo(f"{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
-                 "(Ctrl-C again to stop at once)")
+            stop_value.value = signum
+            name = signal.Signals(signum).name
+            again = "Ctrl-C" if signum == signal.SIGINT else name
+            echo(f"{name}: finishing this step and saving a checkpoint ({again} again to stop at once)")
             return
         raise KeyboardInterrupt
 
@@ -383,8 +429,9 @@ def launch(
     if (backend or device.backend()) != device.backend():
         raise ValueError(f"backend {backend} asked for, but this machine runs {device.backend()}")
     ctx = _context(device.backend())
+    _start_helpers(ctx)
     results = ctx.Queue()
-    stop_event = ctx.Event()
+    stop_value = ctx.Value("i", 0, lock=False)  # the stop signal's number (one writer: the launcher)
     port = free_port()
     log_dir = tempfile.mkdtemp(prefix="megatron-siamese-ranks-")
     quiet = set(quiet_ranks)
@@ -392,12 +439,12 @@ def launch(
     procs = [
         ctx.Process(target=_worker, daemon=False,
                     args=(Launch("spawn", rank, world_size, rank, 0, 1, "127.0.0.1", port), timeout_s, fn, args,
-                          results, stop_event, logs[rank]))
+                          results, stop_value, logs[rank], os.getpid()))
         for rank in range(world_size)
     ]
     values: Optional[List[Any]] = None
     reported = 0
-    with _signals_handled(stop_event, graceful_stop, echo):
+    with _signals_handled(stop_value, graceful_stop, echo):
         for proc in procs:
             proc.start()
         try:
@@ -405,6 +452,8 @@ def launch(
                 rank, ok, value = _next_result(results, procs, timeout_s, logs)
                 if not ok:
                     summary, trace, problems = value
+                    if summary == INTERRUPTED:
+                        raise KeyboardInterrupt
                     if problems is not None:
                         raise ConfigError(problems)
                     raise _root_cause(procs, logs) or RankFailed(f"rank {rank} of {world_size} failed: {summary}",
@@ -433,8 +482,10 @@ def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeo
             return launch(fn, world_size, *args, timeout_s=timeout_s, **launch_options)[0]
         if world_size is not None and world_size != job.world_size:
             raise LaunchError(_mismatch(job, world_size, needs))
+        if job.launcher == "torchrun":  # its agent is this rank's parent: stop (and save) when it dies
+            orphans.die_with_parent(signal.SIGTERM)
+        _stop_on_first_signal()  # before joining: a signal while the others come is not lost
         join(job, timeout_s)
-        _stop_on_first_signal()
     elif world_size is not None and world_size != job.world_size:
         raise LaunchError(_mismatch(job, world_size, needs))
     return fn(*args)

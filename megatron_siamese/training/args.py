@@ -99,9 +99,18 @@ class TrainArgs(ModelSettings):
     save_interval: Optional[int] = setting(None, group=CHECKPOINTS, flag="--save-interval", minimum=1,
                                            help="save a distributed checkpoint every N steps and at the end "
                                                 "(unset: none but --stop-step's and a signal's)")
-    # e.g. preemption
-    stop_step: Optional[int] = setting(None, group=CHECKPOINTS, flag=("--stop-step", "--exit-interval"),
+    # e.g. a planned preemption
+    stop_step: Optional[int] = setting(None, group=CHECKPOINTS, flag="--stop-step",
                                        help="stop after this step and save a checkpoint (resume with --load)")
+    # Megatron-LM's: stop after any step divisible by N, or once the run has gone on this long (the same
+    # step on every rank: one all-reduce), saving a checkpoint; exit 0
+    exit_interval: Optional[int] = setting(None, group=CHECKPOINTS, flag="--exit-interval", minimum=1,
+                                           help="stop after the first step divisible by N (counted from step 0, "
+                                                "also when resuming), save a checkpoint and exit 0")
+    exit_duration_in_mins: Optional[float] = setting(
+        None, group=CHECKPOINTS, flag="--exit-duration-in-mins", minimum=0.0,
+        help="stop after the step during which the run passed this many minutes (setup included), save a "
+             "checkpoint and exit 0: leave a scheduler's time limit enough margin for the save")
     # a checkpoint directory, or a directory with a tracker file (Megatron-LM's, or an earlier release's `latest`)
     load: Optional[str] = setting(None, group=CHECKPOINTS, flag="--load", metavar="DIR",
                                   help="resume from a checkpoints directory (its latest_checkpointed_iteration.txt) "

@@ -17,7 +17,8 @@ class RunSummary:
     val_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
     checkpoints: List[str] = field(default_factory=list)
     diverged: bool = False  # a non-finite training loss stopped the run
-    stopped: bool = False  # a SIGINT/SIGTERM stopped it early (after saving a checkpoint)
+    stopped: bool = False  # a stop signal, --exit-interval or --exit-duration-in-mins stopped it (after saving)
+    stop_reason: Optional[str] = None  # what stopped it: "SIGTERM", "--exit-interval 10", ...
     resumed_from: Optional[int] = None  # the step of the checkpoint it started from
     accuracy: Optional[float] = None  # exact match on held-out problems (task=addition)
     tokens_per_second: float = 0.0

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 import os
 import resource
+import shutil
+import signal
 import time
 from dataclasses import asdict
 from functools import partial
@@ -26,7 +28,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron_siamese import device
-from megatron_siamese.runtime import launch, launchers
+from megatron_siamese.runtime import job_lock, launch, launchers
 from megatron_siamese.runtime.gpt import MegatronGPT
 from megatron_siamese.training import checkpoint
 from megatron_siamese.training.megatron_lm_args import ADAM_BETAS, LR_DECAY_STYLE
@@ -174,18 +176,27 @@ class Trainer:
 # -- the run -----------------------------------------------------------------------------
 
 
-def _agreed_stop() -> bool:
-    """Whether any rank was asked to stop (Ctrl-C, SIGTERM): every rank gets the same answer,
-    so all of them stop after the same step."""
-    flag = torch.tensor([float(launch.stop_requested())], device=device.current())
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
+def _agreed_stop(args: TrainArgs, started: float) -> Optional[str]:
+    """Why the ranks stop after this step, if they do: a stop signal any rank (or the launcher)
+    got, or --exit-duration-in-mins passed on any rank. One all-reduce, so every rank gets the
+    same answer and all of them stop after the same step (Megatron-LM's DistributedSignalHandler
+    and exit-duration check, in one collective)."""
+    minutes = (time.monotonic() - started) / 60.0
+    flags = torch.tensor([float(launch.stop_requested()), minutes], dtype=torch.float64, device=device.current())
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    signum, minutes = int(flags[0].item()), float(flags[1].item())
+    if signum:
+        return signal.Signals(signum).name
+    if args.exit_duration_in_mins is not None and minutes >= args.exit_duration_in_mins:
+        return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}"
+    return None
 
 
 def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
     from megatron_siamese.training.preflight import checkpoint_dir
 
+    started = time.monotonic()  # --exit-duration-in-mins counts setup too, as Megatron-LM's does
     try:
         shared = launch.shared_by_all_ranks(args.output_dir)
     except OSError as error:  # found before the first step, not at the first save
@@ -224,7 +235,9 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         if not math.isfinite(stats["loss"]):
             summary.diverged = True
             break
-        stop = _agreed_stop()
+        stop = _agreed_stop(args, started)
+        if stop is None and args.exit_interval and trainer.step % args.exit_interval == 0:
+            stop = f"--exit-interval {args.exit_interval}"  # the same step on every rank: no collective
         if trainer.step % args.eval_interval == 0 or trainer.step == last_step:
             summary.val_losses[trainer.step] = trainer.evaluate()
             log.evaluated(trainer.step, summary.val_losses[trainer.step])
@@ -234,7 +247,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             summary.checkpoints.append(checkpoint.save(trainer, directory))
             log.saved(summary.checkpoints[-1])
         if stop:
-            summary.stopped = True
+            summary.stopped, summary.stop_reason = True, stop
             break
     if trainer.step not in summary.val_losses and not summary.diverged and not summary.stopped:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
@@ -257,43 +270,100 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     return summary
 
 
-def _checked_before_start(args: TrainArgs) -> None:
-    """The preflight checks, and with --overwrite the old checkpoints cleared: by the process
-    that speaks for the job (a spawned job's launcher, or rank 0 of a launched one, which then
-    tells the others)."""
+def _checked_before_start(args: TrainArgs) -> Optional[job_lock.Lock]:
+    """The output directory locked for this job, the preflight checks, and with --overwrite the
+    old checkpoints cleared: by the process that speaks for the job (a spawned job's launcher,
+    or rank 0 of a launched one, which then tells the others). Returns the lock (held by that
+    process, for the whole run: release it at the end)."""
     from megatron_siamese.training.preflight import clear_for_overwrite, preflight
 
     in_job = launch.joined() is not None
     speaks = not in_job or torch.distributed.get_rank() == 0
-    problems = preflight(args) if speaks else []
+    lock, problems = None, []
+    if speaks:
+        try:
+            lock = job_lock.hold(args.output_dir)
+            problems = preflight(args)
+        except job_lock.InUse as error:  # before the other checks: they would judge a run in progress
+            problems = [str(error)]
     if in_job:
         shared = [problems]
         torch.distributed.broadcast_object_list(shared, src=0)
         problems = shared[0]
     if problems:
+        if lock is not None:
+            lock.release()
         raise ConfigError(problems)
     if speaks:
         clear_for_overwrite(args)
     if in_job:
         torch.distributed.barrier()
+    return lock
+
+
+def _unfinished_checkpoint_removed(directory: str, before: set) -> None:
+    """After a stop at once: the checkpoint this run was writing, if the tracker file does not
+    name it (saves are one at a time and the tracker moves to each only once it is complete, so
+    that is the newest checkpoint directory this run made), is removed: a half-written
+    checkpoint must not stand in the next run's way."""
+    from megatron_siamese.training import checkpoint_files
+
+    made = [path for step, path in checkpoint_files.step_dirs(directory) if path not in before]
+    if not made:
+        return
+    try:
+        tracked = checkpoint_files.resolve(directory)
+    except checkpoint_files.CheckpointError:
+        tracked = None
+    if tracked is None or os.path.realpath(tracked) != os.path.realpath(made[-1]):
+        shutil.rmtree(made[-1], ignore_errors=True)
+
+
+def _existing_checkpoints(args: TrainArgs) -> set:
+    from megatron_siamese.training import checkpoint_files
+    from megatron_siamese.training.preflight import checkpoint_dir
+
+    return {path for _, path in checkpoint_files.step_dirs(checkpoint_dir(args))}
 
 
 def _launched_train_rank(args: TrainArgs) -> Optional[RunSummary]:
-    _checked_before_start(args)
-    return train_rank(args)
+    from megatron_siamese.training.preflight import checkpoint_dir
+
+    lock = _checked_before_start(args)
+    before = _existing_checkpoints(args) if torch.distributed.get_rank() == 0 else set()
+    try:
+        return train_rank(args)
+    except KeyboardInterrupt:
+        if torch.distributed.get_rank() == 0:
+            _unfinished_checkpoint_removed(checkpoint_dir(args), before)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def train(args: TrainArgs) -> Optional[RunSummary]:
     """Run ``args`` on its ranks: launched here (after the preflight checks; ranks other than 0
     keep their output to a log shown if they fail), or this rank of a torchrun/srun job (the
-    summary on rank 0, None on the others).
+    summary on rank 0, None on the others). The output directory is locked against another job
+    while it runs.
 
     Raises ConfigError listing what keeps the run from starting.
     """
+    from megatron_siamese.training.preflight import checkpoint_dir
+
     needs = f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp}"
     if launch.joined() is None and launchers.detect() is None:
-        _checked_before_start(args)
-        return launch.run_job(train_rank, args.world_size, args, timeout_s=24 * 3600,
-                              quiet_ranks=range(1, args.world_size), graceful_stop=True, needs=needs)
+        lock = _checked_before_start(args)
+        before = _existing_checkpoints(args)
+        try:
+            return launch.run_job(train_rank, args.world_size, args, timeout_s=24 * 3600,
+                                  quiet_ranks=range(1, args.world_size), graceful_stop=True, needs=needs)
+        except KeyboardInterrupt:  # the ranks were stopped at once
+            _unfinished_checkpoint_removed(checkpoint_dir(args), before)
+            raise
+        finally:
+            if lock is not None:
+                lock.release()
     return launch.run_job(_launched_train_rank, args.world_size, args, timeout_s=60 * args.distributed_timeout_minutes,
                           needs=needs)
