@@ -12,7 +12,7 @@ import os
 import shutil
 from typing import List
 
-from megatron_siamese.training import checkpoint_files
+from megatron_siamese.training import checkpoint_files, checkpoint_settings
 from megatron_siamese.training.args import TrainArgs
 
 # what the schedule of a resumed run is compared on: checkpoint key, the run's value, its flag
@@ -25,13 +25,23 @@ def checkpoint_dir(args: TrainArgs) -> str:
     return os.path.join(args.output_dir, "checkpoints")
 
 
-def _schedule_problems(args: TrainArgs, checkpoint: str) -> List[str]:
+def _resume_problems(args: TrainArgs, checkpoint: str) -> List[str]:
+    """The checkpoint's model must be this run's (else nothing else matters); its optimizer state
+    must follow the layout, its schedule be this run's (or a flag say which wins)."""
     common = checkpoint_files.common_state(checkpoint)
+    refused = checkpoint_settings.model_problem(checkpoint, common, args)
+    if refused:
+        return [refused]
+    found = [checkpoint_settings.optimizer_problem(checkpoint, common, args)]
+    return [problem for problem in found if problem] + _schedule_problems(args, checkpoint, common)
+
+
+def _schedule_problems(args: TrainArgs, checkpoint: str, common: dict) -> List[str]:
     scheduler, step = common.get("scheduler"), int(common.get("step", 0))
     if scheduler is None or step >= args.steps:  # no schedule saved, or evaluating the checkpoint as saved
         return []
-    if not checkpoint_files.brings_training_state(common, args.model):  # weights only: this run's schedule
-        return []
+    if args.no_load_optim or not checkpoint_files.brings_training_state(common, args.model):
+        return []  # weights only: this run's schedule
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return []
     differ = [f"{flag} {value(args):g} (checkpoint: {scheduler[key]:g})" for key, value, flag in _SCHEDULE
@@ -42,18 +52,41 @@ def _schedule_problems(args: TrainArgs, checkpoint: str) -> List[str]:
             "to train with these settings, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"]
 
 
-def _output_problems(args: TrainArgs) -> List[str]:
+def may_save(args: TrainArgs) -> bool:
+    """Whether the run plans a checkpoint (a signal's stop checkpoint aside: ``foreign_checkpoints``)."""
+    return bool(args.save_interval or args.stop_step)
+
+
+def foreign_checkpoints(args: TrainArgs) -> List[str]:
+    """The complete checkpoints in the output directory that are another run's: none with
+    --overwrite (they are replaced at this run's first save) or when this run resumes from that
+    directory. Incomplete ones (a save that never finished) are nobody's: a save replaces them."""
     directory = checkpoint_dir(args)
-    existing = checkpoint_files.step_dirs(directory)
-    if not existing or args.overwrite:
-        return []
-    if args.load:
+    existing = [f"step_{step}" for step in checkpoint_files.complete_steps(directory)]
+    if not existing or args.overwrite or _resumes_from(args, directory):
+        return []  # resuming: new checkpoints continue the same run
+    return existing
+
+
+def _resumes_from(args: TrainArgs, directory: str) -> bool:
+    if not args.load:
+        return False
+    try:
         resumed = os.path.dirname(os.path.normpath(checkpoint_files.resolve(args.load)))
-        if os.path.realpath(resumed) == os.path.realpath(directory):
-            return []  # resuming: new checkpoints continue the same run
-    steps = ", ".join(f"step_{step}" for step, _ in existing)
-    return [f"--output-dir {args.output_dir} already holds another run's checkpoints ({steps}): resume it with "
-            f"--load {directory}, choose another --output-dir, or pass --overwrite to replace them"]
+    except checkpoint_files.CheckpointError:
+        return False  # the --load problem is reported by itself
+    return os.path.realpath(resumed) == os.path.realpath(directory)
+
+
+def _output_problems(args: TrainArgs) -> List[str]:
+    """A run that may save must not mix its checkpoints with another run's. One that plans none
+    is not refused; if a signal stops it, it does not save there either (trainer.py)."""
+    existing = foreign_checkpoints(args)
+    if not existing or not may_save(args):
+        return []
+    return [f"--output-dir {args.output_dir} already holds another run's checkpoints ({', '.join(existing)}): resume "
+            f"it with --load {checkpoint_dir(args)}, choose another --output-dir, or pass --overwrite to replace them "
+            "(at this run's first save)"]
 
 
 def preflight(args: TrainArgs) -> List[str]:
@@ -68,25 +101,25 @@ def preflight(args: TrainArgs) -> List[str]:
     if args.load:
         try:
             checkpoint = checkpoint_files.checked(args.load)
-            found += _schedule_problems(args, checkpoint)
+            found += _resume_problems(args, checkpoint)
         except checkpoint_files.CheckpointError as error:
             found.append(str(error))
-    try:
-        found += _output_problems(args)
-    except checkpoint_files.CheckpointError:
-        pass  # the --load problem is reported above
+    found += _output_problems(args)
     if args.data_prefix and not os.path.exists(args.data_prefix + ".bin"):
         found.append(f"--data-prefix {args.data_prefix}: no {args.data_prefix}.bin (give the prefix of an indexed dataset)")
     return found
 
 
 def clear_for_overwrite(args: TrainArgs) -> List[str]:
-    """With --overwrite: remove the output directory's old checkpoints (so none mixes with the
-    new run's); returns what was removed."""
-    directory = checkpoint_dir(args)
-    removed = [path for _, path in checkpoint_files.step_dirs(directory)]
-    if not args.overwrite or not removed:
+    """With --overwrite, at the run's first save: remove the output directory's old checkpoints
+    (so none mixes with the new run's) and its ``latest``; returns what was removed. Not those of
+    the run it resumes (they are this run's own)."""
+    if not args.overwrite:
         return []
+    directory = checkpoint_dir(args)
+    if _resumes_from(args, directory):
+        return []
+    removed = [path for _, path in checkpoint_files.step_dirs(directory)]
     for path in removed:
         shutil.rmtree(path)
     latest = os.path.join(directory, checkpoint_files.LATEST)

@@ -175,7 +175,7 @@ def _agreed_stop() -> bool:
 
 def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
-    from megatron_siamese.training.preflight import checkpoint_dir
+    from megatron_siamese.training.preflight import checkpoint_dir, foreign_checkpoints
 
     try:
         shared = launch.shared_by_all_ranks(args.output_dir)
@@ -184,6 +184,9 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     if not shared:
         raise ConfigError([f"--output-dir {args.output_dir} is not the same directory on every node: checkpoints "
                            "need a path all ranks see (a shared file system)"])
+    # a run that plans no checkpoint may share a directory with another run's; then a signal's
+    # stop does not save there either (preflight refuses a run that plans one)
+    stop_saves = not foreign_checkpoints(args)
     trainer = Trainer(args)
     rank0 = torch.distributed.get_rank() == 0
     # status lines with the progress bar, or in a plain log (--log-interval: cluster jobs' files)
@@ -223,7 +226,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         if trainer.step % args.eval_interval == 0 or trainer.step == last_step:
             summary.val_losses[trainer.step] = trainer.evaluate()
         if (args.save_interval and trainer.step % args.save_interval == 0) or (
-            (trainer.step == last_step and (args.save_interval or args.stop_step)) or stop
+            (trainer.step == last_step and (args.save_interval or args.stop_step)) or (stop and stop_saves)
         ):
             summary.checkpoints.append(checkpoint.save(trainer, directory))
             if bar is None:
@@ -267,10 +270,10 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
 
 
 def _checked_before_start(args: TrainArgs) -> None:
-    """The preflight checks, and with --overwrite the old checkpoints cleared: by the process
-    that speaks for the job (a spawned job's launcher, or rank 0 of a launched one, which then
-    tells the others)."""
-    from megatron_siamese.training.preflight import clear_for_overwrite, preflight
+    """The preflight checks, by the process that speaks for the job (a spawned job's launcher, or
+    rank 0 of a launched one, which then tells the others). --overwrite removes the old
+    checkpoints at the first save (``checkpoint.save``), not here: a run that saves none keeps them."""
+    from megatron_siamese.training.preflight import preflight
 
     in_job = launch.joined() is not None
     speaks = not in_job or torch.distributed.get_rank() == 0
@@ -281,8 +284,6 @@ def _checked_before_start(args: TrainArgs) -> None:
         problems = shared[0]
     if problems:
         raise ConfigError(problems)
-    if speaks:
-        clear_for_overwrite(args)
     if in_job:
         torch.distributed.barrier()
 
