@@ -59,8 +59,12 @@ def model_differences(saved: Mapping[str, Any], args) -> List[str]:
     """``--flag saved -> this run's`` for each setting the model depends on that differs (a setting
     the checkpoint does not record, from an older version, is not compared)."""
     mine = recorded(args)
+    # a GPTModel's weights load into a HybridModel through Megatron's own translation, which
+    # matches the layers itself (checkpoint.py)
+    translated = ("model", "hybrid_layer_pattern", "num_layers")
+    skipped = translated if (saved.get("model"), mine["model"]) == ("gpt", "hybrid") else ()
     found = []
-    for name in model_fields():
+    for name in (name for name in model_fields() if name not in skipped):
         before, now = _effective(saved, name), _effective(mine, name)
         if name not in saved or before == now:
             continue
