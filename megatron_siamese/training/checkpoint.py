@@ -172,7 +172,7 @@ def save_failure(error: BaseException, directory: str, name: str, rank0: bool) -
 
 def _disk_full(error: BaseException, directory: str) -> Optional[str]:
     """What says the disk is full: an ENOSPC anywhere in ``error`` (torch's writer wraps each
-    rank's), or torch.save's "unexpected pos" with (almost) no space left."""
+    rank's), or (almost) no space left on the device (e.g. torch.save's "unexpected pos")."""
     seen, pending = set(), [error]
     while pending:
         current = pending.pop()
@@ -186,11 +186,11 @@ def _disk_full(error: BaseException, directory: str) -> Optional[str]:
         pending += [current.__cause__, current.__context__]
         pending += [failure[0] if isinstance(failure, tuple) else failure
                     for failure in (getattr(current, "failures", None) or {}).values()]
-    try:
-        nearly_none = shutil.disk_usage(directory).free < 16 * 2**20
+    try:  # megatron-core 0.19's writer keeps only the error's class: the device then says it
+        free = shutil.disk_usage(directory).free
     except OSError:
-        nearly_none = False
-    return f"{shutil.disk_usage(directory).free} bytes free ({error})" if nearly_none else None
+        return None
+    return f"{os.strerror(errno.ENOSPC)} ({free} bytes free)" if free < 16 * 2**20 else None
 
 
 def _materialize_optimizer_state(optimizer) -> None:
