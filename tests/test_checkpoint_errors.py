@@ -5,6 +5,7 @@ Traceback, the files left on disk); the changes a resume may make work and conti
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -233,3 +234,20 @@ def test_a_run_that_saves_nothing_is_not_refused_and_overwrite_waits_for_a_save(
         assert sorted(os.listdir(checkpoints)) == before
     refused = train(tmp_path / "run", cache, "--tp", "1", "--steps", "2", "--save-interval", "2")
     assert_refused(refused, "already holds another run's checkpoints (step_2, step_4)", "--overwrite")
+
+
+@pytest.mark.stack_independent
+def test_a_stop_signal_does_not_save_among_another_runs_checkpoints(tmp_path, cache, saved):
+    checkpoints = copy_of(saved, tmp_path)
+    before = {name: (checkpoints / name).stat().st_mtime_ns for name in os.listdir(checkpoints)}
+    process = subprocess.Popen([*CLI, "train", *SMALL, "--tp", "1", "--cache-dir", cache, "--output-dir",
+                                tmp_path / "run", "--steps", "100000"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert process.stdout.readline().startswith("checkpoints: none")  # not refused: it plans no save
+    time.sleep(2.0)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert re.search(rf"stopped at step \d+: not saved, {re.escape(str(checkpoints))} holds another run's "
+                     r"checkpoints \(step_2, step_4; --overwrite replaces them\)", err), err[-3000:]
+    assert {name: (checkpoints / name).stat().st_mtime_ns for name in os.listdir(checkpoints)} == before

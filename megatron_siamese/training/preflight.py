@@ -1,9 +1,11 @@
 """What a run needs from this machine and its files, checked before any rank starts.
 
 ``TrainArgs`` already refused impossible settings (``args.py``). Here: Transformer Engine
-when asked for, the checkpoint to resume from (complete and readable, its schedule the
-run's unless one of the two scheduler flags says which wins), and the output directory (never
-silently mixed with another run's checkpoints). Each problem is one line saying what to change.
+when asked for, the checkpoint to resume from (complete and readable, the same model, an
+optimizer state that can follow the layout: ``checkpoint_settings.py``; its schedule the run's
+unless one of the two scheduler flags says which wins), and the output directory (a run that
+may save never mixes its checkpoints with another run's). Each problem is one line saying
+what to change.
 """
 
 from __future__ import annotations
