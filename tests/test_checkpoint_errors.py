@@ -142,6 +142,16 @@ def test_the_optimizer_kind_and_a_distributed_optimizers_tp_must_match_or_weight
     assert losses(weights)[5] < distributed.losses[1] - 0.1  # the trained weights, not a fresh model
 
 
+def test_a_distributed_optimizers_state_reshards_over_dp(tmp_path, cache, distributed):
+    done = train(tmp_path, cache, "--tp", "1", "--dp", "4", "--micro-batch-size", "1", "--use-distributed-optimizer",
+                 "--steps", "4", "--load", distributed / "checkpoints" / "step_2")
+    assert done.returncode == 0, done.stderr
+    resumed = losses(done)
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):  # the same samples per step (4 = 2 x DP2 = 1 x DP4): the same losses
+        assert resumed[step] == pytest.approx(distributed.losses[step], abs=2e-4)
+
+
 # -- broken files -------------------------------------------------------------------------
 
 def _shard(step: Path) -> Path:
