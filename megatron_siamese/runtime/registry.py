@@ -53,6 +53,9 @@ class Setting:
     check: Optional[Callable[[Any], Optional[str]]] = None  # a problem with the value, or None
     config: Optional[str] = None  # the TransformerConfig field it sets unchanged
     layout: Optional[str] = None  # the runtime.layout.Layout field it sets unchanged
+    # a model setting the checkpoint's weights do not depend on (kernels, init), so a resume may
+    # change it (training/checkpoint_settings.py); every other ModelSettings field must be the checkpoint's
+    resumable: bool = False
     action: Any = None  # argparse's, for switches
     metavar: Optional[str] = None
     switches: Tuple[Switch, ...] = ()

@@ -77,21 +77,21 @@ class ModelSettings:
         True, group=MODEL, flag="--untie-embeddings-and-output-weights", action="store_false",
         help="separate input embedding and output layer weights")
     init_method_std: float = setting(0.02, group=MODEL, flag="--init-method-std", config="init_method_std",
-                                     help="standard deviation of the weight init")
+                                     resumable=True, help="standard deviation of the weight init")
     # fp16 is offered so that refusing it can say why
     dtype: str = setting("fp32", group=PRECISION, flag="--dtype", choices=DTYPE_NAMES + ("fp16",), check=_no_fp16,
                          help="parameter and activation dtype",
                          switches=(Switch(("--bf16",), "same as --dtype bf16", action="store_const", const="bf16"),))
     fused_ops: Optional[bool] = setting(
-        None, group=PRECISION, flag="--fused-ops", action=argparse.BooleanOptionalAction, config="siamese_fused_ops",
+        None, group=PRECISION, flag="--fused-ops", action=argparse.BooleanOptionalAction, config="siamese_fused_ops", resumable=True,
         help="the fused C++/CUDA dual-norm ops: on, off, or (unset) wherever the extension has kernels")
     transformer_impl: str = setting("local", group=PRECISION, flag="--transformer-impl", choices=TRANSFORMER_IMPLS,
                                     config="transformer_impl",
                                     help="Megatron's own modules, or Transformer Engine's GEMMs and attention (GPUs)")
     fp8: Optional[str] = setting(None, group=PRECISION, flag=("--fp8-format", "--fp8"), choices=FP8_FORMATS,
-                                 config="fp8", help="Transformer Engine FP8 format")
+                                 config="fp8", resumable=True, help="Transformer Engine FP8 format")
     fp8_recipe: str = setting("delayed", group=PRECISION, flag="--fp8-recipe", choices=FP8_RECIPES,
-                              config="fp8_recipe", help="FP8 scaling recipe, as Megatron names it")
+                              config="fp8_recipe", resumable=True, help="FP8 scaling recipe, as Megatron names it")
 
 
 def model_class_problems(settings: ModelSettings) -> List[str]:

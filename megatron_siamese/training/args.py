@@ -116,8 +116,12 @@ class TrainArgs(ModelSettings):
                                   help="resume from a checkpoints directory (its latest_checkpointed_iteration.txt) "
                                        "or one iter_<N> in it, ours or Megatron-LM's, "
                                        "at any TP/PP layout; --train-iters equal to its step only evaluates it")
+    no_load_optim: bool = setting(False, group=CHECKPOINTS, flag="--no-load-optim", action="store_true",
+                                  help="with --load: the weights and step only, a fresh optimizer (e.g. where the "
+                                       "saved optimizer state cannot follow a layout change)")
     overwrite: bool = setting(False, group=CHECKPOINTS, flag="--overwrite", action="store_true",
-                              help="replace the checkpoints another run left in OUTPUT_DIR (refused otherwise)")
+                              help="replace the checkpoints another run left in OUTPUT_DIR, when this run saves its "
+                                   "first checkpoint (a run that may save is refused otherwise)")
     # on resume, a schedule (lr, min lr, warm-up, steps) unlike the checkpoint's is refused unless one of these says
     # which wins
     override_opt_param_scheduler: bool = setting(

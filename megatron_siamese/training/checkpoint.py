@@ -23,7 +23,10 @@ outside its try block, dies, and the parent waits forever); psutil is a dependen
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import time
 from typing import Optional
 
 import torch
@@ -32,10 +35,13 @@ from megatron_siamese.training import megatron_lm_args
 from megatron_siamese.training.args import VOCAB_MULTIPLE
 from megatron_siamese.training.checkpoint_files import (
     MODEL_CLASS,
+    TRACKER,
     CheckpointError,
     brings_training_state,
     checked,
     common_state,
+    damaged_shards,
+    instead,
     iteration,
     iteration_dir,
     model_only,
@@ -43,6 +49,7 @@ from megatron_siamese.training.checkpoint_files import (
     scheduler_state,
     write_latest,
 )
+from megatron_siamese.training.checkpoint_settings import SETTINGS_KEY, model_problem, recorded
 
 
 def require_psutil() -> None:
@@ -82,6 +89,13 @@ def distributed_optimizer_format() -> str:
     keeps ``step`` there: KeyError 'step'), which is the Adam used without apex or Transformer
     Engine (CPU). There the format is "dp_reshardable" (Megatron-LM's default): it reshards
     over DP only, so a TP/PP change needs the non-distributed optimizer's checkpoint.
+
+    Tried on CPU (torch's Adam) with "fully_reshardable" forced, on 0.16.1 and 0.19.2: a TP
+    change fails in its loader (KeyError 'step') on both; its state does not load into the plain
+    optimizer (0.16.1: KeyError 'pre_wd_mult', 0.19.2: its parameter groups do not match), nor
+    does the plain optimizer's into it (no fp32 'param' entries). Such resumes are refused
+    before any rank starts (``checkpoint_settings.optimizer_problem``), naming the layout to
+    resume at or ``--no-load-optim``.
     """
     from megatron.core.optimizer import distrib_optimizer
 
@@ -105,6 +119,8 @@ def sharded_state_dict(trainer, is_loading: bool, model_only: bool = False) -> d
     state["iteration"] = trainer.step
     state["num_floating_point_operations_so_far"] = 0  # not counted by this trainer
     state[MODEL_CLASS] = trainer.args.model
+    if not is_loading:
+        state[SETTINGS_KEY] = recorded(trainer.args)
     if not model_only:
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=metadata
@@ -118,21 +134,86 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
 
     ``model_only``: weights and step without optimizer or scheduler (a converted model, e.g. an
     upcycled one); loading it starts a fresh optimizer, like Megatron-LM's ``--no-load-optim``.
+    With --overwrite, the run's first save first removes the old run's checkpoints. A leftover
+    ``iter_<N>`` (a save that never finished) is replaced, never mixed with. A failed save
+    (a full disk: ``save_failure``) leaves the tracker file on the last complete checkpoint.
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import CheckpointException
+
+    from megatron_siamese.training.preflight import clear_for_overwrite
 
     require_psutil()
-    path = os.path.join(directory, iteration_dir(trainer.step))
-    if torch.distributed.get_rank() == 0:
+    name = iteration_dir(trainer.step)
+    path = os.path.join(directory, name)
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        if not getattr(trainer, "saved_before", False):
+            clear_for_overwrite(trainer.args)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
         os.makedirs(path, exist_ok=True)
+    trainer.saved_before = True
     torch.distributed.barrier()
-    dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path,
-                            content_metadata=_content_metadata(_metadata(trainer)))
+    try:
+        dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path,
+                                content_metadata=_content_metadata(_metadata(trainer)))
+    except (Exception, CheckpointException) as error:
+        failure = save_failure(error, directory, name, rank0)
+        if failure is error:
+            raise
+        raise failure from None
     torch.distributed.barrier()  # every rank's shards are written: the checkpoint is complete
-    if torch.distributed.get_rank() == 0:
+    if rank0:
         write_latest(directory, trainer.step)
     torch.distributed.barrier()
     return path
+
+
+def save_failure(error: BaseException, directory: str, name: str, rank0: bool) -> BaseException:
+    """A CheckpointError for a full disk (rank 0 removes the partial directory), else ``error``.
+
+    Rank 0 coordinates torch's writer and holds every rank's write errors; the others only learn
+    that the save failed, so they give rank 0's one line a moment to be the one reported.
+    """
+    full = _disk_full(error, directory)
+    if rank0:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    elif full is None:
+        time.sleep(3.0)
+        return CheckpointError(f"saving {name} to {directory} failed on another rank (rank 0 says why)")
+    if full is None:
+        return error
+    try:
+        kept = os.path.basename(resolve(directory))
+    except CheckpointError:
+        kept = None
+    return CheckpointError(f"disk full while saving {name} to {directory}: {full}; "
+                           + (f"{TRACKER} still names {kept}" if kept else "no complete checkpoint was saved before")
+                           + ": free space, then resume with --load (or save elsewhere: --output-dir)")
+
+
+def _disk_full(error: BaseException, directory: str) -> Optional[str]:
+    """What says the disk is full: an ENOSPC anywhere in ``error`` (torch's writer wraps each
+    rank's), or (almost) no space left on the device (e.g. torch.save's "unexpected pos")."""
+    seen, pending = set(), [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return f"{os.strerror(errno.ENOSPC)} ({current.filename or directory})"
+        if "No space left on device" in str(current):
+            return f"{os.strerror(errno.ENOSPC)} ({directory})"
+        pending += [current.__cause__, current.__context__]
+        pending += [failure[0] if isinstance(failure, tuple) else failure
+                    for failure in (getattr(current, "failures", None) or {}).values()]
+    try:  # megatron-core 0.19's writer keeps only the error's class: the device then says it
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None
+    return f"{os.strerror(errno.ENOSPC)} ({free} bytes free)" if free < 16 * 2**20 else None
 
 
 def _materialize_optimizer_state(optimizer) -> None:
@@ -212,9 +293,15 @@ def saved_optimizer_schedule(args) -> Optional[dict]:
         return None
     common = common_state(resolve(args.load))
     scheduler = scheduler_state(common, args.global_batch_size)
-    if not (brings_training_state(common, args.model) and scheduler):
+    if args.no_load_optim or not (brings_training_state(common, args.model) and scheduler):
         return None
     return dict(lr=scheduler["max_lr"], min_lr=scheduler["min_lr"], weight_decay=scheduler["start_wd"])
+
+
+def _last_line(error: BaseException) -> str:
+    """torch's CheckpointException prints every rank's traceback: its last line says what failed."""
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__
 
 
 def load(trainer, path: str) -> int:
@@ -223,6 +310,7 @@ def load(trainer, path: str) -> int:
     A GPTModel checkpoint also loads into a HybridModel run (weights only, see
     ``_load_gpt_into_hybrid``); the reverse is refused."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import CheckpointException
 
     checkpoint = checked(path)
     common = common_state(checkpoint)
@@ -234,18 +322,26 @@ def load(trainer, path: str) -> int:
             f"{checkpoint} holds a {saved_class} model and this run builds a {wanted_class} model; load it "
             f"with --model {saved_class} (a GPT checkpoint loads into --model hybrid, not the reverse)"
         )
-    weights_only = model_only(common)
+    refused = model_problem(checkpoint, common, trainer.args)
+    if refused:
+        raise CheckpointError(refused)
+    weights_only = model_only(common) or trainer.args.no_load_optim
     if not weights_only:
         _materialize_optimizer_state(trainer.optimizer)
     try:
         loaded = dist_checkpointing.load(
             sharded_state_dict(trainer, is_loading=True, model_only=weights_only), checkpoint
         )
-    except Exception as error:  # the files looked sound: the model does not match them
-        raise CheckpointError(
-            f"cannot load {checkpoint} into this model ({type(error).__name__}: {str(error)[:300]}); check that the "
-            "model flags (layers, hidden size, heads, normalization, scheme) are the ones it was saved with"
-        ) from error
+    except (Exception, CheckpointException) as error:
+        damaged = damaged_shards(checkpoint)  # the files looked sound before: read every item now
+        if damaged:
+            raise CheckpointError(f"cannot load {checkpoint}: {damaged[0]} is corrupt (an item in it does not read "
+                                  f"back); {instead(checkpoint)}") from None
+        raise CheckpointError(  # the model or optimizer does not match the files
+            f"cannot load {checkpoint} into this run ({type(error).__name__}: {_last_line(error)[:300]}); check that "
+            "the model flags (layers, hidden size, heads, normalization, scheme) are the ones it was saved with, or "
+            "pass --no-load-optim to load the weights alone"
+        ) from None
     for key, module in _models(trainer):
         module.load_state_dict(loaded[key])
     if weights_only:  # a fresh optimizer; the schedule continues from the checkpoint's step

@@ -128,6 +128,10 @@ def resolve(path: str) -> str:
         return tracked
     if os.path.isfile(os.path.join(path, "metadata.json")) or _step_of(os.path.basename(os.path.normpath(path))) is not None:
         return path
+    if step_dirs(path):  # the first save never finished (a second Ctrl-C, a killed job): nothing to resume
+        incomplete = ", ".join(os.path.basename(p) for _, p in step_dirs(path) if missing_files(p))
+        raise CheckpointError(f"--load {path} has no complete checkpoint ({incomplete}: a save that did not finish) "
+                              f"and no `{TRACKER}`; {_instead(path)}: start without --load")
     raise CheckpointError(f"--load {path} is not a checkpoint: it has neither a `{TRACKER}` file nor metadata.json "
                           "(give a checkpoints directory or one iter_<N> inside it)")
 
@@ -144,10 +148,13 @@ def problems(checkpoint: str) -> List[str]:
             json.load(f)
     except (OSError, ValueError) as error:
         found.append(f"{meta} is not valid JSON ({error})")
-    found += _shard_problems(checkpoint)
+    shards, common_shard = _shard_problems(checkpoint)
+    found += shards
     common = os.path.join(checkpoint, LEGACY_COMMON)
     if os.path.exists(common):
         found += _common_problems(common)
+    elif not common_shard and not found:  # written by megatron-core < 0.19: the common state is common.pt
+        found.append(f"{common} is missing")
     elif not found:  # megatron-core >= 0.19: the common state is one of the shards
         try:
             common_state(checkpoint)
@@ -168,26 +175,87 @@ def _common_problems(common: str) -> List[str]:
     return []
 
 
-def _shard_problems(checkpoint: str) -> List[str]:
-    """torch's .metadata must unpickle, and every shard file must hold the bytes it lists."""
+COMMON_SHARD = "common_state"  # megatron-core >= 0.19: the common state's key in torch's .metadata
+# checkpoints up to this size have every byte checked before any rank starts (larger ones: only
+# the sizes and headers; their items are checked when a load fails)
+VERIFIED_BYTES = 2 * 2**30
+ZIP_MAGIC = b"PK\x03\x04"  # every item of a shard file is a torch.save archive, a zip
+
+
+def _read_metadata(checkpoint: str):
     from torch.distributed.checkpoint import FileSystemReader
 
+    return FileSystemReader(checkpoint).read_metadata()
+
+
+def _shard_problems(checkpoint: str) -> Tuple[List[str], bool]:
+    """torch's .metadata must unpickle, and every shard file must hold the bytes it lists, each
+    item starting as a torch.save archive does (a cheap look, not a full read); also whether the
+    common state is one of the shards."""
     index = os.path.join(checkpoint, ".metadata")
     try:
-        metadata = FileSystemReader(checkpoint).read_metadata()
+        metadata = _read_metadata(checkpoint)
     except Exception as error:
-        return [f"{index} cannot be read ({type(error).__name__}: {error})"]
-    needed = {}
+        return [f"{index} cannot be read ({type(error).__name__}: {error})"], False
+    common_shard = any(str(key).startswith(COMMON_SHARD) for key in metadata.state_dict_metadata)
+    items = {}
     for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        items.setdefault(info.relative_path, []).append(info)
     found = []
-    for name, size in sorted(needed.items()):
+    for name, infos in sorted(items.items()):
         path = os.path.join(checkpoint, name)
+        size = max(info.offset + info.length for info in infos)
         if not os.path.isfile(path):
             found.append(f"{path} is missing")
         elif os.path.getsize(path) < size:
             found.append(f"{path} is truncated ({os.path.getsize(path)} of {size} bytes)")
-    return found
+        elif not _items_start_as_archives(path, infos):
+            found.append(f"{path} is corrupt (its contents are not the tensors .metadata lists)")
+    if not found and sum(info.length for info in (metadata.storage_data or {}).values()) <= VERIFIED_BYTES:
+        found += [f"{path} is corrupt (an item in it fails its CRC-32)" for path in damaged_shards(checkpoint)[:1]]
+    return found, common_shard
+
+
+def _items_start_as_archives(path: str, infos) -> bool:
+    with open(path, "rb") as shard:
+        for info in infos:
+            if info.transform_descriptors:  # compressed or otherwise transformed: not looked into
+                continue
+            shard.seek(info.offset)
+            if shard.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+                return False
+    return True
+
+
+def damaged_shards(checkpoint: str) -> List[str]:
+    """The shard files holding an item whose bytes fail its own CRC-32 (each item is a zip that
+    torch.save wrote with one per record; torch's loader does not check them, so damage inside a
+    tensor would load as wrong numbers). Reads every byte: run before loading (``problems``, up
+    to ``VERIFIED_BYTES``) and after a load failed."""
+    import io
+    import zipfile
+
+    metadata = _read_metadata(checkpoint)
+    damaged = []
+    for info in (metadata.storage_data or {}).values():
+        path = os.path.join(checkpoint, info.relative_path)
+        if path in damaged or info.transform_descriptors:
+            continue
+        try:
+            with open(path, "rb") as shard:
+                shard.seek(info.offset)
+                with zipfile.ZipFile(io.BytesIO(shard.read(info.length))) as item:
+                    bad = item.testzip()
+        except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+            bad = True
+        if bad:
+            damaged.append(path)
+    return sorted(damaged)
+
+
+def instead(checkpoint: str) -> str:
+    """What to load instead of the broken ``checkpoint``: the other complete steps beside it."""
+    return _instead(os.path.dirname(os.path.normpath(checkpoint)), exclude=checkpoint)
 
 
 def checked(path: str) -> str:

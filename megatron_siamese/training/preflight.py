@@ -1,9 +1,11 @@
 """What a run needs from this machine and its files, checked before any rank starts.
 
 ``TrainArgs`` already refused impossible settings (``args.py``). Here: Transformer Engine
-when asked for, the checkpoint to resume from (complete and readable, its schedule the
-run's unless one of the two scheduler flags says which wins), and the output directory (never
-silently mixed with another run's checkpoints). Each problem is one line saying what to change.
+when asked for, the checkpoint to resume from (complete and readable, the same model, an
+optimizer state that can follow the layout: ``checkpoint_settings.py``; its schedule the run's
+unless one of the two scheduler flags says which wins), and the output directory (a run that
+may save never mixes its checkpoints with another run's). Each problem is one line saying
+what to change.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import shutil
 from typing import List
 
-from megatron_siamese.training import checkpoint_files, scalar_loggers
+from megatron_siamese.training import checkpoint_files, checkpoint_settings, scalar_loggers
 from megatron_siamese.training.args import TrainArgs
 from megatron_siamese.training.data_checks import data_problems
 
@@ -28,14 +30,24 @@ def checkpoint_dir(args: TrainArgs) -> str:
     return os.path.join(args.output_dir, "checkpoints")
 
 
-def _schedule_problems(args: TrainArgs, checkpoint: str) -> List[str]:
+def _resume_problems(args: TrainArgs, checkpoint: str) -> List[str]:
+    """The checkpoint's model must be this run's (else nothing else matters); its optimizer state
+    must follow the layout, its schedule be this run's (or a flag say which wins)."""
     common = checkpoint_files.common_state(checkpoint)
+    refused = checkpoint_settings.model_problem(checkpoint, common, args)
+    if refused:
+        return [refused]
+    found = [checkpoint_settings.optimizer_problem(checkpoint, common, args)]
+    return [problem for problem in found if problem] + _schedule_problems(args, checkpoint, common)
+
+
+def _schedule_problems(args: TrainArgs, checkpoint: str, common: dict) -> List[str]:
     scheduler = checkpoint_files.scheduler_state(common, args.global_batch_size)
     step = checkpoint_files.iteration(common)
     if scheduler is None or step >= args.steps:  # no schedule saved, or evaluating the checkpoint as saved
         return []
-    if not checkpoint_files.brings_training_state(common, args.model):  # weights only: this run's schedule
-        return []
+    if args.no_load_optim or not checkpoint_files.brings_training_state(common, args.model):
+        return []  # weights only: this run's schedule
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return []
     differ = [f"{flag} {value(args):g} (checkpoint: {scheduler[key] / unit(args):g})"
@@ -47,18 +59,42 @@ def _schedule_problems(args: TrainArgs, checkpoint: str) -> List[str]:
             "to train with these settings, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"]
 
 
-def _output_problems(args: TrainArgs) -> List[str]:
+def may_save(args: TrainArgs) -> bool:
+    """Whether the run plans a checkpoint (a signal's stop checkpoint aside: ``foreign_checkpoints``)."""
+    return bool(args.save_interval or args.stop_step)
+
+
+def foreign_checkpoints(args: TrainArgs) -> List[str]:
+    """The complete checkpoints in the output directory that are another run's: none with
+    --overwrite (they are replaced at this run's first save) or when this run resumes from that
+    directory. Incomplete ones (a save that never finished) are nobody's: a save replaces them."""
     directory = checkpoint_dir(args)
-    existing = checkpoint_files.step_dirs(directory)
-    if not existing or args.overwrite:
-        return []
-    if args.load:
+    existing = [os.path.basename(path) for _, path in checkpoint_files.step_dirs(directory)
+                if not checkpoint_files.missing_files(path)]
+    if not existing or args.overwrite or _resumes_from(args, directory):
+        return []  # resuming: new checkpoints continue the same run
+    return existing
+
+
+def _resumes_from(args: TrainArgs, directory: str) -> bool:
+    if not args.load:
+        return False
+    try:
         resumed = os.path.dirname(os.path.normpath(checkpoint_files.resolve(args.load)))
-        if os.path.realpath(resumed) == os.path.realpath(directory):
-            return []  # resuming: new checkpoints continue the same run
-    steps = ", ".join(os.path.basename(path) for _, path in existing)
-    return [f"--output-dir {args.output_dir} already holds another run's checkpoints ({steps}): resume it with "
-            f"--load {directory}, choose another --output-dir, or pass --overwrite to replace them"]
+    except checkpoint_files.CheckpointError:
+        return False  # the --load problem is reported by itself
+    return os.path.realpath(resumed) == os.path.realpath(directory)
+
+
+def _output_problems(args: TrainArgs) -> List[str]:
+    """A run that may save must not mix its checkpoints with another run's. One that plans none
+    is not refused; if a signal stops it, it does not save there either (trainer.py)."""
+    existing = foreign_checkpoints(args)
+    if not existing or not may_save(args):
+        return []
+    return [f"--output-dir {args.output_dir} already holds another run's checkpoints ({', '.join(existing)}): resume "
+            f"it with --load {checkpoint_dir(args)}, choose another --output-dir, or pass --overwrite to replace them "
+            "(at this run's first save)"]
 
 
 def preflight(args: TrainArgs) -> List[str]:
@@ -73,25 +109,25 @@ def preflight(args: TrainArgs) -> List[str]:
     if args.load:
         try:
             checkpoint = checkpoint_files.checked(args.load)
-            found += _schedule_problems(args, checkpoint)
+            found += _resume_problems(args, checkpoint)
         except checkpoint_files.CheckpointError as error:
             found.append(str(error))
-    try:
-        found += _output_problems(args)
-    except checkpoint_files.CheckpointError:
-        pass  # the --load problem is reported above
+    found += _output_problems(args)
     found += data_problems(args)  # a user's --data-prefix: its files, size and token ids
     found += scalar_loggers.missing_packages(args)  # --tensorboard-dir, --wandb-project
     return found
 
 
 def clear_for_overwrite(args: TrainArgs) -> List[str]:
-    """With --overwrite: remove the output directory's old checkpoints (so none mixes with the
-    new run's); returns what was removed."""
-    directory = checkpoint_dir(args)
-    removed = [path for _, path in checkpoint_files.step_dirs(directory)]
-    if not args.overwrite or not removed:
+    """With --overwrite, at the run's first save: remove the output directory's old checkpoints
+    (so none mixes with the new run's) and its tracker file; returns what was removed. Not those of
+    the run it resumes (they are this run's own)."""
+    if not args.overwrite:
         return []
+    directory = checkpoint_dir(args)
+    if _resumes_from(args, directory):
+        return []
+    removed = [path for _, path in checkpoint_files.step_dirs(directory)]
     for path in removed:
         shutil.rmtree(path)
     for tracker in checkpoint_files.trackers(directory):

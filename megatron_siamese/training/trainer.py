@@ -194,7 +194,7 @@ def _agreed_stop(args: TrainArgs, started: float) -> Optional[str]:
 
 def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
-    from megatron_siamese.training.preflight import checkpoint_dir
+    from megatron_siamese.training.preflight import checkpoint_dir, foreign_checkpoints
 
     started = time.monotonic()  # --exit-duration-in-mins counts setup too, as Megatron-LM's does
     try:
@@ -204,6 +204,9 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     if not shared:
         raise ConfigError([f"--output-dir {args.output_dir} is not the same directory on every node: checkpoints "
                            "need a path all ranks see (a shared file system)"])
+    # a run that plans no checkpoint may share a directory with another run's; then a signal's
+    # stop does not save there either (preflight refuses a run that plans one)
+    stop_saves = not foreign_checkpoints(args)
     trainer = Trainer(args)
     rank0 = torch.distributed.get_rank() == 0
     log = RunLog(args, resumed_at=trainer.step, speaks=rank0)  # the console, metrics.jsonl, settings.json, ...
@@ -242,7 +245,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             summary.val_losses[trainer.step] = trainer.evaluate()
             log.evaluated(trainer.step, summary.val_losses[trainer.step])
         if (args.save_interval and trainer.step % args.save_interval == 0) or (
-            (trainer.step == last_step and (args.save_interval or args.stop_step)) or stop
+            (trainer.step == last_step and (args.save_interval or args.stop_step)) or (stop and stop_saves)
         ):
             summary.checkpoints.append(checkpoint.save(trainer, directory))
             log.saved(summary.checkpoints[-1])
@@ -271,11 +274,12 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
 
 
 def _checked_before_start(args: TrainArgs) -> Optional[job_lock.Lock]:
-    """The output directory locked for this job, the preflight checks, and with --overwrite the
-    old checkpoints cleared: by the process that speaks for the job (a spawned job's launcher,
-    or rank 0 of a launched one, which then tells the others). Returns the lock (held by that
-    process, for the whole run: release it at the end)."""
-    from megatron_siamese.training.preflight import clear_for_overwrite, preflight
+    """The output directory locked for this job and the preflight checks: by the process that
+    speaks for the job (a spawned job's launcher, or rank 0 of a launched one, which then tells
+    the others). Returns the lock (held by that process, for the whole run: release it at the
+    end). --overwrite removes the old checkpoints at the first save (``checkpoint.save``), not
+    here: a run that saves none keeps them."""
+    from megatron_siamese.training.preflight import preflight
 
     in_job = launch.joined() is not None
     speaks = not in_job or torch.distributed.get_rank() == 0
@@ -294,8 +298,6 @@ def _checked_before_start(args: TrainArgs) -> Optional[job_lock.Lock]:
         if lock is not None:
             lock.release()
         raise ConfigError(problems)
-    if speaks:
-        clear_for_overwrite(args)
     if in_job:
         torch.distributed.barrier()
     return lock
