@@ -41,7 +41,9 @@ def train(output, cache, *args, **kwargs):
 
 
 def losses(done) -> dict:
-    return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+ \| loss ([0-9.]+)", done.stdout, re.M)}
+    """Step -> training loss, from Megatron-LM's iteration lines (--log-interval 1: one per step)."""
+    return {int(step): float(loss) for step, loss in
+            re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|", done.stdout)}
 
 
 def assert_refused(done, *messages, exit_code=2):
@@ -259,6 +261,6 @@ def test_a_stop_signal_does_not_save_among_another_runs_checkpoints(tmp_path, ca
     os.killpg(process.pid, signal.SIGINT)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0 and "Traceback" not in err, err[-3000:]
-    assert re.search(rf"stopped at step \d+: not saved, {re.escape(str(checkpoints))} holds another run's "
+    assert re.search(rf"stopped at step \d+ \(SIGINT\): not saved, {re.escape(str(checkpoints))} holds another run's "
                      r"checkpoints \(iter_0000002, iter_0000004; --overwrite replaces them\)", err), err[-3000:]
     assert {name: (checkpoints / name).stat().st_mtime_ns for name in os.listdir(checkpoints)} == before

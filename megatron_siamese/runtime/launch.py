@@ -400,7 +400,7 @@ def _signals_handled(stop_value, graceful: bool, echo: Callable[[str], None]):
             stop_value.value = signum
             name = signal.Signals(signum).name
             again = "Ctrl-C" if signum == signal.SIGINT else name
-            echo(f"{name}: finishing this step and saving a checkpoint ({again} again to stop at once)")
+            echo(f"{name}: finishing this step, then stopping ({again} again to stop at once)")
             return
         raise KeyboardInterrupt
 
