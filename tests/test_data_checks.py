@@ -226,6 +226,7 @@ def test_the_addition_corpus_passes(tmp_path):
 # -- the command line ---------------------------------------------------------------------
 
 
+@pytest.mark.stack_independent  # the CLI's refusal; the checks themselves run on both stacks above
 @pytest.mark.parametrize("documents", [1, 17])
 def test_a_small_corpus_is_refused_in_seconds_not_a_hang(tmp_path, documents):
     prefix = build(str(tmp_path / "small"), byte_documents(documents))
@@ -236,6 +237,7 @@ def test_a_small_corpus_is_refused_in_seconds_not_a_hang(tmp_path, documents):
     assert not os.path.exists(tmp_path / "out" / "checkpoints")
 
 
+@pytest.mark.stack_independent  # the CLI's refusal; the checks themselves run on both stacks above
 @pytest.mark.parametrize("kind", ["empty .bin and .idx", "index arrays cut"])
 def test_a_broken_corpus_is_refused_naming_the_file(tmp_path, kind):
     prefix = build(str(tmp_path / "broken"), byte_documents(40))
@@ -251,6 +253,7 @@ def test_a_broken_corpus_is_refused_naming_the_file(tmp_path, kind):
     assert done.seconds < REFUSED_WITHIN_S
 
 
+@pytest.mark.stack_independent  # the CLI's refusal; the checks themselves run on both stacks above
 def test_out_of_range_ids_with_a_stats_file_are_refused_before_training(tmp_path):
     rng = numpy.random.default_rng(0)
     prefix = build(str(tmp_path / "int32"), [rng.integers(0, 50_001, 200).tolist() for _ in range(60)])
