@@ -264,3 +264,12 @@ def test_a_stop_signal_does_not_save_among_another_runs_checkpoints(tmp_path, ca
     assert re.search(rf"stopped at step \d+ \(SIGINT\): not saved, {re.escape(str(checkpoints))} holds another run's "
                      r"checkpoints \(iter_0000002, iter_0000004; --overwrite replaces them\)", err), err[-3000:]
     assert {name: (checkpoints / name).stat().st_mtime_ns for name in os.listdir(checkpoints)} == before
+
+
+def test_analyze_reads_the_weights_of_a_distributed_optimizer_checkpoint(tmp_path, cache, distributed):
+    """analyze runs on one rank and loads no optimizer state, so a DP2 distributed-optimizer
+    checkpoint (whose state cannot follow to DP1 x plain optimizer) analyzes as it is."""
+    done = cli("analyze", *SMALL[:6], "--load", distributed / "checkpoints", "--cache-dir", cache,
+               "--output-dir", tmp_path / "analysis")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "effective depth" in done.stdout

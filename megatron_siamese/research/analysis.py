@@ -165,10 +165,9 @@ def analyze(args, compare_load: Optional[str] = None, batches: int = 2) -> dict:
 
     if (args.tp, args.pp) != (1, 1) or not args.load:
         raise ValueError("analyze a checkpoint (--load) at tp=1, pp=1")
-    # the probes only evaluate: the checkpoint's own schedule, whatever the flags' defaults say
-    # (else a checkpoint of another warm-up or length fails Megatron's scheduler check)
-    args = dataclasses.replace(args, norm="siamese", fused_ops=False, use_checkpoint_opt_param_scheduler=True,
-                               override_opt_param_scheduler=False)
+    # the probes only evaluate the weights: no optimizer state is loaded, so neither its kind
+    # (a distributed optimizer's state at another layout) nor its schedule stands in the way
+    args = dataclasses.replace(args, norm="siamese", fused_ops=False, no_load_optim=True, distributed_optimizer=False)
     results = run_job(_analyze_rank, 1, args, compare_load, batches, needs="analyze")
     os.makedirs(args.output_dir, exist_ok=True)
     plot(results, args.output_dir)

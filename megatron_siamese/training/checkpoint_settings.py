@@ -19,8 +19,8 @@ import dataclasses
 from typing import Any, List, Mapping, Optional
 
 from megatron_siamese.runtime.registry import Setting, definitions
-from megatron_siamese.training import checkpoint_files
 from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.training import checkpoint_files
 
 SETTINGS_KEY = "megatron_siamese_settings"
 
