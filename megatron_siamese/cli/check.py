@@ -91,9 +91,9 @@ def problems(case: ModelCase, layouts: List[str]) -> List[str]:
     found = [problem for name, problem in field_problems(case, ModelSettings).items() if name in CASE_SETTINGS]
     found += [f"--{field.replace('_', '-')} must be at least 1 (got {getattr(case, field)})"
               for field in SIZES if field != "seed" and getattr(case, field) < 1]
-    found += model_class_problems(case)
     if found:
         return found
+    found += model_class_problems(case)
     found += shape_problems(case)
     for name in layouts:
         try:

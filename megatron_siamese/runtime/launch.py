@@ -19,19 +19,10 @@ world (Megatron builds its groups over the default group), while the other ranks
 ``check`` runs layouts of every size in one job. ``console(line)`` prints for the job
 (rank 0) even when rank 0's own output goes to a log.
 
-Stop signals (``STOP_SIGNALS``: SIGINT, SIGTERM, and SIGUSR1/SIGUSR2 as SLURM's ``--signal``
-sends them) may reach any process of the job: the launcher alone, one rank, or all of them at
-once (a scheduler's time limit). The first one a process gets asks for a stop after the step
-the ranks are in (``stop_requested()``: the signal's number; the trainer all-reduces it, so
-every rank stops after the same step and saves); a second one stops that process at once.
-Another stop signal within ``SAME_SIGNAL_S`` of the first is the same request (torchrun
-forwards the SIGTERM its ranks already got from the scheduler; a torchrun agent killed by
-SIGUSR1 sends its ranks their parent-death SIGTERM). Without ``graceful_stop`` the launcher's
-first signal stops at once. The launcher's helpers (fork server, resource tracker) ignore
-these signals: they end with the launcher, and a fork server killed by a job-wide SIGTERM
-would lose the ranks' exit codes. A spawned rank dies with the launcher and with its parent,
-the fork server (``orphans``), so a launcher killed by any signal, SIGKILL included, leaves
-no rank running.
+Stop signals may reach any process of the job (``stop_signals``): the ranks agree on the step to
+stop after and save; a spawned rank dies with the launcher (``orphans``).
+It is long because spawning a job here and joining a launched one are one thing seen from two
+sides: they share the job's state (``_job``), its console and its failure reports.
 ``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
 """
 
@@ -44,10 +35,8 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterable, List, Optional
 
@@ -55,13 +44,12 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_siamese import device
-from megatron_siamese.runtime import cpu_shim, launchers, orphans
+from megatron_siamese.runtime import cpu_shim, launchers, orphans, stop_signals
+from megatron_siamese.runtime.stop_signals import stop_requested  # noqa: F401  (the trainer asks launch)
 from megatron_siamese.runtime.launchers import JoinError, Launch, LaunchError
 from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-SAME_SIGNAL_S = 1.0  # a stop signal this soon after the first is the same request, not a second one
 
 
 class RankFailed(RuntimeError):
@@ -81,38 +69,6 @@ def free_port() -> int:
 
 def default_backend() -> str:
     return device.backend()
-
-
-# -- stop requests ---------------------------------------------------------------------
-
-_stop = {"shared": None, "signum": 0, "at": 0.0}
-
-
-def stop_requested() -> int:
-    """The stop signal this rank was asked to stop by, after its current step (by the
-    launcher, or by a signal to this process); 0 if none. Ranks must agree on when: all-reduce it."""
-    shared = _stop["shared"]
-    return _stop["signum"] or (shared.value if shared is not None else 0)
-
-
-def _stop_on_first_signal() -> None:
-    """This rank's stop signals: the first asks for a stop, a second (not a repeat of the first
-    within SAME_SIGNAL_S) stops at once."""
-
-    def handler(signum, frame):
-        first, at = _stop["signum"], _stop["at"]
-        if not first:
-            _stop.update(signum=signum, at=time.monotonic())
-            return
-        if time.monotonic() - at < SAME_SIGNAL_S:  # one request arriving twice (torchrun forwarding, its death)
-            return
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)  # a third one ends the process even inside a collective
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, handler)
 
 
 # -- this process in a job -------------------------------------------------------------
@@ -255,8 +211,8 @@ def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher
     os.setpgrp()  # a group of its own: the launcher can stop it with whatever it started (writer processes)
     orphans.die_with_parent(signal.SIGKILL, launcher_pid)  # parent: the fork server (or the launcher)
     orphans.watch(launcher_pid)  # the fork server outlives a killed launcher while ranks run
-    _stop.update(shared=stop_value, signum=0, at=0.0)
-    _stop_on_first_signal()
+    stop_signals.share(stop_value)
+    stop_signals.handle_in_this_rank()
     _console["queue"] = results
     if log_path is not None:
         for stream in (sys.stdout, sys.stderr):
@@ -364,55 +320,13 @@ def _root_cause(procs, logs, wait_s: float = 1.0) -> Optional[RankFailed]:
     return None
 
 
-@contextmanager
-def _helpers_ignore_stop_signals():
-    """Start the fork server and resource tracker (if not yet running) with the stop signals
-    ignored, which they keep: a job-wide SIGTERM must not kill them under the ranks (the ranks'
-    exit codes reach the launcher through the fork server; lost, they read as 255)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def _start_helpers(ctx) -> None:
     from multiprocessing import forkserver, resource_tracker
 
-    with _helpers_ignore_stop_signals():
+    with stop_signals.ignored():
         resource_tracker.ensure_running()
         if ctx.get_start_method() == "forkserver":
             forkserver.ensure_running()
-
-
-@contextmanager
-def _signals_handled(stop_value, graceful: bool, echo: Callable[[str], None]):
-    """The launcher's stop signals: a stop request first (graceful), at once after."""
-    received = []
-
-    def handler(signum, frame):
-        received.append(signum)
-        if graceful and len(received) == 1:
-            stop_value.value = signum
-            name = signal.Signals(signum).name
-            again = "Ctrl-C" if signum == signal.SIGINT else name
-            echo(f"{name}: finishing this step, then stopping ({again} again to stop at once)")
-            return
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():  # e.g. the study's parallel runs:
-        yield  # signals reach the main thread only; it owns them
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def launch(
@@ -444,7 +358,7 @@ def launch(
     ]
     values: Optional[List[Any]] = None
     reported = 0
-    with _signals_handled(stop_value, graceful_stop, echo):
+    with stop_signals.handled_by_launcher(stop_value, graceful_stop, echo):
         for proc in procs:
             proc.start()
         try:
@@ -484,7 +398,7 @@ def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeo
             raise LaunchError(_mismatch(job, world_size, needs))
         if job.launcher == "torchrun":  # its agent is this rank's parent: stop (and save) when it dies
             orphans.die_with_parent(signal.SIGTERM)
-        _stop_on_first_signal()  # before joining: a signal while the others come is not lost
+        stop_signals.handle_in_this_rank()  # before joining: a signal while the others come is not lost
         join(job, timeout_s)
     elif world_size is not None and world_size != job.world_size:
         raise LaunchError(_mismatch(job, world_size, needs))

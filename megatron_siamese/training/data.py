@@ -19,9 +19,7 @@ from torch.utils.data import default_collate
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megatron_siamese.training.data_checks import batch_id_problem, out_of_range_error
-
-SPLIT = "98,2,0"  # train, validation, test weights, over sequences (Megatron-LM's --split)
+from megatron_siamese.training.data_checks import SPLIT, batch_id_problem, out_of_range_error
 
 
 def build_gpt_datasets(

@@ -6,7 +6,7 @@ Before training (``corpus_problems``, from the preflight), cheap, without readin
 
 - the files: ``.idx`` and ``.bin`` present, the index's header and arrays complete and
   consistent, the ``.bin`` as long as the index says;
-- the size: Megatron's split (``data.SPLIT``, by sequence) gives the train and validation
+- the size: Megatron's split (``SPLIT``, by sequence) gives the train and validation
   splits each at least one sample of ``--seq-length + 1`` tokens (an empty split is where
   ``GPTDataset._get_num_epochs`` loops forever);
 - the token ids, where something already proves them: the ``.idx``'s dtype (``uint8``: below
@@ -32,6 +32,7 @@ import numpy
 
 from megatron_siamese.runtime.registry import ConfigError
 
+SPLIT = "98,2,0"  # train, validation, test weights, over sequences (Megatron-LM's --split; data.py builds with it)
 STATS_SUFFIX = ".stats.json"  # PREFIX.stats.json: the corpus's smallest and largest token id
 _MAGIC = b"MMIDIDX\x00\x00"  # Megatron's _INDEX_HEADER
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document-index count
@@ -282,7 +283,6 @@ def data_problems(args) -> List[str]:
     if not args.data_prefix:
         return []
     from megatron_siamese.training.args import BYTE_VOCAB
-    from megatron_siamese.training.data import SPLIT
 
     return corpus_problems(
         args.data_prefix, BYTE_VOCAB, args.seq_length, args.steps * args.global_batch_size,
