@@ -278,6 +278,6 @@ def test_an_out_of_range_id_deep_inside_stops_the_run_before_it_trains_on_it(tmp
                             "outside the byte tokenizer's vocabulary of 258 ids (0-257)", "stopped before training on it")
     sample = int(re.search(r"train sample ([0-9,]+)\)", done.stderr).group(1).replace(",", ""))
     # it trained until the step whose batch (4 samples) holds the id, and not that step
-    steps = [int(step) for step in re.findall(r"^step ([0-9]+)/200 ", done.stdout, re.M)]
+    steps = [int(step) for step in re.findall(r"\] iteration\s+([0-9]+)/\s*200 \|", done.stdout)]  # Megatron-LM's lines
     assert steps == list(range(1, sample // 4 + 1)) and steps, done.stdout[-2000:]
     assert not os.path.exists(tmp_path / "out" / "summary.json")

@@ -26,13 +26,29 @@ class InUse(RuntimeError):
 
 
 class Lock:
-    def __init__(self, fd: int, path: str):
-        self.fd, self.path = fd, path
+    def __init__(self, fd: int, path: str, made_directory: bool):
+        self.fd, self.path, self.made_directory = fd, path, made_directory
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing the descriptor drops the flock; the file may stay
             self.fd = None
+
+    def abandon(self) -> None:
+        """Release for a job that never started (its settings were refused): its lock file goes,
+        and the directory too if the lock made it and nothing else is in it."""
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still held: no other job is between the unlink and the close
+        except OSError:
+            pass
+        self.release()
+        if self.made_directory:
+            try:
+                os.rmdir(os.path.dirname(self.path))
+            except OSError:
+                pass  # not empty (or gone): left as it is
 
     def __enter__(self):
         return self
@@ -53,6 +69,7 @@ def hold(directory: str, flag: str = "--output-dir") -> Optional[Lock]:
     checks before the first step say so in their words). Raises ``InUse`` when a live job
     holds it."""
     path = os.path.join(directory, LOCK_FILE)
+    made_directory = not os.path.isdir(directory)
     try:
         os.makedirs(directory, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -78,4 +95,4 @@ def hold(directory: str, flag: str = "--output-dir") -> Optional[Lock]:
         os.pwrite(fd, json.dumps(record).encode(), 0)
     except OSError:
         pass  # held all the same; only the name of the holder is missing
-    return Lock(fd, path)
+    return Lock(fd, path, made_directory)

@@ -296,7 +296,7 @@ def _checked_before_start(args: TrainArgs) -> Optional[job_lock.Lock]:
         problems = shared[0]
     if problems:
         if lock is not None:
-            lock.release()
+            lock.abandon()  # a refused run leaves nothing behind, not even the directory it asked for
         raise ConfigError(problems)
     if in_job:
         torch.distributed.barrier()
