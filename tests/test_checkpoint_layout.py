@@ -1,7 +1,9 @@
 """Megatron-LM's checkpoint layout, driven as a user does (subprocesses of the CLI, files on disk):
 what the trainer writes, that an earlier release's ``step_<N>``/``latest`` checkpoint still
 resumes and analyzes, and, with MEGATRON_LM naming a Megatron-LM work tree, that checkpoints move
-both ways between this trainer and Megatron-LM's own ``pretrain_gpt.py`` (docs/megatron-lm.md)."""
+both ways between this trainer and Megatron-LM's own ``pretrain_gpt.py``; with MEGATRON_LM_HYBRID
+naming a core_v0.19 tree, between ``--model hybrid`` and its ``pretrain_hybrid.py``
+(docs/megatron-lm.md)."""
 
 import json
 import os
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_siamese.training.checkpoint_files import TRACKER
+from megatron_siamese.versions import installed_megatron_core, release
 
 CLI = [sys.executable, "-m", "megatron_siamese.cli"]
 REPO = Path(__file__).resolve().parent.parent
@@ -119,15 +122,21 @@ OURS = ["--norm", "siamese-layer", "--tp", "1", "--num-layers", SIZES["layers"],
 def pretrain_gpt(checkpoints, data_prefix, *extra):
     """Megatron-LM's pretrain_gpt.py on one CPU process with our --spec, saving to and loading
     from ``checkpoints``; returns the completed process."""
+    return megatron_lm(MEGATRON_LM, "pretrain_gpt.py", ["--spec", "megatron_siamese.specs", "siamese_layer_spec",
+                                                        "--num-layers", SIZES["layers"]], checkpoints, data_prefix, *extra)
+
+
+def megatron_lm(tree, script, model, checkpoints, data_prefix, *extra):
+    """Megatron-LM's ``script`` in ``tree`` on one CPU process, the model named by ``model`` (its
+    --spec and layers) and SIZES; returns the completed process."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-        "-m", "megatron_siamese.runtime.megatron_lm", "pretrain_gpt.py",
-        "--spec", "megatron_siamese.specs", "siamese_layer_spec", "--distributed-backend", "gloo",
+        "-m", "megatron_siamese.runtime.megatron_lm", script, *model, "--distributed-backend", "gloo",
         "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
         "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
         "--hidden-dropout", "0", "--attention-dropout", "0",
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-        "--num-layers", SIZES["layers"], "--hidden-size", SIZES["hidden"], "--num-attention-heads", SIZES["heads"],
+        "--hidden-size", SIZES["hidden"], "--num-attention-heads", SIZES["heads"],
         "--ffn-hidden-size", SIZES["ffn"], "--seq-length", SIZES["seq"], "--max-position-embeddings", SIZES["seq"],
         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
         "--micro-batch-size", SIZES["micro"], "--global-batch-size", SIZES["batch"], "--train-iters", SIZES["iters"],
@@ -142,7 +151,7 @@ def pretrain_gpt(checkpoints, data_prefix, *extra):
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "TORCHDYNAMO_DISABLE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    return subprocess.run(list(map(str, command)), cwd=MEGATRON_LM, env=env, capture_output=True, text=True,
+    return subprocess.run(list(map(str, command)), cwd=tree, env=env, capture_output=True, text=True,
                           timeout=900)
 
 
@@ -154,15 +163,14 @@ def megatron_lm_iterations(log: str) -> dict:
 
 
 def our_iterations(log: str) -> dict:
-    """{step: (learning rate, loss, grad norm)} from the trainer's --log-interval lines."""
-    found = re.finditer(r"^step (\d+)/\d+ \| loss ([0-9.]+) \| lr ([0-9.e+-]+) \| grad norm ([0-9.]+)", log, re.M)
-    return {int(m.group(1)): (float(m.group(3)), float(m.group(2)), float(m.group(4))) for m in found}
+    """{step: (learning rate, loss, grad norm)}: the trainer's --log-interval lines are Megatron-LM's."""
+    return megatron_lm_iterations(log)
 
 
 def assert_same_steps(theirs: dict, ours: dict, steps, loss_steps):
     for step in steps:
         (lr, loss, norm), (our_lr, our_loss, our_norm) = theirs[step], ours[step]
-        assert lr == pytest.approx(our_lr, rel=1e-3), (step, theirs, ours)  # ours is printed to 4 digits
+        assert lr == pytest.approx(our_lr, rel=1e-6), (step, theirs, ours)
         assert norm == pytest.approx(our_norm, abs=1e-3), (step, theirs, ours)
         if step in loss_steps:
             assert loss == pytest.approx(our_loss, abs=1e-4), (step, theirs, ours)
@@ -212,3 +220,61 @@ def test_the_trainer_resumes_a_checkpoint_of_pretrain_gpt(tmp_path, cache, corpu
     evaluated = cli("train", *OURS, "--cache-dir", cache, "--output-dir", tmp_path / "evaluated", "--load", checkpoints)
     assert_ok(evaluated)
     assert "evaluated the checkpoint at step 8" in evaluated.stdout
+
+
+# -- both ways with Megatron-LM's pretrain_hybrid.py (HybridModel, megatron-core >= 0.19) ----
+
+MEGATRON_LM_HYBRID = os.environ.get("MEGATRON_LM_HYBRID", "")
+needs_pretrain_hybrid = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(MEGATRON_LM_HYBRID, "pretrain_hybrid.py"))
+    or release(installed_megatron_core()) < (0, 19, 0),
+    reason="set MEGATRON_LM_HYBRID to a Megatron-LM work tree (tag core_v0.19.0, and the packages "
+           "docs/megatron-lm.md lists on PYTHONPATH) and run on megatron-core >= 0.19 (HybridModel) to resume "
+           "checkpoints in its pretrain_hybrid.py",
+)
+PATTERN = "*-*-"  # HybridModel layers: the 2 GPT layers' attention and MLP sublayers
+HYBRID = ["--model", "hybrid", "--norm", "siamese", "--hybrid-layer-pattern", PATTERN,
+          *OURS[OURS.index("--tp"):OURS.index("--num-layers")], *OURS[OURS.index("--hidden-size"):]]
+
+
+def pretrain_hybrid(checkpoints, data_prefix, *extra):
+    """Megatron-LM's pretrain_hybrid.py on one CPU process with our stack spec (local modules)."""
+    return megatron_lm(MEGATRON_LM_HYBRID, "pretrain_hybrid.py",
+                       ["--spec", "megatron_siamese.hybrid", "siamese_hybrid_stack_spec",
+                        "--hybrid-layer-pattern", PATTERN, "--num-layers", len(PATTERN)],
+                       checkpoints, data_prefix, *extra)
+
+
+@needs_pretrain_hybrid
+def test_pretrain_hybrid_resumes_a_checkpoint_of_the_trainer(tmp_path, cache, corpus):
+    uninterrupted = cli("train", *HYBRID, "--cache-dir", cache, "--output-dir", tmp_path / "ours")
+    stopped = cli("train", *HYBRID, "--cache-dir", cache, "--output-dir", tmp_path / "stopped", "--stop-step", 4)
+    assert_ok(uninterrupted)
+    assert_ok(stopped)
+    checkpoints = tmp_path / "stopped" / "checkpoints"
+    done = pretrain_hybrid(checkpoints, corpus)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    assert f"successfully loaded checkpoint from {checkpoints}" in done.stdout and "at iteration 4" in done.stdout
+    # loaded as the HybridModel it is, not translated as a GPT's (its args carry the pattern)
+    assert "loading a GPT checkpoint into the hybrid model" not in done.stdout
+    theirs = megatron_lm_iterations(done.stdout)
+    assert sorted(theirs) == [5, 6, 7, 8]
+    # as with pretrain_gpt.py: the second iteration's logged loss after Megatron-LM's resume differs
+    assert_same_steps(theirs, our_iterations(uninterrupted.stdout), [5, 6, 7, 8], loss_steps=[5, 7, 8])
+    assert theirs[6][1] == pytest.approx(our_iterations(uninterrupted.stdout)[6][1], rel=0.02)
+    assert (checkpoints / TRACKER).read_text().strip() == "8"
+
+
+@needs_pretrain_hybrid
+def test_the_trainer_resumes_a_checkpoint_of_pretrain_hybrid(tmp_path, cache, corpus):
+    checkpoints = tmp_path / "megatron-lm"
+    done = pretrain_hybrid(checkpoints, corpus, "--save-interval", 4)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    theirs = megatron_lm_iterations(done.stdout)
+    assert sorted(os.listdir(checkpoints)) == ["iter_0000004", "iter_0000008", TRACKER]
+    resumed = cli("train", *HYBRID, "--cache-dir", cache, "--output-dir", tmp_path / "ours",
+                  "--load", checkpoints / "iter_0000004")
+    assert_ok(resumed)
+    assert f"resumed from {checkpoints / 'iter_0000004'} at step 4" in resumed.stdout
+    # its optimizer and schedule came back too (a GPT checkpoint's would start both afresh)
+    assert_same_steps(theirs, our_iterations(resumed.stdout), [5, 6, 7, 8], loss_steps=[5, 6, 7, 8])

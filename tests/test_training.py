@@ -114,6 +114,8 @@ SCHEDULE = {"max_lr": 0.5, "min_lr": 0.05, "start_wd": 0.3}
     ({"args": Namespace(no_save_optim=True), "model_class": "gpt"}, "run"),
     ({"args": Namespace(no_save_optim=False), "model_class": "hybrid", "opt_param_scheduler": SCHEDULE}, "run"),
     ({"opt_param_scheduler": SCHEDULE}, "checkpoint"),  # Megatron-LM's own, with no model class: a GPT
+    # pretrain_hybrid.py's: no model class, its args name the layer pattern (a HybridModel's, not this GPT's)
+    ({"args": Namespace(no_save_optim=False, hybrid_layer_pattern="*-*-"), "opt_param_scheduler": SCHEDULE}, "run"),
     ({"model_only": False, "model_class": "gpt", "scheduler": SCHEDULE}, "checkpoint"),  # an earlier release's keys
     ({"model_only": True, "model_class": "gpt", "scheduler": SCHEDULE}, "run"),
 ])

@@ -44,6 +44,7 @@ from megatron_siamese.training.checkpoint_files import (
     instead,
     iteration,
     iteration_dir,
+    model_class,
     model_only,
     resolve,
     scheduler_state,
@@ -314,7 +315,7 @@ def load(trainer, path: str) -> int:
 
     checkpoint = checked(path)
     common = common_state(checkpoint)
-    saved_class, wanted_class = common.get(MODEL_CLASS, "gpt"), trainer.args.model
+    saved_class, wanted_class = model_class(common), trainer.args.model
     if (saved_class, wanted_class) == ("gpt", "hybrid"):
         return _load_gpt_into_hybrid(trainer, checkpoint)
     if saved_class != wanted_class:

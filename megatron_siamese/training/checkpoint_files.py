@@ -269,7 +269,7 @@ def checked(path: str) -> str:
     return checkpoint
 
 
-MODEL_CLASS = "model_class"  # common state: "gpt" (GPTModel) or "hybrid" (HybridModel); absent = "gpt"
+MODEL_CLASS = "model_class"  # common state: "gpt" (GPTModel) or "hybrid" (HybridModel); see model_class()
 # Megatron-LM's common state, which ``checkpoint.save`` writes: "args" (an argparse.Namespace
 # with Megatron-LM's argument names), "checkpoint_version", "iteration", "opt_param_scheduler"
 # (its step counts in samples, as Megatron-LM's training loop steps it), "optimizer",
@@ -308,11 +308,22 @@ def scheduler_state(common: dict, global_batch_size: int) -> Optional[dict]:
     return {**legacy, **{key: legacy[key] * global_batch_size for key in _SCHEDULER_COUNTS if key in legacy}}
 
 
+def model_class(common: dict) -> str:
+    """"gpt" or "hybrid": what this trainer recorded, else what Megatron-LM's loader reads (a
+    checkpoint of pretrain_hybrid.py has a layer pattern in its args, one of pretrain_gpt.py none;
+    hybrid_override_pattern is that pattern's name before megatron-core 0.19)."""
+    if MODEL_CLASS in common:
+        return common[MODEL_CLASS]
+    args = saved_args(common)
+    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+    return "hybrid" if pattern else "gpt"
+
+
 def brings_training_state(common: dict, model: str) -> bool:
     """Whether loading a checkpoint with this common state into a ``model`` run restores its
     optimizer and schedule (else only weights load: a model-only checkpoint, or a GPTModel's
     weights translated into a HybridModel)."""
-    return not model_only(common) and common.get(MODEL_CLASS, "gpt") == model
+    return not model_only(common) and model_class(common) == model
 
 
 def common_state(checkpoint: str) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from argparse import Namespace
 
+from megatron_siamese.hybrid_pattern import hybrid_pattern, num_layers
 from megatron_siamese.runtime.settings import ModelSettings
 
 ADAM_BETAS = dict(adam_beta1=0.9, adam_beta2=0.95)  # the trainer's Adam (Megatron-LM's --adam-beta1/2)
@@ -22,12 +23,23 @@ LR_DECAY_STYLE = "cosine"  # the trainer's schedule (Megatron-LM's --lr-decay-st
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current "checkpoint_version" (3.0: no QKV reordering on load)
 # the layer spec Megatron-LM's --spec names for a scheme, where there is one (docs/megatron-lm.md)
 SPECS = {"siamese-layer": ["megatron_siamese.specs", "siamese_layer_spec"]}
+# pretrain_hybrid.py's --spec: the whole HybridModel stack (local modules, as this trainer builds it)
+HYBRID_SPEC = ["megatron_siamese.hybrid", "siamese_hybrid_stack_spec"]
+
+
+def _model_class_args(model: ModelSettings) -> dict:
+    """What tells Megatron-LM's loader a HybridModel checkpoint from a GPTModel's: the layer
+    pattern (a checkpoint without one loads into pretrain_hybrid.py as a GPT's, translated),
+    and num_layers counted as it derives it, one per pattern symbol."""
+    if model.model != "hybrid":
+        return dict(num_layers=model.num_layers, spec=SPECS.get(model.norm))
+    return dict(num_layers=num_layers(model), hybrid_layer_pattern=hybrid_pattern(model).text, spec=HYBRID_SPEC)
 
 
 def model_args(model: ModelSettings, vocab_size: int, vocab_multiple: int) -> dict:
     """The model's shape in Megatron-LM's argument names (what --use-checkpoint-args reads)."""
     return dict(
-        num_layers=model.num_layers,
+        **_model_class_args(model),
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -51,7 +63,6 @@ def model_args(model: ModelSettings, vocab_size: int, vocab_multiple: int) -> di
         bf16=model.dtype == "bf16",
         fp16=False,
         transformer_impl=model.transformer_impl,
-        spec=SPECS.get(model.norm),
     )
 
 
