@@ -223,6 +223,7 @@ def _interrupted_first_save(checkpoints: Path, saved: Path):
     (checkpoints / "iter_0000002" / ".metadata").unlink()
 
 
+@pytest.mark.stack_independent  # our preflight and save logic, not Megatron's format
 def test_an_interrupted_save_never_blocks_a_rerun_and_is_named_on_load(tmp_path, cache, saved):
     checkpoints = tmp_path / "run" / "checkpoints"
     _interrupted_first_save(checkpoints, saved)
@@ -238,6 +239,7 @@ def test_an_interrupted_save_never_blocks_a_rerun_and_is_named_on_load(tmp_path,
     assert (checkpoints / "iter_0000002" / ".metadata").exists()  # replaced by the new save, not mixed with it
 
 
+@pytest.mark.stack_independent  # our preflight and save logic, not Megatron's format
 def test_a_run_that_saves_nothing_is_not_refused_and_overwrite_waits_for_a_save(tmp_path, cache, saved):
     checkpoints = copy_of(saved, tmp_path)
     before = sorted(os.listdir(checkpoints))
@@ -266,6 +268,7 @@ def test_a_stop_signal_does_not_save_among_another_runs_checkpoints(tmp_path, ca
     assert {name: (checkpoints / name).stat().st_mtime_ns for name in os.listdir(checkpoints)} == before
 
 
+@pytest.mark.stack_independent  # our preflight and save logic, not Megatron's format
 def test_analyze_reads_the_weights_of_a_distributed_optimizer_checkpoint(tmp_path, cache, distributed):
     """analyze runs on one rank and loads no optimizer state, so a DP2 distributed-optimizer
     checkpoint (whose state cannot follow to DP1 x plain optimizer) analyzes as it is."""
