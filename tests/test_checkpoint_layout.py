@@ -183,14 +183,15 @@ def corpus(cache):
     return embedded_corpus(cache)
 
 
-@needs_megatron_lm
-def test_pretrain_gpt_resumes_a_checkpoint_of_the_trainer(tmp_path, cache, corpus):
-    uninterrupted = cli("train", *OURS, "--cache-dir", cache, "--output-dir", tmp_path / "ours")
-    stopped = cli("train", *OURS, "--cache-dir", cache, "--output-dir", tmp_path / "stopped", "--stop-step", 4)
+def megatron_lm_resumes_ours(tmp_path, cache, ours, run_megatron_lm):
+    """Ours saves at 4; Megatron-LM resumes it and continues as our uninterrupted run does.
+    Returns its output."""
+    uninterrupted = cli("train", *ours, "--cache-dir", cache, "--output-dir", tmp_path / "ours")
+    stopped = cli("train", *ours, "--cache-dir", cache, "--output-dir", tmp_path / "stopped", "--stop-step", 4)
     assert_ok(uninterrupted)
     assert_ok(stopped)
     checkpoints = tmp_path / "stopped" / "checkpoints"
-    done = pretrain_gpt(checkpoints, corpus)
+    done = run_megatron_lm(checkpoints)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
     assert f"successfully loaded checkpoint from {checkpoints}" in done.stdout and "at iteration 4" in done.stdout
     theirs = megatron_lm_iterations(done.stdout)
@@ -202,20 +203,34 @@ def test_pretrain_gpt_resumes_a_checkpoint_of_the_trainer(tmp_path, cache, corpu
     assert_same_steps(theirs, our_iterations(uninterrupted.stdout), [5, 6, 7, 8], loss_steps=[5, 7, 8])
     assert theirs[6][1] == pytest.approx(our_iterations(uninterrupted.stdout)[6][1], rel=0.02)
     assert (checkpoints / TRACKER).read_text().strip() == "8"  # Megatron-LM saved at the end, beside ours
+    return done
 
 
-@needs_megatron_lm
-def test_the_trainer_resumes_a_checkpoint_of_pretrain_gpt(tmp_path, cache, corpus):
+def ours_resumes_megatron_lm(tmp_path, cache, ours, run_megatron_lm):
+    """Megatron-LM saves at 4 and 8; ours resumes at 4 and continues as it did (its optimizer
+    and schedule came back too)."""
     checkpoints = tmp_path / "megatron-lm"
-    done = pretrain_gpt(checkpoints, corpus, "--save-interval", 4)
+    done = run_megatron_lm(checkpoints, "--save-interval", 4)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
     theirs = megatron_lm_iterations(done.stdout)
     assert sorted(os.listdir(checkpoints)) == ["iter_0000004", "iter_0000008", TRACKER]
-    resumed = cli("train", *OURS, "--cache-dir", cache, "--output-dir", tmp_path / "ours",
+    resumed = cli("train", *ours, "--cache-dir", cache, "--output-dir", tmp_path / "ours",
                   "--load", checkpoints / "iter_0000004")
     assert_ok(resumed)
     assert f"resumed from {checkpoints / 'iter_0000004'} at step 4" in resumed.stdout
     assert_same_steps(theirs, our_iterations(resumed.stdout), [5, 6, 7, 8], loss_steps=[5, 6, 7, 8])
+    return checkpoints
+
+
+@needs_megatron_lm
+def test_pretrain_gpt_resumes_a_checkpoint_of_the_trainer(tmp_path, cache, corpus):
+    megatron_lm_resumes_ours(tmp_path, cache, OURS, lambda checkpoints: pretrain_gpt(checkpoints, corpus))
+
+
+@needs_megatron_lm
+def test_the_trainer_resumes_a_checkpoint_of_pretrain_gpt(tmp_path, cache, corpus):
+    checkpoints = ours_resumes_megatron_lm(tmp_path, cache, OURS,
+                                           lambda checkpoints, *extra: pretrain_gpt(checkpoints, corpus, *extra))
     # through its tracker file: its last checkpoint, evaluated as saved
     evaluated = cli("train", *OURS, "--cache-dir", cache, "--output-dir", tmp_path / "evaluated", "--load", checkpoints)
     assert_ok(evaluated)
@@ -247,34 +262,13 @@ def pretrain_hybrid(checkpoints, data_prefix, *extra):
 
 @needs_pretrain_hybrid
 def test_pretrain_hybrid_resumes_a_checkpoint_of_the_trainer(tmp_path, cache, corpus):
-    uninterrupted = cli("train", *HYBRID, "--cache-dir", cache, "--output-dir", tmp_path / "ours")
-    stopped = cli("train", *HYBRID, "--cache-dir", cache, "--output-dir", tmp_path / "stopped", "--stop-step", 4)
-    assert_ok(uninterrupted)
-    assert_ok(stopped)
-    checkpoints = tmp_path / "stopped" / "checkpoints"
-    done = pretrain_hybrid(checkpoints, corpus)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
-    assert f"successfully loaded checkpoint from {checkpoints}" in done.stdout and "at iteration 4" in done.stdout
+    done = megatron_lm_resumes_ours(tmp_path, cache, HYBRID, lambda checkpoints: pretrain_hybrid(checkpoints, corpus))
     # loaded as the HybridModel it is, not translated as a GPT's (its args carry the pattern)
     assert "loading a GPT checkpoint into the hybrid model" not in done.stdout
-    theirs = megatron_lm_iterations(done.stdout)
-    assert sorted(theirs) == [5, 6, 7, 8]
-    # as with pretrain_gpt.py: the second iteration's logged loss after Megatron-LM's resume differs
-    assert_same_steps(theirs, our_iterations(uninterrupted.stdout), [5, 6, 7, 8], loss_steps=[5, 7, 8])
-    assert theirs[6][1] == pytest.approx(our_iterations(uninterrupted.stdout)[6][1], rel=0.02)
-    assert (checkpoints / TRACKER).read_text().strip() == "8"
 
 
 @needs_pretrain_hybrid
 def test_the_trainer_resumes_a_checkpoint_of_pretrain_hybrid(tmp_path, cache, corpus):
-    checkpoints = tmp_path / "megatron-lm"
-    done = pretrain_hybrid(checkpoints, corpus, "--save-interval", 4)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
-    theirs = megatron_lm_iterations(done.stdout)
-    assert sorted(os.listdir(checkpoints)) == ["iter_0000004", "iter_0000008", TRACKER]
-    resumed = cli("train", *HYBRID, "--cache-dir", cache, "--output-dir", tmp_path / "ours",
-                  "--load", checkpoints / "iter_0000004")
-    assert_ok(resumed)
-    assert f"resumed from {checkpoints / 'iter_0000004'} at step 4" in resumed.stdout
-    # its optimizer and schedule came back too (a GPT checkpoint's would start both afresh)
-    assert_same_steps(theirs, our_iterations(resumed.stdout), [5, 6, 7, 8], loss_steps=[5, 6, 7, 8])
+    # its optimizer and schedule come back (a GPT checkpoint's would start both afresh)
+    ours_resumes_megatron_lm(tmp_path, cache, HYBRID,
+                             lambda checkpoints, *extra: pretrain_hybrid(checkpoints, corpus, *extra))
