@@ -149,7 +149,7 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
     path = os.path.join(directory, name)
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
-        if not getattr(trainer, "saved_before", False):
+        if not trainer.saved_before:
             clear_for_overwrite(trainer.args)
         if os.path.isdir(path):
             shutil.rmtree(path)

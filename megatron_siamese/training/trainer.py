@@ -87,6 +87,7 @@ class Trainer:
         )
         self._build_data()
         self.step = 0
+        self.saved_before = False  # --overwrite clears the old checkpoints at the first save (checkpoint.save)
         if args.load:
             checkpoint.load(self, args.load)
 
