@@ -32,6 +32,15 @@ def _die_without_reporting():
     os._exit(3)  # as a crash or a killed process would: no traceback, no result
 
 
+def _print_then_die_on_rank_one():
+    import torch
+
+    if torch.distributed.get_rank() == 1:
+        print("last words of rank 1", flush=True)
+        os._exit(3)
+    return "ok"
+
+
 def test_launch_returns_results_in_rank_order():
     assert launch(_rank_and_world, 2) == [(0, 2), (1, 2)]
 
@@ -46,6 +55,15 @@ def test_a_rank_that_dies_silently_fails_fast():
     with pytest.raises(RankFailed, match="exited with code 3"):
         launch(_die_without_reporting, 2, timeout_s=120)
     assert time.monotonic() - start < 60  # not the timeout
+
+
+def test_a_quiet_rank_s_output_is_in_its_failure_and_its_log_is_not_left_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with pytest.raises(RankFailed, match="exited with code 3") as failure:
+        launch(_print_then_die_on_rank_one, 2, timeout_s=120, quiet_ranks=(1,))
+    assert "last words of rank 1" in failure.value.details
+    assert launch(_rank_and_world, 2, quiet_ranks=(0, 1)) == [(0, 2), (1, 2)]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_nccl_ranks_are_processes_that_may_start_cuda():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -347,8 +348,8 @@ def launch(
     results = ctx.Queue()
     stop_value = ctx.Value("i", 0, lock=False)  # the stop signal's number (one writer: the launcher)
     port = free_port()
-    log_dir = tempfile.mkdtemp(prefix="megatron-siamese-ranks-")
     quiet = set(quiet_ranks)
+    log_dir = tempfile.mkdtemp(prefix="megatron-siamese-ranks-") if quiet else None  # quiet ranks' output
     logs = [os.path.join(log_dir, f"rank{rank}.log") if rank in quiet else None for rank in range(world_size)]
     procs = [
         ctx.Process(target=_worker, daemon=False,
@@ -378,6 +379,8 @@ def launch(
             for proc in procs:
                 proc.join(timeout=5 if reported == world_size else 0.1)
                 _kill_group(proc)
+            if log_dir is not None:  # what an error needed of the logs is in it by now
+                shutil.rmtree(log_dir, ignore_errors=True)
     return values
 
 
