@@ -37,7 +37,7 @@ from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
 from megatron_siamese.siamese_sublayer import SiameseSublayerMixin
 from megatron_siamese.streams import split_streams
-from megatron_siamese.support import check_supported
+from megatron_siamese.support import check_moe_layer, check_supported
 
 
 @dataclass
@@ -86,6 +86,8 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
         self.has_mlp = not isinstance(self.mlp, IdentityOp)
         if not (self.has_attention or self.has_mlp):
             raise ValueError("a SiameseTransformerLayer needs self_attention, mlp or both in its spec")
+        if self.has_attention and self.has_mlp:  # a GPT block (a HybridModel's pattern says where MoE goes)
+            check_moe_layer(self.config, self.layer_number, self.is_moe_layer)
         stream_norms = ((self.attn_x_norm, self.attn_y_norm) if self.has_attention else ()) + (
             (self.mlp_x_norm, self.mlp_y_norm) if self.has_mlp else ()
         )

@@ -28,13 +28,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_siamese.te as te
@@ -77,33 +74,68 @@ def _with_qk_norm(attention: ModuleSpec, norm) -> ModuleSpec:
     return dataclasses.replace(attention, submodules=submodules)
 
 
-def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "standard") -> ModuleSpec:
+def _has_qk_norm(attention: ModuleSpec) -> bool:
+    # Megatron's specs name an absent QK-norm IdentityOp, some (the hybrid stack's) None
+    return getattr(attention.submodules, "q_layernorm", None) not in (None, IdentityOp)
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def siamese_local_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str = "standard") -> ModuleSpec:
+    """Megatron's local-module layer spec ``stock`` (dense or MoE) as a SiameseNorm layer: every
+    norm slot (InputNorms, QK-norms) takes ``TorchNorm``; the hybrid variant drops the attention
+    InputNorm and scales X with ``ChannelScale`` (its stock spec must have QK-norm)."""
+    _check_variant(variant)
+    hybrid = variant == "hybrid"
+    attention = stock.submodules.self_attention
+    if hybrid and not _has_qk_norm(attention):
+        raise ValueError("the hybrid variant's stock spec needs QK-norm: build it with qk_layernorm=True")
+    slots = dict(input_layernorm=IdentityOp if hybrid else TorchNorm, pre_mlp_layernorm=TorchNorm)
+    if _has_qk_norm(attention):
+        slots["self_attention"] = _with_qk_norm(attention, TorchNorm)
+    return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale if hybrid else TorchNorm, **slots)
+
+
+def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "standard",
+                                 num_experts: Optional[int] = None, qk_layernorm: bool = False) -> ModuleSpec:
     """Layer spec on Megatron-Core's own (non-Transformer-Engine) modules.
 
     Args:
         merge_at_output: the last global layer merges the streams (for block specs whose
             final norm is a stock single-stream norm, e.g. Megatron-LM's ``--spec``).
-        variant: "standard", or "hybrid" (see the module docstring).
+        variant: "standard", or "hybrid" (see the module docstring; always has QK-norm).
+        num_experts: not None for a mixture-of-experts MLP (Megatron's ``MoELayer``; the
+            config's ``num_moe_experts`` sizes it), as in ``get_gpt_layer_local_spec``.
+        qk_layernorm: QK-norm in attention (the config needs ``qk_layernorm=True``).
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    hybrid = variant == "hybrid"
-    stock = get_gpt_layer_local_spec(qk_layernorm=hybrid)
-    slots = dict(input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
-    if hybrid:
-        slots.update(input_layernorm=IdentityOp,
-                     self_attention=_with_qk_norm(stock.submodules.self_attention, TorchNorm))
-    return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale if hybrid else TorchNorm, **slots)
+    _check_variant(variant)
+    stock = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm or variant == "hybrid")
+    return siamese_local_layer_from(stock, merge_at_output, variant)
 
 
-def get_siamese_layer_te_spec(merge_at_output: bool = False) -> ModuleSpec:
+def get_siamese_layer_te_spec(merge_at_output: bool = False, num_experts: Optional[int] = None,
+                              moe_grouped_gemm: bool = False, qk_layernorm: bool = False) -> ModuleSpec:
     """Layer spec on Transformer Engine: FP8-capable GEMMs and TE's attention.
 
     Megatron's TE layer fuses each sublayer's InputNorm with the FP8 cast and the GEMM
     (``TELayerNormColumnParallelLinear`` for ``linear_qkv`` / ``linear_fc1``); the layer hands
     it ``PostNorm(x) + PreNorm(y)``. The X/Y stream norms are ours (the fused dual-norm op on
     CUDA). Checkpoint names match the local spec's, which maps its input norms onto these.
+    An MoE MLP keeps Megatron's TE MoE spec (its own pre-MLP ``TENorm``, ``TEGroupedMLP``
+    experts with ``moe_grouped_gemm``).
     """
+    _require_transformer_engine()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    stock = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                                       qk_layernorm=qk_layernorm)
+    return siamese_layer_from(stock, merge_at_output)
+
+
+def _require_transformer_engine() -> None:
     reason = te.unavailable_reason()
     if reason:
         raise UnsupportedConfigError(
@@ -111,9 +143,6 @@ def get_siamese_layer_te_spec(merge_at_output: bool = False) -> ModuleSpec:
             "Use the local spec (get_siamese_layer_local_spec / siamese_layer_spec, "
             "transformer_impl='local') or install Transformer Engine."
         )
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-    return siamese_layer_from(get_gpt_layer_with_transformer_engine_spec(), merge_at_output)
 
 
 class TransformerEngineUnavailableLayer(SiameseTransformerLayer):
@@ -150,19 +179,25 @@ def get_siamese_block_spec(
 ) -> TransformerBlockSubmodules:
     """Block spec for this pipeline stage (and virtual stage): layers plus a merging final norm.
 
+    Megatron's own GPT decoder block spec for ``config`` (dense and MoE layers per
+    ``moe_layer_freq``, QK-norm per ``qk_layernorm``, this stage's slice of the layers, a
+    ``pipeline_model_parallel_layout`` included), each layer made a SiameseNorm layer.
     Transformer Engine or local modules per ``use_transformer_engine``, else per
     ``config.transformer_impl``; the hybrid variant is local only.
     """
-    if uses_transformer_engine(config, use_transformer_engine):
-        if variant != "standard":
-            raise ValueError(f"the {variant} variant has no Transformer Engine spec yet; use transformer_impl='local'")
-        layer_spec = get_siamese_layer_te_spec(merge_at_output=False)
-    else:
-        layer_spec = get_siamese_layer_local_spec(merge_at_output=False, variant=variant)
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * num_layers, layer_norm=SiameseFinalNorm
-    )
+    _check_variant(variant)
+    use_te = uses_transformer_engine(config, use_transformer_engine)
+    if use_te and variant != "standard":
+        raise ValueError(f"the {variant} variant has no Transformer Engine spec yet; use transformer_impl='local'")
+    if use_te:
+        _require_transformer_engine()
+    stock = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage, pp_rank=pp_rank)
+    layer_specs = [
+        siamese_layer_from(layer, merge_at_output=False) if use_te
+        else siamese_local_layer_from(layer, merge_at_output=False, variant=variant)
+        for layer in stock.layer_specs
+    ]
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SiameseFinalNorm)
 
 
 # For Megatron-LM: pretrain_gpt.py --spec megatron_siamese.specs siamese_layer_spec
@@ -175,3 +210,7 @@ siamese_te_layer_spec = (
 )
 # ... and the hybrid variant (local modules, with --qk-layernorm)
 siamese_hybrid_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, variant="hybrid")
+# ... and with a mixture-of-experts MLP in every layer (with --num-experts; Megatron-LM's --spec
+# builds every layer from one spec, so --moe-layer-freq must be 1)
+# (Megatron's spec functions only ask whether num_experts is set: the config's num_moe_experts sizes it)
+siamese_moe_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, num_experts=1)

@@ -30,10 +30,7 @@ def _problems(config: TransformerConfig) -> List[str]:
             "into the TP reduce-scatter, which has no SiameseNorm form. Set it to False."
         )
     if config.num_moe_experts:
-        problems.append(
-            "mixture-of-experts layers (num_moe_experts) are not supported yet. "
-            "Use a dense MLP (num_moe_experts=None)."
-        )
+        problems += _moe_problems(config)
     if config.heterogeneous_block_specs:
         problems.append(
             "heterogeneous_block_specs is not supported: every SiameseNorm layer must have the "
@@ -67,6 +64,75 @@ def _problems(config: TransformerConfig) -> List[str]:
     return problems
 
 
+def _moe_problems(config: TransformerConfig) -> List[str]:
+    """MoE settings of Megatron's that these layers cannot honour (here, or on this device)."""
+    from megatron_siamese import device
+
+    problems = []
+    if config.overlap_moe_expert_parallel_comm:
+        problems.append(
+            "overlap_moe_expert_parallel_comm runs each layer's submodules from Megatron's own "
+            "schedule plan, around the layer's forward that carries the two streams. Set it to False."
+        )
+    if config.moe_grouped_gemm and config.transformer_impl != "transformer_engine":
+        problems.append(
+            "moe_grouped_gemm (--moe-grouped-gemm) builds grouped-GEMM experts (TEGroupedMLP) with "
+            "Transformer Engine: set transformer_impl='transformer_engine', or moe_grouped_gemm=False "
+            "for SequentialMLP experts."
+        )
+    scopes = config.cuda_graph_scope or ()
+    scopes = {str(getattr(scope, "name", scope)) for scope in ([scopes] if isinstance(scopes, str) else scopes)}
+    if scopes & {"moe_router", "moe_preprocess"}:
+        problems.append(
+            "cuda_graph_scope moe_router / moe_preprocess capture half an MoE layer and hand the "
+            "rest to the stock single-stream residual. Capture 'attn' (or the whole layer) instead."
+        )
+    if not device.uses_cuda():
+        gpu_only = [name for name, on in (
+            ("moe_permute_fusion", config.moe_permute_fusion),
+            ("moe_router_fusion", getattr(config, "moe_router_fusion", False)),
+            ("moe_token_dispatcher_type='flex' (DeepEP / HybridEP)", config.moe_token_dispatcher_type == "flex"),
+        ) if on]
+        if gpu_only:
+            problems.append(
+                f"{', '.join(gpu_only)} need{'s' if len(gpu_only) == 1 else ''} a GPU: on CPU use the "
+                "'allgather' or 'alltoall' dispatcher without fusions."
+            )
+    return problems
+
+
+def moe_layer_pattern(config: TransformerConfig) -> List[bool]:
+    """Which GPT layers are MoE layers: ``moe_layer_freq`` read as Megatron's
+    ``get_gpt_decoder_layer_specs`` reads it (every N-th layer from the first, or a 0/1 list)."""
+    if not config.num_moe_experts:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [layer % freq == 0 for layer in range(config.num_layers)]
+    if len(freq) != config.num_layers:
+        raise UnsupportedConfigError(
+            f"moe_layer_freq lists {len(freq)} layers but num_layers is {config.num_layers}: give one 0/1 per layer"
+        )
+    return [bool(moe) for moe in freq]
+
+
+def check_moe_layer(config: TransformerConfig, layer_number: int, is_moe_layer: bool) -> None:
+    """A GPT layer built from one spec for every layer (Megatron-LM's ``--spec``) must be an
+    MoE layer exactly where ``num_moe_experts`` and ``moe_layer_freq`` put one."""
+    wanted = moe_layer_pattern(config)[layer_number - 1]
+    if wanted == is_moe_layer:
+        return
+    if is_moe_layer:
+        fix = ("set num_moe_experts (--num-experts)" if not config.num_moe_experts else
+               "set moe_layer_freq=1 (--moe-layer-freq 1): this spec makes every layer an MoE layer")
+        raise UnsupportedConfigError(f"layer {layer_number} has an MoE MLP in its spec, but the config puts a "
+                                     f"dense MLP there: {fix}, or use get_siamese_block_spec, which follows the config.")
+    raise UnsupportedConfigError(
+        f"layer {layer_number} should be an MoE layer (num_moe_experts={config.num_moe_experts}, moe_layer_freq="
+        f"{config.moe_layer_freq}) but its spec has a dense MLP: use megatron_siamese.specs.siamese_moe_layer_spec "
+        "(Megatron-LM: --spec megatron_siamese.specs siamese_moe_layer_spec) or get_siamese_block_spec.")
+
+
 def _spec_problems(config: TransformerConfig, submodules) -> List[str]:
     problems = []
     if getattr(submodules, "cross_attention", IdentityOp) is not IdentityOp:
@@ -76,13 +142,14 @@ def _spec_problems(config: TransformerConfig, submodules) -> List[str]:
     has_qk_norm = attention is not None and getattr(attention, "q_layernorm", None) not in (None, IdentityOp)
     if config.qk_layernorm and not has_qk_norm:
         problems.append(
-            "qk_layernorm is set but this SiameseNorm spec has no QK-norm (only the hybrid "
-            "variant does). Set qk_layernorm=False, or use the hybrid variant."
+            "qk_layernorm is set but this SiameseNorm layer spec has no QK-norm. Set "
+            "qk_layernorm=False, or build the spec with QK-norm (get_siamese_block_spec follows the "
+            "config; the hybrid variant always has it)."
         )
     if has_qk_norm and not config.qk_layernorm:
         problems.append(
-            "the hybrid variant normalizes queries and keys, and Megatron sums their norm "
-            "gradients over TP only with qk_layernorm: set qk_layernorm=True (--qk-layernorm)."
+            "this spec normalizes queries and keys, and Megatron sums their norm gradients over "
+            "TP only with qk_layernorm: set qk_layernorm=True (--qk-layernorm)."
         )
     return problems
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_siamese.runtime.registry import Setting, definitions
-from megatron_siamese.runtime.settings import MODEL, PRECISION
+from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
 from megatron_siamese.training.args import CHECKPOINTS, DATA, LOGGING, PARALLELISM, TRAINING, TrainArgs
 
 SETTINGS = definitions(TrainArgs)
@@ -42,6 +42,7 @@ def add_group(parser: argparse.ArgumentParser, title: str, leave_out=()) -> None
 
 def add_model_flags(parser: argparse.ArgumentParser, schemes: bool = True) -> None:
     add_group(parser, MODEL, leave_out=() if schemes else SCHEME_SETTINGS)
+    add_group(parser, MOE)
     add_group(parser, PRECISION)
 
 

@@ -24,7 +24,9 @@ What ``install()`` changes, and only while it is installed:
   ``_get_cuda_rng_state``/``_set_cuda_rng_state``) work against a private CPU
   ``torch.Generator`` that stands in for the GPU generator. CPU operations (dropout
   included) always draw from the CPU default generator, so forking Megatron's RNG
-  tracker on CPU changes bookkeeping only, not which numbers CPU ops draw.
+  tracker on CPU changes bookkeeping only, not which numbers CPU ops draw;
+* megatron-core 0.16.1's MoE router, built without Transformer Engine, gets the
+  ``te_general_gemm = None`` it leaves undefined.
 
 It refuses to install when CUDA is available: on a GPU machine Megatron must run on
 the GPU, never through this shim. Only the launcher (``runtime/launch.py``, for gloo
@@ -175,6 +177,17 @@ def _device_replacements() -> Dict[Tuple[Any, str], Any]:
     return replacements
 
 
+def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
+    """megatron-core 0.16.1 built without Transformer Engine leaves ``moe_utils.te_general_gemm``
+    undefined (the router's GEMM then raises NameError): define it as None, its "no TE" value."""
+    from megatron.core.transformer.moe import moe_utils
+
+    return {} if hasattr(moe_utils, "te_general_gemm") else {(moe_utils, "te_general_gemm"): None}
+
+
+_ABSENT = object()  # an attribute install() added rather than replaced
+
+
 def is_installed() -> bool:
     return bool(_state)
 
@@ -191,10 +204,10 @@ def install() -> None:
             )
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0)
-        replacements = {**_device_replacements(), **_cuda_rng_replacements(generator)}
+        replacements = {**_device_replacements(), **_cuda_rng_replacements(generator), **_moe_replacements()}
         originals: List[Tuple[Any, str, Any]] = []
         for (owner, name), replacement in replacements.items():
-            originals.append((owner, name, getattr(owner, name)))
+            originals.append((owner, name, getattr(owner, name, _ABSENT)))
             setattr(owner, name, replacement)
         _state.update(originals=originals)
 
@@ -205,7 +218,10 @@ def uninstall() -> None:
         if not _state:
             return
         for owner, name, original in reversed(_state["originals"]):
-            setattr(owner, name, original)
+            if original is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         _state.clear()
 
 

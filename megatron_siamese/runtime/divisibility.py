@@ -12,7 +12,7 @@ from typing import Callable, List
 
 from megatron_siamese.hybrid_pattern import hybrid_pattern
 from megatron_siamese.runtime.layout import Layout
-from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.runtime.settings import ModelSettings, moe_layer_freq
 
 
 def short_flag(key: str, value: int) -> str:
@@ -38,6 +38,31 @@ def shape_problems(model: ModelSettings) -> List[str]:
                      "change one of them")
     if _positive(heads, groups) and heads % groups:
         found.append(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
+    return found + _moe_shape_problems(model)
+
+
+_MOE_ONLY = (("moe_layer_freq", "--moe-layer-freq"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+             ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+             ("moe_z_loss_coeff", "--moe-z-loss-coeff"), ("moe_grouped_gemm", "--moe-grouped-gemm"),
+             ("moe_router_topk", "--moe-router-topk"))
+
+
+def _moe_shape_problems(model: ModelSettings) -> List[str]:
+    experts = model.num_moe_experts
+    if experts is None:
+        given = [flag for name, flag in _MOE_ONLY
+                 if getattr(model, name) != ModelSettings.__dataclass_fields__[name].default]
+        return [f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} MoE layers: add --num-experts N"] if given else []
+    found = []
+    if _positive(experts, model.moe_router_topk) and model.moe_router_topk > experts:
+        found.append(f"--moe-router-topk {model.moe_router_topk} routes to more experts than --num-experts {experts}")
+    try:
+        pattern = moe_layer_freq(model.moe_layer_freq)
+    except ValueError:
+        return found  # refused by the setting's own check
+    if isinstance(pattern, list) and model.model != "hybrid" and len(pattern) != model.num_layers:
+        found.append(f"--moe-layer-freq lists {len(pattern)} layers for --num-layers {model.num_layers}: "
+                     "give one 0/1 per layer")
     return found
 
 
@@ -63,10 +88,27 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
         found.append(f"the vocabulary ({vocab_size}) does not split over {spell('tp', tp)}: use a tensor-parallel "
                      f"size dividing it ({divisors}, ...)")
     found += _stage_problems(model, layout, spell)
+    found += _expert_problems(model, layout, spell)
     dp = layout.dp
     if _positive(micro_batch_size, global_batch_size, dp) and global_batch_size % (micro_batch_size * dp):
         found.append(f"{global_batch_flag} {global_batch_size} must be a multiple of --micro-batch-size x "
                      f"{spell('dp', dp)} = {micro_batch_size * dp}")
+    return found
+
+
+def _expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, int], str]) -> List[str]:
+    experts = model.num_moe_experts
+    if experts is None:
+        return ([f"expert parallelism ({spell('ep', layout.ep)}) splits MoE layers: add --num-experts N"]
+                if layout.ep > 1 else [])
+    found = []
+    if _positive(experts, layout.ep) and experts % layout.ep:
+        found.append(f"--num-experts {experts} does not split over {spell('ep', layout.ep)}: use an expert-parallel "
+                     "size that divides the expert count")
+    width = model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    if _positive(width, layout.expert_tp) and width % layout.expert_tp:
+        found.append(f"the expert MLP width {width} (--moe-ffn-hidden-size) does not split over "
+                     f"{spell('etp', layout.expert_tp)}")
     return found
 
 

@@ -39,6 +39,7 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
     from megatron_siamese.config import SiameseTransformerConfig
     from megatron_siamese.hybrid_pattern import num_layers
     from megatron_siamese.models import scheme
+    from megatron_siamese.runtime.settings import moe_layer_freq
 
     dtype = DTYPES[model.dtype]
     on_gpu = device.uses_cuda()
@@ -47,6 +48,7 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
         **config_kwargs(layout, Layout),
         num_layers=num_layers(model),  # a HybridModel's: one per pattern symbol
         ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        moe_layer_freq=moe_layer_freq(model.moe_layer_freq),
         activation_func=F.silu if model.gated_linear_unit else F.gelu,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -73,6 +75,8 @@ def initialize_model_parallel(layout: Layout, seed: int) -> None:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

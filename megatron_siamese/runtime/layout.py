@@ -1,9 +1,15 @@
 """Parallel layouts: how one model is split over ranks (and recomputes), and their names.
 
 A layout name reads like ``tp2-pp2-sp`` or ``pp2-vpp2-full``: the parallel sizes
-(``tp``, ``pp``, ``vpp``, ``cp``, ``dp``), then flags: ``sp`` (sequence parallel),
+(``tp``, ``pp``, ``vpp``, ``cp``, ``dp``, and for mixture-of-experts layers ``ep`` expert
+parallel and ``etp`` expert tensor parallel), then flags: ``sp`` (sequence parallel),
 ``do`` (distributed optimizer), ``full`` (full recompute), ``sel`` (selective recompute
 of "layernorm" and "mlp"). ``single`` is one rank with nothing split.
+
+Expert parallelism adds no ranks: as in Megatron, each pipeline stage's ``tp x cp x dp``
+ranks are regrouped as ``etp x ep x`` expert-data-parallel for the experts. A name that
+gives ``ep`` without ``dp`` takes the smallest DP that holds it (``ep2`` is ``dp2-ep2``,
+``tp2-ep2`` is ``tp2-dp2-ep2``), and names leave that DP out again.
 """
 
 from __future__ import annotations
@@ -34,11 +40,15 @@ class Layout:
     vpp: Optional[int] = setting(None, config="virtual_pipeline_model_parallel_size")
     cp: int = setting(1, config="context_parallel_size")
     dp: int = 1
+    ep: int = setting(1, config="expert_model_parallel_size")
+    etp: Optional[int] = setting(None, config="expert_tensor_parallel_size")  # None: Megatron's default, tp
     sp: bool = setting(False, config="sequence_parallel")
     distributed_optimizer: bool = False  # DistributedDataParallelConfig's and OptimizerConfig's
     recompute: str = "none"  # a preset of several TransformerConfig fields: recompute_options()
 
     def __post_init__(self):
+        if self.etp == self.tp:  # Megatron's default spelled out: one layout, one name
+            object.__setattr__(self, "etp", None)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.sp and self.tp == 1:
@@ -47,6 +57,23 @@ class Layout:
             raise ValueError("a virtual pipeline needs pp > 1")
         if self.distributed_optimizer and self.dp == 1:
             raise ValueError("the distributed optimizer needs dp > 1 to shard anything")
+        experts = self.ep * self.expert_tp
+        if (self.tp * self.cp * self.dp) % experts:
+            raise ValueError(
+                f"ep{self.ep} x etp{self.expert_tp} must divide tp x cp x dp = {self.tp * self.cp * self.dp} "
+                f"(the ranks of a pipeline stage the experts are split over): use dp{self.implied_dp(self.ep, self.expert_tp)}")
+
+    @property
+    def expert_tp(self) -> int:
+        """The tensor-parallel size of the experts (Megatron's default: the attention's)."""
+        return self.tp if self.etp is None else self.etp
+
+    def implied_dp(self, ep: int, expert_tp: int) -> int:
+        """The smallest DP whose ``tp x cp x dp`` ranks hold ``ep x expert_tp`` expert shards."""
+        dp = 1
+        while (self.tp * self.cp * dp) % (ep * expert_tp):
+            dp += 1
+        return dp
 
     def recompute_options(self) -> dict:
         """This layout's recompute preset as TransformerConfig keyword arguments."""
@@ -58,9 +85,11 @@ class Layout:
 
     @property
     def name(self) -> str:
+        implied = self.dp == self.implied_dp(self.ep, self.expert_tp) and self.ep > 1
         parts = [f"{key}{value}" for key, value in
-                 (("tp", self.tp), ("pp", self.pp), ("vpp", self.vpp), ("cp", self.cp), ("dp", self.dp))
-                 if value not in (None, 1)]
+                 (("tp", self.tp), ("pp", self.pp), ("vpp", self.vpp), ("cp", self.cp),
+                  ("dp", None if implied else self.dp), ("ep", self.ep), ("etp", self.etp))
+                 if value not in (None, 1) or (key == "etp" and value == 1)]
         parts += [flag for flag, on in (("sp", self.sp), ("do", self.distributed_optimizer)) if on]
         parts += {"none": [], "full": ["full"], "selective": ["sel"]}[self.recompute]
         return "-".join(parts) or "single"
@@ -69,7 +98,7 @@ class Layout:
         return replace(self, **changes)
 
 
-_SIZE = re.compile(r"^(tp|pp|vpp|cp|dp)(\d+)$")
+_SIZE = re.compile(r"^(tp|pp|vpp|cp|dp|ep|etp)(\d+)$")
 _FLAGS = {"sp": ("sp", True), "do": ("distributed_optimizer", True),
           "full": ("recompute", "full"), "sel": ("recompute", "selective")}
 
@@ -89,6 +118,9 @@ def parse_layout(name: str) -> Layout:
         else:
             raise ValueError(
                 f"cannot parse layout {name!r}: unknown part {part!r} (expected tpN, ppN, vppN, "
-                f"cpN, dpN, sp, do, full or sel joined by '-')"
+                f"cpN, dpN, epN, etpN, sp, do, full or sel joined by '-')"
             )
+    if "dp" not in fields and fields.get("ep", 1) > 1:
+        base = Layout(**{key: value for key, value in fields.items() if key in ("tp", "cp")})
+        fields["dp"] = base.implied_dp(fields["ep"], fields.get("etp", fields.get("tp", 1)))
     return Layout(**fields)

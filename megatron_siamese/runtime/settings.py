@@ -23,8 +23,49 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 
+MOE_DISPATCHERS = ("allgather", "alltoall", "flex")  # flex (DeepEP / HybridEP) is offered so refusing it on CPU says why
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
 MODEL = "model"  # the argparse groups of these settings
+MOE = "mixture of experts"
 PRECISION = "precision and kernels"
+
+
+def _moe_layer_problem(text: str) -> Optional[str]:
+    try:
+        moe_layer_freq(text)
+    except ValueError as error:
+        return f"--moe-layer-freq {text!r}: {error}"
+    return None
+
+
+def moe_layer_freq(text: str):
+    """``--moe-layer-freq`` as Megatron-LM reads it: an int N (every N-th layer from the first is
+    an MoE layer), or a 0/1 list, written as a list or Megatron-LM's expression
+    (``([1]*3+[0])*2``), evaluated here without ``eval``."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError("expected an int or a list of 0/1 such as [1,0,1,0] or ([1]*3+[0])*2")
+
+    try:
+        parsed = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, TypeError):
+        raise ValueError("expected an int or a list of 0/1 such as [1,0,1,0] or ([1]*3+[0])*2") from None
+    if isinstance(parsed, int):
+        if parsed < 1:
+            raise ValueError("an MoE layer every N layers needs N >= 1")
+        return parsed
+    if not parsed or any(item not in (0, 1) for item in parsed):
+        raise ValueError("a pattern lists one 0 (dense) or 1 (MoE) per layer")
+    return parsed
 
 
 def _no_fp16(dtype: str) -> Optional[str]:
@@ -76,6 +117,37 @@ class ModelSettings:
     share_embeddings_and_output_weights: bool = setting(
         True, group=MODEL, flag="--untie-embeddings-and-output-weights", action="store_false",
         help="separate input embedding and output layer weights")
+    num_moe_experts: Optional[int] = setting(
+        None, group=MOE, flag="--num-experts", minimum=1, config="num_moe_experts",
+        help="experts per MoE layer (Megatron's MoELayer as the MLP sublayer; unset: dense MLPs)")
+    moe_router_topk: int = setting(2, group=MOE, flag="--moe-router-topk", minimum=1, config="moe_router_topk",
+                                   help="experts each token is routed to")
+    moe_layer_freq: str = setting(
+        "1", group=MOE, flag="--moe-layer-freq", check=_moe_layer_problem, metavar="N|PATTERN",
+        help="which layers are MoE: every N-th from the first, or one 0/1 per layer ('[1,0,1,0]', '([1]*3+[0])*2')")
+    moe_ffn_hidden_size: Optional[int] = setting(None, group=MOE, flag="--moe-ffn-hidden-size", minimum=1,
+                                                 config="moe_ffn_hidden_size",
+                                                 help="each expert's MLP width (default: --ffn-hidden-size)")
+    moe_shared_expert_intermediate_size: Optional[int] = setting(
+        None, group=MOE, flag="--moe-shared-expert-intermediate-size", minimum=1,
+        config="moe_shared_expert_intermediate_size", help="width of the shared expert every token also goes through")
+    moe_aux_loss_coeff: float = setting(1e-2, group=MOE, flag="--moe-aux-loss-coeff", minimum=0.0,
+                                        config="moe_aux_loss_coeff", resumable=True,
+                                        help="load-balancing auxiliary loss coefficient")
+    moe_z_loss_coeff: Optional[float] = setting(None, group=MOE, flag="--moe-z-loss-coeff", minimum=0.0,
+                                                config="moe_z_loss_coeff", resumable=True,
+                                                help="router z-loss coefficient (unset: none)")
+    moe_router_load_balancing_type: str = setting(
+        "aux_loss", group=MOE, flag="--moe-router-load-balancing-type", choices=MOE_LOAD_BALANCING,
+        config="moe_router_load_balancing_type", resumable=True,
+        help="how the auxiliary loss balances the experts (Megatron's types)")
+    moe_token_dispatcher_type: str = setting(
+        "alltoall", group=MOE, flag="--moe-token-dispatcher-type", choices=MOE_DISPATCHERS,
+        config="moe_token_dispatcher_type", resumable=True,
+        help="how Megatron moves tokens to the experts' ranks under expert parallelism")
+    moe_grouped_gemm: bool = setting(False, group=MOE, flag="--moe-grouped-gemm", action="store_true",
+                                     config="moe_grouped_gemm",
+                                     help="grouped-GEMM experts (TEGroupedMLP; needs --transformer-impl transformer_engine)")
     init_method_std: float = setting(0.02, group=MODEL, flag="--init-method-std", config="init_method_std",
                                      resumable=True, help="standard deviation of the weight init")
     # fp16 is offered so that refusing it can say why
