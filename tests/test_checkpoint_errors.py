@@ -109,6 +109,7 @@ def test_the_settings_are_in_the_common_state(saved):
     assert set(stored) == set(recorded(TrainArgs()))
 
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 def test_another_model_is_refused_listing_each_difference(tmp_path, cache, saved):
     done = train(tmp_path, cache, "--tp", "1", "--steps", "6", "--norm", "pre", "--hidden-size", "64",
                  "--load", saved / "checkpoints")
@@ -170,6 +171,7 @@ BROKEN = {
 }
 
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_a_broken_file_is_named_before_any_rank_starts(tmp_path, cache, saved, name):
     filename, corrupt, what = BROKEN[name]
@@ -183,6 +185,7 @@ def test_a_broken_file_is_named_before_any_rank_starts(tmp_path, cache, saved, n
     assert done.seconds < 30
 
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 def test_damage_inside_a_tensor_is_found_by_its_crc(tmp_path, cache, saved):
     # torch's loader checks no CRC: these bytes would load as wrong weights
     checkpoints = copy_of(saved, tmp_path)
@@ -196,6 +199,7 @@ def test_damage_inside_a_tensor_is_found_by_its_crc(tmp_path, cache, saved):
                    f"complete checkpoints in {checkpoints}: iter_0000002")
 
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 def test_a_tracker_naming_a_missing_directory(tmp_path, cache, saved):
     checkpoints = copy_of(saved, tmp_path)
     shutil.rmtree(checkpoints / "iter_0000004")

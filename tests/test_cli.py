@@ -95,6 +95,7 @@ def test_hybrid_model_on_megatron_core_before_0_19_is_refused_by_both_commands(c
     assert done.seconds < 2.0
 
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 def test_analyze_on_a_directory_that_is_no_checkpoint(tmp_path):
     assert_refused(cli("analyze", "--load", tmp_path), "is not a checkpoint")
 
@@ -163,6 +164,7 @@ def snapshot(directory):
             for path in sorted(os.listdir(directory))} | {"tracker:": open(os.path.join(directory, TRACKER)).read()}
 
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 def test_a_rerun_into_a_used_output_dir_is_refused_and_touches_nothing(tmp_path, cache, finished_run):
     output = tmp_path / "reused"
     shutil.copytree(finished_run, output)
@@ -186,6 +188,7 @@ def test_evaluating_a_checkpoint_as_saved_needs_no_other_flag(tmp_path, cache, f
     assert "evaluated the checkpoint at step 4 (no steps left to train): val loss" in done.stdout
 
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 def test_resuming_with_another_schedule_is_refused_unless_a_flag_says_which_wins(tmp_path, cache, finished_run):
     checkpoints = finished_run / "checkpoints"
     refused = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "a", "--steps", "6",
@@ -215,6 +218,7 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 @pytest.mark.parametrize("name", sorted(CORRUPTIONS))
 def test_a_broken_checkpoint_is_named_with_the_steps_to_load_instead(tmp_path, cache, finished_run, name):
     filename, corrupt, what = CORRUPTIONS[name]

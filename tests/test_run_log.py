@@ -217,6 +217,7 @@ def test_a_missing_tensorboard_is_named_before_training(tmp_path):
 
 # -- resume: the metrics file goes on, every step once -----------------------------------
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 def test_a_resume_appends_to_the_metrics_and_drops_the_steps_it_runs_again(tmp_path, cache):
     out = tmp_path / "run"
     first = cli("train", *TINY, "--steps", "6", "--stop-step", "5", "--save-interval", "2", "--log-interval", "2",
@@ -282,6 +283,7 @@ def test_a_terminal_gets_the_bar_and_no_lines(tmp_path, cache):
 
 # -- scripts/run.sh: a new run directory each time ---------------------------------------
 
+@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 def test_run_sh_leaves_each_run_in_a_new_directory(tmp_path, cache):
     """The README's main job, twice, with tiny flags: two run directories with everything in
     them. In a copy of the repository's scripts whose setup step is already done (the venv's

@@ -49,6 +49,9 @@ def run(options: argparse.Namespace) -> int:
         if table is not None:  # rank 0 of a launched job speaks for it
             print(table)
         return 0
+    from megatron_siamese.runtime import launch
+
+    launch.start_rank_server()  # the ranks' imports overlap the trainer's below
     from megatron_siamese.training.run_log import results_line
     from megatron_siamese.training.trainer import format_summary, train
 

@@ -244,7 +244,7 @@ def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher
 # importing torch and Megatron again (several seconds a rank, most of a CPU test's time).
 _PRELOAD = ["megatron_siamese.runtime.forkserver_preload", "torch", "megatron.core", "megatron.core.distributed",
             "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron_siamese.runtime.gpt",
-            "megatron_siamese.models"]
+            "megatron_siamese.models", "matplotlib.pyplot"]
 
 
 def _context(backend: str):
@@ -328,6 +328,15 @@ def _start_helpers(ctx) -> None:
         resource_tracker.ensure_running()
         if ctx.get_start_method() == "forkserver":
             forkserver.ensure_running()
+
+
+def start_rank_server() -> None:
+    """Start the fork server that ``launch`` forks ranks from, now, if this process will spawn
+    ranks (no launcher started it, and gloo: on NCCL ranks are spawned fresh). Its imports of
+    torch and Megatron (several seconds) then run beside the caller's own, rather than after
+    them when the first rank starts."""
+    if joined() is None and launchers.detect() is None and device.backend() == "gloo":
+        _start_helpers(_context("gloo"))
 
 
 def launch(
