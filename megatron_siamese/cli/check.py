@@ -171,6 +171,9 @@ def run(options: argparse.Namespace) -> int:
         found.append(f"--layouts {options.layouts!r} leaves no layout to run")
     if found:
         raise ConfigError(found)
+    from megatron_siamese.runtime.launch import start_rank_server
+
+    start_rank_server()  # the ranks' imports overlap the check's below
     from megatron_siamese.check.command import HEADER, run_check, tolerance_of
 
     reporter = launch is None or launch.rank == 0
