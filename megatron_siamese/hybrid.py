@@ -3,7 +3,7 @@
 HybridModel (megatron-core >= 0.19 here; GPTModel is deprecated there in its favour) builds
 one layer per symbol of ``--hybrid-layer-pattern``: ``*`` attention, ``-`` dense MLP, ``M``
 Mamba-2, ``G`` gated delta net, ``E`` MoE, ``D`` / ``+`` DSA / MLA attention, ``|`` a
-pipeline boundary. In a SiameseNorm stack every ``*``, ``-``, ``M`` and ``G`` layer is one
+pipeline boundary. In a SiameseNorm stack every ``*``, ``-``, ``E``, ``M`` and ``G`` layer is one
 SiameseNorm sublayer (its PostNorm, PreNorm and InputNorm, the shared update, packed
 ``[s, b, 2h]`` streams between layers) and the stack's final norm merges the streams
 (``SiameseFinalNorm``). The depth scale counts sublayers in pairs
@@ -14,14 +14,19 @@ GPT checkpoint loads into it through Megatron's own translation
 
 Two stack specs, each derived from Megatron's:
 
-* ``siamese_hybrid_stack_spec``: local modules (attention and MLP split out of
-  ``get_gpt_layer_local_spec``): ``*`` and ``-``; runs everywhere, CPU included.
+* ``siamese_hybrid_stack_spec``: local modules (attention, MLP and MoE MLP split out of
+  ``get_gpt_layer_local_spec``): ``*``, ``-`` and ``E``; runs everywhere, CPU included.
 * ``siamese_hybrid_te_stack_spec``: Megatron's own ``hybrid_stack_spec`` (Transformer
-  Engine) with its layers made SiameseNorm sublayers: ``*``, ``-``, ``M`` (needs mamba_ssm
-  and causal_conv1d), ``G`` (needs FLA); GPUs only.
+  Engine) with its layers made SiameseNorm sublayers: ``*``, ``-``, ``E`` (its
+  ``MoETransformerLayer`` slot: Megatron's MoELayer, TEGroupedMLP experts), ``M`` (needs
+  mamba_ssm and causal_conv1d), ``G`` (needs FLA); GPUs only.
 
-``E`` (MoE), ``D`` and ``+`` are refused at construction, as are MTP patterns (through the
-layers' ``mtp_num_layers`` check), with what to change.
+An ``E`` layer is the MLP half of a SiameseNorm block with Megatron's ``MoELayer`` as the
+sublayer, so ``*E*E...`` computes the SiameseNorm GPTModel whose every MLP is MoE. (Megatron's
+``MoETransformerLayer`` adds only the partial CUDA-graph capture of the router, which
+SiameseNorm refuses: the layer class stays ``SiameseTransformerLayer``.) ``D`` and ``+`` are
+refused at construction, as are MTP patterns (through the layers' ``mtp_num_layers`` check),
+with what to change.
 
 Megatron-LM: ``pretrain_hybrid.py --spec megatron_siamese.hybrid siamese_hybrid_stack_spec``.
 """
@@ -73,7 +78,6 @@ def _refused(reason: str) -> ModuleSpec:
     return ModuleSpec(module=RefusedLayer, params={"reason": reason})
 
 
-_MOE = _refused("MoE layers ('E') are not supported by SiameseNorm yet; use dense MLP layers ('-').")
 _DSA = _refused("DeepSeek sparse attention ('D') is not supported; use '*' attention layers.")
 _MLA = _refused("multi-latent attention ('+') is not supported; use '*' attention layers.")
 
@@ -200,6 +204,7 @@ def get_siamese_hybrid_stack_spec() -> ModuleSpec:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     stock = get_gpt_layer_local_spec()
+    stock_moe = get_gpt_layer_local_spec(num_experts=1)  # only "MoE or not" is read: the config sizes it
     norms = dict(input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     needs_te = "use siamese_hybrid_te_stack_spec (Transformer Engine) on a GPU machine"
     return ModuleSpec(
@@ -209,7 +214,8 @@ def get_siamese_hybrid_stack_spec() -> ModuleSpec:
             mlp_layer=siamese_layer_from(stock, False, attention=False, **norms),
             mamba_layer=_refused(f"Mamba layers ('M') run on GPU kernels: {needs_te}."),
             gdn_layer=_refused(f"gated delta net layers ('G') run on GPU kernels: {needs_te}."),
-            moe_layer=_MOE, dsa_layer=_DSA, mla_layer=_MLA,
+            moe_layer=siamese_layer_from(stock_moe, False, attention=False, **norms),
+            dsa_layer=_DSA, mla_layer=_MLA,
         ),
     )
 
@@ -243,7 +249,8 @@ def get_siamese_hybrid_te_stack_spec() -> ModuleSpec:
                     norm=mamba.norm, mixer=mamba.mixer, sharded_state_dict_keys_map=dict(mamba.sharded_state_dict_keys_map)
                 ),
             ),
-            moe_layer=_MOE, dsa_layer=_DSA, mla_layer=_MLA,
+            moe_layer=siamese_layer_from(stock.moe_layer, False, attention=False),
+            dsa_layer=_DSA, mla_layer=_MLA,
         ),
     )
 

@@ -49,6 +49,15 @@ _MOE_ONLY = (("moe_layer_freq", "--moe-layer-freq"), ("moe_ffn_hidden_size", "--
 
 def _moe_shape_problems(model: ModelSettings) -> List[str]:
     experts = model.num_moe_experts
+    if model.model == "hybrid":
+        has_moe = "E" in hybrid_pattern(model).layers
+        if has_moe and experts is None:
+            return ["the hybrid pattern's 'E' layers are MoE layers: add --num-experts N"]
+        if experts is not None and not has_moe:
+            return ["--num-experts sizes the hybrid pattern's MoE ('E') layers, and the pattern has none: "
+                    "add 'E' layers to --hybrid-layer-pattern or leave --num-experts out"]
+        if model.moe_layer_freq != ModelSettings.__dataclass_fields__["moe_layer_freq"].default:
+            return ["--moe-layer-freq places a GPT's MoE layers; in a HybridModel the pattern's 'E' does: leave it out"]
     if experts is None:
         given = [flag for name, flag in _MOE_ONLY
                  if getattr(model, name) != ModelSettings.__dataclass_fields__[name].default]
@@ -102,6 +111,9 @@ def _expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str,
         return ([f"expert parallelism ({spell('ep', layout.ep)}) splits MoE layers: add --num-experts N"]
                 if layout.ep > 1 else [])
     found = []
+    if layout.tp > 1 and not layout.sp:  # Megatron's rule (TransformerConfig refuses it on the ranks)
+        found.append(f"MoE layers under tensor parallelism ({spell('tp', layout.tp)}) need sequence parallelism: "
+                     "add it (--sp, or 'sp' in a layout name)")
     if _positive(experts, layout.ep) and experts % layout.ep:
         found.append(f"--num-experts {experts} does not split over {spell('ep', layout.ep)}: use an expert-parallel "
                      "size that divides the expert count")

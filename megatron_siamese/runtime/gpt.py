@@ -49,6 +49,8 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
         num_layers=num_layers(model),  # a HybridModel's: one per pattern symbol
         ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
         moe_layer_freq=moe_layer_freq(model.moe_layer_freq),
+        # Megatron's own default, said here so that it does not warn about taking it
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
         activation_func=F.silu if model.gated_linear_unit else F.gelu,
         hidden_dropout=0.0,
         attention_dropout=0.0,

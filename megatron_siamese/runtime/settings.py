@@ -125,8 +125,8 @@ class ModelSettings:
     moe_layer_freq: str = setting(
         "1", group=MOE, flag="--moe-layer-freq", check=_moe_layer_problem, metavar="N|PATTERN",
         help="which layers are MoE: every N-th from the first, or one 0/1 per layer ('[1,0,1,0]', '([1]*3+[0])*2')")
+    # the MLP width when None (runtime/gpt.py)
     moe_ffn_hidden_size: Optional[int] = setting(None, group=MOE, flag="--moe-ffn-hidden-size", minimum=1,
-                                                 config="moe_ffn_hidden_size",
                                                  help="each expert's MLP width (default: --ffn-hidden-size)")
     moe_shared_expert_intermediate_size: Optional[int] = setting(
         None, group=MOE, flag="--moe-shared-expert-intermediate-size", minimum=1,
