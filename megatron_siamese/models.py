@@ -5,7 +5,8 @@ build models from:
 
 * ``siamese``: SiameseNorm via the Python API (``get_siamese_block_spec``);
 * ``siamese-layer``: SiameseNorm via the layer spec object Megatron-LM's ``--spec`` names
-  (the last layer merges the streams, the final norm is single-stream);
+  (the last layer merges the streams, the final norm is single-stream): ``siamese_layer_spec``,
+  or ``siamese_moe_layer_spec`` for a config with experts;
 * ``siamese-hybrid``: the authors' hybrid variant (Python API, local modules, QK-norm);
 * ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from ``get_gpt_layer_local_spec``,
   with its norms built as ``TorchNorm`` (the same math as torch's LayerNorm/RMSNorm, but
@@ -35,7 +36,7 @@ from megatron_siamese.hybrid_pattern import HybridPattern, hybrid_pattern
 from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
 from megatron_siamese.norms import TorchNorm
 from megatron_siamese.post_norm import get_post_norm_block_spec
-from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec
+from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec, siamese_moe_layer_spec
 
 
 def get_pre_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
@@ -57,7 +58,8 @@ class Scheme:
 
 SCHEMES: Dict[str, Scheme] = {
     "siamese": Scheme(get_siamese_block_spec),
-    "siamese-layer": Scheme(lambda config, vp_stage=None: siamese_layer_spec),
+    "siamese-layer": Scheme(lambda config, vp_stage=None: siamese_moe_layer_spec if config.num_moe_experts
+                            else siamese_layer_spec),
     "siamese-hybrid": Scheme(partial(get_siamese_block_spec, variant="hybrid"), {"qk_layernorm": True}),
     "pre": Scheme(get_pre_norm_block_spec),
     "post": Scheme(get_post_norm_block_spec),

@@ -222,6 +222,24 @@ def ours_resumes_megatron_lm(tmp_path, cache, ours, run_megatron_lm):
     return checkpoints
 
 
+# the same model with an MoE MLP in every layer: Megatron-LM's flags are ours
+MOE = ["--num-experts", 4, "--moe-router-topk", 2, "--moe-aux-loss-coeff", 0.01, "--moe-z-loss-coeff", 0.001,
+       "--moe-token-dispatcher-type", "alltoall"]
+
+
+@needs_megatron_lm
+def test_pretrain_gpt_resumes_an_moe_checkpoint_of_the_trainer(tmp_path, cache, corpus):
+    """The MoE spec object (--spec megatron_siamese.specs siamese_moe_layer_spec) in Megatron-LM's
+    own pretrain_gpt.py: it resumes our MoE checkpoint and continues exactly as our run does."""
+    ours = [*OURS, *MOE]  # --norm siamese-layer: the spec object Megatron-LM imports, the MoE one here
+    done = megatron_lm_resumes_ours(
+        tmp_path, cache, ours,
+        lambda checkpoints: megatron_lm(MEGATRON_LM, "pretrain_gpt.py",
+                                        ["--spec", "megatron_siamese.specs", "siamese_moe_layer_spec",
+                                         "--num-layers", SIZES["layers"], *MOE], checkpoints, corpus))
+    assert "load_balancing_loss" in done.stdout  # Megatron-LM's own router statistics of our MoE layers
+
+
 @needs_megatron_lm
 def test_pretrain_gpt_resumes_a_checkpoint_of_the_trainer(tmp_path, cache, corpus):
     megatron_lm_resumes_ours(tmp_path, cache, OURS, lambda checkpoints: pretrain_gpt(checkpoints, corpus))

@@ -42,12 +42,14 @@ def test_the_block_spec_puts_experts_where_moe_layer_freq_says(megatron_single_r
 
 
 def test_the_megatron_lm_spec_objects_refuse_a_config_whose_experts_they_do_not_build(megatron_single_rank):
-    with pytest.raises(UnsupportedConfigError, match="siamese_moe_layer_spec"):
-        build_gpt_chunks(moe_config(), "siamese-layer", 64, 16)
-    block = dataclasses.replace(specs.get_siamese_block_spec(moe_config()),
-                                layer_specs=[specs.siamese_moe_layer_spec] * 4)
+    dense = dataclasses.replace(specs.get_siamese_block_spec(moe_config()), layer_specs=[specs.siamese_layer_spec] * 4)
     from megatron.core.models.gpt import GPTModel
 
+    with pytest.raises(UnsupportedConfigError, match="siamese_moe_layer_spec"):
+        GPTModel(moe_config(), dense, vocab_size=64, max_sequence_length=16)
+    assert expert_layers(build_gpt_chunks(moe_config(), "siamese-layer", 64, 16)[0]) == [True] * 4
+    block = dataclasses.replace(specs.get_siamese_block_spec(moe_config()),
+                                layer_specs=[specs.siamese_moe_layer_spec] * 4)
     with pytest.raises(UnsupportedConfigError, match="moe_layer_freq=1"):
         GPTModel(moe_config(moe_layer_freq=2), block, vocab_size=64, max_sequence_length=16)
     GPTModel(moe_config(), block, vocab_size=64, max_sequence_length=16)  # every layer MoE: as the spec
