@@ -225,6 +225,17 @@ def test_moe_with_biases_matches_reference_in_logits(megatron_single_rank):
         model(*args)
 
 
+@pytest.mark.parametrize("changes, says", [
+    (dict(moe_router_score_function="sigmoid"), "moe_router_score_function='sigmoid'"),
+    (dict(moe_router_load_balancing_type="global_aux_loss"), "moe_router_load_balancing_type='global_aux_loss'"),
+    (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor=1.0"),
+])
+def test_the_reference_refuses_moe_settings_it_has_no_math_for(changes, says):
+    config = transformer_config(MOE, Layout(), **changes)
+    with pytest.raises(ValueError, match=f"no reference for {says}"):
+        ReferenceGPTConfig.from_megatron(config, MOE.vocab_size, MOE.seq_length)
+
+
 def _router_sees_the_input_before_input_norm(monkeypatch):
     """The reference's router is fed PostNorm(x) + PreNorm(y), the experts still the normalized input."""
     seen = {}
