@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_siamese.models import build_gpt_chunks
 from megatron_siamese.reference import gpt as reference_gpt
@@ -79,15 +80,21 @@ def build_pair(case: ModelCase, reference_changes=None, **config_changes):
 
 def megatron_backward(model, batches):
     """Megatron's own schedule over ``batches``: it scales each microbatch's loss by
-    1 / len(batches) and sets MoEAuxLossAutoScaler's scale to match (the router losses)."""
+    1 / len(batches) and sets MoEAuxLossAutoScaler's scale to match (the router losses); that
+    process-wide scale is put back afterwards, for tests that call a model directly."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_siamese.runtime.gpt import forward_step
 
-    get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=model, num_microbatches=len(batches),
-        seq_length=batches[0]["tokens"].shape[1], micro_batch_size=batches[0]["tokens"].shape[0],
-    )
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    scale = None if scale is None else scale.clone()
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=model, num_microbatches=len(batches),
+            seq_length=batches[0]["tokens"].shape[1], micro_batch_size=batches[0]["tokens"].shape[0],
+        )
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 
 
 def differences(model, reference, batches):
@@ -178,11 +185,11 @@ MOE_VARIANTS = {  # (ModelCase, TransformerConfig settings ModelCase has no fiel
     "top2-aux-z-rmsnorm-allgather": (
         dataclasses.replace(MOE, normalization="RMSNorm", moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="allgather"),
         {}),
-    "top1-pre-softmax-mixed-layers": (dataclasses.replace(MOE, moe_router_topk=1, moe_layer_freq="[0,1,1]"),
-                                      dict(moe_router_pre_softmax=True)),
-    "shared-gated-expert-qk-layernorm-every-2nd": (
+    "top1-pre-softmax-scaled-mixed-layers": (dataclasses.replace(MOE, moe_router_topk=1, moe_layer_freq="[0,1,1]"),
+                                      dict(moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.0)),
+    "shared-gated-expert-qk-layernorm-fp64-router-every-2nd": (
         dataclasses.replace(MOE, moe_layer_freq="2", moe_shared_expert_intermediate_size=48, moe_ffn_hidden_size=32),
-        dict(moe_shared_expert_gate=True, qk_layernorm=True)),
+        dict(moe_shared_expert_gate=True, qk_layernorm=True, moe_router_dtype="fp64")),
     "gelu-seq-aux-zero-centred-learned": (
         dataclasses.replace(MOE, gated_linear_unit=False, normalization="RMSNorm",
                             zero_centered_gamma=True, moe_router_load_balancing_type="seq_aux_loss",
