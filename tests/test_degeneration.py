@@ -16,17 +16,18 @@ import pytest
 import torch
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
 from megatron_siamese.models import build_gpt_chunks
 from megatron_siamese.check.step import ModelCase, case_config, microbatches
+from megatron_siamese.runtime.gpt import transformer_config
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.check.sharding import seed_parameters
 
-def stock_pre_norm(case, config):
+def stock_pre_norm(case, config, spec=None):
     model = GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization=config.normalization),
+        spec or get_gpt_layer_local_spec(normalization=config.normalization),
         vocab_size=case.vocab_size,
         max_sequence_length=case.seq_length,
         position_embedding_type=case.position_embedding_type,
@@ -47,7 +48,7 @@ def degenerate_siamese_from(stock, case, config):
     for name, tensor in state.items():
         if name.endswith("_extra_state"):  # Megatron's per-module extra state, None here
             continue
-        if name in shared:  # embeddings, attention, MLP, InputNorms, FinalNorm
+        if name in shared:  # embeddings, attention (QK-norms too), MLP or router and experts, InputNorms, FinalNorm
             tensor.copy_(shared[name])
         elif "x_norm." in name:  # PostNorm of every sublayer and NormX of the merge
             tensor.zero_()
@@ -75,3 +76,26 @@ def test_zero_x_branch_is_stock_pre_norm(megatron_single_rank, norm, normalizati
     # and the comparison has teeth: the undegenerate model is far from Pre-Norm
     seed_parameters([siamese], case.seed, 0, 1, case.zero_centered_gamma)
     assert (siamese(*args) - expected).abs().max() > 100 * tolerance["atol"]
+
+
+@pytest.mark.parametrize("changes", [
+    dict(qk_layernorm=True),
+    dict(num_moe_experts=4, moe_layer_freq="[0,1,1,0]", moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32),
+    dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=1, moe_router_pre_softmax=True, qk_layernorm=True),
+], ids=["qk-layernorm", "moe-mixed-layers-shared-expert", "moe-top1-qk-layernorm"])
+def test_zero_x_branch_is_stock_pre_norm_with_qk_norm_and_experts(megatron_single_rank, changes):
+    """Megatron's own decoder block (QK-norm, MoE layers where moe_layer_freq puts them) is what
+    the degenerate SiameseNorm block computes: the router, like the experts, sees InputNorm(y)."""
+    settings = {name: value for name, value in changes.items() if name in ModelCase.__dataclass_fields__}
+    case = ModelCase(normalization="RMSNorm", add_bias_linear=False, **settings)
+    config = transformer_config(case, Layout(), layernorm_epsilon=1e-12,
+                                **{name: value for name, value in changes.items() if name not in settings})
+    stock = stock_pre_norm(case, config, get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                                    normalization=config.normalization))
+    siamese = degenerate_siamese_from(stock, case, config)
+    batch = microbatches(case)[0]
+    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    expected = stock(*args)
+    torch.testing.assert_close(siamese(*args), expected, rtol=1e-5, atol=1e-5)
+    seed_parameters([siamese], case.seed, 0, 1, case.zero_centered_gamma)
+    assert (siamese(*args) - expected).abs().max() > 1e-3

@@ -1,17 +1,25 @@
-"""The Megatron model (TP=1, PP=1) computes exactly the reference GPT's function and gradients."""
+"""The Megatron model (TP=1, PP=1) computes exactly the reference GPT's function and gradients,
+dense and mixture-of-experts."""
 
 import dataclasses
 
 import pytest
 import torch
 
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
 from megatron_siamese.models import build_gpt_chunks
+from megatron_siamese.reference import gpt as reference_gpt
+from megatron_siamese.reference.functional import dual_norm
 from megatron_siamese.reference.gpt import (
     ReferenceGPT,
     ReferenceGPTConfig,
     megatron_to_reference_names,
 )
-from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
+from megatron_siamese.reference.moe import ReferenceMoE, ReferenceRouter
+from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, config_overrides, microbatches
+from megatron_siamese.runtime.gpt import transformer_config
 from megatron_siamese.runtime.layout import Layout
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -50,8 +58,10 @@ VARIANTS = {
 }
 
 
-def build_pair(case: ModelCase):
-    config = case_config(case, Layout())
+def build_pair(case: ModelCase, reference_changes=None, **config_changes):
+    """The seeded Megatron model (TP=1) and the reference holding its weights; ``config_changes``
+    go into the TransformerConfig, ``reference_changes`` into the reference's config only."""
+    config = transformer_config(case, Layout(), **config_overrides(case), **config_changes)
     (model,) = build_seeded_chunks(case, config)
     reference = ReferenceGPT(
         ReferenceGPTConfig.from_megatron(
@@ -61,10 +71,63 @@ def build_pair(case: ModelCase):
             position_embedding_type=case.position_embedding_type,
             share_embeddings_and_output_weights=case.share_embeddings_and_output_weights,
             variant="hybrid" if case.norm == "siamese-hybrid" else "standard",
+            **(reference_changes or {}),
         )
     )
     reference.load_megatron_state_dict(model.state_dict())
     return model, reference
+
+
+def megatron_backward(model, batches):
+    """Megatron's own schedule over ``batches``: it scales each microbatch's loss by
+    1 / len(batches) and sets MoEAuxLossAutoScaler's scale to match (the router losses); that
+    process-wide scale is put back afterwards, for tests that call a model directly."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_siamese.runtime.gpt import forward_step
+
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    scale = None if scale is None else scale.clone()
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=model, num_microbatches=len(batches),
+            seq_length=batches[0]["tokens"].shape[1], micro_batch_size=batches[0]["tokens"].shape[0],
+        )
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+
+
+def differences(model, reference, batches):
+    """{what: why} for the logits of the first microbatch and every gradient of the step over
+    ``batches`` that differ between the Megatron model and the reference (empty: they agree)."""
+    found = {}
+
+    def compare(name, actual, expected):
+        try:
+            assert_close_fp32(actual, expected, name)
+        except AssertionError as error:
+            found[name] = " ".join(str(error).split())
+
+    first = batches[0]
+    compare("logits", model(first["tokens"], first["position_ids"], first["attention_mask"]),
+            reference(first["tokens"], first["position_ids"]))
+    megatron_backward(model, batches)
+    objective = sum(reference.objective(b["tokens"], b["labels"], b["position_ids"]) for b in batches)
+    (objective / len(batches)).backward()
+    grads = megatron_to_reference_names({name: p.grad for name, p in model.named_parameters()}, len(model.decoder.layers))
+    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in grads.items():
+        if grad is None or grad.abs().max() == 0 or reference_grads[name] is None:
+            found[name] = "got no gradient"
+        else:
+            compare(name, grad, reference_grads[name])
+    return found
+
+
+def assert_matches_reference(model, reference, batches):
+    found = differences(model, reference, batches)
+    assert not found, "differs from the reference:\n" + "\n".join(f"{k}: {v}" for k, v in found.items())
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
@@ -76,23 +139,17 @@ def test_logits_and_gradients_match_reference(megatron_single_rank, variant, fus
             build_pair(case)
         return
     model, reference = build_pair(case)
-    batch = microbatches(case)[0]
-    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    assert_matches_reference(model, reference, microbatches(case)[:1])
 
-    logits = model(*args)
-    expected = reference(batch["tokens"], batch["position_ids"])
-    assert_close_fp32(logits, expected, "logits")
 
-    model(*args, labels=batch["labels"]).mean().backward()
-    reference.loss(batch["tokens"], batch["labels"], batch["position_ids"]).mean().backward()
-    grads = megatron_to_reference_names(
-        {name: p.grad for name, p in model.named_parameters()}, case.num_layers
-    )
-    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
-    assert grads.keys() == reference_grads.keys()
-    for name, grad in grads.items():
-        assert grad is not None and grad.abs().max() > 0, f"{name} got no gradient"
-        assert_close_fp32(grad, reference_grads[name], name)
+@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_standard_variant_with_qk_layernorm_matches_reference(megatron_single_rank, normalization, fused):
+    """Qwen3 / OLMo 2 style QK-norm: a per-head norm of queries and keys before RoPE."""
+    case = ModelCase(normalization=normalization, fused_ops=fused)
+    model, reference = build_pair(case, qk_layernorm=True)
+    assert model.decoder.layers[0].self_attention.q_layernorm.weight.shape == (case.hidden_size // 4,)
+    assert_matches_reference(model, reference, microbatches(case)[:1])
 
 
 def test_reference_depth_scale_uses_one_based_layer_number():
@@ -117,3 +174,103 @@ def test_dropout_mask_is_shared_by_both_streams(megatron_single_rank, fused):
     z = y_new - x
     assert (z == 0).float().mean() > 0.2, "dropout did not drop anything"
     assert_close_fp32(x_new, u + z / layer.depth_scale)
+
+
+# -- mixture of experts: Megatron's MoELayer as the MLP sublayer ---------------------------------
+
+MOE = ModelCase(num_layers=3, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, add_bias_linear=False,
+                moe_aux_loss_coeff=1e-2, num_microbatches=2)
+MOE_VARIANTS = {  # (ModelCase, TransformerConfig settings ModelCase has no field for)
+    "top2-aux-layernorm-alltoall": (MOE, {}),
+    "top2-aux-z-rmsnorm-allgather": (
+        dataclasses.replace(MOE, normalization="RMSNorm", moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="allgather"),
+        {}),
+    "top1-pre-softmax-scaled-mixed-layers": (dataclasses.replace(MOE, moe_router_topk=1, moe_layer_freq="[0,1,1]"),
+                                      dict(moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.0)),
+    "shared-gated-expert-qk-layernorm-fp64-router-every-2nd": (
+        dataclasses.replace(MOE, moe_layer_freq="2", moe_shared_expert_intermediate_size=48, moe_ffn_hidden_size=32),
+        dict(moe_shared_expert_gate=True, qk_layernorm=True, moe_router_dtype="fp64")),
+    "gelu-seq-aux-zero-centred-learned": (
+        dataclasses.replace(MOE, gated_linear_unit=False, normalization="RMSNorm",
+                            zero_centered_gamma=True, moe_router_load_balancing_type="seq_aux_loss",
+                            position_embedding_type="learned_absolute"),
+        {}),
+}
+
+
+def moe_pair(variant, fused=False, reference_changes=None):
+    case, config_changes = MOE_VARIANTS[variant]
+    case = dataclasses.replace(case, fused_ops=fused)
+    return (*build_pair(case, reference_changes, **config_changes), microbatches(case))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_moe_logits_and_gradients_match_reference(megatron_single_rank, variant, fused):
+    """Router, experts, shared expert, norms and embeddings, over two microbatches through
+    Megatron's schedule: the aux and z losses reach the gradients as the reference's objective
+    has them, scaled like the main loss."""
+    model, reference, batches = moe_pair(variant, fused)
+    moe = [isinstance(layer.mlp, ReferenceMoE) for layer in reference.decoder.layers]
+    assert moe == [isinstance(layer.mlp, MoELayer) for layer in model.decoder.layers] and any(moe)
+    assert_matches_reference(model, reference, batches)
+
+
+def test_moe_with_biases_matches_reference_in_logits(megatron_single_rank):
+    """Router and expert biases (each expert adds its fc2 bias scaled by the routing probability).
+    Only without autograd: with it, stock Megatron's SequentialMLP experts fail on their biases
+    (megatron-core 0.16.1 and 0.19.2 add the bias in place to a custom Function's output view);
+    once that is fixed this fails, and the biased case joins MOE_VARIANTS."""
+    case = dataclasses.replace(MOE, add_bias_linear=True, gated_linear_unit=False)
+    model, reference = build_pair(case)
+    batch = microbatches(case)[0]
+    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        assert_close_fp32(model(*args), reference(batch["tokens"], batch["position_ids"]), "logits")
+    assert model.decoder.layers[0].mlp.router.bias is not None
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        model(*args)
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(moe_router_score_function="sigmoid"), "moe_router_score_function='sigmoid'"),
+    (dict(moe_router_load_balancing_type="global_aux_loss"), "moe_router_load_balancing_type='global_aux_loss'"),
+    (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor=1.0"),
+])
+def test_the_reference_refuses_moe_settings_it_has_no_math_for(changes, says):
+    config = transformer_config(MOE, Layout(), **changes)
+    with pytest.raises(ValueError, match=f"no reference for {says}"):
+        ReferenceGPTConfig.from_megatron(config, MOE.vocab_size, MOE.seq_length)
+
+
+def _router_sees_the_input_before_input_norm(monkeypatch):
+    """The reference's router is fed PostNorm(x) + PreNorm(y), the experts still the normalized input."""
+    seen = {}
+
+    def recording_dual_norm(streams, hidden, x_w, x_b, y_w, y_b, in_w, in_b, *rest):
+        seen["un-normalized"] = dual_norm(streams, hidden, x_w, x_b, y_w, y_b, None, None, *rest)[1]
+        return dual_norm(streams, hidden, x_w, x_b, y_w, y_b, in_w, in_b, *rest)
+
+    route = ReferenceRouter.forward
+    monkeypatch.setattr(reference_gpt, "dual_norm", recording_dual_norm)
+    monkeypatch.setattr(ReferenceRouter, "forward", lambda self, x: route(self, seen["un-normalized"].reshape(x.shape)))
+    return {}
+
+
+PLANTED = {  # bug -> (what it does to the reference, the differences that must show, those that must not)
+    "router-sees-un-normalized-input": (_router_sees_the_input_before_input_norm, {"logits"}, set()),
+    "aux-loss-coefficient-doubled": (lambda _: dict(moe_aux_loss_coeff=2 * MOE.moe_aux_loss_coeff), set(), {"logits"}),
+    "z-loss-left-out": (lambda _: dict(moe_z_loss_coeff=None), set(), {"logits"}),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_the_moe_comparison_catches_a_planted_bug(megatron_single_rank, monkeypatch, bug):
+    """The router losses have no forward value: only the gradients can show a wrong coefficient
+    (doubled is also what an aux loss left unscaled by 1 / num_microbatches would give here)."""
+    plant, must_show, must_not_show = PLANTED[bug]
+    model, reference, batches = moe_pair("top2-aux-z-rmsnorm-allgather", reference_changes=plant(monkeypatch))
+    found = differences(model, reference, batches)
+    routers = {f"decoder.layers.{i}.mlp.router.weight" for i in range(MOE.num_layers)}
+    assert must_show | routers <= found.keys(), sorted(found)
+    assert not must_not_show & found.keys(), sorted(found)

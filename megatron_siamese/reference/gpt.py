@@ -1,6 +1,7 @@
 """A small, complete SiameseNorm GPT in plain PyTorch: the oracle for the Megatron model.
 
-No Megatron import. Module names mirror Megatron-Core's GPTModel built with
+No Megatron import. Dense or mixture-of-experts MLPs (reference/moe.py, per ``moe_layer_freq``),
+QK-norm in either variant. Module names mirror Megatron-Core's GPTModel built with
 ``get_siamese_block_spec`` (``embedding.word_embeddings``, ``decoder.layers.N.
 self_attention.linear_qkv``, ``decoder.final_layernorm.merge.x_norm``, ...) so a TP=1
 Megatron state dict loads with ``load_megatron_state_dict``. Attention follows Megatron's
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +29,20 @@ from megatron_siamese.reference.functional import (
     merge_streams,
     normalize,
 )
+from megatron_siamese.reference.mlp import ACTIVATIONS, ReferenceMLP
+from megatron_siamese.reference.moe import LOAD_BALANCING, ROUTER_DTYPES, ReferenceMoE, moe_layers, unmodelled_settings
 from megatron_siamese.streams import split_streams
-
-ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
 
 # the fields ReferenceGPTConfig shares, by name and meaning, with Megatron's TransformerConfig
 _MEGATRON_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "kv_channels",
     "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma", "add_bias_linear", "add_qkv_bias",
-    "gated_linear_unit", "hidden_dropout", "attention_dropout",
+    "gated_linear_unit", "hidden_dropout", "attention_dropout", "qk_layernorm",
+    "num_moe_experts", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_router_load_balancing_type",
 )
 
 
@@ -65,6 +70,20 @@ class ReferenceGPTConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     variant: str = "standard"  # or "hybrid": see reference/functional.py
+    qk_layernorm: bool = False  # per-head norms of queries and keys (the hybrid variant always has them)
+    # mixture of experts (reference/moe.py); Megatron's names and defaults
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_dtype: Optional[str] = None
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_load_balancing_type: str = "aux_loss"
 
     def __post_init__(self):
         self.ffn_hidden_size = self.ffn_hidden_size or 4 * self.hidden_size
@@ -76,6 +95,22 @@ class ReferenceGPTConfig:
             raise ValueError("position_embedding_type must be 'learned_absolute' or 'rope'")
         if self.variant not in ("standard", "hybrid"):
             raise ValueError("variant must be 'standard' or 'hybrid'")
+        if self.variant == "hybrid" and not self.qk_layernorm:
+            raise ValueError("the hybrid variant normalizes queries and keys: set qk_layernorm=True")
+        if self.num_moe_experts:
+            self._check_moe()
+
+    def _check_moe(self):
+        self.moe_ffn_hidden_size = self.moe_ffn_hidden_size or self.ffn_hidden_size
+        moe_layers(self.num_layers, self.moe_layer_freq)  # a pattern of the wrong length fails here
+        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(f"moe_router_topk must be in 1..{self.num_moe_experts}")
+        if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
+            raise ValueError("top-1 routing needs moe_router_pre_softmax=True (a softmax over one logit is constant)")
+        if self.moe_router_load_balancing_type not in LOAD_BALANCING:
+            raise ValueError(f"moe_router_load_balancing_type must be one of {LOAD_BALANCING}")
+        if self.moe_router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"moe_router_dtype must be one of {sorted(filter(None, ROUTER_DTYPES))} or None")
 
     @classmethod
     def from_megatron(cls, config, vocab_size: int, max_sequence_length: int, **overrides):
@@ -83,6 +118,8 @@ class ReferenceGPTConfig:
         activation = {F.gelu: "gelu", F.silu: "silu"}.get(config.activation_func)
         if activation is None:
             raise ValueError(f"no reference for activation {config.activation_func}")
+        if config.num_moe_experts and unmodelled_settings(config):
+            raise ValueError(f"no reference for {', '.join(unmodelled_settings(config))}")
         fields = {name: getattr(config, name) for name in _MEGATRON_FIELDS}
         fields.update(vocab_size=vocab_size, max_sequence_length=max_sequence_length, activation=activation)
         fields.update(overrides)
@@ -164,9 +201,8 @@ class ReferenceAttention(nn.Module):
         self.proj_bias = (
             nn.Parameter(torch.zeros(config.hidden_size)) if config.add_bias_linear else None
         )
-        qk_norm = config.variant == "hybrid"
-        self.q_layernorm = ReferenceNorm(config, head_dim) if qk_norm else None
-        self.k_layernorm = ReferenceNorm(config, head_dim) if qk_norm else None
+        self.q_layernorm = ReferenceNorm(config, head_dim) if config.qk_layernorm else None
+        self.k_layernorm = ReferenceNorm(config, head_dim) if config.qk_layernorm else None
 
     def forward(self, x: Tensor, rope) -> Tensor:
         """x: [b, s, h] -> (attention output without bias, bias)."""
@@ -191,28 +227,6 @@ class ReferenceAttention(nn.Module):
         return self.linear_proj(context), self.proj_bias
 
 
-class ReferenceMLP(nn.Module):
-    def __init__(self, config: ReferenceGPTConfig):
-        super().__init__()
-        self.config = config
-        fc1_out = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
-        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
-        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
-        self.fc2_bias = (
-            nn.Parameter(torch.zeros(config.hidden_size)) if config.add_bias_linear else None
-        )
-
-    def forward(self, x: Tensor):
-        act = ACTIVATIONS[self.config.activation]
-        hidden = self.linear_fc1(x)
-        if self.config.gated_linear_unit:
-            gate, up = hidden.chunk(2, dim=-1)
-            hidden = act(gate) * up
-        else:
-            hidden = act(hidden)
-        return self.linear_fc2(hidden), self.fc2_bias
-
-
 class ReferenceChannelScale(nn.Module):
     def __init__(self, config: ReferenceGPTConfig):
         super().__init__()
@@ -223,7 +237,7 @@ class ReferenceChannelScale(nn.Module):
 
 
 class ReferenceSiameseLayer(nn.Module):
-    def __init__(self, config: ReferenceGPTConfig, layer_number: int):
+    def __init__(self, config: ReferenceGPTConfig, layer_number: int, moe: bool = False):
         super().__init__()
         self.config = config
         self.depth_scale = depth_scale(layer_number)
@@ -235,7 +249,7 @@ class ReferenceSiameseLayer(nn.Module):
         self.mlp_x_norm = ReferenceNorm(config)
         self.mlp_y_norm = ReferenceNorm(config)
         self.pre_mlp_layernorm = ReferenceNorm(config)
-        self.mlp = ReferenceMLP(config)
+        self.mlp = ReferenceMoE(config) if moe else ReferenceMLP(config)
 
     def _norms(self, streams: Tensor, x_norm, y_norm, input_norm):
         cfg = self.config
@@ -280,8 +294,10 @@ class ReferenceEmbedding(nn.Module):
 class ReferenceDecoder(nn.Module):
     def __init__(self, config: ReferenceGPTConfig):
         super().__init__()
+        pattern = (moe_layers(config.num_layers, config.moe_layer_freq) if config.num_moe_experts
+                   else [False] * config.num_layers)
         self.layers = nn.ModuleList(
-            ReferenceSiameseLayer(config, layer_number=i + 1) for i in range(config.num_layers)
+            ReferenceSiameseLayer(config, layer_number=i + 1, moe=moe) for i, moe in enumerate(pattern)
         )
         self.final_layernorm = ReferenceFinalNorm(config)
 
@@ -331,6 +347,19 @@ class ReferenceGPT(nn.Module):
             logits.float().flatten(0, 1), labels.flatten(), reduction="none"
         ).view_as(labels)
 
+    def router_loss(self) -> Tensor:
+        """The MoE layers' aux and z losses of the last training forward (0 without any)."""
+        losses = [layer.mlp.router_loss for layer in self.decoder.layers
+                  if isinstance(layer.mlp, ReferenceMoE) and layer.mlp.router_loss is not None]
+        return sum(losses) if losses else torch.zeros(())
+
+    def objective(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """What Megatron's backward differentiates for one microbatch: the mean cross-entropy plus
+        the router losses, to which MoEAuxLossAutoScaler gives the main loss's gradient scale
+        (Megatron's schedules scale both by 1 / num_microbatches: a step's objective is the mean
+        of this over its microbatches)."""
+        return self.loss(input_ids, labels, position_ids).mean() + self.router_loss()
+
     def load_megatron_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a TP=1 Megatron GPTModel state dict (either SiameseNorm spec)."""
         self.load_state_dict(megatron_to_reference_names(state_dict, self.config.num_layers))
@@ -340,7 +369,8 @@ def megatron_to_reference_names(state_dict: Mapping[str, Tensor], num_layers: in
     """Rename a Megatron SiameseNorm GPT state dict to the reference's parameter names.
 
     Megatron returns biases of ``linear_proj`` / ``linear_fc2`` separately (they go through
-    bias-dropout), the reference keeps them as ``proj_bias`` / ``fc2_bias``; a layer-spec
+    bias-dropout), the reference keeps them as ``proj_bias`` / ``fc2_bias`` (an expert's too,
+    though its MLP adds it itself, scaled by the token's routing probability); a layer-spec
     model (Megatron-LM ``--spec``) keeps the merge norms in its last layer's
     ``output_merge`` and its FinalNorm as ``decoder.final_layernorm``.
     """
@@ -350,7 +380,7 @@ def megatron_to_reference_names(state_dict: Mapping[str, Tensor], num_layers: in
         if name.endswith("_extra_state"):
             continue
         name = name.replace("self_attention.linear_proj.bias", "self_attention.proj_bias")
-        name = name.replace("mlp.linear_fc2.bias", "mlp.fc2_bias")
+        name = name.replace("linear_fc2.bias", "fc2_bias")
         if name.startswith(last):
             name = "decoder.final_layernorm.merge." + name[len(last):]
         renamed[name] = tensor
