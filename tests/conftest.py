@@ -2,6 +2,7 @@
 single-rank tests run Megatron in this process on CPU through the CPU harness."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -46,3 +47,22 @@ def megatron_single_rank():
     model_parallel_cuda_manual_seed(1234)
     yield
     parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(autouse=True)
+def fresh_moe_state():
+    """After each test, Megatron's process-wide MoE state, which a training loop sets up per run:
+    the aux-loss gradient scale (a backward outside a schedule leaves it 0-d, and a schedule then
+    fails to copy its [1] scale into it) and the per-layer router statistics (sized by the first
+    model that records them)."""
+    yield
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is None:
+        return
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    moe_utils.clear_aux_losses_tracker()
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker  # megatron-core >= 0.19
+    except ImportError:
+        return
+    destroy_moe_metrics_tracker()

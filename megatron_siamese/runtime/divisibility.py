@@ -44,7 +44,7 @@ def shape_problems(model: ModelSettings) -> List[str]:
 _MOE_ONLY = (("moe_layer_freq", "--moe-layer-freq"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
              ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
              ("moe_z_loss_coeff", "--moe-z-loss-coeff"), ("moe_grouped_gemm", "--moe-grouped-gemm"),
-             ("moe_router_topk", "--moe-router-topk"))
+             ("moe_router_topk", "--moe-router-topk"), ("moe_router_pre_softmax", "--moe-router-pre-softmax"))
 
 
 def _moe_shape_problems(model: ModelSettings) -> List[str]:
@@ -65,6 +65,12 @@ def _moe_shape_problems(model: ModelSettings) -> List[str]:
     found = []
     if _positive(experts, model.moe_router_topk) and model.moe_router_topk > experts:
         found.append(f"--moe-router-topk {model.moe_router_topk} routes to more experts than --num-experts {experts}")
+    if model.moe_router_topk == 1 and not model.moe_router_pre_softmax:  # Megatron's rule
+        found.append("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over the one chosen expert "
+                     "has no gradient)")
+    if model.add_bias_linear and not model.moe_grouped_gemm:
+        found.append("--add-bias-linear with MoE layers: Megatron's SequentialMLP experts cannot train with "
+                     "biases (they add the bias in place into a view autograd protects); leave it out")
     try:
         pattern = moe_layer_freq(model.moe_layer_freq)
     except ValueError:

@@ -50,7 +50,8 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
         ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
         moe_layer_freq=moe_layer_freq(model.moe_layer_freq),
         # Megatron's own default, said here so that it does not warn about taking it
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+        moe_ffn_hidden_size=(model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size)
+        if model.num_moe_experts else None,
         activation_func=F.silu if model.gated_linear_unit else F.gelu,
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -122,6 +122,9 @@ class ModelSettings:
         help="experts per MoE layer (Megatron's MoELayer as the MLP sublayer; unset: dense MLPs)")
     moe_router_topk: int = setting(2, group=MOE, flag="--moe-router-topk", minimum=1, config="moe_router_topk",
                                    help="experts each token is routed to")
+    moe_router_pre_softmax: bool = setting(
+        False, group=MOE, flag="--moe-router-pre-softmax", action="store_true", config="moe_router_pre_softmax",
+        help="softmax over all experts before picking the top k (needed for --moe-router-topk 1)")
     moe_layer_freq: str = setting(
         "1", group=MOE, flag="--moe-layer-freq", check=_moe_layer_problem, metavar="N|PATTERN",
         help="which layers are MoE: every N-th from the first, or one 0/1 per layer ('[1,0,1,0]', '([1]*3+[0])*2')")
