@@ -8,7 +8,7 @@ build models from:
   (the last layer merges the streams, the final norm is single-stream): ``siamese_layer_spec``,
   or ``siamese_moe_layer_spec`` for a config with experts;
 * ``siamese-hybrid``: the authors' hybrid variant (Python API, local modules, QK-norm);
-* ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from ``get_gpt_layer_local_spec``,
+* ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from its GPT decoder block spec,
   with its norms built as ``TorchNorm`` (the same math as torch's LayerNorm/RMSNorm, but
   usable under sequence parallelism without apex);
 * ``post``: Post-Norm on Megatron's ``TransformerLayer`` (``post_norm.py``).
@@ -25,27 +25,26 @@ from typing import Callable, Dict, List, Optional
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_siamese.hybrid_pattern import HybridPattern, hybrid_pattern
 from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
 from megatron_siamese.norms import TorchNorm
 from megatron_siamese.post_norm import get_post_norm_block_spec
-from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec, siamese_moe_layer_spec
+from megatron_siamese.specs import (
+    get_siamese_block_spec,
+    siamese_layer_spec,
+    siamese_moe_layer_spec,
+    stock_decoder_layers,
+)
 
 
 def get_pre_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
-    """Megatron's stock Pre-Norm layer (local modules) with SP-capable norms."""
-    layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    layer_spec.submodules.input_layernorm = TorchNorm
-    layer_spec.submodules.pre_mlp_layernorm = TorchNorm
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm)
+    """Megatron's stock Pre-Norm decoder block (local modules; MoE and QK-norm as the config says)
+    with SP-capable norms."""
+    return TransformerBlockSubmodules(layer_specs=stock_decoder_layers(config, False, vp_stage=vp_stage),
+                                      layer_norm=TorchNorm)
 
 
 @dataclass(frozen=True)

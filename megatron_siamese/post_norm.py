@@ -11,18 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_siamese.norms import TorchNorm
+from megatron_siamese.specs import stock_decoder_layers
 
 
 @dataclass
@@ -49,13 +46,16 @@ class PostNormTransformerLayer(TransformerLayer):
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
 
 
-def get_post_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
-    stock = get_gpt_layer_local_spec(normalization=config.normalization)
+def post_norm_layer_from(stock: ModuleSpec) -> ModuleSpec:
+    """A stock local layer spec (dense or MoE, any QK-norm) as a Post-Norm layer."""
     submodules = PostNormTransformerLayerSubmodules(
         **{**vars(stock.submodules), "input_layernorm": IdentityOp, "pre_mlp_layernorm": IdentityOp},
         post_attn_norm=TorchNorm,
         post_mlp_norm=TorchNorm,
     )
-    layer_spec = ModuleSpec(module=PostNormTransformerLayer, submodules=submodules)
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=IdentityOp)
+    return ModuleSpec(module=PostNormTransformerLayer, submodules=submodules)
+
+
+def get_post_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
+    layers = [post_norm_layer_from(stock) for stock in stock_decoder_layers(config, False, vp_stage=vp_stage)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=IdentityOp)

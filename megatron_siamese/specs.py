@@ -84,18 +84,36 @@ def _check_variant(variant: str) -> None:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def siamese_local_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str = "standard") -> ModuleSpec:
-    """Megatron's local-module layer spec ``stock`` (dense or MoE) as a SiameseNorm layer: every
-    norm slot (InputNorms, QK-norms) takes ``TorchNorm``; the hybrid variant drops the attention
-    InputNorm and scales X with ``ChannelScale`` (its stock spec must have QK-norm)."""
-    _check_variant(variant)
-    hybrid = variant == "hybrid"
+def with_torch_norms(stock: ModuleSpec) -> ModuleSpec:
+    """Megatron's local-module layer spec ``stock`` (dense or MoE) with every norm slot (the
+    InputNorms, QK-norms) ``TorchNorm``: torch's norms, usable under sequence parallelism
+    without apex. The stock baselines are built this way too (``models.py``)."""
+    slots = dict(input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     attention = stock.submodules.self_attention
-    if hybrid and not _has_qk_norm(attention):
-        raise ValueError("the hybrid variant's stock spec needs QK-norm: build it with qk_layernorm=True")
-    slots = dict(input_layernorm=IdentityOp if hybrid else TorchNorm, pre_mlp_layernorm=TorchNorm)
     if _has_qk_norm(attention):
         slots["self_attention"] = _with_qk_norm(attention, TorchNorm)
+    return dataclasses.replace(stock, submodules=dataclasses.replace(stock.submodules, **slots))
+
+
+def stock_decoder_layers(config: TransformerConfig, use_transformer_engine: bool, vp_stage: Optional[int] = None,
+                         pp_rank: Optional[int] = None) -> list:
+    """This stage's layer specs of Megatron's own GPT decoder block for ``config``: dense and MoE
+    layers per ``moe_layer_freq``, QK-norm per ``qk_layernorm``, local norms ``TorchNorm``."""
+    stock = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage,
+                                       pp_rank=pp_rank)
+    return stock.layer_specs if use_transformer_engine else [with_torch_norms(layer) for layer in stock.layer_specs]
+
+
+def siamese_local_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str = "standard") -> ModuleSpec:
+    """Megatron's local-module layer spec ``stock`` (dense or MoE) as a SiameseNorm layer, its norm
+    slots ``TorchNorm``; the hybrid variant drops the attention InputNorm and scales X with
+    ``ChannelScale`` (its stock spec must have QK-norm)."""
+    _check_variant(variant)
+    hybrid = variant == "hybrid"
+    if hybrid and not _has_qk_norm(stock.submodules.self_attention):
+        raise ValueError("the hybrid variant's stock spec needs QK-norm: build it with qk_layernorm=True")
+    stock = with_torch_norms(stock)
+    slots = dict(input_layernorm=IdentityOp) if hybrid else {}
     return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale if hybrid else TorchNorm, **slots)
 
 
@@ -191,11 +209,10 @@ def get_siamese_block_spec(
         raise ValueError(f"the {variant} variant has no Transformer Engine spec yet; use transformer_impl='local'")
     if use_te:
         _require_transformer_engine()
-    stock = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage, pp_rank=pp_rank)
     layer_specs = [
         siamese_layer_from(layer, merge_at_output=False) if use_te
         else siamese_local_layer_from(layer, merge_at_output=False, variant=variant)
-        for layer in stock.layer_specs
+        for layer in stock_decoder_layers(config, use_te, vp_stage=vp_stage, pp_rank=pp_rank)
     ]
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SiameseFinalNorm)
 

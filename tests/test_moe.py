@@ -69,3 +69,13 @@ def test_moe_settings_these_layers_cannot_honour_are_refused_with_what_to_change
     with pytest.raises(UnsupportedConfigError, match=says):
         check_supported(config)
     check_supported(moe_config())
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_the_stock_baselines_get_the_same_experts_and_qk_norm(megatron_single_rank, norm):
+    """Pre-Norm and Post-Norm controls follow the config as Megatron's own decoder block does, so a
+    comparison with SiameseNorm changes the residual scheme only."""
+    model = build_gpt_chunks(moe_config(moe_layer_freq=2, qk_layernorm=True), norm, 64, 16)[0]
+    assert expert_layers(model) == [True, False, True, False]
+    assert all(layer.self_attention.q_layernorm is not None and type(layer.self_attention.q_layernorm).__name__
+               == "TorchNorm" for layer in model.decoder.layers)

@@ -141,7 +141,7 @@ def test_every_setting_naming_a_transformer_config_field_reaches_it(monkeypatch)
                    fused_ops=False, transformer_impl="transformer_engine", fp8="e4m3", fp8_recipe="tensorwise",
                    tp=4, pp=2, vpp=2, num_layers=4, sp=True,
                    num_moe_experts=8, moe_router_topk=3, moe_ffn_hidden_size=96, moe_shared_expert_intermediate_size=32,
-                   moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.001, moe_router_load_balancing_type="seq_aux_loss", moe_router_pre_softmax=True,
+                   moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.001, moe_router_load_balancing_type="seq_aux_loss", moe_router_pre_softmax=True, qk_layernorm=True,
                    moe_token_dispatcher_type="allgather", moe_grouped_gemm=True)
     args = TrainArgs(**changed)
     # TransformerConfig asks Transformer Engine's version for FP8 with MoE; it is not installed here

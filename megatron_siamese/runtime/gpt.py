@@ -44,7 +44,7 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
     dtype = DTYPES[model.dtype]
     on_gpu = device.uses_cuda()
     fields = dict(
-        **config_kwargs(model, ModelSettings),  # the base's definitions: ModelCase only changes defaults
+        **{**config_kwargs(model, ModelSettings), **scheme(model.norm).config},  # what a scheme needs wins
         **config_kwargs(layout, Layout),
         num_layers=num_layers(model),  # a HybridModel's: one per pattern symbol
         ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
@@ -62,7 +62,6 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
         # gloo + interleaved schedule + batched p2p gives wrong results (docs/parallelism.md)
         batch_p2p_comm=on_gpu,
         **layout.recompute_options(),
-        **scheme(model.norm).config,
     )
     fields.update(overrides)
     return SiameseTransformerConfig(**fields)

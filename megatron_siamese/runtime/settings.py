@@ -111,6 +111,9 @@ class ModelSettings:
         False, group=MODEL, flag="--add-bias-linear", action="store_true", config="add_bias_linear",
         help="biases in the linear layers",
         switches=(Switch(("--disable-bias-linear",), "no biases (Megatron-LM's name)", action="store_false"),))
+    qk_layernorm: bool = setting(False, group=MODEL, flag="--qk-layernorm", action="store_true", config="qk_layernorm",
+                                 help="normalize queries and keys per head (Qwen3 / OLMo 2 QK-norm; the "
+                                      "siamese-hybrid scheme always has it)")
     zero_centered_gamma: bool = setting(False, group=MODEL, flag="--apply-layernorm-1p", action="store_true",
                                         config="layernorm_zero_centered_gamma",
                                         help="zero-centred norm weights (gamma = 1 + w)")
