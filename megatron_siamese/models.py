@@ -7,7 +7,8 @@ build models from:
 * ``siamese-layer``: SiameseNorm via the layer spec object Megatron-LM's ``--spec`` names
   (the last layer merges the streams, the final norm is single-stream);
 * ``siamese-hybrid``: the authors' hybrid variant (Python API, local modules, QK-norm);
-* ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from ``get_gpt_layer_local_spec``,
+* ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from ``get_gpt_layer_local_spec``
+  (with ``num_moe_experts``, Megatron's decoder block spec: dense and MoE layers),
   with its norms built as ``TorchNorm`` (the same math as torch's LayerNorm/RMSNorm, but
   usable under sequence parallelism without apex);
 * ``post``: Post-Norm on Megatron's ``TransformerLayer`` (``post_norm.py``).
@@ -24,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
@@ -39,12 +40,18 @@ from megatron_siamese.specs import get_siamese_block_spec, siamese_layer_spec
 
 
 def get_pre_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
-    """Megatron's stock Pre-Norm layer (local modules) with SP-capable norms."""
-    layer_spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    layer_spec.submodules.input_layernorm = TorchNorm
-    layer_spec.submodules.pre_mlp_layernorm = TorchNorm
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm)
+    """Megatron's stock Pre-Norm layer (local modules) with SP-capable norms; with
+    ``num_moe_experts``, Megatron's decoder block spec (dense and MoE layers per ``moe_layer_freq``)."""
+    if config.num_moe_experts is None:
+        layer_specs = [get_gpt_layer_local_spec(normalization=config.normalization)]
+        layer_specs *= get_num_layers_to_build(config, vp_stage=vp_stage)
+    else:
+        layer_specs = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                 normalization=config.normalization, vp_stage=vp_stage).layer_specs
+    for layer_spec in layer_specs:
+        layer_spec.submodules.input_layernorm = TorchNorm
+        layer_spec.submodules.pre_mlp_layernorm = TorchNorm
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=TorchNorm)
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,13 @@ _MOE_ONLY = (("moe_layer_freq", "--moe-layer-freq"), ("moe_ffn_hidden_size", "--
 def _moe_shape_problems(model: ModelSettings) -> List[str]:
     experts = model.num_moe_experts
     if experts is None:
-        given = [flag for name, flag in _MOE_ONLY
-                 if getattr(model, name) != ModelSettings.__dataclass_fields__[name].default]
+        defaults = type(model).__dataclass_fields__  # the command's own (the check's differ from train's)
+        given = [flag for name, flag in _MOE_ONLY if getattr(model, name) != defaults[name].default]
         return [f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} MoE layers: add --num-experts N"] if given else []
     found = []
+    if model.norm == "siamese-layer":
+        found.append("siamese-layer is the dense Megatron-LM --spec layer object and builds no experts (Megatron-LM "
+                     "with --num-experts: --spec megatron_siamese.specs siamese_moe_layer_spec): use siamese")
     if _positive(experts, model.moe_router_topk) and model.moe_router_topk > experts:
         found.append(f"--moe-router-topk {model.moe_router_topk} routes to more experts than --num-experts {experts}")
     try:
@@ -88,7 +91,7 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
         found.append(f"the vocabulary ({vocab_size}) does not split over {spell('tp', tp)}: use a tensor-parallel "
                      f"size dividing it ({divisors}, ...)")
     found += _stage_problems(model, layout, spell)
-    found += _expert_problems(model, layout, spell)
+    found += expert_problems(model, layout, spell)
     dp = layout.dp
     if _positive(micro_batch_size, global_batch_size, dp) and global_batch_size % (micro_batch_size * dp):
         found.append(f"{global_batch_flag} {global_batch_size} must be a multiple of --micro-batch-size x "
@@ -96,12 +99,20 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
     return found
 
 
-def _expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, int], str]) -> List[str]:
+def expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, int], str] = short_flag) -> List[str]:
+    """What of ``model``'s MoE layers ``layout`` cannot split or train (part of ``split_problems``)."""
     experts = model.num_moe_experts
     if experts is None:
         return ([f"expert parallelism ({spell('ep', layout.ep)}) splits MoE layers: add --num-experts N"]
                 if layout.ep > 1 else [])
     found = []
+    if model.add_bias_linear and layout.ep == 1 and layout.expert_tp == 1:
+        found.append("experts with biases (--add-bias-linear) crash megatron-core when the experts are not split "
+                     "(expert parallel and expert tensor parallel sizes 1: its MLP adds the bias in place to a tensor "
+                     "autograd forbids changing): add --disable-bias-linear")
+    if layout.tp > 1 and not layout.sp:
+        found.append(f"MoE layers under {spell('tp', layout.tp)} train only with sequence parallelism (Megatron's "
+                     "MoELayer refuses otherwise): turn it on (--sequence-parallel; 'sp' in a layout name)")
     if _positive(experts, layout.ep) and experts % layout.ep:
         found.append(f"--num-experts {experts} does not split over {spell('ep', layout.ep)}: use an expert-parallel "
                      "size that divides the expert count")

@@ -1,0 +1,104 @@
+"""Mixture-of-experts layers split over ranks (expert parallelism with TP, SP, PP, DP and the
+distributed optimizer) against one rank: the check's MoE matrix, the stock control, a planted
+MoE bug the check catches, and how expert parameters map between local and global names."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatron_siamese.check import MOE_LAYOUTS
+from megatron_siamese.check.case import MOE_CASE
+from megatron_siamese.check.command import run_check
+from megatron_siamese.check.sharding import global_parameters, is_expert, seed_parameters, seeded_tensor
+from megatron_siamese.cli import main as cli_main
+
+
+def statuses(rows):
+    return {row.layout: row.status for row in rows}
+
+
+def test_moe_matrix_passes():
+    """Alternating MoE and dense layers (4 experts, top-2, aux loss and z-loss, the alltoall
+    dispatcher) under every MoE layout: every loss, gradient and updated parameter, experts
+    compared per global expert."""
+    rows = run_check(MOE_CASE, MOE_LAYOUTS, "siamese")
+    assert statuses(rows) == {name: "PASS" for name in MOE_LAYOUTS}
+
+
+def test_allgather_dispatcher_passes():
+    rows = run_check(dataclasses.replace(MOE_CASE, moe_token_dispatcher_type="allgather"),
+                     ["ep4", "tp2-ep2-sp", "dp4-ep2-do"], "siamese")
+    assert set(statuses(rows).values()) == {"PASS"}
+
+
+def test_stock_moe_control_passes():
+    """Megatron's own Pre-Norm MoE model under the same rules: the check itself is sound for MoE."""
+    rows = run_check(dataclasses.replace(MOE_CASE, norm="pre"), ["tp2-ep2-sp", "pp2-vpp2-ep2", "dp4-ep2-do"], "stock")
+    assert set(statuses(rows).values()) == {"PASS"}
+
+
+def test_experts_reduced_over_all_data_parallel_ranks_fail_expert_parallel_layouts_only(tmp_path, capfd):
+    """Expert parameters left tagged for the dense all-reduce: on dp2 (experts replicated) that
+    is right, on ep2 (the same two ranks, each holding two experts) it sums different experts'
+    gradients. The losses stay right (the reduction comes after them); the gradients do not."""
+    report = tmp_path / "check.json"
+    code = cli_main(["check", "--num-experts", "4", "--disable-bias-linear", "--layouts", "dp2,ep2",
+                     "--plant-fault", "experts-reduced-over-dp", "--json", str(report)])
+    assert code == 1
+    assert "Traceback" not in capfd.readouterr().err
+    rows = {row["layout"]: row for row in json.loads(report.read_text())["rows"]}
+    assert rows["dp2"]["status"] == "PASS" and rows["ep2"]["status"] == "FAIL"
+    assert rows["ep2"]["loss_error"] < 1e-6 and rows["ep2"]["grad_error"] > 0.1
+    assert "mlp.experts.local_experts" in rows["ep2"]["detail"]
+
+
+@pytest.mark.stack_independent
+def test_moe_layouts_the_model_cannot_run_are_refused_before_any_rank_starts(capsys):
+    assert cli_main(["check", "--num-experts", "4", "--layouts", "tp2,ep3"]) == 2
+    err = capsys.readouterr().err
+    assert "tp2: MoE layers under tp2 train only with sequence parallelism" in err
+    assert "--num-experts 4 does not split over ep3" in err
+    assert "the single-rank run: experts with biases" in err and "--disable-bias-linear" in err
+    assert cli_main(["check", "--layouts", "ep2"]) == 2
+    err += capsys.readouterr().err
+    assert "expert parallelism (ep2) splits MoE layers: add --num-experts N" in err
+    assert "Traceback" not in err
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, layer_number, ep_rank, num_local, expert_tp):
+        super().__init__()
+        self.layer_number = layer_number
+        self.mlp = torch.nn.Module()
+        self.mlp.local_expert_indices = [ep_rank * num_local + k for k in range(num_local)]
+        self.mlp.router = torch.nn.Linear(8, 4, bias=False)
+        self.mlp.experts = torch.nn.Module()
+        self.mlp.experts.local_experts = torch.nn.ModuleList(torch.nn.Linear(8, 6 // expert_tp, bias=False)
+                                                             for _ in range(num_local))
+        for expert in self.mlp.experts.local_experts:  # a column-parallel expert weight, as Megatron tags it
+            expert.weight.tensor_model_parallel, expert.weight.partition_dim = True, 0
+
+
+def _chunk(ep_rank, expert_tp=1):
+    chunk = torch.nn.Module()
+    chunk.decoder = torch.nn.Module()
+    chunk.decoder.layers = torch.nn.ModuleList([_Layer(layer_number=3, ep_rank=ep_rank, num_local=2,
+                                                       expert_tp=expert_tp)])
+    return chunk
+
+
+@pytest.mark.stack_independent
+def test_local_experts_are_named_and_seeded_as_global_experts():
+    """Local expert K on EP rank r is global expert r * num_local + K; its weights are cut over
+    the expert TP group, not the attention's."""
+    names = [name for name, _ in global_parameters(_chunk(ep_rank=1))]
+    assert names == ["decoder.layers.2.mlp.router.weight", "decoder.layers.2.mlp.experts.local_experts.2.weight",
+                     "decoder.layers.2.mlp.experts.local_experts.3.weight"]
+    assert [is_expert(name) for name in names] == [False, True, True]
+    assert is_expert("decoder.layers.0.mlp.experts.linear_fc1.weight3")  # TEGroupedMLP's
+    chunk = _chunk(ep_rank=1, expert_tp=2)
+    seed_parameters([chunk], 7, tp_rank=0, tp=4, zero_centered_gamma=False, expert_tp_rank=1, expert_tp=2)
+    full = seeded_tensor("decoder.layers.2.mlp.experts.local_experts.3.weight", (6, 8), 7)
+    assert torch.equal(chunk.decoder.layers[0].mlp.experts.local_experts[1].weight, full[3:])
