@@ -11,7 +11,8 @@ What ``install()`` changes, and only while it is installed:
 
 * every device request that names CUDA (``"cuda"``, ``"cuda:N"``, an int ordinal,
   ``torch.device("cuda")``) in torch's tensor factories (``torch.empty``, ``zeros``,
-  ``tensor``, ...) and in ``Tensor.to`` is served on CPU, and ``Tensor.cuda()`` returns the
+  ``tensor``, ...), in ``Tensor.new_empty/new_zeros/new_ones/new_full/new_tensor`` and in
+  ``Tensor.to`` is served on CPU, and ``Tensor.cuda()`` returns the
   tensor itself (plain wrappers rather than a ``TorchFunctionMode``: a mode is switched
   off inside its own handler, so the backward pass launched through it would escape);
 * ``Tensor.type()`` with no argument reports the CUDA type name
@@ -25,8 +26,16 @@ What ``install()`` changes, and only while it is installed:
   ``torch.Generator`` that stands in for the GPU generator. CPU operations (dropout
   included) always draw from the CPU default generator, so forking Megatron's RNG
   tracker on CPU changes bookkeeping only, not which numbers CPU ops draw;
-* megatron-core 0.16.1's MoE router, built without Transformer Engine, gets the
-  ``te_general_gemm = None`` it leaves undefined.
+* Megatron's MoE layers and token dispatchers (expert parallelism on gloo):
+  ``maybe_move_tensor_to_cpu(as_numpy=True)`` converts CPU tensors too (the original converts
+  only CUDA ones, leaving the alltoall dispatcher's split sizes tensors, which gloo's
+  ``all_to_all_single`` rejects); the uneven all-gather and reduce-scatter along the first
+  dimension that the alltoall dispatcher runs over the expert TP group
+  (``mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` with split
+  sizes), which gloo lacks, become an even all-gather of pieces padded to the largest one,
+  and an all-reduce followed by this rank's slice (the same sums); and megatron-core 0.16.1's
+  router, built without Transformer Engine, gets the ``te_general_gemm = None`` it leaves
+  undefined.
 
 It refuses to install when CUDA is available: on a GPU machine Megatron must run on
 the GPU, never through this shim. Only the launcher (``runtime/launch.py``, for gloo
