@@ -39,19 +39,25 @@ def test_stock_moe_control_passes():
     assert set(statuses(rows).values()) == {"PASS"}
 
 
-def test_experts_reduced_over_all_data_parallel_ranks_fail_expert_parallel_layouts_only(tmp_path, capfd):
-    """Expert parameters left tagged for the dense all-reduce: on dp2 (experts replicated) that
-    is right, on ep2 (the same two ranks, each holding two experts) it sums different experts'
-    gradients. The losses stay right (the reduction comes after them); the gradients do not."""
+@pytest.mark.parametrize("fault, passes, fails, names", [
+    # experts left tagged for the dense all-reduce: right on dp2 (experts replicated), wrong on
+    # ep2 (the same two ranks, each holding two experts: different experts' gradients summed)
+    ("experts-reduced-over-dp", "dp2", "ep2", "mlp.experts.local_experts"),
+    # the aux loss's gradient divided by the DP size again: every DP > 1 layout, and everything
+    # upstream of the routers
+    ("aux-loss-over-dp", "pp2", "dp2", "decoder.layers.0."),
+])
+def test_planted_moe_bugs_fail_exactly_the_layouts_they_break(fault, passes, fails, names, tmp_path, capfd):
+    """The losses stay right (both bugs act after them, in the backward); the gradients do not."""
     report = tmp_path / "check.json"
-    code = cli_main(["check", "--num-experts", "4", "--disable-bias-linear", "--layouts", "dp2,ep2",
-                     "--plant-fault", "experts-reduced-over-dp", "--json", str(report)])
+    code = cli_main(["check", "--num-experts", "4", "--disable-bias-linear", "--layouts", f"{passes},{fails}",
+                     "--plant-fault", fault, "--json", str(report)])
     assert code == 1
     assert "Traceback" not in capfd.readouterr().err
     rows = {row["layout"]: row for row in json.loads(report.read_text())["rows"]}
-    assert rows["dp2"]["status"] == "PASS" and rows["ep2"]["status"] == "FAIL"
-    assert rows["ep2"]["loss_error"] < 1e-6 and rows["ep2"]["grad_error"] > 0.1
-    assert "mlp.experts.local_experts" in rows["ep2"]["detail"]
+    assert rows[passes]["status"] == "PASS" and rows[fails]["status"] == "FAIL"
+    assert rows[fails]["loss_error"] < 1e-6 and rows[fails]["grad_error"] > 1e-2
+    assert names in rows[fails]["detail"]
 
 
 @pytest.mark.stack_independent
