@@ -11,8 +11,10 @@ import torch
 from megatron_siamese.check import MOE_LAYOUTS
 from megatron_siamese.check.case import MOE_CASE
 from megatron_siamese.check.command import run_check
+from megatron_siamese.check.matrix import whole_job_layouts
 from megatron_siamese.check.sharding import global_parameters, is_expert, seed_parameters, seeded_tensor
 from megatron_siamese.cli import main as cli_main
+from megatron_siamese.runtime.layout import parse_layout
 
 
 def statuses(rows):
@@ -71,6 +73,15 @@ def test_moe_layouts_the_model_cannot_run_are_refused_before_any_rank_starts(cap
     err += capsys.readouterr().err
     assert "expert parallelism (ep2) splits MoE layers: add --num-experts N" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.stack_independent
+def test_a_large_job_checks_an_moe_model_with_its_experts_over_the_data_parallel_ranks():
+    dense, moe = whole_job_layouts(16), whole_job_layouts(16, num_experts=8)
+    assert set(dense) < set(moe)  # the dense splits, and each once more with experts
+    added = [parse_layout(name) for name in moe if name not in dense]
+    assert {"dp16-ep8-do", "tp2-ep8-sp-do", "tp8-ep2-sp-do", "pp2-vpp2-ep8-do"} <= {layout.name for layout in added}
+    assert all(layout.world_size == 16 and layout.dp % layout.ep == 0 for layout in added)
 
 
 class _Layer(torch.nn.Module):
