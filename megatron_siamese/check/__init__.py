@@ -12,6 +12,15 @@ DEFAULT_LAYOUTS = [
     "tp2-pp2-sp", "pp2-vpp2-full", "dp2-tp2", "dp2-tp2-sp-do", "tp2-pp2-vpp2-sel", "cp2",
 ]
 
+# The MoE matrix (models with --num-experts): experts split over EP ranks alone, with TP + SP
+# (experts split over the same TP ranks, or unsplit: etp1), with expert TP apart from TP (etp2),
+# over PP (1F1B, interleaved), with the distributed optimizer (its expert state sharded over
+# the expert-data-parallel group: dp4-ep2-do), with recompute; and experts not EP-split.
+MOE_LAYOUTS = [
+    "ep2", "ep4", "tp2-ep2-sp", "tp2-ep2-etp1-sp", "ep2-etp2", "pp2-ep2", "pp2-vpp2-ep2",
+    "ep2-do", "dp4-ep2-do", "ep2-full", "tp2-sp", "pp2-vpp2-full",
+]
+
 SPECS = {
     "siamese": "siamese",  # SiameseNorm, Python API block spec
     "siamese-layer": "siamese-layer",  # SiameseNorm, the Megatron-LM --spec layer object

@@ -35,3 +35,13 @@ class ModelCase(ModelSettings):
     # Megatron's default communicator with shape exchange (the Megatron-LM way).
     siamese_p2p: bool = True
     fault: Optional[str] = None  # a bug from check.faults planted on every rank
+    # with --num-experts: MoE and dense layers alternate (every other layer from the first:
+    # pipeline stages hold both), and the router's z-loss is on beside the aux loss
+    moe_layer_freq: str = "2"
+    moe_z_loss_coeff: Optional[float] = 1e-3
+
+
+# The check's MoE model: 4 experts, top-2, aux loss and z-loss, Megatron's alltoall dispatcher
+# (--moe-token-dispatcher-type allgather for the other), and no biases (megatron-core's experts
+# cannot train them unsplit, as the single-rank run has them: runtime/divisibility.py).
+MOE_CASE = ModelCase(num_moe_experts=4, add_bias_linear=False)

@@ -38,9 +38,41 @@ def _norms_without_sequence_parallel_flag() -> None:
     norms.TorchNorm.__init__ = init
 
 
+def _experts_reduced_over_data_parallel() -> None:
+    """Expert parameters not tagged ``allreduce=False``: DistributedDataParallel then reduces
+    their gradients over the whole data-parallel group, as a dense layer's, instead of the
+    expert-data-parallel group, summing different experts' gradients under expert parallelism."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    original_init = MoELayer.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        for param in self.experts.parameters():
+            param.allreduce = True
+
+    MoELayer.__init__ = init
+
+
+def _aux_loss_averaged_over_data_parallel_twice() -> None:
+    """The aux loss's gradient scale divided by the DP size as well (as if DDP summed gradients
+    rather than averaging them): the router's gradients shrink on every DP > 1 layout."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    original = MoEAuxLossAutoScaler.set_loss_scale
+
+    def set_loss_scale(scale):
+        original(scale / parallel_state.get_data_parallel_world_size())
+
+    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(set_loss_scale)
+
+
 FAULTS: Dict[str, Callable[[], None]] = {
     "local-depth-scale": _local_depth_scale,
     "no-sp-flag": _norms_without_sequence_parallel_flag,
+    "experts-reduced-over-dp": _experts_reduced_over_data_parallel,
+    "aux-loss-over-dp": _aux_loss_averaged_over_data_parallel_twice,
 }
 
 

@@ -7,13 +7,22 @@ Its *global tensor* undoes tensor parallelism with Megatron's own split rule (th
 ``_initialize_affine_weight_cpu`` uses): along ``partition_dim`` the global tensor is cut
 into ``tp * partition_stride`` equal chunks and rank r holds chunks r, r + tp, ...
 (stride 2 is how gated MLPs keep [gate, up] halves per rank).
+
+Mixture-of-experts layers: expert parallelism gives each EP rank ``num_experts / ep`` of a
+layer's experts, numbered locally from 0 (SequentialMLP's ``mlp.experts.local_experts.K.``,
+TEGroupedMLP's ``mlp.experts.linear_fc1.weightK``); a global name numbers them as one rank
+does, by the MoE layer's own ``local_expert_indices`` (``ep_rank * num_local + K``). Expert
+weights are split over the expert tensor-parallel group (``etp``, Megatron's default the
+attention's ``tp``) by the same rule, so every function here that takes a TP rank and size
+takes the expert ones for expert parameters (``is_expert``). The router and shared experts
+are not experts: replicated, and split over ``tp``, as dense layers are.
 """
 
 from __future__ import annotations
 
 import re
 import zlib
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -25,10 +34,42 @@ def is_tensor_parallel(param: Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+# an expert's parameters: (the experts module)(local index)(the rest), per expert implementation
+_SEQUENTIAL_EXPERT = re.compile(r"^(.*?\.experts)\.local_experts\.(\d+)(\..*)$")
+_GROUPED_EXPERT = re.compile(r"^(.*?\.experts)(\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+
+
+def is_expert(name: str) -> bool:
+    """Whether a (local or global) parameter name is one expert's: split over ep and etp."""
+    return bool(_SEQUENTIAL_EXPERT.match(name) or _GROUPED_EXPERT.match(name))
+
+
+def _global_expert_name(model_chunk, name: str) -> str:
+    """``name`` with its local expert index replaced by the global one (``name`` if no expert's)."""
+    sequential, grouped = _SEQUENTIAL_EXPERT.match(name), _GROUPED_EXPERT.match(name)
+    if not (sequential or grouped):
+        return name
+    experts = (sequential or grouped).group(1)
+    moe_layer = model_chunk.get_submodule(experts.rsplit(".", 1)[0])
+    if sequential:
+        return f"{experts}.local_experts.{moe_layer.local_expert_indices[int(sequential.group(2))]}{sequential.group(3)}"
+    return f"{experts}{grouped.group(2)}{moe_layer.local_expert_indices[int(grouped.group(3))]}"
+
+
+def split_of(name: str, tp_rank: int, tp: int, expert_tp_rank: Optional[int] = None,
+             expert_tp: Optional[int] = None) -> Tuple[int, int]:
+    """(rank, size) of the tensor-parallel split parameter ``name`` is cut by: the expert one
+    for experts (unset: the same as ``tp``, Megatron's default), else ``tp``."""
+    if is_expert(name) and expert_tp is not None:
+        return (tp_rank if expert_tp_rank is None else expert_tp_rank), expert_tp
+    return tp_rank, tp
+
+
 def global_parameters(model_chunk) -> Iterator[Tuple[str, Tensor]]:
     """(global name, local parameter) for every parameter of one (unwrapped) model chunk."""
     layers = model_chunk.decoder.layers if hasattr(model_chunk, "decoder") else []
     for name, param in model_chunk.named_parameters():
+        name = _global_expert_name(model_chunk, name)
         match = _LAYER.match(name)
         if match:
             layer = layers[int(match.group(2))]
@@ -79,8 +120,10 @@ def seeded_tensor(name: str, shape: Tuple[int, ...], seed: int) -> Tensor:
 _NORM_WEIGHT = re.compile(r"(norm\.weight|layer_norm_weight)$")
 
 
-def seed_parameters(model_chunks, seed: int, tp_rank: int, tp: int, zero_centered_gamma: bool):
-    """Overwrite every parameter with the slice of its global-name-seeded tensor.
+def seed_parameters(model_chunks, seed: int, tp_rank: int, tp: int, zero_centered_gamma: bool,
+                    expert_tp_rank: Optional[int] = None, expert_tp: Optional[int] = None):
+    """Overwrite every parameter with the slice of its global-name-seeded tensor (experts: cut
+    by the expert TP rank and size, when they differ from ``tp``'s).
 
     Norm weights are centred on 1 (on 0 when stored zero-centred), everything else on 0.
     """
@@ -88,7 +131,8 @@ def seed_parameters(model_chunks, seed: int, tp_rank: int, tp: int, zero_centere
     with torch.no_grad():
         for chunk in model_chunks:
             for name, param in global_parameters(chunk):
-                full = seeded_tensor(name, global_shape(param, tp), seed)
+                rank, size = split_of(name, tp_rank, tp, expert_tp_rank, expert_tp)
+                full = seeded_tensor(name, global_shape(param, size), seed)
                 if _NORM_WEIGHT.search(name):
                     full += gamma_centre
-                param.copy_(shard(full, param, tp_rank, tp).to(param.dtype))
+                param.copy_(shard(full, param, rank, size).to(param.dtype))

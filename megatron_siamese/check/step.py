@@ -22,7 +22,7 @@ from torch import Tensor
 
 from megatron_siamese import device
 
-from megatron_siamese.check.sharding import global_parameters, seed_parameters, unshard
+from megatron_siamese.check.sharding import global_parameters, is_expert, seed_parameters, unshard
 from megatron_siamese.check.case import ModelCase
 from megatron_siamese.runtime.gpt import MegatronGPT, transformer_config, unwrap
 from megatron_siamese.runtime.layout import Layout
@@ -35,7 +35,7 @@ class Piece:
     values: Tensor  # flattened; for a ranged piece only [start, start + len)
     start: int
     local_shape: Tuple[int, ...]
-    tp_rank: int
+    tp_rank: int  # in the split the tensor is cut by: the expert TP group's for experts
     tensor_parallel: bool
     partition_dim: int
     partition_stride: int
@@ -106,15 +106,15 @@ def seeded_gpt(case: ModelCase, layout: Layout) -> MegatronGPT:
     from megatron.core import parallel_state
 
     def seed(chunks):
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        seed_parameters(chunks, case.seed, tp_rank, layout.tp, case.zero_centered_gamma)
+        seed_parameters(chunks, case.seed, parallel_state.get_tensor_model_parallel_rank(), layout.tp,
+                        case.zero_centered_gamma, parallel_state.get_expert_tensor_parallel_rank(), layout.expert_tp)
 
     optimizer = dict(lr=case.lr, adam_eps=case.adam_eps, weight_decay=0.0, clip_grad=case.clip_grad)
     return MegatronGPT(case, layout, case.vocab_size, optimizer, case.seed, init_weights=seed,
                        siamese_p2p=case.siamese_p2p, **config_overrides(case))
 
 
-def _pieces(chunks, tensor_of, optimizer, tp_rank) -> Dict[str, Piece]:
+def _pieces(chunks, tensor_of, optimizer, tp_rank: int, expert_tp_rank: int) -> Dict[str, Piece]:
     pieces = {}
     for chunk in chunks:
         for name, param in global_parameters(unwrap(chunk)):
@@ -126,7 +126,7 @@ def _pieces(chunks, tensor_of, optimizer, tp_rank) -> Dict[str, Piece]:
                 values=tensor[start:end].clone(),
                 start=start,
                 local_shape=tuple(param.shape),
-                tp_rank=tp_rank,
+                tp_rank=expert_tp_rank if is_expert(name) else tp_rank,
                 tensor_parallel=bool(getattr(param, "tensor_model_parallel", False)),
                 partition_dim=getattr(param, "partition_dim", -1),
                 partition_stride=getattr(param, "partition_stride", 1),
@@ -156,8 +156,18 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
         plant(case.fault)
     if device.uses_cuda():
         torch.cuda.reset_peak_memory_stats()
+    try:
+        return _step(case, layout)
+    finally:  # after an error too: a layout left half-built must not leave its groups to the next one
+        parallel_state.destroy_model_parallel()
+
+
+def _step(case: ModelCase, layout: Layout) -> RankResult:
+    from megatron.core import parallel_state
+
     gpt = seeded_gpt(case, layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    expert_tp_rank = parallel_state.get_expert_tensor_parallel_rank()
     dp_rank, dp = parallel_state.get_data_parallel_rank(), layout.dp
     if case.num_microbatches % dp:
         raise ValueError(f"num_microbatches={case.num_microbatches} is not divisible by dp={dp}")
@@ -168,12 +178,11 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
     if parallel_state.is_pipeline_last_stage():
         result.losses = {dp_rank * per_rank + i: float(d["loss"]) for i, d in enumerate(losses)}
     owner = gpt.optimizer if layout.distributed_optimizer else None
-    result.grads = _pieces(gpt.model, lambda p: p.main_grad, owner, tp_rank)
+    result.grads = _pieces(gpt.model, lambda p: p.main_grad, owner, tp_rank, expert_tp_rank)
     _, grad_norm, _ = gpt.optimizer.step()
     result.grad_norm = None if grad_norm is None else float(grad_norm)
-    result.params = _pieces(gpt.model, lambda p: p, None, tp_rank)
+    result.params = _pieces(gpt.model, lambda p: p, None, tp_rank, expert_tp_rank)
     result.memory_mb = memory_mb()
-    gpt.close()
     return result
 
 

@@ -9,12 +9,12 @@ import re
 import time
 from typing import Dict, List, Optional, Tuple
 
-from megatron_siamese.check import DEFAULT_LAYOUTS, SPECS
+from megatron_siamese.check import DEFAULT_LAYOUTS, MOE_LAYOUTS, SPECS
 from megatron_siamese.check.case import ModelCase
 from megatron_siamese.check.faults import FAULTS
 from megatron_siamese.cli.flags import HelpFormatter, add_setting
-from megatron_siamese.runtime.divisibility import layout_part, shape_problems, split_problems
-from megatron_siamese.runtime.layout import parse_layout
+from megatron_siamese.runtime.divisibility import expert_problems, layout_part, shape_problems, split_problems
+from megatron_siamese.runtime.layout import Layout, parse_layout
 from megatron_siamese.runtime.registry import definitions, field_problems
 from megatron_siamese.runtime.settings import ModelSettings, model_class_problems
 from megatron_siamese.training.args import ConfigError
@@ -36,15 +36,26 @@ layout that fits the job (docs/parallelism.md, "On a cluster"):
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m megatron_siamese.cli check --layouts all --bf16 --json check.json
 
-Layout names: sizes tpN, ppN, vppN (virtual stages per pipeline rank), cpN, dpN and flags sp
-(sequence parallel), do (distributed optimizer), full / sel (full / selective recompute),
-joined by '-'; 'single' is one rank. Example: tp2-pp2-sp.
+Layout names: sizes tpN, ppN, vppN (virtual stages per pipeline rank), cpN, dpN, epN / etpN
+(expert parallel / expert tensor parallel: MoE layers; ep takes the smallest DP that holds it)
+and flags sp (sequence parallel), do (distributed optimizer), full / sel (full / selective
+recompute), joined by '-'; 'single' is one rank. Example: tp2-pp2-sp, tp2-ep2-sp.
+
+Mixture-of-experts: --num-experts N checks MoE layers (every other layer by default:
+--moe-layer-freq) against one rank under the MoE matrix (expert parallelism with TP, PP, DP
+and the distributed optimizer), expert parameters compared per global expert:
+
+  megatron-siamese check --num-experts 4 --disable-bias-linear
 """
 
 # the model settings the check takes, as the trainer defines them, with the check's tiny defaults
 CASE_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                 "seq_length", "normalization", "model", "hybrid_layer_pattern", "dtype", "transformer_impl", "fp8",
-                 "fp8_recipe")
+                 "seq_length", "normalization", "add_bias_linear", "model", "hybrid_layer_pattern", "dtype",
+                 "transformer_impl", "fp8", "fp8_recipe",
+                 # mixture of experts
+                 "num_moe_experts", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",
+                 "moe_shared_expert_intermediate_size", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                 "moe_router_load_balancing_type", "moe_token_dispatcher_type", "moe_grouped_gemm")
 # the check's own sizes (its data: random tokens of a vocabulary, a fixed global batch)
 SIZES = ("vocab_size", "micro_batch_size", "num_microbatches", "seed")
 CASE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(ModelCase)}
@@ -67,9 +78,11 @@ def add_case_flags(parser: argparse.ArgumentParser) -> None:
 def add_parser(commands, name: str) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help="every parallel layout against one rank", description=DESCRIPTION,
                                  formatter_class=HelpFormatter)
-    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
+    parser.add_argument("--layouts", default=None,
                         help="comma-separated layout names, or 'all': every layout that fits the job (the CPU "
-                             "matrix's, and splits of the whole launched job into tp x pp x dp)")
+                             "matrix's, and splits of the whole launched job into tp x pp x dp); default: the CPU "
+                             f"matrix ({','.join(DEFAULT_LAYOUTS)}), with --num-experts the MoE matrix "
+                             f"({','.join(MOE_LAYOUTS)})")
     parser.add_argument("--spec", choices=sorted(SPECS), default="siamese",
                         help="siamese: SiameseNorm via the Python API; siamese-layer: via the layer spec object "
                              "Megatron-LM's --spec imports; siamese-hybrid: the authors' hybrid variant; stock: "
@@ -101,11 +114,16 @@ def problems(case: ModelCase, layouts: List[str]) -> List[str]:
         except ValueError as error:
             found.append(f"--layouts: {error}")
             continue
-        found += [f"layout {name}: {problem}" for problem in split_problems(
-            case, layout, vocab_size=case.vocab_size, micro_batch_size=case.micro_batch_size,
-            global_batch_size=case.micro_batch_size * case.num_microbatches,
-            global_batch_flag="--micro-batch-size x --num-microbatches =", spell=layout_part)]
+        found += [f"layout {name}: {problem}" for problem in _split_problems(case, layout)]
+    # the single-rank run every layout is compared with must train the experts too
+    found += [f"the single-rank run: {problem}" for problem in expert_problems(case, Layout(), layout_part)]
     return found
+
+
+def _split_problems(case: ModelCase, layout: Layout) -> List[str]:
+    return split_problems(case, layout, vocab_size=case.vocab_size, micro_batch_size=case.micro_batch_size,
+                          global_batch_size=case.micro_batch_size * case.num_microbatches,
+                          global_batch_flag="--micro-batch-size x --num-microbatches =", spell=layout_part)
 
 
 def fit_problems(layouts: List[str], world: Optional[int]) -> List[str]:
@@ -142,16 +160,22 @@ def engine_problems(case: ModelCase) -> List[str]:
     return found
 
 
-def chosen_layouts(requested: str, case: ModelCase, world: Optional[int]) -> Tuple[List[str], Dict[str, str]]:
-    """The layouts to run: the names given, or (``all``) every candidate that fits the job and
-    that the model admits; and the candidates left out, each with the first reason."""
+def chosen_layouts(requested: Optional[str], case: ModelCase,
+                   world: Optional[int]) -> Tuple[List[str], Dict[str, str]]:
+    """The layouts to run: the names given (none: the model's CPU matrix), or (``all``) every
+    candidate that fits the job and that the model admits; and the candidates left out, each
+    with the first reason."""
+    from megatron_siamese.check.matrix import cpu_matrix
+
+    if requested is None:
+        return list(cpu_matrix(case.num_moe_experts)), {}
     if requested.strip() != "all":
         return [name.strip() for name in requested.split(",") if name.strip()], {}
     from megatron_siamese.check.command import job_size
     from megatron_siamese.check.matrix import layouts_that_fit
 
-    fits = world or job_size([parse_layout(name) for name in DEFAULT_LAYOUTS])
-    reasons = {name: problems(case, [name]) for name in layouts_that_fit(fits)}
+    fits = world or job_size([parse_layout(name) for name in cpu_matrix(case.num_moe_experts)])
+    reasons = {name: problems(case, [name]) for name in layouts_that_fit(fits, case.num_moe_experts)}
     return [name for name, found in reasons.items() if not found], {name: found[0] for name, found in reasons.items() if found}
 
 

@@ -11,7 +11,8 @@ What ``install()`` changes, and only while it is installed:
 
 * every device request that names CUDA (``"cuda"``, ``"cuda:N"``, an int ordinal,
   ``torch.device("cuda")``) in torch's tensor factories (``torch.empty``, ``zeros``,
-  ``tensor``, ...) and in ``Tensor.to`` is served on CPU, and ``Tensor.cuda()`` returns the
+  ``tensor``, ...), in ``Tensor.new_empty/new_zeros/new_ones/new_full/new_tensor`` and in
+  ``Tensor.to`` is served on CPU, and ``Tensor.cuda()`` returns the
   tensor itself (plain wrappers rather than a ``TorchFunctionMode``: a mode is switched
   off inside its own handler, so the backward pass launched through it would escape);
 * ``Tensor.type()`` with no argument reports the CUDA type name
@@ -25,8 +26,16 @@ What ``install()`` changes, and only while it is installed:
   ``torch.Generator`` that stands in for the GPU generator. CPU operations (dropout
   included) always draw from the CPU default generator, so forking Megatron's RNG
   tracker on CPU changes bookkeeping only, not which numbers CPU ops draw;
-* megatron-core 0.16.1's MoE router, built without Transformer Engine, gets the
-  ``te_general_gemm = None`` it leaves undefined.
+* Megatron's MoE layers and token dispatchers (expert parallelism on gloo):
+  ``maybe_move_tensor_to_cpu(as_numpy=True)`` converts CPU tensors too (the original converts
+  only CUDA ones, leaving the alltoall dispatcher's split sizes tensors, which gloo's
+  ``all_to_all_single`` rejects); the uneven all-gather and reduce-scatter along the first
+  dimension that the alltoall dispatcher runs over the expert TP group
+  (``mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` with split
+  sizes), which gloo lacks, become an even all-gather of pieces padded to the largest one,
+  and an all-reduce followed by this rank's slice (the same sums); and megatron-core 0.16.1's
+  router, built without Transformer Engine, gets the ``te_general_gemm = None`` it leaves
+  undefined.
 
 It refuses to install when CUDA is available: on a GPU machine Megatron must run on
 the GPU, never through this shim. Only the launcher (``runtime/launch.py``, for gloo
@@ -69,6 +78,9 @@ _FACTORIES = (
 )
 
 
+_NEW_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")  # Tensor methods
+
+
 def _on_cpu(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if _names_cuda(kwargs.get("device")):
         kwargs = dict(kwargs, device="cpu")
@@ -101,7 +113,10 @@ def _tensor_method_replacements() -> Dict[Tuple[Any, str], Any]:
     def cuda(self, *args, **kwargs):
         return self
 
-    return {(torch.Tensor, "to"): to, (torch.Tensor, "type"): type_, (torch.Tensor, "cuda"): cuda}
+    replacements = {(torch.Tensor, "to"): to, (torch.Tensor, "type"): type_, (torch.Tensor, "cuda"): cuda}
+    for name in _NEW_FACTORIES:
+        replacements[(torch.Tensor, name)] = _factory_on_cpu(getattr(torch.Tensor, name))
+    return replacements
 
 
 def _cuda_rng_replacements(generator: torch.Generator) -> Dict[Tuple[Any, str], Any]:
@@ -178,11 +193,48 @@ def _device_replacements() -> Dict[Tuple[Any, str], Any]:
 
 
 def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
-    """megatron-core 0.16.1 built without Transformer Engine leaves ``moe_utils.te_general_gemm``
-    undefined (the router's GEMM then raises NameError): define it as None, its "no TE" value."""
-    from megatron.core.transformer.moe import moe_utils
+    """What Megatron's MoE layers and token dispatchers need beyond the above on CPU/gloo."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    return {} if hasattr(moe_utils, "te_general_gemm") else {(moe_utils, "te_general_gemm"): None}
+    original_move = moe_utils.maybe_move_tensor_to_cpu
+    original_gather, original_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        # the original converts only CUDA tensors: on CPU the split sizes would stay tensors
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        # gloo's all_gather wants equal pieces: gather them padded to the largest, then trim
+        sizes = [int(size) for size in output_split_sizes]
+        padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = original_gather(padded.contiguous(), group, None, False)
+        return torch.cat([piece[:size] for piece, size in zip(gathered.chunk(len(sizes)), sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original_scatter(input_, group, input_split_sizes, use_global_buffer)
+        # gloo has no uneven reduce_scatter: the sum of the whole tensor, then this rank's rows
+        summed = input_.clone()
+        torch.distributed.all_reduce(summed, group=group)
+        sizes = [int(size) for size in input_split_sizes]
+        start = sum(sizes[: group.rank()])
+        return summed[start : start + sizes[group.rank()]].clone()
+
+    replacements = {
+        (moe_utils, "maybe_move_tensor_to_cpu"): maybe_move_tensor_to_cpu,
+        (token_dispatcher, "maybe_move_tensor_to_cpu"): maybe_move_tensor_to_cpu,
+        (mappings, "_gather_along_first_dim"): gather_along_first_dim,
+        (mappings, "_reduce_scatter_along_first_dim"): reduce_scatter_along_first_dim,
+    }
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 without TE leaves it undefined
+        replacements[(moe_utils, "te_general_gemm")] = None
+    return replacements
 
 
 _ABSENT = object()  # an attribute install() added rather than replaced

@@ -59,8 +59,8 @@ def _moe_shape_problems(model: ModelSettings) -> List[str]:
         if model.moe_layer_freq != ModelSettings.__dataclass_fields__["moe_layer_freq"].default:
             return ["--moe-layer-freq places a GPT's MoE layers; in a HybridModel the pattern's 'E' does: leave it out"]
     if experts is None:
-        given = [flag for name, flag in _MOE_ONLY
-                 if getattr(model, name) != ModelSettings.__dataclass_fields__[name].default]
+        defaults = type(model).__dataclass_fields__  # the command's own (the check's differ from train's)
+        given = [flag for name, flag in _MOE_ONLY if getattr(model, name) != defaults[name].default]
         return [f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} MoE layers: add --num-experts N"] if given else []
     found = []
     if _positive(experts, model.moe_router_topk) and model.moe_router_topk > experts:
@@ -70,11 +70,14 @@ def _moe_shape_problems(model: ModelSettings) -> List[str]:
                      "has no gradient)")
     if model.add_bias_linear and not model.moe_grouped_gemm:
         found.append("--add-bias-linear with MoE layers: Megatron's SequentialMLP experts cannot train with "
-                     "biases (they add the bias in place into a view autograd protects); leave it out")
+                     "biases (they add the bias in place into a view autograd protects): add --disable-bias-linear")
     try:
         pattern = moe_layer_freq(model.moe_layer_freq)
     except ValueError:
         return found  # refused by the setting's own check
+    if model.norm == "siamese-layer" and pattern != 1:
+        found.append("--norm siamese-layer builds every layer from one --spec object (with experts: "
+                     "siamese_moe_layer_spec, an MoE layer each): use --moe-layer-freq 1, or --norm siamese")
     if isinstance(pattern, list) and model.model != "hybrid" and len(pattern) != model.num_layers:
         found.append(f"--moe-layer-freq lists {len(pattern)} layers for --num-layers {model.num_layers}: "
                      "give one 0/1 per layer")
@@ -103,7 +106,7 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
         found.append(f"the vocabulary ({vocab_size}) does not split over {spell('tp', tp)}: use a tensor-parallel "
                      f"size dividing it ({divisors}, ...)")
     found += _stage_problems(model, layout, spell)
-    found += _expert_problems(model, layout, spell)
+    found += expert_problems(model, layout, spell)
     dp = layout.dp
     if _positive(micro_batch_size, global_batch_size, dp) and global_batch_size % (micro_batch_size * dp):
         found.append(f"{global_batch_flag} {global_batch_size} must be a multiple of --micro-batch-size x "
@@ -111,7 +114,8 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
     return found
 
 
-def _expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, int], str]) -> List[str]:
+def expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, int], str] = short_flag) -> List[str]:
+    """What of ``model``'s MoE layers ``layout`` cannot split or train (part of ``split_problems``)."""
     experts = model.num_moe_experts
     if experts is None:
         return ([f"expert parallelism ({spell('ep', layout.ep)}) splits MoE layers: add --num-experts N"]
