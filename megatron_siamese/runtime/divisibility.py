@@ -56,7 +56,7 @@ def _moe_shape_problems(model: ModelSettings) -> List[str]:
         if experts is not None and not has_moe:
             return ["--num-experts sizes the hybrid pattern's MoE ('E') layers, and the pattern has none: "
                     "add 'E' layers to --hybrid-layer-pattern or leave --num-experts out"]
-        if model.moe_layer_freq != ModelSettings.__dataclass_fields__["moe_layer_freq"].default:
+        if model.moe_layer_freq != type(model).__dataclass_fields__["moe_layer_freq"].default:
             return ["--moe-layer-freq places a GPT's MoE layers; in a HybridModel the pattern's 'E' does: leave it out"]
     if experts is None:
         defaults = type(model).__dataclass_fields__  # the command's own (the check's differ from train's)
