@@ -340,6 +340,18 @@ def step_rehearsal(module: str, step: str, tmp_path) -> dict:
     return json.loads(result.read_text())
 
 
+def test_moe_training_rehearsal_trains_an_moe_model_and_reads_its_routers(tmp_path):
+    """The MoE step's CPU form: the trainer's MoE run, its losses and the routers' statistics
+    (the GPU run adds Transformer Engine's grouped-GEMM experts and FP8)."""
+    record = step_rehearsal("training.py", "moe-training", tmp_path)
+    cpu = record["rehearsed_on_cpu"]
+    assert cpu["steps"] == 6 and not cpu["diverged"]
+    assert cpu["busiest_expert_load"] and all(load >= 1.0 for load in cpu["busiest_expert_load"].values())
+    assert "load_balancing_loss" in cpu["router_at_end"]
+    assert cpu["balanced"] == (cpu["router_at_end"]["busiest_expert_load"] <= record["balance_limit"])
+    assert "Transformer Engine" in record["stopped_at_gpu"]
+
+
 def test_model_bench_rehearsal_runs_megatrons_step_on_cpu(tmp_path):
     """The model bench at a tiny size with the local modules: MegatronGPT's schedule step timed
     for stock and SiameseNorm (both kernel generations, twice), with layernorm recompute too;

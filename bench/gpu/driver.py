@@ -76,6 +76,8 @@ STEPS = (
     Step("model-bench", "model_bench.py", 2, 330, needs=TE, te=True, expected_s=210, min_s=90),
     Step("te-vs-local", "te_parity.py", 2, 120, needs=TE, te=True, expected_s=22, min_s=40),
     Step("te-check", "te_check.py", 2, 150, needs=TE, te=True, expected_s=45, min_s=40),
+    # new (issue 19): before fp8-training, which passed on 2026-12-01 and tests no new code
+    Step("moe-training", "training.py", 2, 150, needs=TE, te=True, expected_s=50, min_s=60),
     Step("fp8-training", "training.py", 2, 240, needs=TE, te=True, expected_s=106, min_s=130),
 )
 

