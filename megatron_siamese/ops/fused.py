@@ -226,6 +226,13 @@ torch.library.register_autograd(
 # -- entry points on [..., width] tensors ----------------------------------------------------
 
 
+def _norm_rows(op, streams: Tensor, hidden: int, *weights_and_flags) -> Tuple[Tensor, Tensor]:
+    """A norm op on streams [..., width] as rows [N, width]: (base [..., 2h], normed [..., h])."""
+    leading = streams.shape[:-1]
+    base, normed, _ = op(streams.reshape(-1, streams.shape[-1]).contiguous(), hidden, *weights_and_flags)
+    return base.view(*leading, 2 * hidden), normed.view(*leading, hidden)
+
+
 def dual_norm(
     streams: Tensor,
     hidden: int,
@@ -240,12 +247,8 @@ def dual_norm(
     zero_centered_gamma: bool,
 ) -> Tuple[Tensor, Tensor]:
     """(base = [PostNorm(x) | y], InputNorm(PostNorm(x) + PreNorm(y))) for streams [..., 2h] or [..., h]."""
-    leading = streams.shape[:-1]
-    base, normed, _ = ops.dual_norm(
-        streams.reshape(-1, streams.shape[-1]).contiguous(), hidden, x_weight, x_bias, y_weight,
-        y_bias, in_weight, in_bias, eps, rms, zero_centered_gamma,
-    )
-    return base.view(*leading, 2 * hidden), normed.view(*leading, hidden)
+    return _norm_rows(ops.dual_norm, streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps,
+                      rms, zero_centered_gamma)
 
 
 def hybrid_dual_norm(
@@ -260,12 +263,7 @@ def hybrid_dual_norm(
 ) -> Tuple[Tensor, Tensor]:
     """(base = [x | y], c1 * x + PreNorm(y)) for streams [..., 2h] or [..., h]: the hybrid
     variant's attention side (``x_scale`` is c1; no InputNorm)."""
-    leading = streams.shape[:-1]
-    base, normed, _ = ops.hybrid_dual_norm(
-        streams.reshape(-1, streams.shape[-1]).contiguous(), hidden, x_scale, y_weight, y_bias, eps, rms,
-        zero_centered_gamma,
-    )
-    return base.view(*leading, 2 * hidden), normed.view(*leading, hidden)
+    return _norm_rows(ops.hybrid_dual_norm, streams, hidden, x_scale, y_weight, y_bias, eps, rms, zero_centered_gamma)
 
 
 def dual_residual(
