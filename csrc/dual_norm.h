@@ -94,8 +94,8 @@ inline at::ScalarType accumulation_type(const torch::Tensor& t) {
 
 // One device's kernel launchers, for dual_norm and (NormWeights::channel_scale) for
 // hybrid_dual_norm. Outputs are allocated by the host layer: base, normed and stats [rows, 6];
-// grad_streams and weight_grads [6, h] (zeroed, rows of absent weights stay zero); packed; grad_out and grad_bias [h] (zeroed; undefined without a bias). Optional
-// inputs (bias in the accumulation type, mask) may be undefined.
+// grad_streams and weight_grads [6, h] (zeroed, rows of absent weights stay zero); packed;
+// grad_out and grad_bias [h] (zeroed; undefined without a bias). Optional inputs (bias in the accumulation type, mask) may be undefined.
 #define MEGATRON_SIAMESE_KERNELS                                                                      \
   static void dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w,     \
                         double eps, torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats); \

@@ -291,8 +291,9 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
           s_ty += vty, s_tyn = at::vec::fmadd(vty, vny, s_tyn);
         });
         // pass 3: gradients of x and y (plus y's identity-path gradient)
-        // the hybrid's x is not normalized: no x-norm terms, and its residual gradient joins
-        const Vec mtx(rms || channel_scale ? A(0) : reduce(s_tx) / h), mtnx(channel_scale ? A(0) : reduce(s_txn) / h);
+        // the hybrid's x is not normalized: no x-norm terms, and its residual gradient joins dL/dx
+        const Vec mtx(rms || channel_scale ? A(0) : reduce(s_tx) / h);
+        const Vec mtnx(channel_scale ? A(0) : reduce(s_txn) / h);
         const Vec mty(rms ? A(0) : reduce(s_ty) / h), mtny(reduce(s_tyn) / h);
         T* out = grad_streams + r * width;
         // nx / ny are not read again after their element: outputs may overwrite them
@@ -397,8 +398,8 @@ void CpuKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, co
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), g, pointers_of<A>(w), w.has_input_norm(), w.rms,
-                              w.channel_scale, static_cast<A>(eps), base.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(),
-                              stats.data_ptr<A>());
+                              w.channel_scale, static_cast<A>(eps), base.data_ptr<scalar_t>(),
+                              normed.data_ptr<scalar_t>(), stats.data_ptr<A>());
   });
 }
 

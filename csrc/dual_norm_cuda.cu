@@ -624,7 +624,8 @@ void CudaKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch
                                      const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
   const c10::cuda::CUDAGuard guard(streams.device());
   const KernelGeneration generation = cuda_kernel_generation();
-  if (w.channel_scale) return general_backward(grad_base, grad_normed, streams, stats, g, w, grad_streams, weight_grads);
+  if (w.channel_scale)
+    return general_backward(grad_base, grad_normed, streams, stats, g, w, grad_streams, weight_grads);
   if (generation == KernelGeneration::kTiled)
     return tiled_dual_norm_backward(grad_base, grad_normed, streams, stats, g, w, grad_streams, weight_grads);
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cuda", [&] {

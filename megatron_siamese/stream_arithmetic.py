@@ -10,8 +10,9 @@ implementations compute, with the signatures of ``reference.functional``:
 modules (torch's fused norm kernels) and ``reference.functional.dual_residual``;
 ``FusedStreamArithmetic`` runs the extension's ``dual_norm`` / ``dual_residual`` ops
 (csrc/), and ``hybrid_dual_norm`` for a sublayer whose X side is the hybrid variant's
-``ChannelScale`` (``normed = c1 * x + PreNorm(y)``, ``base = [x | y]``). ``StreamArithmetic`` picks one per device the tensors live on: the fused ops where
-the extension has kernels for that device (or always, or never, as the config asks).
+``ChannelScale`` (``normed = c1 * x + PreNorm(y)``, ``base = [x | y]``).
+``StreamArithmetic`` picks one per device the tensors live on: the fused ops where the
+extension has kernels for that device (or always, or never, as the config asks).
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ def test_dual_norm_gradcheck_fp64(device, packed, rms, input_norm, zero_centered
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("packed,rms,zero_centered", list(itertools.product([True, False], [False, True], [False, True])))
+@pytest.mark.parametrize("packed,rms,zero_centered",
+                         list(itertools.product([True, False], [False, True], [False, True])))
 def test_hybrid_dual_norm_gradcheck_fp64(device, packed, rms, zero_centered):
     streams, weights = make_inputs(5, 7, packed, rms, dtype=torch.float64, device=device, hybrid=True)
     inputs = [t.requires_grad_(True) for t in [streams] + weights if t is not None]
