@@ -162,7 +162,8 @@ void forward_rows(const T* streams, const StreamRows& g, const WeightPointers<A>
       const T* y = g.packed ? x + h : x;
       T* base_row = base + r * 2 * h;
       T* normed_row = normed + r * h;
-      A* u_out = out_acc(base_row, scratch.data());
+      // u in place of its base half, or in scratch for the hybrid, whose base half is x
+      A* u_out = channel_scale ? scratch.data() : out_acc(base_row, scratch.data());
       A* a = out_acc(normed_row, scratch.data() + h);
       // pass 1: means (two-pass statistics stay accurate under large offsets). The hybrid's x
       // is not normalized: its statistics are the identity's (mean 0, rstd 1), so u = c1 * x.
