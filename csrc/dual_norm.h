@@ -6,6 +6,9 @@
 //
 //   dual_norm:     u = PostNorm(x);  a = u + PreNorm(y);  normed = InputNorm(a) (or a)
 //                  outputs base = [u | y] (2h), normed (h), stats (6 fp32 per row)
+//   hybrid_dual_norm (the hybrid variant's attention side): the same with PostNorm replaced
+//                  by a per-channel scale c1 and no InputNorm: normed = c1 * x + PreNorm(y),
+//                  base = [x | y] (the X stream continues from x itself)
 //   dual_residual: out_packed = base + [z / c | z],  z = (out + bias) * mask * scale
 //
 // "base" is what the residual update adds to. Returning it as one packed tensor lets the
@@ -31,9 +34,16 @@ constexpr int64_t kStatsPerRow = 6;
 // The norms' affine parameters as the kernels apply them: contiguous, in the accumulation
 // type (fp32; fp64 for double streams), gamma already 1 + w for zero-centred weights.
 // Betas (and the input norm) may be undefined.
+//
+// channel_scale: hybrid_dual_norm's X side. x_gamma is c1 (stored as is, not zero-centred),
+// x_beta and the input norm are undefined, and x is not normalized: its statistics are the
+// identity's (mean 0, rstd 1, written to stats as such), so u = c1 * x falls out of the same
+// formulas, and the backward's x-norm terms vanish. base keeps x itself: the residual-path
+// gradient of x reaches x directly, not through c1.
 struct NormWeights {
   torch::Tensor x_gamma, x_beta, y_gamma, y_beta, in_gamma, in_beta;
   bool rms = false;
+  bool channel_scale = false;
   bool has_input_norm() const { return in_gamma.defined(); }
 };
 
@@ -82,10 +92,10 @@ inline at::ScalarType accumulation_type(const torch::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// One device's kernel launchers. Outputs are allocated by the host layer: base, normed and
-// stats [rows, 6]; grad_streams and weight_grads [6, h] (zeroed, rows of absent weights stay
-// zero); packed; grad_out and grad_bias [h] (zeroed; undefined without a bias). Optional
-// inputs (bias in the accumulation type, mask) may be undefined.
+// One device's kernel launchers, for dual_norm and (NormWeights::channel_scale) for
+// hybrid_dual_norm. Outputs are allocated by the host layer: base, normed and stats [rows, 6];
+// grad_streams and weight_grads [6, h] (zeroed, rows of absent weights stay zero); packed;
+// grad_out and grad_bias [h] (zeroed; undefined without a bias). Optional inputs (bias in the accumulation type, mask) may be undefined.
 #define MEGATRON_SIAMESE_KERNELS                                                                      \
   static void dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w,     \
                         double eps, torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats); \

@@ -152,7 +152,7 @@ inline A rstd_of(A centred_squares, int64_t n, A eps) {
 
 template <typename T, typename A>
 void forward_rows(const T* streams, const StreamRows& g, const WeightPointers<A>& w, bool has_input_norm,
-                  bool rms, A eps, T* base, T* normed, A* stats) {
+                  bool rms, bool channel_scale, A eps, T* base, T* normed, A* stats) {
   using Vec = at::vec::Vectorized<A>;
   const int64_t h = g.hidden, width = g.width();
   at::parallel_for(0, g.rows, 1, [&](int64_t begin, int64_t end) {
@@ -162,14 +162,16 @@ void forward_rows(const T* streams, const StreamRows& g, const WeightPointers<A>
       const T* y = g.packed ? x + h : x;
       T* base_row = base + r * 2 * h;
       T* normed_row = normed + r * h;
-      A* u_out = out_acc(base_row, scratch.data());
+      // u in place of its base half, or in scratch for the hybrid, whose base half is x
+      A* u_out = channel_scale ? scratch.data() : out_acc(base_row, scratch.data());
       A* a = out_acc(normed_row, scratch.data() + h);
-      // pass 1: means (two-pass statistics stay accurate under large offsets)
+      // pass 1: means (two-pass statistics stay accurate under large offsets). The hybrid's x
+      // is not normalized: its statistics are the identity's (mean 0, rstd 1), so u = c1 * x.
       A mx = 0, my = 0;
       if (!rms) {
         Vec sx(A(0)), sy(A(0));
         vec_loop<A>(h, [&](int64_t i, int64_t c) { sx += load_acc<A>(x, i, c), sy += load_acc<A>(y, i, c); });
-        mx = reduce(sx) / h, my = reduce(sy) / h;
+        mx = channel_scale ? A(0) : reduce(sx) / h, my = reduce(sy) / h;
       }
       // pass 2: centred squares
       Vec qx(A(0)), qy(A(0));
@@ -178,7 +180,7 @@ void forward_rows(const T* streams, const StreamRows& g, const WeightPointers<A>
         const Vec cx = valid(load_acc<A>(x, i, c) - vmx, c), cy = valid(load_acc<A>(y, i, c) - vmy, c);
         qx = at::vec::fmadd(cx, cx, qx), qy = at::vec::fmadd(cy, cy, qy);
       });
-      const A rx = rstd_of(reduce(qx), h, eps), ry = rstd_of(reduce(qy), h, eps);
+      const A rx = channel_scale ? A(1) : rstd_of(reduce(qx), h, eps), ry = rstd_of(reduce(qy), h, eps);
       // pass 3: u = PostNorm(x), a = u + PreNorm(y), and a's sum
       const Vec vrx(rx), vry(ry);
       Vec sa(A(0));
@@ -190,7 +192,8 @@ void forward_rows(const T* streams, const StreamRows& g, const WeightPointers<A>
         st(av, a, i, c);
         sa += av;
       });
-      finish_row(base_row, u_out, h);
+      if (channel_scale) std::copy(x, x + h, base_row);  // hybrid: the X stream continues from x
+      else finish_row(base_row, u_out, h);
       std::copy(y, y + h, base_row + h);
       A ma = 0, ra = 0;
       if (has_input_norm) {
@@ -225,10 +228,13 @@ inline std::pair<int64_t, int64_t> row_blocks(int64_t rows) {
 
 // With normalized value n, gamma-scaled gradient t = dL/dnorm_out * gamma:
 //   dL/dinput = rstd * (t - mean(t) - n * mean(t * n))   (RMSNorm: without mean(t)).
+//
+// Hybrid (channel_scale): x's statistics are the identity's, u = c1 * x, and base's first half
+// is x itself, so dL/du is dL/da alone and dL/dx = dL/dbase_x + c1 * dL/da.
 template <typename T, typename A>
 void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, const A* stats,
                    const StreamRows& g, const WeightPointers<A>& w, bool has_input_norm, bool rms,
-                   T* grad_streams, A* weight_grads) {
+                   bool channel_scale, T* grad_streams, A* weight_grads) {
   using Vec = at::vec::Vectorized<A>;
   const int64_t h = g.hidden, width = g.width(), rows = g.rows;
   const auto [blocks, rows_per_block] = row_blocks(rows);
@@ -268,12 +274,13 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
             s_t += vt, s_tn = at::vec::fmadd(vt, vna, s_tn);
           }
         });
-        // pass 2: dL/da; dL/du = residual gradient + dL/da; PreNorm(y)'s output gradient is dL/da
+        // pass 2: dL/da; dL/du = residual gradient (none in the hybrid) + dL/da; PreNorm(y)'s
+        // output gradient is dL/da
         const Vec mean_t(rms ? A(0) : reduce(s_t) / h), mean_tn(reduce(s_tn) / h);
         Vec s_tx(A(0)), s_txn(A(0)), s_ty(A(0)), s_tyn(A(0));
         vec_loop<A>(h, [&](int64_t i, int64_t c) {
           const Vec vga = has_input_norm ? ra * (ld(t, i, c) - mean_t - ld(na, i, c) * mean_tn) : ld(ga, i, c);
-          const Vec vgu = ld(gu, i, c) + vga, vnx = ld(nx, i, c), vny = ld(ny, i, c);
+          const Vec vgu = channel_scale ? vga : ld(gu, i, c) + vga, vnx = ld(nx, i, c), vny = ld(ny, i, c);
           st(at::vec::fmadd(vgu, vnx, ld(dgx, i, c)), dgx, i, c);
           if (w.bx) st(ld(dbx, i, c) + vgu, dbx, i, c);
           st(at::vec::fmadd(vga, vny, ld(dgy, i, c)), dgy, i, c);
@@ -285,7 +292,9 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
           s_ty += vty, s_tyn = at::vec::fmadd(vty, vny, s_tyn);
         });
         // pass 3: gradients of x and y (plus y's identity-path gradient)
-        const Vec mtx(rms ? A(0) : reduce(s_tx) / h), mtnx(reduce(s_txn) / h);
+        // the hybrid's x is not normalized: no x-norm terms, and its residual gradient joins dL/dx
+        const Vec mtx(rms || channel_scale ? A(0) : reduce(s_tx) / h);
+        const Vec mtnx(channel_scale ? A(0) : reduce(s_txn) / h);
         const Vec mty(rms ? A(0) : reduce(s_ty) / h), mtny(reduce(s_tyn) / h);
         T* out = grad_streams + r * width;
         // nx / ny are not read again after their element: outputs may overwrite them
@@ -293,7 +302,8 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
         A* gy_out = g.packed ? out_acc(out + h, ny) : ny;
         vec_loop<A>(h, [&](int64_t i, int64_t c) {
           const Vec vnx = ld(nx, i, c), vny = ld(ny, i, c);
-          const Vec gx_in = rx * (ld(t, i, c) - mtx - vnx * mtnx);
+          Vec gx_in = rx * (ld(t, i, c) - mtx - vnx * mtnx);
+          if (channel_scale) gx_in += ld(gu, i, c);
           const Vec gy_in = ry * (ld(ty, i, c) - mty - vny * mtny) + ld(gyid, i, c);
           st(g.packed ? gx_in : gx_in + gy_in, gx_out, i, c);
           st(gy_in, gy_out, i, c);
@@ -389,8 +399,8 @@ void CpuKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, co
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), g, pointers_of<A>(w), w.has_input_norm(), w.rms,
-                              static_cast<A>(eps), base.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(),
-                              stats.data_ptr<A>());
+                              w.channel_scale, static_cast<A>(eps), base.data_ptr<scalar_t>(),
+                              normed.data_ptr<scalar_t>(), stats.data_ptr<A>());
   });
 }
 
@@ -401,7 +411,7 @@ void CpuKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch:
     using A = at::opmath_type<scalar_t>;
     backward_rows<scalar_t, A>(grad_base.data_ptr<scalar_t>(), grad_normed.data_ptr<scalar_t>(),
                                streams.data_ptr<scalar_t>(), stats.data_ptr<A>(), g, pointers_of<A>(w),
-                               w.has_input_norm(), w.rms, grad_streams.data_ptr<scalar_t>(),
+                               w.has_input_norm(), w.rms, w.channel_scale, grad_streams.data_ptr<scalar_t>(),
                                weight_grads.data_ptr<A>());
   });
 }

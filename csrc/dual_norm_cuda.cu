@@ -18,6 +18,12 @@
 // and the default. MEGATRON_SIAMESE_CUDA_KERNELS=tiled routes every op to the tiled kernels
 // (tiled_kernels.cu) where they cover the row, and to the general kernels
 // (general_kernels.cuh) elsewhere: CudaKernels::* at the end of this file.
+//
+// hybrid_dual_norm (NormWeights::channel_scale) runs the general kernels under both
+// generations: the verified ones stay exactly as the GPU run verified them, and a runtime
+// branch for it in the tiled backward changed the standard op's registers (ptxas: 41 of the 48
+// sm_90 backward instantiations grew, by up to 28), so it waits for instantiations of its own
+// (docs/kernels.md).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
@@ -485,7 +491,8 @@ bool tiled_fits(const StreamRows& g, tiled::DType t, const tiled::NormArgs& a,
 template <typename A>
 general::Params<A> general_params(const NormWeights& w, const StreamRows& g, double eps) {
   const WeightPointers<A> p = pointers_of<A>(w);
-  return general::Params<A>{p.gx, p.bx, p.gy, p.by, p.gi, p.bi, g.rows, g.hidden, g.packed, w.rms, static_cast<A>(eps)};
+  return general::Params<A>{p.gx, p.bx, p.gy, p.by, p.gi, p.bi, g.rows, g.hidden, g.packed, w.rms, w.channel_scale,
+                            static_cast<A>(eps)};
 }
 
 int general_grid(int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, 65535 * 32)); }
@@ -593,7 +600,9 @@ bool tiled_residual_fits(const torch::Tensor& t, int64_t h, tiled::DType& type,
 void CudaKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps,
                             torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
   const c10::cuda::CUDAGuard guard(streams.device());
-  if (cuda_kernel_generation() == KernelGeneration::kTiled) return tiled_dual_norm(streams, g, w, eps, base, normed, stats);
+  const KernelGeneration generation = cuda_kernel_generation();  // checks the setting for every op
+  if (w.channel_scale) return general_forward(streams, g, w, eps, base, normed, stats);
+  if (generation == KernelGeneration::kTiled) return tiled_dual_norm(streams, g, w, eps, base, normed, stats);
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
     const Params<A> params = make_params<A>(w, g, eps);
@@ -614,7 +623,10 @@ void CudaKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch
                                      const torch::Tensor& streams, const torch::Tensor& stats, const StreamRows& g,
                                      const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
   const c10::cuda::CUDAGuard guard(streams.device());
-  if (cuda_kernel_generation() == KernelGeneration::kTiled)
+  const KernelGeneration generation = cuda_kernel_generation();
+  if (w.channel_scale)
+    return general_backward(grad_base, grad_normed, streams, stats, g, w, grad_streams, weight_grads);
+  if (generation == KernelGeneration::kTiled)
     return tiled_dual_norm_backward(grad_base, grad_normed, streams, stats, g, w, grad_streams, weight_grads);
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cuda", [&] {
     using A = at::opmath_type<scalar_t>;

@@ -44,6 +44,7 @@ struct Params {
   const A *gx, *bx, *gy, *by, *gi, *bi;
   int64_t rows, hidden;
   bool packed, rms;
+  bool channel_scale;  // hybrid_dual_norm: x's statistics are the identity's, base keeps x (NormWeights)
   A eps;
 };
 
@@ -89,10 +90,11 @@ __global__ void forward_kernel(const T* __restrict__ streams, Params<A> p, T* __
     block_sum(q, shared);
     row.mx = m[0], row.my = m[1];
     row.rx = A(1) / sqrt(q[0] / h + p.eps), row.ry = A(1) / sqrt(q[1] / h + p.eps);
+    if (p.channel_scale) row.mx = A(0), row.rx = A(1);  // hybrid: x is not normalized (u = c1 * x)
     T* base_row = base + r * 2 * h;
     A sa[1] = {A(0)};
     for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
-      base_row[c] = static_cast<T>(row.u(p, c));
+      base_row[c] = p.channel_scale ? row.x[c] : static_cast<T>(row.u(p, c));
       base_row[h + c] = row.y[c];
       sa[0] += row.a(p, c);
     }
@@ -132,6 +134,13 @@ __device__ __forceinline__ A grad_a(const Params<A>& p, const Row<T, A>& row, co
   return ra * (g * p.gi[c] - mean_t - na * mean_tn);
 }
 
+// dL/du at column c: the residual-path gradient plus dL/da, or dL/da alone in the hybrid,
+// whose base keeps x (its residual-path gradient goes to x directly).
+template <typename T, typename A>
+__device__ __forceinline__ A grad_u(const Params<A>& p, const T* gb, A ga, int64_t c) {
+  return p.channel_scale ? ga : static_cast<A>(gb[c]) + ga;
+}
+
 // The streams' gradient, and per row the input norm's terms (mean(t), mean(t * n)) that the
 // weight-gradient kernel needs.
 template <typename T, typename A>
@@ -161,18 +170,20 @@ __global__ void backward_rows_kernel(const T* __restrict__ grad_base, const T* _
     A sums[4] = {A(0), A(0), A(0), A(0)};
     for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
       const A ga = grad_a(p, row, gn, ma, ra, mean_t, mean_tn, c);
-      const A gu = static_cast<A>(gb[c]) + ga;
+      const A gu = grad_u(p, gb, ga, c);
       const A tx = gu * weight(p.gx, c, A(1)), ty = ga * weight(p.gy, c, A(1));
       sums[0] += tx, sums[1] += tx * row.nx(c), sums[2] += ty, sums[3] += ty * row.ny(c);
     }
     block_sum(sums, shared);
-    const A mtx = p.rms ? A(0) : sums[0] / h, mtnx = sums[1] / h;
+    // the hybrid's x is not normalized: no x-norm terms, and its residual gradient joins dL/dx
+    const A mtx = p.rms || p.channel_scale ? A(0) : sums[0] / h, mtnx = p.channel_scale ? A(0) : sums[1] / h;
     const A mty = p.rms ? A(0) : sums[2] / h, mtny = sums[3] / h;
     T* out = grad_streams + r * width;
     for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
       const A ga = grad_a(p, row, gn, ma, ra, mean_t, mean_tn, c);
-      const A gu = static_cast<A>(gb[c]) + ga;
-      const A dx = row.rx * (gu * weight(p.gx, c, A(1)) - mtx - row.nx(c) * mtnx);
+      const A gu = grad_u(p, gb, ga, c);
+      const A dx = row.rx * (gu * weight(p.gx, c, A(1)) - mtx - row.nx(c) * mtnx) +
+                   (p.channel_scale ? static_cast<A>(gb[c]) : A(0));
       const A dy = row.ry * (ga * weight(p.gy, c, A(1)) - mty - row.ny(c) * mtny) + static_cast<A>(gb[h + c]);
       if (p.packed) {
         out[c] = static_cast<T>(dx);
@@ -206,14 +217,15 @@ __global__ void weight_grad_kernel(const T* __restrict__ grad_base, const T* __r
     const A ma = s[4], ra = s[5];
     const T* gn = grad_normed + r * h;
     const A ga = grad_a(p, row, gn, ma, ra, terms[2 * r], terms[2 * r + 1], c);
-    const A gu = static_cast<A>(grad_base[r * 2 * h + c]) + ga;
+    const A gu = grad_u(p, grad_base + r * 2 * h, ga, c);
     acc[0] += gu * row.nx(c), acc[1] += gu, acc[2] += ga * row.ny(c), acc[3] += ga;
     if (p.gi != nullptr) {
       const A g = static_cast<A>(gn[c]);
       acc[4] += g * (row.a(p, c) - ma) * ra, acc[5] += g;
     }
   }
-  if (p.bx == nullptr) acc[1] = acc[3] = A(0);  // rows of absent weights stay zero
+  if (p.bx == nullptr) acc[1] = A(0);  // rows of absent weights stay zero
+  if (p.by == nullptr) acc[3] = A(0);
   if (p.bi == nullptr) acc[5] = A(0);
   A* part = partials + (int64_t(blockIdx.y) * kLanes + threadIdx.y) * 6 * h;
 #pragma unroll

@@ -20,33 +20,31 @@ torch::Tensor defined_or_empty(const OptionalTensor& t) {
   return t.has_value() && t->defined() ? *t : torch::Tensor();
 }
 
-StreamRows check_streams(const torch::Tensor& streams, int64_t hidden) {
-  TORCH_CHECK(streams.dim() == 2, "dual_norm: streams must be 2-D [rows, width], got ",
-              streams.sizes());
-  TORCH_CHECK(streams.is_contiguous(), "dual_norm: streams must be contiguous");
-  TORCH_CHECK(hidden > 0, "dual_norm: hidden must be positive, got ", hidden);
+StreamRows check_streams(const torch::Tensor& streams, int64_t hidden, const char* op) {
+  TORCH_CHECK(streams.dim() == 2, op, ": streams must be 2-D [rows, width], got ", streams.sizes());
+  TORCH_CHECK(streams.is_contiguous(), op, ": streams must be contiguous");
+  TORCH_CHECK(hidden > 0, op, ": hidden must be positive, got ", hidden);
   const int64_t width = streams.size(1);
-  TORCH_CHECK(width == hidden || width == 2 * hidden,
-              "dual_norm: streams width must be hidden (first layer) or 2 * hidden (packed "
-              "[x | y]); got width ",
-              width, " for hidden ", hidden);
+  TORCH_CHECK(width == hidden || width == 2 * hidden, op,
+              ": streams width must be hidden (first layer) or 2 * hidden (packed [x | y]); got width ", width,
+              " for hidden ", hidden);
   auto dtype = streams.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble,
-              "dual_norm: streams must be float32, bfloat16, float16 or float64, got ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble, op,
+              ": streams must be float32, bfloat16, float16 or float64, got ", dtype);
   return StreamRows{streams.size(0), hidden, width == 2 * hidden};
 }
 
 // A weight vector as the kernels read it: [h], on the streams' device, in the accumulation
 // type, contiguous; a gamma gets its +1 when stored zero-centred.
-torch::Tensor prepared(const OptionalTensor& t, const torch::Tensor& streams, int64_t hidden,
+torch::Tensor prepared(const OptionalTensor& t, const torch::Tensor& streams, int64_t hidden, const char* op,
                        const char* name, bool is_gamma, bool zero_centered_gamma) {
   torch::Tensor w = defined_or_empty(t);
   if (!w.defined()) return w;
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == hidden, "dual_norm: ", name, " must have shape [", hidden,
-              "], got ", w.sizes());
-  TORCH_CHECK(w.device() == streams.device(), "dual_norm: ", name, " is on ", w.device(),
-              ", the streams on ", streams.device());
-  TORCH_CHECK(w.scalar_type() == streams.scalar_type() || w.scalar_type() == at::kFloat, "dual_norm: ", name,
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == hidden, op, ": ", name, " must have shape [", hidden, "], got ",
+              w.sizes());
+  TORCH_CHECK(w.device() == streams.device(), op, ": ", name, " is on ", w.device(), ", the streams on ",
+              streams.device());
+  TORCH_CHECK(w.scalar_type() == streams.scalar_type() || w.scalar_type() == at::kFloat, op, ": ", name,
               " must be in the streams' dtype (", streams.scalar_type(), ") or float32, got ", w.scalar_type());
   w = w.to(accumulation_type(streams));
   return (is_gamma && zero_centered_gamma ? w + 1 : w).contiguous();
@@ -56,13 +54,14 @@ NormWeights prepare_weights(const torch::Tensor& streams, int64_t hidden, const 
                             const OptionalTensor& x_bias, const torch::Tensor& y_weight,
                             const OptionalTensor& y_bias, const OptionalTensor& in_weight,
                             const OptionalTensor& in_bias, bool rms, bool zero_centered_gamma) {
+  constexpr const char* op = "dual_norm";
   NormWeights w;
-  w.x_gamma = prepared(x_weight, streams, hidden, "x_weight", true, zero_centered_gamma);
-  w.y_gamma = prepared(y_weight, streams, hidden, "y_weight", true, zero_centered_gamma);
-  w.in_gamma = prepared(in_weight, streams, hidden, "in_weight", true, zero_centered_gamma);
-  w.x_beta = prepared(x_bias, streams, hidden, "x_bias", false, false);
-  w.y_beta = prepared(y_bias, streams, hidden, "y_bias", false, false);
-  w.in_beta = prepared(in_bias, streams, hidden, "in_bias", false, false);
+  w.x_gamma = prepared(x_weight, streams, hidden, op, "x_weight", true, zero_centered_gamma);
+  w.y_gamma = prepared(y_weight, streams, hidden, op, "y_weight", true, zero_centered_gamma);
+  w.in_gamma = prepared(in_weight, streams, hidden, op, "in_weight", true, zero_centered_gamma);
+  w.x_beta = prepared(x_bias, streams, hidden, op, "x_bias", false, false);
+  w.y_beta = prepared(y_bias, streams, hidden, op, "y_bias", false, false);
+  w.in_beta = prepared(in_bias, streams, hidden, op, "in_bias", false, false);
   w.rms = rms;
   const bool biased = w.x_beta.defined();
   TORCH_CHECK(biased == w.y_beta.defined() && (!w.has_input_norm() || biased == w.in_beta.defined()),
@@ -72,19 +71,72 @@ NormWeights prepare_weights(const torch::Tensor& streams, int64_t hidden, const 
   return w;
 }
 
+// hybrid_dual_norm's weights: c1 as the X side's gamma (a scale, ones at init: never
+// zero-centred), PreNorm(y)'s gamma and bias, no input norm.
+NormWeights prepare_hybrid_weights(const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_scale,
+                                   const torch::Tensor& y_weight, const OptionalTensor& y_bias, bool rms,
+                                   bool zero_centered_gamma) {
+  constexpr const char* op = "hybrid_dual_norm";
+  NormWeights w;
+  w.x_gamma = prepared(x_scale, streams, hidden, op, "x_scale", false, false);
+  w.y_gamma = prepared(y_weight, streams, hidden, op, "y_weight", true, zero_centered_gamma);
+  w.y_beta = prepared(y_bias, streams, hidden, op, "y_bias", false, false);
+  w.rms = rms;
+  w.channel_scale = true;
+  TORCH_CHECK(!(rms && w.y_beta.defined()), "hybrid_dual_norm: RMSNorm has no bias");
+  return w;
+}
+
+// The forward of both norm ops on checked streams and prepared weights.
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> norm_forward(const torch::Tensor& streams,
+                                                                     const StreamRows& geometry,
+                                                                     const NormWeights& weights, double eps) {
+  auto base = torch::empty({geometry.rows, 2 * geometry.hidden}, streams.options());
+  auto normed = torch::empty({geometry.rows, geometry.hidden}, streams.options());
+  auto stats = torch::empty({geometry.rows, kStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
+  if (geometry.rows > 0) Kernels::dual_norm(streams, geometry, weights, eps, base, normed, stats);
+  return {base, normed, stats};
+}
+
+// The backward of both norm ops: grad_streams and weight gradients [6, h] in dual_norm's order.
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor> norm_backward(const char* op, const torch::Tensor& grad_base,
+                                                       const torch::Tensor& grad_normed, const torch::Tensor& streams,
+                                                       const torch::Tensor& stats, const StreamRows& geometry,
+                                                       const NormWeights& weights) {
+  const int64_t hidden = geometry.hidden;
+  TORCH_CHECK(grad_base.dim() == 2 && grad_base.size(0) == geometry.rows && grad_base.size(1) == 2 * hidden, op,
+              ": grad_base must be [rows, 2 * hidden], got ", grad_base.sizes());
+  TORCH_CHECK(grad_normed.dim() == 2 && grad_normed.size(0) == geometry.rows && grad_normed.size(1) == hidden, op,
+              ": grad_normed must be [rows, hidden], got ", grad_normed.sizes());
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == geometry.rows && stats.size(1) == kStatsPerRow &&
+                  stats.scalar_type() == accumulation_type(streams) && stats.is_contiguous(),
+              op, ": stats must be the forward's [rows, 6] statistics");
+  TORCH_CHECK(grad_base.device() == streams.device() && grad_normed.device() == streams.device(), op,
+              ": tensors must be on one device");
+  TORCH_CHECK(grad_base.scalar_type() == streams.scalar_type() && grad_normed.scalar_type() == streams.scalar_type(),
+              op, ": grad_base (", grad_base.scalar_type(), ") and grad_normed (", grad_normed.scalar_type(),
+              ") must be in the streams' dtype (", streams.scalar_type(), ")");
+  auto gb = grad_base.contiguous();
+  auto gn = grad_normed.contiguous();
+  auto grad_streams = torch::empty_like(streams);
+  auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
+  if (geometry.rows > 0)
+    Kernels::dual_norm_backward(gb, gn, streams, stats, geometry, weights, grad_streams, weight_grads);
+  return {grad_streams, weight_grads};
+}
+
 template <class Kernels>
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> dual_norm(
     const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_weight, const OptionalTensor& x_bias,
     const torch::Tensor& y_weight, const OptionalTensor& y_bias, const OptionalTensor& in_weight,
     const OptionalTensor& in_bias, double eps, bool rms, bool zero_centered_gamma) {
-  const StreamRows geometry = check_streams(streams, hidden);
-  const NormWeights weights = prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight,
-                                              in_bias, rms, zero_centered_gamma);
-  auto base = torch::empty({geometry.rows, 2 * hidden}, streams.options());
-  auto normed = torch::empty({geometry.rows, hidden}, streams.options());
-  auto stats = torch::empty({geometry.rows, kStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
-  if (geometry.rows > 0) Kernels::dual_norm(streams, geometry, weights, eps, base, normed, stats);
-  return {base, normed, stats};
+  const StreamRows geometry = check_streams(streams, hidden, "dual_norm");
+  return norm_forward<Kernels>(streams, geometry,
+                               prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight,
+                                               in_bias, rms, zero_centered_gamma),
+                               eps);
 }
 
 template <class Kernels>
@@ -93,28 +145,34 @@ std::tuple<torch::Tensor, torch::Tensor> dual_norm_backward(
     const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_weight, const OptionalTensor& x_bias,
     const torch::Tensor& y_weight, const OptionalTensor& y_bias, const OptionalTensor& in_weight,
     const OptionalTensor& in_bias, bool rms, bool zero_centered_gamma) {
-  const StreamRows geometry = check_streams(streams, hidden);
-  const NormWeights weights = prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight,
-                                              in_bias, rms, zero_centered_gamma);
-  TORCH_CHECK(grad_base.dim() == 2 && grad_base.size(0) == geometry.rows && grad_base.size(1) == 2 * hidden,
-              "dual_norm_backward: grad_base must be [rows, 2 * hidden], got ", grad_base.sizes());
-  TORCH_CHECK(grad_normed.dim() == 2 && grad_normed.size(0) == geometry.rows && grad_normed.size(1) == hidden,
-              "dual_norm_backward: grad_normed must be [rows, hidden], got ", grad_normed.sizes());
-  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == geometry.rows && stats.size(1) == kStatsPerRow &&
-                  stats.scalar_type() == accumulation_type(streams) && stats.is_contiguous(),
-              "dual_norm_backward: stats must be the forward's [rows, 6] statistics");
-  TORCH_CHECK(grad_base.device() == streams.device() && grad_normed.device() == streams.device(),
-              "dual_norm_backward: tensors must be on one device");
-  TORCH_CHECK(grad_base.scalar_type() == streams.scalar_type() && grad_normed.scalar_type() == streams.scalar_type(),
-              "dual_norm_backward: grad_base (", grad_base.scalar_type(), ") and grad_normed (",
-              grad_normed.scalar_type(), ") must be in the streams' dtype (", streams.scalar_type(), ")");
-  auto gb = grad_base.contiguous();
-  auto gn = grad_normed.contiguous();
-  auto grad_streams = torch::empty_like(streams);
-  auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
-  if (geometry.rows > 0)
-    Kernels::dual_norm_backward(gb, gn, streams, stats, geometry, weights, grad_streams, weight_grads);
-  return {grad_streams, weight_grads};
+  const StreamRows geometry = check_streams(streams, hidden, "dual_norm_backward");
+  return norm_backward<Kernels>("dual_norm_backward", grad_base, grad_normed, streams, stats, geometry,
+                                prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight,
+                                                in_bias, rms, zero_centered_gamma));
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hybrid_dual_norm(
+    const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_scale, const torch::Tensor& y_weight,
+    const OptionalTensor& y_bias, double eps, bool rms, bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden, "hybrid_dual_norm");
+  return norm_forward<Kernels>(
+      streams, geometry, prepare_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms, zero_centered_gamma),
+      eps);
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor> hybrid_dual_norm_backward(
+    const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
+    const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_scale, const torch::Tensor& y_weight,
+    const OptionalTensor& y_bias, bool rms, bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden, "hybrid_dual_norm_backward");
+  auto [grad_streams, weight_grads] = norm_backward<Kernels>(
+      "hybrid_dual_norm_backward", grad_base, grad_normed, streams, stats, geometry,
+      prepare_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms, zero_centered_gamma));
+  // dual_norm's rows x_weight, y_weight, y_bias are c1's, y_weight's and y_bias's
+  const auto rows = torch::tensor({0, 2, 3}, weight_grads.options().dtype(at::kLong));
+  return {grad_streams, weight_grads.index_select(0, rows)};
 }
 
 template <class Kernels>
@@ -170,6 +228,8 @@ template <class Kernels>
 void register_kernels(torch::Library& m) {
   m.impl("dual_norm", &dual_norm<Kernels>);
   m.impl("dual_norm_backward", &dual_norm_backward<Kernels>);
+  m.impl("hybrid_dual_norm", &hybrid_dual_norm<Kernels>);
+  m.impl("hybrid_dual_norm_backward", &hybrid_dual_norm_backward<Kernels>);
   m.impl("dual_residual", &dual_residual<Kernels>);
   m.impl("dual_residual_backward", &dual_residual_backward<Kernels>);
 }
@@ -191,6 +251,18 @@ TORCH_LIBRARY(megatron_siamese, m) {
       "dual_norm_backward(Tensor grad_base, Tensor grad_normed, Tensor streams, Tensor stats, "
       "int hidden, Tensor x_weight, Tensor? x_bias, Tensor y_weight, Tensor? y_bias, "
       "Tensor? in_weight, Tensor? in_bias, bool rms, bool zero_centered_gamma) -> "
+      "(Tensor grad_streams, Tensor weight_grads)");
+  // The hybrid variant's attention side: base [N, 2h] = [x | y] (the X stream keeps x),
+  // normed [N, h] = x_scale * x + PreNorm(y) (no InputNorm), stats [N, 6] as dual_norm's (x's
+  // are the identity's: mean 0, rstd 1). x_scale (c1) is a plain scale, never zero-centred.
+  m.def(
+      "hybrid_dual_norm(Tensor streams, int hidden, Tensor x_scale, Tensor y_weight, Tensor? y_bias, "
+      "float eps, bool rms, bool zero_centered_gamma) -> (Tensor base, Tensor normed, Tensor stats)");
+  // Gradients w.r.t. streams, and weight gradients [3, h] (fp32; fp64 for double) in the order
+  // x_scale, y_weight, y_bias (zero without y_bias).
+  m.def(
+      "hybrid_dual_norm_backward(Tensor grad_base, Tensor grad_normed, Tensor streams, Tensor stats, "
+      "int hidden, Tensor x_scale, Tensor y_weight, Tensor? y_bias, bool rms, bool zero_centered_gamma) -> "
       "(Tensor grad_streams, Tensor weight_grads)");
   // out_packed = base + [z * inv_c | z], z = (out + bias) * mask * scale.
   m.def(

@@ -9,8 +9,10 @@ implementations compute, with the signatures of ``reference.functional``:
 ``TorchStreamArithmetic`` runs ``reference.functional.stream_norms`` over the layer's norm
 modules (torch's fused norm kernels) and ``reference.functional.dual_residual``;
 ``FusedStreamArithmetic`` runs the extension's ``dual_norm`` / ``dual_residual`` ops
-(csrc/). ``StreamArithmetic`` picks one per device the tensors live on: the fused ops where
-the extension has kernels for that device (or always, or never, as the config asks).
+(csrc/), and ``hybrid_dual_norm`` for a sublayer whose X side is the hybrid variant's
+``ChannelScale`` (``normed = c1 * x + PreNorm(y)``, ``base = [x | y]``).
+``StreamArithmetic`` picks one per device the tensors live on: the fused ops where the
+extension has kernels for that device (or always, or never, as the config asks).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import Tensor
 
 import megatron_siamese.ops as ops
 from megatron_siamese.config import FUSED_OPS_ENV, fused_ops_requested
-from megatron_siamese.norms import TorchNorm
+from megatron_siamese.norms import ChannelScale, TorchNorm
 from megatron_siamese.reference.functional import dual_residual, stream_norms
 
 
@@ -56,7 +58,16 @@ class TorchStreamArithmetic:
 
 
 class FusedStreamArithmetic:
-    """The extension's ``dual_norm`` and ``dual_residual`` ops (csrc/)."""
+    """The extension's ``dual_norm`` (``hybrid_dual_norm``) and ``dual_residual`` ops (csrc/)."""
+
+    @staticmethod
+    def implements(stream_norms: Sequence[object]) -> bool:
+        """Whether the ops compute these (PostNorm, PreNorm) pairs: TorchNorms, or the hybrid
+        variant's ChannelScale on the X side."""
+        x_norms, y_norms = stream_norms[0::2], stream_norms[1::2]
+        return all(type(norm) in (TorchNorm, ChannelScale) for norm in x_norms) and all(
+            type(norm) is TorchNorm for norm in y_norms
+        )
 
     name = "fused"
 
@@ -67,7 +78,14 @@ class FusedStreamArithmetic:
         self.hidden = hidden
         self.eps, self.rms, self.zero_centered = eps, rms, zero_centered
 
-    def norms(self, streams: Tensor, x_norm: TorchNorm, y_norm: TorchNorm, input_norm) -> Tuple[Tensor, Tensor]:
+    def norms(self, streams: Tensor, x_norm: Union[TorchNorm, ChannelScale], y_norm: TorchNorm,
+              input_norm) -> Tuple[Tensor, Tensor]:
+        if type(x_norm) is ChannelScale:
+            base, normed = self.ops.hybrid_dual_norm(
+                streams, self.hidden, x_norm.weight, y_norm.weight, y_norm.bias, self.eps, self.rms,
+                self.zero_centered,
+            )
+            return base, input_norm(normed)  # the hybrid spec's input norm is IdentityOp
         fused_input_norm = isinstance(input_norm, TorchNorm)  # else Transformer Engine fuses it downstream
         base, normed = self.ops.dual_norm(
             streams,
@@ -102,14 +120,18 @@ class StreamArithmetic:
     """
 
     def __init__(self, config, stream_norms: Sequence[object]):
+        """``stream_norms``: the (PostNorm, PreNorm) modules of each sublayer, flat, in pairs."""
         self.requested = fused_ops_requested(config)
         self.torch = TorchStreamArithmetic(config.hidden_size)
         self.fused: Optional[FusedStreamArithmetic] = None
         self.refusal: Optional[str] = None
         if self.requested is not False:
             self.refusal = ops.load_error()
-            if self.refusal is None and not all(type(norm) is TorchNorm for norm in stream_norms):
-                self.refusal = "the layer's stream norms are not megatron_siamese.norms.TorchNorm modules"
+            if self.refusal is None and not FusedStreamArithmetic.implements(stream_norms):
+                self.refusal = (
+                    "the layer's stream norms are not megatron_siamese.norms.TorchNorm (or, on the X side, "
+                    "ChannelScale) modules"
+                )
             if self.refusal is None:
                 self.fused = FusedStreamArithmetic(
                     config.hidden_size,

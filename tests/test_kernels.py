@@ -1,4 +1,8 @@
-"""The fused dual-norm / dual-residual ops (csrc/) against the plain PyTorch reference."""
+"""The fused dual-norm / dual-residual ops (csrc/) against the plain PyTorch reference.
+
+Tests parametrized by ``hybrid`` run ``hybrid_dual_norm`` (the hybrid variant's attention side:
+``c1 * x + PreNorm(y)``, base ``[x | y]``) the same way: the op is the one whose weights
+``make_inputs`` drew, six for ``dual_norm``, three (c1, y's gamma and bias) for the hybrid."""
 
 import itertools
 
@@ -22,7 +26,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and ops.has_cuda_kern
 
 
 def make_inputs(rows, hidden, packed=True, rms=False, input_norm=True, dtype=torch.float32,
-                device="cpu", offset=0.0, weight_dtype=None, seed=0):
+                device="cpu", offset=0.0, weight_dtype=None, seed=0, hybrid=False):
     generator = torch.Generator().manual_seed(seed)
     width = 2 * hidden if packed else hidden
     streams = (torch.randn(rows, width, generator=generator) * 2 + offset).to(device, dtype)
@@ -35,18 +39,23 @@ def make_inputs(rows, hidden, packed=True, rms=False, input_norm=True, dtype=tor
                vector(0.3, 1.0), None if rms else vector(0.3, 0.0),
                vector(0.3, 1.0) if input_norm else None,
                None if (rms or not input_norm) else vector(0.3, 0.0)]
+    if hybrid:  # hybrid_dual_norm's weights: c1 (drawn around 1, as x's gamma), y's gamma and bias
+        weights = [weights[0], weights[2], weights[3]]
     return streams, weights
 
 
 def reference_dual_norm(streams, hidden, weights, rms, zero_centered=False, compute=None):
-    """reference.dual_norm (the op's signature), optionally computed in another dtype."""
+    """reference.dual_norm or reference.hybrid_dual_norm (the ops' signatures), by the weights
+    given, optionally computed in another dtype."""
     compute = compute or streams.dtype
     w = [None if t is None else t.to(compute) for t in weights]
-    return reference.dual_norm(streams.to(compute), hidden, *w, EPS, rms, zero_centered)
+    op = reference.dual_norm if len(weights) == 6 else reference.hybrid_dual_norm
+    return op(streams.to(compute), hidden, *w, EPS, rms, zero_centered)
 
 
 def fused_dual_norm(streams, hidden, weights, rms, zero_centered=False):
-    return fused.dual_norm(streams, hidden, *weights, EPS, rms, zero_centered)
+    op = fused.dual_norm if len(weights) == 6 else fused.hybrid_dual_norm
+    return op(streams, hidden, *weights, EPS, rms, zero_centered)
 
 
 # -- gradients: fp64 gradcheck ------------------------------------------------------------
@@ -67,6 +76,29 @@ def test_dual_norm_gradcheck_fp64(device, packed, rms, input_norm, zero_centered
         return base, normed
 
     assert torch.autograd.gradcheck(run, tuple(inputs), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed,rms,zero_centered",
+                         list(itertools.product([True, False], [False, True], [False, True])))
+def test_hybrid_dual_norm_gradcheck_fp64(device, packed, rms, zero_centered):
+    streams, weights = make_inputs(5, 7, packed, rms, dtype=torch.float64, device=device, hybrid=True)
+    inputs = [t.requires_grad_(True) for t in [streams] + weights if t is not None]
+
+    def run(streams, x_scale, y_weight, *y_bias):
+        return fused.hybrid_dual_norm(streams, 7, x_scale, y_weight, y_bias[0] if y_bias else None, EPS, rms,
+                                      zero_centered)
+
+    assert torch.autograd.gradcheck(run, tuple(inputs), eps=1e-6, atol=1e-6)
+
+
+def test_hybrid_dual_norm_is_the_hybrid_formula():
+    """The reference itself, against the formula written out: base keeps x, normed = c1 x + PreNorm(y)."""
+    streams, (c1, gamma, beta) = make_inputs(4, 16, dtype=torch.float64, hybrid=True)
+    x, y = streams.split(16, dim=-1)
+    base, normed = reference_dual_norm(streams, 16, [c1, gamma, beta], rms=False)
+    torch.testing.assert_close(base, streams)
+    torch.testing.assert_close(normed, c1 * x + torch.nn.functional.layer_norm(y, (16,), gamma, beta, EPS))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,8 +125,9 @@ def test_dual_residual_gradcheck_fp64(device, with_bias, with_mask):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hidden", [1, 7, 123, 1000, 3000, 4096, 8192])  # wide rows: CUDA's larger launches
 @pytest.mark.parametrize("rms", [False, True])
-def test_dual_norm_matches_reference_fp32(device, hidden, rms):
-    streams, weights = make_inputs(9, hidden, rms=rms, device=device)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
+def test_dual_norm_matches_reference_fp32(device, hidden, rms, hybrid):
+    streams, weights = make_inputs(9, hidden, rms=rms, device=device, hybrid=hybrid)
     for t in [streams] + weights:
         if t is not None:
             t.requires_grad_(True)
@@ -115,10 +148,11 @@ def test_dual_norm_matches_reference_fp32(device, hidden, rms):
 @pytest.mark.parametrize("hidden", [7, 123, 1000])  # tail only, vectors + tail, vectors only
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_16bit_error_at_most_twice_pytorch_error(device, dtype, hidden, rms, zero_centered):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
+def test_16bit_error_at_most_twice_pytorch_error(device, dtype, hidden, rms, zero_centered, hybrid):
     """As flash-attention tests its norms: against an fp32 reference, the fused op's error is
     at most twice the error of the same-dtype PyTorch composition (plus a hair for ties)."""
-    streams32, weights32 = make_inputs(16, hidden, rms=rms, device=device, weight_dtype=torch.float32)
+    streams32, weights32 = make_inputs(16, hidden, rms=rms, device=device, weight_dtype=torch.float32, hybrid=hybrid)
     streams = streams32.to(dtype)
     weights = [None if w is None else w.to(dtype) for w in weights32]
     gold = reference_dual_norm(streams, hidden, weights, rms, zero_centered, compute=torch.float64)
@@ -134,10 +168,11 @@ def test_16bit_error_at_most_twice_pytorch_error(device, dtype, hidden, rms, zer
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [2048, 4096, 8192])  # the CUDA kernels' wider launch configurations
 @pytest.mark.parametrize("rms", [False, True])
-def test_16bit_wide_rows_forward_and_backward(device, dtype, hidden, rms):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
+def test_16bit_wide_rows_forward_and_backward(device, dtype, hidden, rms, hybrid):
     """Outputs and every gradient at model widths: the fused op's error against an fp64
     reference is at most twice the same-dtype PyTorch composition's, plus one rounding step."""
-    streams32, weights32 = make_inputs(8, hidden, rms=rms, device=device, weight_dtype=torch.float32)
+    streams32, weights32 = make_inputs(8, hidden, rms=rms, device=device, weight_dtype=torch.float32, hybrid=hybrid)
     generator = torch.Generator().manual_seed(1)
     upstream = [torch.randn(8, 2 * hidden, generator=generator), torch.randn(8, hidden, generator=generator)]
 
@@ -166,10 +201,11 @@ def cuda_kernels_refuse_width(device, hidden):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hidden", [12288, 16384, 20000])  # beyond the tiled kernels' registers: general kernels
-def test_rows_of_any_width(device, dtype, hidden):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
+def test_rows_of_any_width(device, dtype, hidden, hybrid):
     """No width limit that the PyTorch path lacks: rows wider than any register plan match the
     reference forward and backward (the 16-bit error at most twice PyTorch's, plus a rounding)."""
-    streams32, weights32 = make_inputs(3, hidden, rms=False, device=device, weight_dtype=torch.float32)
+    streams32, weights32 = make_inputs(3, hidden, rms=False, device=device, weight_dtype=torch.float32, hybrid=hybrid)
     if cuda_kernels_refuse_width(device, hidden):
         with pytest.raises(RuntimeError, match="MEGATRON_SIAMESE_CUDA_KERNELS=tiled.*siamese_fused_ops=False"):
             fused_dual_norm(streams32.to(dtype), hidden, weights32, rms=False)
@@ -203,10 +239,11 @@ def misaligned(t):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_unaligned_rows_take_a_correct_path(device, dtype):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
+def test_unaligned_rows_take_a_correct_path(device, dtype, hybrid):
     """Streams that do not start on 16 bytes, and an odd width: the same results as aligned ones."""
     for hidden in (256, 250):
-        streams, weights = make_inputs(6, hidden, device=device, dtype=dtype, weight_dtype=torch.float32)
+        streams, weights = make_inputs(6, hidden, device=device, dtype=dtype, weight_dtype=torch.float32, hybrid=hybrid)
         shifted = misaligned(streams)
         expected = fused_dual_norm(streams, hidden, weights, rms=False)
         got = fused_dual_norm(shifted, hidden, weights, rms=False)
@@ -240,9 +277,26 @@ def test_mixed_dtypes_and_layouts_are_refused_by_name(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_refusals_name_the_op_and_argument(device):
+    streams, (c1, gamma, beta) = make_inputs(4, 16, device=device, dtype=torch.bfloat16, hybrid=True)
+    hybrid = torch.ops.megatron_siamese.hybrid_dual_norm
+    with pytest.raises(RuntimeError, match=r"hybrid_dual_norm: x_scale must be in the streams' dtype \(BFloat16\)"):
+        hybrid(streams, 16, c1.half(), gamma, beta, EPS, False, False)
+    with pytest.raises(RuntimeError, match=r"hybrid_dual_norm: x_scale must have shape \[16\]"):
+        hybrid(streams, 16, c1[:8], gamma, beta, EPS, False, False)
+    with pytest.raises(RuntimeError, match="hybrid_dual_norm: RMSNorm has no bias"):
+        hybrid(streams, 16, c1, gamma, beta, EPS, True, False)
+    base, normed, stats = hybrid(streams, 16, c1, gamma, beta, EPS, False, False)
+    with pytest.raises(RuntimeError, match="hybrid_dual_norm_backward: stats must be the forward's"):
+        torch.ops.megatron_siamese.hybrid_dual_norm_backward(base, normed, streams, stats[:, :3].contiguous(), 16,
+                                                             c1, gamma, beta, False, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [0, 1])
-def test_zero_and_one_rows(device, rows):
-    streams, weights = make_inputs(rows, 9, device=device)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
+def test_zero_and_one_rows(device, rows, hybrid):
+    streams, weights = make_inputs(rows, 9, device=device, hybrid=hybrid)
     streams.requires_grad_(True)
     base, normed = fused_dual_norm(streams, 9, weights, rms=False)
     assert base.shape == (rows, 18) and normed.shape == (rows, 9)
@@ -264,8 +318,9 @@ def test_large_mean_offset_is_normalized_stably(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_backward_is_deterministic(device):
-    streams, weights = make_inputs(64, 100, device=device)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
+def test_backward_is_deterministic(device, hybrid):
+    streams, weights = make_inputs(64, 100, device=device, hybrid=hybrid)
     for t in [streams] + weights:
         t.requires_grad_(True)
 
@@ -311,6 +366,17 @@ def test_opcheck_dual_norm(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_hybrid_dual_norm(device):
+    for packed, rms, zero_centered in itertools.product([True, False], [False, True], [False, True]):
+        streams, weights = make_inputs(4, 6, packed, rms, device=device, hybrid=True)
+        for t in [streams] + weights:
+            if t is not None:
+                t.requires_grad_(True)
+        torch.library.opcheck(torch.ops.megatron_siamese.hybrid_dual_norm.default,
+                              (streams, 6, *weights, EPS, rms, zero_centered))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_dual_residual(device):
     base = torch.randn(4, 10, device=device, requires_grad=True)
     out = torch.randn(4, 5, device=device, requires_grad=True)
@@ -321,8 +387,9 @@ def test_opcheck_dual_residual(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_traces_without_graph_breaks(device):
-    streams, weights = make_inputs(8, 32, device=device)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
+def test_torch_compile_traces_without_graph_breaks(device, hybrid):
+    streams, weights = make_inputs(8, 32, device=device, hybrid=hybrid)
     streams.requires_grad_(True)
     out = torch.randn(8, 32, device=device)
 

@@ -134,10 +134,6 @@ def assert_matches_reference(model, reference, batches):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_and_gradients_match_reference(megatron_single_rank, variant, fused):
     case = dataclasses.replace(VARIANTS[variant], fused_ops=fused)
-    if case.norm == "siamese-hybrid" and fused:  # the fused ops implement the standard block only
-        with pytest.raises(RuntimeError, match="not megatron_siamese.norms.TorchNorm"):
-            build_pair(case)
-        return
     model, reference = build_pair(case)
     assert_matches_reference(model, reference, microbatches(case)[:1])
 
@@ -150,6 +146,43 @@ def test_standard_variant_with_qk_layernorm_matches_reference(megatron_single_ra
     model, reference = build_pair(case, qk_layernorm=True)
     assert model.decoder.layers[0].self_attention.q_layernorm.weight.shape == (case.hidden_size // 4,)
     assert_matches_reference(model, reference, microbatches(case)[:1])
+
+
+@pytest.mark.parametrize("variant", ["hybrid-layernorm", "hybrid-rmsnorm-gelu-learned"])
+def test_hybrid_fused_and_pytorch_paths_agree(megatron_single_rank, monkeypatch, variant):
+    """The hybrid variant on the fused ops runs hybrid_dual_norm for every attention sublayer
+    (and dual_norm for every MLP one) and computes the PyTorch path's logits and gradients."""
+    from megatron_siamese.ops import fused as fused_ops
+
+    calls = {"dual_norm": 0, "hybrid_dual_norm": 0}
+    for name in calls:
+        op = getattr(fused_ops, name)
+
+        def counted(*args, _op=op, _name=name):
+            calls[_name] += 1
+            return _op(*args)
+
+        monkeypatch.setattr(fused_ops, name, counted)
+
+    def logits_and_grads(fused):
+        case = dataclasses.replace(VARIANTS[variant], fused_ops=fused)
+        (model,) = build_seeded_chunks(case, case_config(case, Layout()))
+        batch = microbatches(case)[0]
+        args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+        logits = model(*args)
+        model(*args, labels=batch["labels"]).mean().backward()
+        return logits.detach(), {name: p.grad for name, p in model.named_parameters()}, case
+
+    logits, grads, case = logits_and_grads(fused=False)
+    assert calls == {"dual_norm": 0, "hybrid_dual_norm": 0}
+    fused_logits, fused_grads, _ = logits_and_grads(fused=True)
+    assert calls == {"dual_norm": 2 * case.num_layers, "hybrid_dual_norm": 2 * case.num_layers}  # 2 forwards
+    assert_close_fp32(fused_logits, logits, "logits")
+    assert fused_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert_close_fp32(fused_grads[name], grad, name)
+    channel_scales = [name for name in grads if "attn_x_norm" in name]  # c1 of every layer
+    assert len(channel_scales) == case.num_layers and all(fused_grads[name].abs().max() > 0 for name in channel_scales)
 
 
 def test_reference_depth_scale_uses_one_based_layer_number():

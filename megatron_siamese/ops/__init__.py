@@ -1,7 +1,7 @@
 """The fused SiameseNorm ops from csrc/, as torch.library custom ops.
 
-``torch.ops.megatron_siamese.dual_norm`` / ``dual_residual`` (and their backward ops) are
-defined in C++ (csrc/ops.cpp) with CPU and, when built with CUDA, CUDA kernels.
+``torch.ops.megatron_siamese.dual_norm`` / ``hybrid_dual_norm`` / ``dual_residual`` (and their
+backward ops) are defined in C++ (csrc/ops.cpp) with CPU and, when built with CUDA, CUDA kernels.
 ``megatron_siamese.ops.fused`` registers their fake (meta) implementations and autograd, so
 they work under autograd, ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)``.
 """

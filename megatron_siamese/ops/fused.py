@@ -4,13 +4,13 @@ Importing this module requires the compiled extension (``megatron_siamese.ops.lo
 says whether it is there); it registers, as pytorch/extension-cpp does:
 
 * ``register_fake`` for every op, so torch.compile and meta tensors know the output shapes;
-* ``register_autograd`` for ``dual_norm`` and ``dual_residual``, whose backward calls the
-  corresponding ``*_backward`` op.
+* ``register_autograd`` for ``dual_norm``, ``hybrid_dual_norm`` and ``dual_residual``, whose
+  backward calls the corresponding ``*_backward`` op.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -31,25 +31,29 @@ def _accumulation(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _check_streams(streams: Tensor, hidden: int) -> None:
-    torch._check(streams.dim() == 2, lambda: f"dual_norm: streams must be 2-D [rows, width], got {tuple(streams.shape)}")
-    torch._check(hidden > 0, lambda: f"dual_norm: hidden must be positive, got {hidden}")
+def _check_streams(streams: Tensor, hidden: int, op: str = "dual_norm") -> None:
+    torch._check(streams.dim() == 2, lambda: f"{op}: streams must be 2-D [rows, width], got {tuple(streams.shape)}")
+    torch._check(hidden > 0, lambda: f"{op}: hidden must be positive, got {hidden}")
     torch._check(streams.shape[1] in (hidden, 2 * hidden),
-                 lambda: f"dual_norm: streams width must be hidden (first layer) or 2 * hidden (packed "
+                 lambda: f"{op}: streams width must be hidden (first layer) or 2 * hidden (packed "
                          f"[x | y]); got width {streams.shape[1]} for hidden {hidden}")
     torch._check(streams.dtype in _FLOATS,
-                 lambda: f"dual_norm: streams must be float32, bfloat16, float16 or float64, got {streams.dtype}")
+                 lambda: f"{op}: streams must be float32, bfloat16, float16 or float64, got {streams.dtype}")
 
 
-def _check_weights(streams: Tensor, hidden: int, rms: bool, **weights: Optional[Tensor]) -> None:
+def _check_vectors(streams: Tensor, hidden: int, op: str, weights: Dict[str, Optional[Tensor]]) -> None:
     for name, w in weights.items():
         if w is not None:
             torch._check(w.dim() == 1 and w.shape[0] == hidden,
-                         lambda: f"dual_norm: {name} must have shape [{hidden}], got {tuple(w.shape)}")
-            torch._check(w.device == streams.device, lambda: f"dual_norm: {name} is not on the streams' device")
+                         lambda: f"{op}: {name} must have shape [{hidden}], got {tuple(w.shape)}")
+            torch._check(w.device == streams.device, lambda: f"{op}: {name} is not on the streams' device")
             torch._check(w.dtype in (streams.dtype, torch.float32),
-                         lambda: f"dual_norm: {name} must be in the streams' dtype ({streams.dtype}) or float32, "
+                         lambda: f"{op}: {name} must be in the streams' dtype ({streams.dtype}) or float32, "
                                  f"got {w.dtype}")
+
+
+def _check_weights(streams: Tensor, hidden: int, rms: bool, **weights: Optional[Tensor]) -> None:
+    _check_vectors(streams, hidden, "dual_norm", weights)
     biased = weights["x_bias"] is not None
     torch._check(biased == (weights["y_bias"] is not None)
                  and (weights["in_weight"] is None or biased == (weights["in_bias"] is not None)),
@@ -59,12 +63,8 @@ def _check_weights(streams: Tensor, hidden: int, rms: bool, **weights: Optional[
                  lambda: "dual_norm: in_bias without in_weight")
 
 
-@torch.library.register_fake("megatron_siamese::dual_norm")
-def _dual_norm_fake(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms,
-                    zero_centered_gamma):
-    _check_streams(streams, hidden)
-    _check_weights(streams, hidden, rms, x_weight=x_weight, x_bias=x_bias, y_weight=y_weight, y_bias=y_bias,
-                   in_weight=in_weight, in_bias=in_bias)
+def _norm_outputs(streams: Tensor, hidden: int):
+    """(base, normed, stats) as both norm ops return them."""
     rows = streams.shape[0]
     return (
         streams.new_empty((rows, 2 * hidden)),
@@ -73,22 +73,53 @@ def _dual_norm_fake(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weig
     )
 
 
-@torch.library.register_fake("megatron_siamese::dual_norm_backward")
-def _dual_norm_backward_fake(grad_base, grad_normed, streams, stats, hidden, *weights_and_flags):
-    _check_streams(streams, hidden)
+def _norm_backward_outputs(op: str, grad_base, grad_normed, streams, stats, hidden: int, weight_rows: int):
+    """(grad_streams, weight_grads [weight_rows, h]) after the checks both backward ops make."""
+    _check_streams(streams, hidden, op)
     rows = streams.shape[0]
     torch._check(tuple(grad_base.shape) == (rows, 2 * hidden),
-                 lambda: f"dual_norm_backward: grad_base must be [rows, 2 * hidden], got {tuple(grad_base.shape)}")
+                 lambda: f"{op}: grad_base must be [rows, 2 * hidden], got {tuple(grad_base.shape)}")
     torch._check(tuple(grad_normed.shape) == (rows, hidden),
-                 lambda: f"dual_norm_backward: grad_normed must be [rows, hidden], got {tuple(grad_normed.shape)}")
+                 lambda: f"{op}: grad_normed must be [rows, hidden], got {tuple(grad_normed.shape)}")
     torch._check(tuple(stats.shape) == (rows, 6) and stats.dtype == _accumulation(streams),
-                 lambda: "dual_norm_backward: stats must be the forward's [rows, 6] statistics")
+                 lambda: f"{op}: stats must be the forward's [rows, 6] statistics")
     torch._check(grad_base.device == streams.device and grad_normed.device == streams.device,
-                 lambda: "dual_norm_backward: tensors must be on one device")
+                 lambda: f"{op}: tensors must be on one device")
     torch._check(grad_base.dtype == streams.dtype and grad_normed.dtype == streams.dtype,
-                 lambda: f"dual_norm_backward: grad_base ({grad_base.dtype}) and grad_normed ({grad_normed.dtype}) "
+                 lambda: f"{op}: grad_base ({grad_base.dtype}) and grad_normed ({grad_normed.dtype}) "
                          f"must be in the streams' dtype ({streams.dtype})")
-    return torch.empty_like(streams), streams.new_empty((6, hidden), dtype=_accumulation(streams))
+    return torch.empty_like(streams), streams.new_empty((weight_rows, hidden), dtype=_accumulation(streams))
+
+
+@torch.library.register_fake("megatron_siamese::dual_norm")
+def _dual_norm_fake(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms,
+                    zero_centered_gamma):
+    _check_streams(streams, hidden)
+    _check_weights(streams, hidden, rms, x_weight=x_weight, x_bias=x_bias, y_weight=y_weight, y_bias=y_bias,
+                   in_weight=in_weight, in_bias=in_bias)
+    return _norm_outputs(streams, hidden)
+
+
+@torch.library.register_fake("megatron_siamese::dual_norm_backward")
+def _dual_norm_backward_fake(grad_base, grad_normed, streams, stats, hidden, *weights_and_flags):
+    return _norm_backward_outputs("dual_norm_backward", grad_base, grad_normed, streams, stats, hidden, 6)
+
+
+def _check_hybrid_weights(streams: Tensor, hidden: int, x_scale, y_weight, y_bias, rms: bool) -> None:
+    _check_vectors(streams, hidden, "hybrid_dual_norm", dict(x_scale=x_scale, y_weight=y_weight, y_bias=y_bias))
+    torch._check(not (rms and y_bias is not None), lambda: "hybrid_dual_norm: RMSNorm has no bias")
+
+
+@torch.library.register_fake("megatron_siamese::hybrid_dual_norm")
+def _hybrid_dual_norm_fake(streams, hidden, x_scale, y_weight, y_bias, eps, rms, zero_centered_gamma):
+    _check_streams(streams, hidden, "hybrid_dual_norm")
+    _check_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms)
+    return _norm_outputs(streams, hidden)
+
+
+@torch.library.register_fake("megatron_siamese::hybrid_dual_norm_backward")
+def _hybrid_dual_norm_backward_fake(grad_base, grad_normed, streams, stats, hidden, *weights_and_flags):
+    return _norm_backward_outputs("hybrid_dual_norm_backward", grad_base, grad_normed, streams, stats, hidden, 3)
 
 
 @torch.library.register_fake("megatron_siamese::dual_residual")
@@ -127,31 +158,42 @@ def _dual_residual_backward_fake(grad, mask, scale, inv_c, has_bias):
 # Each setup saves only what the backward needs for the inputs that ask for a gradient.
 
 
-def _dual_norm_setup(ctx, inputs, output):
+# dual_norm and hybrid_dual_norm share one shape of signature, (streams, hidden, *weights,
+# eps, rms, zero_centered_gamma), and their backward ops return one weight-gradient row per
+# weight in that order: one setup and one backward serve both.
+
+
+def _norm_setup(ctx, inputs, output):
     streams, hidden, *weights, eps, rms, zero_centered_gamma = inputs
     _, _, stats = output
     ctx.hidden, ctx.rms, ctx.zero_centered_gamma = hidden, rms, zero_centered_gamma
     # one kernel computes every gradient, so any gradient asked for needs all of these
-    if any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4, 5, 6, 7)):
+    if any(ctx.needs_input_grad[i] for i in (0, *range(2, 2 + len(weights)))):
         ctx.save_for_backward(streams, stats, *weights)
 
 
-def _dual_norm_backward(ctx, grad_base, grad_normed, _grad_stats):
-    streams, stats, *weights = ctx.saved_tensors
-    if grad_base is None:
-        grad_base = streams.new_zeros((streams.shape[0], 2 * ctx.hidden))
-    if grad_normed is None:
-        grad_normed = streams.new_zeros((streams.shape[0], ctx.hidden))
-    grad_streams, weight_grads = ops.dual_norm_backward(
-        grad_base, grad_normed, streams, stats, ctx.hidden, *weights, ctx.rms, ctx.zero_centered_gamma
-    )
-    grads = [None if w is None or not ctx.needs_input_grad[2 + i] else g.to(w.dtype)
-             for i, (w, g) in enumerate(zip(weights, weight_grads))]
-    return (grad_streams if ctx.needs_input_grad[0] else None, None, *grads, None, None, None)
+def _norm_backward(backward_op):
+    def backward(ctx, grad_base, grad_normed, _grad_stats):
+        streams, stats, *weights = ctx.saved_tensors
+        if grad_base is None:
+            grad_base = streams.new_zeros((streams.shape[0], 2 * ctx.hidden))
+        if grad_normed is None:
+            grad_normed = streams.new_zeros((streams.shape[0], ctx.hidden))
+        grad_streams, weight_grads = backward_op(
+            grad_base, grad_normed, streams, stats, ctx.hidden, *weights, ctx.rms, ctx.zero_centered_gamma
+        )
+        grads = [None if w is None or not ctx.needs_input_grad[2 + i] else g.to(w.dtype)
+                 for i, (w, g) in enumerate(zip(weights, weight_grads))]
+        return (grad_streams if ctx.needs_input_grad[0] else None, None, *grads, None, None, None)
+
+    return backward
 
 
 torch.library.register_autograd(
-    "megatron_siamese::dual_norm", _dual_norm_backward, setup_context=_dual_norm_setup
+    "megatron_siamese::dual_norm", _norm_backward(ops.dual_norm_backward), setup_context=_norm_setup
+)
+torch.library.register_autograd(
+    "megatron_siamese::hybrid_dual_norm", _norm_backward(ops.hybrid_dual_norm_backward), setup_context=_norm_setup
 )
 
 
@@ -184,6 +226,13 @@ torch.library.register_autograd(
 # -- entry points on [..., width] tensors ----------------------------------------------------
 
 
+def _norm_rows(op, streams: Tensor, hidden: int, *weights_and_flags) -> Tuple[Tensor, Tensor]:
+    """A norm op on streams [..., width] as rows [N, width]: (base [..., 2h], normed [..., h])."""
+    leading = streams.shape[:-1]
+    base, normed, _ = op(streams.reshape(-1, streams.shape[-1]).contiguous(), hidden, *weights_and_flags)
+    return base.view(*leading, 2 * hidden), normed.view(*leading, hidden)
+
+
 def dual_norm(
     streams: Tensor,
     hidden: int,
@@ -198,12 +247,23 @@ def dual_norm(
     zero_centered_gamma: bool,
 ) -> Tuple[Tensor, Tensor]:
     """(base = [PostNorm(x) | y], InputNorm(PostNorm(x) + PreNorm(y))) for streams [..., 2h] or [..., h]."""
-    leading = streams.shape[:-1]
-    base, normed, _ = ops.dual_norm(
-        streams.reshape(-1, streams.shape[-1]).contiguous(), hidden, x_weight, x_bias, y_weight,
-        y_bias, in_weight, in_bias, eps, rms, zero_centered_gamma,
-    )
-    return base.view(*leading, 2 * hidden), normed.view(*leading, hidden)
+    return _norm_rows(ops.dual_norm, streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps,
+                      rms, zero_centered_gamma)
+
+
+def hybrid_dual_norm(
+    streams: Tensor,
+    hidden: int,
+    x_scale: Tensor,
+    y_weight: Tensor,
+    y_bias: Optional[Tensor],
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> Tuple[Tensor, Tensor]:
+    """(base = [x | y], c1 * x + PreNorm(y)) for streams [..., 2h] or [..., h]: the hybrid
+    variant's attention side (``x_scale`` is c1; no InputNorm)."""
+    return _norm_rows(ops.hybrid_dual_norm, streams, hidden, x_scale, y_weight, y_bias, eps, rms, zero_centered_gamma)
 
 
 def dual_residual(
