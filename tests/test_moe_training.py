@@ -77,7 +77,7 @@ def ep2(tmp_path_factory, cache):
     """4 steps at DP2 x EP2 (each rank holds two of the four experts), checkpoints at steps 2 and 4."""
     root = tmp_path_factory.mktemp("ep2") / "run"
     done = train(root, cache, "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "4", "--save-interval", "2",
-                 "--tensorboard-dir", root / "tb")
+                 "--tensorboard-dir", root / "tb", "--progress")  # the bar (on stderr) and the lines
     assert done.returncode == 0, done.stderr
     done.root, done.steps = root, logged(done)
     return done
@@ -146,6 +146,8 @@ def test_an_expert_parallel_run_learns_and_reports_its_routers_everywhere(ep2):
     assert sorted(summary["router_stats"], key=int) == ["1", "2", "3", "4"]
     assert summary["router_stats"]["4"]["load_balancing_loss"] == pytest.approx(steps[4]["load_balancing_loss"],
                                                                                 rel=1e-5)
+    for shown in (r"aux=\d\.\d{3}", r"max_load=\d\.\d\dx", r"z=\d\.\d{3}"):  # on the bar, with its loss
+        assert re.search(rf"\|.*{shown}", ep2.stderr), ep2.stderr[-2000:]
     assert "layout=tp1 pp1 dp2 ep2" in ep2.stdout
     assert re.search(r"router at step 4: load_balancing_loss [0-9.]+, z_loss [0-9.]+; busiest expert [0-9.]+x the "
                      r"mean load \(highest [0-9.]+x at step \d\)", ep2.stdout), ep2.stdout
@@ -192,3 +194,42 @@ def test_a_resume_into_other_experts_is_refused_before_any_rank_starts(tmp_path,
                           capture_output=True, text=True)
     assert_refused(done, "holds another model", "--num-experts 4 -> 8, --moe-router-topk 2 -> 1")
     assert not os.path.exists(Path(tmp_path) / "checkpoints")
+
+
+# -- the examples ------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def handed_over(script, tmp_path, **env):
+    """The command line an example hands to srun, torchrun or $PYTHON (stand-ins record it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    record = tmp_path / "record"
+    for tool in ("srun", "torchrun", "recorder"):
+        (bin_dir / tool).write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$RECORD"\n')
+        (bin_dir / tool).chmod(0o755)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node001\necho node002\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    variables = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record), PYTHON="recorder",
+                     SLURM_JOB_NODELIST="node[001-002]", SLURM_NNODES="2", SLURM_JOB_ID="77", **env)
+    subprocess.run(["bash", str(EXAMPLES / script)], check=True, env=variables, cwd=tmp_path)
+    handed = record.read_text().split("\0")[:-1]
+    return handed[handed.index("megatron_siamese.cli") + 1:]
+
+
+@pytest.mark.stack_independent
+def test_the_moe_examples_hand_over_runs_that_parse(tmp_path):
+    from megatron_siamese.cli import build_parser
+    from megatron_siamese.cli.flags import train_args
+
+    def parsed(script, **env):
+        return train_args(build_parser().parse_args(handed_over(script, tmp_path, **env)))  # ConfigError if not
+
+    slurm = parsed("slurm/pretrain_moe.sbatch", OUT=str(tmp_path / "out"))
+    assert (slurm.tp, slurm.dp, slurm.ep, slurm.etp, slurm.world_size) == (2, 8, 8, 1, 16)
+    assert slurm.num_moe_experts == 16 and slurm.moe_token_dispatcher_type == "alltoall"
+    gpus = parsed("pretrain_moe_siamese.sh", OUT=str(tmp_path / "out"))
+    assert (gpus.world_size, gpus.ep, gpus.moe_grouped_gemm) == (8, 4, True)
+    cpu = parsed("pretrain_moe_siamese.sh", OUT=str(tmp_path / "out"), CPU="1")
+    assert (cpu.world_size, cpu.ep, cpu.transformer_impl, cpu.moe_token_dispatcher_type) == (2, 2, "local", "allgather")
