@@ -9,9 +9,10 @@ from megatron_siamese.cli import flags
 
 DESCRIPTION = """\
 Pretrain a GPT with Megatron-Core: SiameseNorm by default, or a stock baseline (--norm);
-TP, SP, PP (virtual stages too), DP with the distributed optimizer, recompute; the embedded
-King James Bible, byte-level. Megatron-LM's flag names work (--tensor-model-parallel-size,
---train-iters, --micro-batch-size, ...) beside the short ones (--tp, --steps, ...).
+TP, SP, PP (virtual stages too), DP with the distributed optimizer, mixture-of-experts layers
+(--num-experts) with EP, recompute; the embedded King James Bible, byte-level. Megatron-LM's
+flag names work (--tensor-model-parallel-size, --train-iters, --micro-batch-size, ...) beside
+the short ones (--tp, --steps, ...).
 
 Checkpoints: --save-interval N (and at the end), --stop-step N, --exit-interval N,
 --exit-duration-in-mins M; Ctrl-C, SIGTERM, SIGUSR1 or SIGUSR2 (to the command, any rank, or all

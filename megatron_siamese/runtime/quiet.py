@@ -21,6 +21,7 @@ KNOWN_NOTICES = (
     "MimoModelConfig is experimental",
     "absl.logging is not installed",
     "MLP requires ffn_hidden_size",
+    "moe_ffn_hidden_size is not set",  # experts as wide as --ffn-hidden-size: the documented default
     "The 'megatron.core.transformer.custom_layers.transformer_engine'",
     ".*tp_group is None, using default tp group",
     "The following imports from `dynamic_context.py`",

@@ -62,6 +62,11 @@ class TrainArgs(ModelSettings):
                                  help="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
     dp: int = setting(1, group=PARALLELISM, flag=("--data-parallel-size", "--dp"), minimum=1, layout="dp",
                       help="data-parallel size")
+    ep: int = setting(1, group=PARALLELISM, flag=("--expert-model-parallel-size", "--ep"), minimum=1, layout="ep",
+                      help="expert-parallel size: MoE layers' experts split over this many of a pipeline stage's "
+                           "tp x dp ranks (adds no ranks: --ep x --etp must divide --tp x --dp)")
+    etp: Optional[int] = setting(None, group=PARALLELISM, flag=("--expert-tensor-parallel-size", "--etp"), minimum=1,
+                                 layout="etp", help="tensor-parallel size of the experts (unset: --tp)")
     sp: bool = setting(False, group=PARALLELISM, flag=("--sequence-parallel", "--sp"), action="store_true",
                        layout="sp", help="sequence parallelism (needs TP > 1)")
     distributed_optimizer: bool = setting(False, group=PARALLELISM,
@@ -210,6 +215,7 @@ def problems(args: TrainArgs) -> List[str]:
         found.append("--num-virtual-stages-per-pipeline-rank/--vpp needs --pp > 1")
     if args.distributed_optimizer and args.dp == 1:
         found.append("--use-distributed-optimizer shards optimizer state over data-parallel ranks: it needs --dp > 1")
+    found += _expert_layout_problems(args)
     found += shape_problems(args)
     found += split_problems(args, _layout_to_split(args), vocab_size=padded_vocab_size(),
                             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)
@@ -229,10 +235,29 @@ def problems(args: TrainArgs) -> List[str]:
     return found
 
 
+def _expert_layout_problems(args: TrainArgs) -> List[str]:
+    """Expert parallelism regroups each pipeline stage's tp x dp ranks (Layout): --ep x --etp must divide them."""
+    if any(not isinstance(value, int) or value < 1 for value in (args.tp, args.dp, args.ep, args.etp or args.tp)):
+        return []  # refused by the settings' own checks
+    experts = args.ep * (args.etp or args.tp)
+    if (args.tp * args.dp) % experts == 0:
+        return []
+    multiple = experts // math.gcd(args.tp, experts)
+    dp = next(dp for dp in range(args.dp, args.dp + multiple + 1) if dp % multiple == 0)
+    return [f"--expert-model-parallel-size/--ep {args.ep} x --expert-tensor-parallel-size/--etp {args.etp or args.tp} "
+            f"= {experts} must divide --tp {args.tp} x --dp {args.dp} = {args.tp * args.dp} (expert parallelism "
+            f"adds no ranks: it regroups those of a pipeline stage): use --dp {dp}"
+            + ("" if multiple == dp else f" (a multiple of {multiple})")]
+
+
 def _layout_to_split(args: TrainArgs) -> Layout:
     """``args.layout``; when its flags conflict (said above in the flags' words), its sizes
     alone, so that every divisibility problem is still listed in the same run."""
     try:
         return args.layout
     except ValueError:
-        return Layout(tp=args.tp, pp=args.pp, vpp=args.vpp if args.pp > 1 else None, dp=args.dp)
+        layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp if args.pp > 1 else None, dp=args.dp)
+        try:  # the experts' split too, where the ranks hold it (else said above)
+            return layout.with_(ep=args.ep, etp=args.etp)
+        except ValueError:
+            return layout

@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.training import megatron_lm_args
 from megatron_siamese.training.args import VOCAB_MULTIPLE
 from megatron_siamese.training.checkpoint_files import (
@@ -50,7 +51,12 @@ from megatron_siamese.training.checkpoint_files import (
     scheduler_state,
     write_latest,
 )
-from megatron_siamese.training.checkpoint_settings import SETTINGS_KEY, model_problem, recorded
+from megatron_siamese.training.checkpoint_settings import (
+    SETTINGS_KEY,
+    model_problem,
+    optimizer_split_problem,
+    recorded,
+)
 
 
 def require_psutil() -> None:
@@ -217,6 +223,11 @@ def _disk_full(error: BaseException, directory: str) -> Optional[str]:
     return f"{os.strerror(errno.ENOSPC)} ({free} bytes free)" if free < 16 * 2**20 else None
 
 
+def _chained(optimizer) -> list:
+    """The optimizers a Megatron ChainedOptimizer holds (dense and expert parameters), or the one."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
 def _materialize_optimizer_state(optimizer) -> None:
     """Give a fresh distributed optimizer its Adam state before describing it for loading.
 
@@ -226,7 +237,7 @@ def _materialize_optimizer_state(optimizer) -> None:
     fills it with one zero-gradient step at the scheduler's initial learning rate; loading then
     overwrites the state and the parameters.
     """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in _chained(optimizer):
         if hasattr(inner, "_init_optimizer_states_with_dummy_values") and not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()
 
@@ -245,7 +256,7 @@ def _restore_adam_step_count(optimizer, step: int) -> None:
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in _chained(optimizer):
         for state in inner.optimizer.state.values():
             if "step" in state:
                 state["step"] = state["step"].new_tensor(float(step))
@@ -328,6 +339,10 @@ def load(trainer, path: str) -> int:
         raise CheckpointError(refused)
     weights_only = model_only(common) or trainer.args.no_load_optim
     if not weights_only:
+        # known only once Megatron built this run's optimizer: settings refused from the ranks (exit 2)
+        split = optimizer_split_problem(checkpoint, common, len(_chained(trainer.optimizer)), trainer.args)
+        if split:
+            raise ConfigError([split])
         _materialize_optimizer_state(trainer.optimizer)
     try:
         loaded = dist_checkpointing.load(

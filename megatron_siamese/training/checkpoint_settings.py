@@ -4,10 +4,14 @@ Every checkpoint's common state holds the run's ``TrainArgs`` as a plain dict un
 ``SETTINGS_KEY`` (as Megatron-LM keeps its args there). On ``--load``, before any rank
 starts, the settings that make the model must be the checkpoint's: every ``ModelSettings``
 field except those whose definition says ``resumable`` (kernels, FP8, the init of weights the
-checkpoint replaces). The rest may change: the layout (TP, PP, virtual stages, DP, SP,
-recompute), the batch and schedule (with the override flags, ``preflight.py``), data, logging
-and output. Where the optimizer state cannot follow a layout change (``optimizer_problem``)
-the run is refused with what to do instead.
+checkpoint replaces; of mixture-of-experts, the aux-loss and z-loss coefficients and the
+load-balancing type, which shape the training objective, and the token dispatcher, which only
+moves tokens). The number of experts, top-k, the dense/MoE layer pattern and the expert widths
+make another model and must be the checkpoint's. The rest may change: the layout (TP, PP,
+virtual stages, DP, EP, expert TP, SP, recompute; dist_checkpointing reshards the experts as
+it does every other weight), the batch and schedule (with the override flags,
+``preflight.py``), data, logging and output. Where the optimizer state cannot follow a layout
+change (``optimizer_problem``) the run is refused with what to do instead.
 
 Checkpoints written before the settings were stored load as before (their settings are
 unknown, nothing is compared). Plain data, no torch import.
@@ -19,7 +23,7 @@ import dataclasses
 from typing import Any, List, Mapping, Optional
 
 from megatron_siamese.runtime.registry import Setting, definitions
-from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.runtime.settings import ModelSettings, moe_layer_freq
 from megatron_siamese.training import checkpoint_files
 
 SETTINGS_KEY = "megatron_siamese_settings"
@@ -35,10 +39,30 @@ def model_fields() -> List[str]:
     return [name for name, definition in definitions(ModelSettings).items() if not definition.resumable]
 
 
-# settings whose unset value means a derived one (runtime/gpt.py): compared by what they mean
+def _ffn_hidden_size(values: Mapping[str, Any]) -> Any:
+    return values.get("ffn_hidden_size") or 4 * values.get("hidden_size", 0)
+
+
+def _moe_layers(values: Mapping[str, Any]) -> Any:
+    """``--moe-layer-freq`` as the 0/1 per layer it means (``2`` is ``[1,0,1,0]`` at 4 layers)."""
+    text = values.get("moe_layer_freq")
+    if text is None or values.get("num_moe_experts") is None:
+        return text
+    try:
+        pattern = moe_layer_freq(str(text))
+    except ValueError:
+        return text
+    return [int(layer % pattern == 0) for layer in range(values.get("num_layers", 0))] if isinstance(
+        pattern, int) else pattern
+
+
+# settings whose unset value (or spelling) means a derived one (runtime/gpt.py): compared by what they mean
 _EFFECTIVE = {
-    "ffn_hidden_size": lambda values: values.get("ffn_hidden_size") or 4 * values.get("hidden_size", 0),
+    "ffn_hidden_size": _ffn_hidden_size,
     "num_query_groups": lambda values: values.get("num_query_groups") or values.get("num_attention_heads"),
+    "moe_ffn_hidden_size": lambda values: values.get("moe_ffn_hidden_size") or (
+        _ffn_hidden_size(values) if values.get("num_moe_experts") is not None else None),
+    "moe_layer_freq": _moe_layers,
 }
 
 
@@ -113,7 +137,7 @@ def optimizer_problem(checkpoint: str, common: Mapping[str, Any], args) -> Optio
     reshards over DP only (its "fully_reshardable" loader fails there too: ``checkpoint.py``)."""
     if args.no_load_optim or not checkpoint_files.brings_training_state(common, args.model):
         return None  # weights only
-    optimizer = common.get("optimizer")
+    optimizer = _optimizer_parts(common.get("optimizer"))[0]
     if not isinstance(optimizer, Mapping):
         return None
     sharding = optimizer.get("param_state_sharding_type")  # only the distributed optimizer's state has one
@@ -127,10 +151,43 @@ def optimizer_problem(checkpoint: str, common: Mapping[str, Any], args) -> Optio
     saved = common.get(SETTINGS_KEY)
     if sharding is None or sharding in FULLY_RESHARDABLE or not isinstance(saved, Mapping):
         return None
-    layout = [(flag, saved.get(name), getattr(args, name)) for name, flag in
-              (("tp", "--tp"), ("pp", "--pp"), ("vpp", "--vpp"))]
+    layout = [(flag, saved.get(name, default), getattr(args, name)) for name, flag, default in
+              (("tp", "--tp", None), ("pp", "--pp", None), ("vpp", "--vpp", None), ("ep", "--ep", 1),
+               ("etp", "--etp", None))]
     if all(before == now for _, before, now in layout):
         return None
-    at = " ".join(f"{flag} {before}" for flag, before, _ in layout if before is not None)
+    at = " ".join(f"{flag} {before}" for flag, before, _ in layout
+                  if before is not None and not (flag == "--ep" and before == 1))
     return (f"--load {checkpoint} holds the distributed optimizer's state in the {sharding!r} format, which "
             f"reshards over --dp only: resume at the saved {at} (any --dp), {weights_only}")
+
+
+def _optimizer_parts(optimizer: Any) -> List[Any]:
+    """The saved state of each optimizer Megatron chains (``{0: dense, 1: experts}`` where it keeps
+    expert-parallel parameters apart), or of the one optimizer."""
+    if isinstance(optimizer, Mapping) and optimizer and all(isinstance(key, int) for key in optimizer):
+        return [optimizer[key] for key in sorted(optimizer)]
+    return [optimizer]
+
+
+def optimizer_split_problem(checkpoint: str, common: Mapping[str, Any], optimizers: int, args) -> Optional[str]:
+    """One line when the checkpoint's optimizer state is split otherwise than this run's
+    ``optimizers`` (how many Megatron chains here): Megatron keeps the expert parameters in an
+    optimizer of their own under expert parallelism (megatron-core 0.19 also when --etp differs
+    from --tp), and the state of one such layout does not load into the other."""
+    saved_optimizer = common.get("optimizer")
+    if args.no_load_optim or saved_optimizer is None:
+        return None
+    saved = len(_optimizer_parts(saved_optimizer))
+    if saved == optimizers:
+        return None
+    settings = common.get(SETTINGS_KEY)
+    ep = settings.get("ep", 1) if isinstance(settings, Mapping) else None
+    at = f" (saved at --ep {ep})" if ep is not None else ""
+    if saved > optimizers:
+        layouts = (f"holds the expert parameters' optimizer state apart from the others'{at}, which this run at "
+                   f"--ep {args.ep} keeps in one optimizer: resume with expert parallelism (--ep 2 or more)")
+    else:
+        layouts = (f"holds one optimizer's state for all parameters{at}, which this run at --ep {args.ep} keeps "
+                   "apart for the experts: resume at the checkpoint's --ep and --etp")
+    return (f"--load {checkpoint} {layouts}, or pass --no-load-optim (the weights and step, a fresh optimizer)")

@@ -7,7 +7,7 @@ reads it back: the TP/PP/DP sizes (whether RNG and optimizer state can load as s
 resuming run's. Writing the same names lets ``pretrain_gpt.py --load`` resume a checkpoint of
 this trainer, and ``--use-checkpoint-args`` rebuild its model from it.
 
-Plain values only (str, int, float, bool, None): megatron-core 0.19 reads the common state with
+Plain values only (str, int, float, bool, None, a list of ints): megatron-core 0.19 reads the common state with
 ``weights_only=True``, which allows a Namespace but not arbitrary objects.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from argparse import Namespace
 
 from megatron_siamese.hybrid_pattern import hybrid_pattern, num_layers
-from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.runtime.settings import ModelSettings, moe_layer_freq
 
 ADAM_BETAS = dict(adam_beta1=0.9, adam_beta2=0.95)  # the trainer's Adam (Megatron-LM's --adam-beta1/2)
 LR_DECAY_STYLE = "cosine"  # the trainer's schedule (Megatron-LM's --lr-decay-style; its default is linear)
@@ -34,6 +34,25 @@ def _model_class_args(model: ModelSettings) -> dict:
     if model.model != "hybrid":
         return dict(num_layers=model.num_layers, spec=SPECS.get(model.norm))
     return dict(num_layers=num_layers(model), hybrid_layer_pattern=hybrid_pattern(model).text, spec=HYBRID_SPEC)
+
+
+def _moe_args(model: ModelSettings) -> dict:
+    """The mixture-of-experts settings under Megatron-LM's names (its --use-checkpoint-args reads
+    them; --moe-layer-freq as its int or 0/1 list)."""
+    if model.num_moe_experts is None:
+        return dict(num_experts=None)
+    return dict(
+        num_experts=model.num_moe_experts,
+        moe_layer_freq=moe_layer_freq(model.moe_layer_freq),
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_router_topk=model.moe_router_topk,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_grouped_gemm=model.moe_grouped_gemm,
+    )
 
 
 def model_args(model: ModelSettings, vocab_size: int, vocab_multiple: int) -> dict:
@@ -63,6 +82,7 @@ def model_args(model: ModelSettings, vocab_size: int, vocab_multiple: int) -> di
         bf16=model.dtype == "bf16",
         fp16=False,
         transformer_impl=model.transformer_impl,
+        **_moe_args(model),
     )
 
 
@@ -75,6 +95,8 @@ def checkpoint_args(args, step: int, vocab_size: int, vocab_multiple: int, model
         virtual_pipeline_model_parallel_size=args.vpp,
         context_parallel_size=1,
         data_parallel_size=args.dp,
+        expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp or args.tp,
         world_size=args.world_size,
         sequence_parallel=args.sp,
         use_distributed_optimizer=args.distributed_optimizer,

@@ -8,15 +8,19 @@ built around Megatron-LM's logs read ours:
     -----------------------------------------------------------------------------------------
 
 One addition: ``throughput (tokens/s)`` after the time per iteration (where Megatron-LM puts
-its optional TFLOP/s), the number our CPU and GPU measurements quote.
+its optional TFLOP/s), the number our CPU and GPU measurements quote. A mixture-of-experts run's
+router statistics follow the lm loss, averaged like it: Megatron-LM's tracked losses
+(``load_balancing_loss: 1.000213E+00 |``, ``z_loss``) and the busiest expert's load relative to
+the mean (``busiest_expert_load: 1.23 |``, in megatron-core 0.19's format for MoE scalars that
+are not losses).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import List, Optional
+from typing import Dict, List, Mapping, Optional
 
 PPL_CAP = 20.0  # Megatron-LM caps the exponent: exp(20) for any loss above it
 
@@ -32,8 +36,9 @@ class Interval:
     nan: int = 0
     loss_sum: float = 0.0
     seconds: float = 0.0
+    router_sums: Dict[str, float] = field(default_factory=dict)  # MoE: router statistic -> sum
 
-    def add(self, loss: float, seconds: float, skipped: bool) -> None:
+    def add(self, loss: float, seconds: float, skipped: bool, router: Optional[Mapping[str, float]] = None) -> None:
         self.iterations += 1
         self.seconds += seconds
         self.skipped += int(skipped)
@@ -41,6 +46,8 @@ class Interval:
         if not skipped and math.isfinite(loss):
             self.advanced += 1
             self.loss_sum += loss
+            for name, value in (router or {}).items():
+                self.router_sums[name] = self.router_sums.get(name, 0.0) + value
 
 
 def iteration_line(step: int, steps: int, consumed_samples: int, interval: Interval, lr: float,
@@ -56,6 +63,9 @@ def iteration_line(step: int, steps: int, consumed_samples: int, interval: Inter
     line += f" global batch size: {global_batch_size:5d} |"
     if interval.advanced:
         line += f" lm loss: {interval.loss_sum / interval.advanced:.6E} |"
+        for name, total in interval.router_sums.items():
+            average = total / interval.advanced
+            line += f" {name}: {average:.6E} |" if name.endswith("loss") else f" {name}: {average:.2f} |"
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"

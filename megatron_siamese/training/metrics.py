@@ -2,7 +2,9 @@
 flushed line by line (a job killed at any moment keeps every step it logged).
 
 A training step: ``{"step", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale",
-"skipped", "seconds", "tokens_per_second", "time"}``; an evaluation: ``{"step",
+"skipped", "seconds", "tokens_per_second", "time"}``, and a mixture-of-experts run's router
+statistics (``load_balancing_loss``, ``z_loss``, ``busiest_expert_load``: router_stats.py)
+before ``time``; an evaluation: ``{"step",
 "consumed_samples", "val_loss", "val_ppl", "time"}`` (``time``: Unix seconds; a non-finite
 loss is ``null``). A resumed run appends to the file after dropping what the interrupted run
 logged past the checkpoint it resumes (those steps are run again), so every step appears once.

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 
 from megatron_siamese.training import loss_plot, megatron_log, metrics, run_settings, scalar_loggers
 from megatron_siamese.training.args import TrainArgs
+from megatron_siamese.training.summary import BUSIEST
 
 MEGATRON_LOG_INTERVAL = 100  # Megatron-LM's --log-interval default
 
@@ -104,25 +105,27 @@ class RunLog:
 
     def step(self, step: int, stats: Dict[str, float], seconds: float) -> None:
         """Step ``step`` took ``seconds``: ``stats`` holds its loss, lr, grad_norm, and
-        loss_scale and skipped where the trainer reports them."""
+        loss_scale, skipped and (MoE) router where the trainer reports them."""
         if not self.speaks:
             return
         loss, lr, grad_norm = stats["loss"], stats["lr"], stats["grad_norm"]
         loss_scale, skipped = float(stats.get("loss_scale", 1.0)), bool(stats.get("skipped", False))
+        router = {name: value for name, value in stats.get("router", {}).items() if metrics.finite(value) is not None}
         consumed = step * self.args.global_batch_size
         self.metrics.write(dict(step=step, consumed_samples=consumed, loss=metrics.finite(loss), lr=lr,
                                 grad_norm=metrics.finite(grad_norm), loss_scale=loss_scale, skipped=skipped,
                                 seconds=seconds, tokens_per_second=self.tokens_per_step / seconds if seconds else 0.0,
-                                time=time.time()))
+                                **router, time=time.time()))
         scalars = {"learning-rate": lr, "batch-size": self.args.global_batch_size, "loss-scale": loss_scale,
                    "iteration-time": seconds}
         if metrics.finite(loss) is not None:
             scalars["lm loss"] = loss
         if metrics.finite(grad_norm) is not None:
             scalars["grad-norm"] = grad_norm
+        scalars.update(router)  # Megatron-LM's names: load_balancing_loss, z_loss, ...
         for sink in self.sinks:
             sink.log(scalars, step, consumed)
-        self.interval.add(loss, seconds, skipped)
+        self.interval.add(loss, seconds, skipped, router)
         every = self.console.log_interval
         if every and (step % every == 0 or metrics.finite(loss) is None):
             self._print(megatron_log.iteration_line(step, self.args.steps, consumed, self.interval, lr,
@@ -133,6 +136,7 @@ class RunLog:
             self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", gnorm=f"{grad_norm:.2f}",
                                  tok_s=f"{self.tokens_per_step / seconds if seconds else 0.0:.0f}",
                                  val="-" if self.last_val is None else f"{self.last_val:.3f}",
+                                 **router_postfix(router),
                                  refresh=False)  # update() redraws it, once per step at most
             self.bar.update(1)
 
@@ -180,6 +184,17 @@ class RunLog:
         self.sinks = []
         atexit.unregister(self._close_files)
 
+
+
+# the progress bar's short names for the router statistics (training/router_stats.py)
+ROUTER_POSTFIX = {"load_balancing_loss": "aux", "seq_load_balancing_loss": "seq_aux",
+                  "global_load_balancing_loss": "global_aux", "z_loss": "z", BUSIEST: "max_load"}
+
+
+def router_postfix(router: Dict[str, float]) -> Dict[str, str]:
+    """A step's router statistics on the progress bar: aux=1.002 max_load=1.31x."""
+    return {ROUTER_POSTFIX.get(name, name): f"{value:.3f}" if name.endswith("loss") else f"{value:.2f}x"
+            for name, value in router.items()}
 
 
 def results_line(args: TrainArgs, summary) -> str:

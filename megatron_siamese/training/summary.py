@@ -8,6 +8,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
+BUSIEST = "busiest_expert_load"  # a router statistic: the busiest expert's tokens / the mean (router_stats.py)
+
 
 @dataclass
 class RunSummary:
@@ -16,6 +18,9 @@ class RunSummary:
     train_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
     val_losses: Dict[int, float] = field(default_factory=dict)  # step -> loss
     checkpoints: List[str] = field(default_factory=list)
+    # mixture of experts: step -> its router statistics (training/router_stats.py: Megatron's aux
+    # losses by their names, busiest_expert_load)
+    router_stats: Dict[int, Dict[str, float]] = field(default_factory=dict)
     diverged: bool = False  # a non-finite training loss stopped the run
     stopped: bool = False  # a stop signal, --exit-interval or --exit-duration-in-mins stopped it (after saving)
     stop_reason: Optional[str] = None  # what stopped it: "SIGTERM", "--exit-interval 10", ...
@@ -59,13 +64,29 @@ def format_summary(summary: RunSummary) -> str:
                 f"left to train): val loss {shown(summary.val_losses)}")
     lines = [
         f"norm={summary.args['norm']} steps={summary.steps_done} "
-        f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}",
+        f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}"
+        + (f" ep{summary.args['ep']}" if summary.args.get("ep", 1) > 1 else ""),
         f"final train loss {shown(summary.train_losses)}  final val loss {shown(summary.val_losses)}",
         f"{summary.tokens_per_second:.0f} tokens/s  peak memory {summary.peak_memory_mb:.0f} MB/rank  "
         f"wall {summary.seconds:.0f}s",
     ]
+    if summary.router_stats:
+        lines.append(router_line(summary.router_stats))
     if summary.diverged:
         lines.append(f"DIVERGED: non-finite training loss at step {max(summary.train_losses)}")
     if summary.accuracy is not None:
         lines.append(f"exact-match accuracy on held-out problems: {summary.accuracy:.3f}")
     return "\n".join(lines)
+
+
+def router_line(stats: Dict[int, Dict[str, float]]) -> str:
+    """The routers at the last step, and the highest busiest-expert load of the run."""
+    last = max(stats)
+    shown_stats = ", ".join(f"{name} {value:.4f}" for name, value in stats[last].items() if name.endswith("loss"))
+    line = f"router at step {last}: {shown_stats or 'no auxiliary loss'}"
+    loads = {step: values[BUSIEST] for step, values in stats.items() if BUSIEST in values}
+    if loads:
+        peak = max(loads, key=loads.get)
+        line += (f"; busiest expert {stats[last].get(BUSIEST, float('nan')):.2f}x the mean load "
+                 f"(highest {loads[peak]:.2f}x at step {peak})")
+    return line

@@ -85,6 +85,11 @@ class Trainer:
             override_opt_param_scheduler=args.override_opt_param_scheduler,
             use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         )
+        self.router_stats = None
+        if args.num_moe_experts:
+            from megatron_siamese.training.router_stats import RouterStatistics
+
+            self.router_stats = RouterStatistics(self.gpt.chunks, self.config, args)
         self._build_data()
         self.step = 0
         self.saved_before = False  # --overwrite clears the old checkpoints at the first save (checkpoint.save)
@@ -152,8 +157,11 @@ class Trainer:
         updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=self.args.global_batch_size)
         self.step += 1
-        return dict(loss=loss, grad_norm=float(grad_norm or 0.0), lr=self.optimizer.param_groups[0]["lr"],
-                    loss_scale=float(self.optimizer.get_loss_scale()), skipped=not updated)
+        stats = dict(loss=loss, grad_norm=float(grad_norm or 0.0), lr=self.optimizer.param_groups[0]["lr"],
+                     loss_scale=float(self.optimizer.get_loss_scale()), skipped=not updated)
+        if self.router_stats is not None:  # the aux losses and the busiest expert's load (router_stats.py)
+            stats["router"] = self.router_stats.step(self.step, self.args.num_microbatches)
+        return stats
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -162,6 +170,10 @@ class Trainer:
             self._forward_backward(self.valid_data.step(i), forward_only=True)
             for i in range(self.args.eval_iters)
         ]
+        if self.router_stats is not None:
+            from megatron_siamese.training.router_stats import clear_tracker
+
+            clear_tracker()  # as Megatron-LM does after evaluating
         return sum(losses) / len(losses)
 
     def peak_memory_mb(self) -> float:
@@ -235,6 +247,8 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         if trainer.step > first_step + 1:  # the first step includes one-time setup costs
             timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
         summary.train_losses[trainer.step] = stats["loss"]
+        if "router" in stats:
+            summary.router_stats[trainer.step] = stats["router"]
         log.step(trainer.step, stats, elapsed)
         if not math.isfinite(stats["loss"]):
             summary.diverged = True

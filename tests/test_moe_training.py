@@ -1,0 +1,235 @@
+"""Training a mixture-of-experts SiameseNorm GPT as a user does (the CLI in subprocesses): the MoE
+and expert-parallel flags, the router statistics in every log, and checkpoints that resume
+under another EP/TP/PP layout with the losses of the uninterrupted run."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_siamese.training.args import ConfigError, TrainArgs
+from megatron_siamese.training.checkpoint_settings import (
+    SETTINGS_KEY,
+    model_problem,
+    optimizer_split_problem,
+    recorded,
+)
+
+CLI = [sys.executable, "-m", "megatron_siamese.cli"]
+# two layers, the first MoE and the second dense: PP2 puts a stage without experts in the job
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[1,0]", "--moe-z-loss-coeff", "1e-3",
+       # the alltoall dispatcher needs more of the CUDA redirection on CPU than allgather
+       "--moe-token-dispatcher-type", "allgather"]
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "2", "--no-progress",
+         "--log-interval", "1", *MOE]
+ROUTER = ("load_balancing_loss", "z_loss", "busiest_expert_load")
+
+
+def train(output, cache, *args, timeout=600):
+    start = time.monotonic()
+    done = subprocess.run([*CLI, "train", *SMALL, "--cache-dir", cache, "--output-dir", output, *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+    done.seconds = time.monotonic() - start
+    return done
+
+
+def logged(done) -> dict:
+    """Step -> {"loss": lm loss, router statistic: value}, from Megatron-LM's iteration lines."""
+    found = {}
+    for line in done.stdout.splitlines():
+        step = re.search(r"iteration\s+(\d+)/", line)
+        if step:
+            values = dict(re.findall(r"\| (lm loss|\w+): ([0-9.E+-]+) (?=\|)", line))
+            found[int(step.group(1))] = {"loss": float(values["lm loss"]),
+                                         **{name: float(values[name]) for name in ROUTER if name in values}}
+    return found
+
+
+def assert_refused(done, *messages):
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr + done.stdout
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1, done.stderr
+    for message in messages:
+        assert message in errors[0], errors[0]
+
+
+def assert_same_steps(resumed: dict, straight: dict, steps, router=ROUTER):
+    for step in steps:
+        assert resumed[step]["loss"] == pytest.approx(straight[step]["loss"], abs=2e-4), step
+        for name in router:
+            assert resumed[step][name] == pytest.approx(straight[step][name], rel=1e-4, abs=1e-4), (step, name)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory, cache):
+    """4 steps at DP2 x EP2 (each rank holds two of the four experts), checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("ep2") / "run"
+    done = train(root, cache, "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "4", "--save-interval", "2",
+                 "--tensorboard-dir", root / "tb", "--progress")  # the bar (on stderr) and the lines
+    assert done.returncode == 0, done.stderr
+    done.root, done.steps = root, logged(done)
+    return done
+
+
+# -- settings, no rank started ----------------------------------------------------------
+
+@pytest.mark.stack_independent
+def test_expert_parallelism_must_fit_the_ranks_it_regroups():
+    with pytest.raises(ConfigError) as refused:
+        TrainArgs(tp=1, dp=3, ep=2, num_moe_experts=4, global_batch_size=24)
+    assert refused.value.problems == [
+        "--expert-model-parallel-size/--ep 2 x --expert-tensor-parallel-size/--etp 1 = 2 must divide --tp 1 x --dp 3 "
+        "= 3 (expert parallelism adds no ranks: it regroups those of a pipeline stage): use --dp 4 (a multiple of 2)"]
+    args = TrainArgs(tp=2, dp=1, ep=2, etp=1, sp=True, num_moe_experts=4)
+    assert args.world_size == 2 and args.layout.name == "tp2-ep2-etp1-sp"
+    done = subprocess.run([*CLI, "train", "--num-experts", "4", "--ep", "2"], capture_output=True, text=True)
+    assert_refused(done, "--etp 2 = 4 must divide --tp 2 x --dp 1 = 2", "use --dp 2")
+
+
+@pytest.mark.stack_independent
+def test_a_resume_keeps_the_experts_and_may_change_how_they_are_split_and_fed():
+    saved = recorded(TrainArgs(tp=1, dp=2, ep=2, num_moe_experts=4, moe_layer_freq="[1,0,1,0]"))
+    same = [dict(tp=2, ep=1), dict(tp=1, dp=2, ep=2, moe_layer_freq="([1,0])*2"), dict(moe_layer_freq="2"),
+            dict(moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-3, moe_z_loss_coeff=1e-3,
+                 moe_router_load_balancing_type="seq_aux_loss", moe_ffn_hidden_size=512)]
+    for changes in same:
+        assert model_problem("ckpt", {SETTINGS_KEY: saved}, TrainArgs(**{"num_moe_experts": 4, "tp": 1,
+                                                                           "moe_layer_freq": "[1,0,1,0]",
+                                                                           **changes})) is None, changes
+    refused = model_problem("ckpt", {SETTINGS_KEY: saved},
+                            TrainArgs(tp=1, num_moe_experts=8, moe_router_topk=1, moe_layer_freq="1"))
+    assert ("--num-experts 4 -> 8, --moe-router-topk 2 -> 1, --moe-layer-freq [1, 0, 1, 0] -> [1, 1, 1, 1]"
+            in refused), refused
+    assert "--num-experts 4 -> unset" in model_problem("ckpt", {SETTINGS_KEY: saved}, TrainArgs(tp=1))
+
+
+@pytest.mark.stack_independent
+def test_an_optimizer_state_split_otherwise_is_refused_naming_what_loads_it():
+    common = {SETTINGS_KEY: {"ep": 2}, "optimizer": {0: {"state": {}}, 1: {"state": {}}}}
+    assert optimizer_split_problem("ckpt", common, 2, TrainArgs(tp=2, ep=1)) is None  # the same split
+    assert optimizer_split_problem("ckpt", common, 1, TrainArgs(tp=2, no_load_optim=True)) is None
+    assert "resume with expert parallelism (--ep 2 or more)" in optimizer_split_problem("ckpt", common, 1, TrainArgs())
+    one = {SETTINGS_KEY: {"ep": 1}, "optimizer": {"state": {}, "param_groups": []}}
+    assert "holds one optimizer's state for all parameters (saved at --ep 1)" in optimizer_split_problem(
+        "ckpt", one, 2, TrainArgs(tp=1, dp=2, ep=2, num_moe_experts=4))
+
+
+# -- training ----------------------------------------------------------------------------
+
+def test_an_expert_parallel_run_learns_and_reports_its_routers_everywhere(ep2):
+    assert "Traceback" not in ep2.stdout + ep2.stderr
+    steps = ep2.steps
+    assert sorted(steps) == [1, 2, 3, 4] and all(set(ROUTER) <= set(values) for values in steps.values())
+    assert steps[4]["loss"] < steps[1]["loss"] - 0.05
+    for values in steps.values():
+        assert 0.5 < values["load_balancing_loss"] < 2.0  # Megatron's switch loss: 1.0 when balanced
+        assert 1.0 <= values["busiest_expert_load"] <= 2.0  # at most experts / top-k
+        assert values["z_loss"] > 0.0
+    written = [entry for entry in map(json.loads, (ep2.root / "metrics.jsonl").read_text().splitlines())
+               if "loss" in entry]
+    for entry in written:  # the file holds what the lines show
+        for name in ROUTER:
+            assert entry[name] == pytest.approx(steps[entry["step"]][name], rel=1e-5, abs=6e-3)
+    summary = json.loads((ep2.root / "summary.json").read_text())
+    assert sorted(summary["router_stats"], key=int) == ["1", "2", "3", "4"]
+    assert summary["router_stats"]["4"]["load_balancing_loss"] == pytest.approx(steps[4]["load_balancing_loss"],
+                                                                                rel=1e-5)
+    for shown in (r"aux=\d\.\d{3}", r"max_load=\d\.\d\dx", r"z=\d\.\d{3}"):  # on the bar, with its loss
+        assert re.search(rf"\|.*{shown}", ep2.stderr), ep2.stderr[-2000:]
+    assert "layout=tp1 pp1 dp2 ep2" in ep2.stdout
+    assert re.search(r"router at step 4: load_balancing_loss [0-9.]+, z_loss [0-9.]+; busiest expert [0-9.]+x the "
+                     r"mean load \(highest [0-9.]+x at step \d\)", ep2.stdout), ep2.stdout
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(ep2.root / "tb"))
+    events.Reload()
+    for name in ROUTER:  # Megatron-LM's names for its tracked losses
+        assert [event.step for event in events.Scalars(name)] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_continues_under_another_tp_and_expert_layout(tmp_path, cache, ep2):
+    """DP2 x EP2 -> TP2 with SP and EP2 over the same two ranks, experts unsplit (--etp 1): the
+    attention weights split anew, the experts move, the optimizer state follows."""
+    done = train(tmp_path, cache, "--tp", "2", "--sp", "--ep", "2", "--etp", "1", "--steps", "4",
+                 "--load", ep2.root / "checkpoints" / "iter_0000002")
+    assert done.returncode == 0, done.stderr
+    resumed = logged(done)
+    assert sorted(resumed) == [3, 4]
+    assert_same_steps(resumed, ep2.steps, (3, 4))
+
+
+def test_expert_parallel_weights_load_into_a_pipeline_without_expert_parallelism(tmp_path, cache, ep2):
+    """EP2 -> PP2 at EP1: Megatron keeps the expert parameters' optimizer apart only under EP, so
+    the state is refused with what loads it; the weights load (the next step's forward, losses
+    and routing included, is the uninterrupted run's), with a fresh optimizer."""
+    checkpoint = ep2.root / "checkpoints" / "iter_0000002"
+    refused = train(tmp_path / "a", cache, "--tp", "1", "--pp", "2", "--steps", "4", "--load", checkpoint)
+    assert_refused(refused, f"--load {checkpoint} holds the expert parameters' optimizer state apart",
+                   "resume with expert parallelism (--ep 2 or more), or pass --no-load-optim")
+    done = train(tmp_path / "b", cache, "--tp", "1", "--pp", "2", "--steps", "4", "--load", checkpoint,
+                 "--no-load-optim")
+    assert done.returncode == 0, done.stderr
+    resumed = logged(done)
+    assert sorted(resumed) == [3, 4]
+    assert_same_steps(resumed, ep2.steps, (3,))
+
+
+def test_a_resume_into_other_experts_is_refused_before_any_rank_starts(tmp_path, cache, ep2):
+    done = subprocess.run([*CLI, "train", *SMALL, "--cache-dir", cache, "--output-dir", str(tmp_path),
+                           "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "6", "--num-experts", "8",
+                           "--moe-router-topk", "1", "--load", str(ep2.root / "checkpoints")],
+                          capture_output=True, text=True)
+    assert_refused(done, "holds another model", "--num-experts 4 -> 8, --moe-router-topk 2 -> 1")
+    assert not os.path.exists(Path(tmp_path) / "checkpoints")
+
+
+# -- the examples ------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def handed_over(script, tmp_path, **env):
+    """The command line an example hands to srun, torchrun or $PYTHON (stand-ins record it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    record = tmp_path / "record"
+    for tool in ("srun", "torchrun", "recorder"):
+        (bin_dir / tool).write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$RECORD"\n')
+        (bin_dir / tool).chmod(0o755)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node001\necho node002\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    variables = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record), PYTHON="recorder",
+                     SLURM_JOB_NODELIST="node[001-002]", SLURM_NNODES="2", SLURM_JOB_ID="77", **env)
+    subprocess.run(["bash", str(EXAMPLES / script)], check=True, env=variables, cwd=tmp_path)
+    handed = record.read_text().split("\0")[:-1]
+    return handed[handed.index("megatron_siamese.cli") + 1:]
+
+
+@pytest.mark.stack_independent
+def test_the_moe_examples_hand_over_runs_that_parse(tmp_path):
+    from megatron_siamese.cli import build_parser
+    from megatron_siamese.cli.flags import train_args
+
+    def parsed(script, **env):
+        return train_args(build_parser().parse_args(handed_over(script, tmp_path, **env)))  # ConfigError if not
+
+    slurm = parsed("slurm/pretrain_moe.sbatch", OUT=str(tmp_path / "out"))
+    assert (slurm.tp, slurm.dp, slurm.ep, slurm.etp, slurm.world_size) == (2, 8, 8, 1, 16)
+    assert slurm.num_moe_experts == 16 and slurm.moe_token_dispatcher_type == "alltoall"
+    gpus = parsed("pretrain_moe_siamese.sh", OUT=str(tmp_path / "out"))
+    assert (gpus.world_size, gpus.ep, gpus.moe_grouped_gemm) == (8, 4, True)
+    cpu = parsed("pretrain_moe_siamese.sh", OUT=str(tmp_path / "out"), CPU="1")
+    assert (cpu.world_size, cpu.ep, cpu.transformer_impl, cpu.moe_token_dispatcher_type) == (2, 2, "local", "allgather")
