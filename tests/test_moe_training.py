@@ -94,14 +94,14 @@ def test_expert_parallelism_must_fit_the_ranks_it_regroups():
         "= 3 (expert parallelism adds no ranks: it regroups those of a pipeline stage): use --dp 4 (a multiple of 2)"]
     args = TrainArgs(tp=2, dp=1, ep=2, etp=1, sp=True, num_moe_experts=4)
     assert args.world_size == 2 and args.layout.name == "tp2-ep2-etp1-sp"
-    done = subprocess.run([*CLI, "train", "--num-experts", "4", "--ep", "2"], capture_output=True, text=True)
+    done = subprocess.run([*CLI, "train", "--num-experts", "4", "--ep", "2", "--sp"], capture_output=True, text=True)
     assert_refused(done, "--etp 2 = 4 must divide --tp 2 x --dp 1 = 2", "use --dp 2")
 
 
 @pytest.mark.stack_independent
 def test_a_resume_keeps_the_experts_and_may_change_how_they_are_split_and_fed():
     saved = recorded(TrainArgs(tp=1, dp=2, ep=2, num_moe_experts=4, moe_layer_freq="[1,0,1,0]"))
-    same = [dict(tp=2, ep=1), dict(tp=1, dp=2, ep=2, moe_layer_freq="([1,0])*2"), dict(moe_layer_freq="2"),
+    same = [dict(tp=2, ep=1, sp=True), dict(tp=1, dp=2, ep=2, moe_layer_freq="([1,0])*2"), dict(moe_layer_freq="2"),
             dict(moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-3, moe_z_loss_coeff=1e-3,
                  moe_router_load_balancing_type="seq_aux_loss", moe_ffn_hidden_size=512)]
     for changes in same:
@@ -109,8 +109,8 @@ def test_a_resume_keeps_the_experts_and_may_change_how_they_are_split_and_fed():
                                                                            "moe_layer_freq": "[1,0,1,0]",
                                                                            **changes})) is None, changes
     refused = model_problem("ckpt", {SETTINGS_KEY: saved},
-                            TrainArgs(tp=1, num_moe_experts=8, moe_router_topk=1, moe_layer_freq="1"))
-    assert ("--num-experts 4 -> 8, --moe-router-topk 2 -> 1, --moe-layer-freq [1, 0, 1, 0] -> [1, 1, 1, 1]"
+                            TrainArgs(tp=1, num_moe_experts=8, moe_router_topk=3, moe_layer_freq="1"))
+    assert ("--num-experts 4 -> 8, --moe-router-topk 2 -> 3, --moe-layer-freq [1, 0, 1, 0] -> [1, 1, 1, 1]"
             in refused), refused
     assert "--num-experts 4 -> unset" in model_problem("ckpt", {SETTINGS_KEY: saved}, TrainArgs(tp=1))
 
@@ -190,9 +190,9 @@ def test_expert_parallel_weights_load_into_a_pipeline_without_expert_parallelism
 def test_a_resume_into_other_experts_is_refused_before_any_rank_starts(tmp_path, cache, ep2):
     done = subprocess.run([*CLI, "train", *SMALL, "--cache-dir", cache, "--output-dir", str(tmp_path),
                            "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "6", "--num-experts", "8",
-                           "--moe-router-topk", "1", "--load", str(ep2.root / "checkpoints")],
+                           "--moe-router-topk", "3", "--load", str(ep2.root / "checkpoints")],
                           capture_output=True, text=True)
-    assert_refused(done, "holds another model", "--num-experts 4 -> 8, --moe-router-topk 2 -> 1")
+    assert_refused(done, "holds another model", "--num-experts 4 -> 8, --moe-router-topk 2 -> 3")
     assert not os.path.exists(Path(tmp_path) / "checkpoints")
 
 

@@ -256,7 +256,8 @@ def _layout_to_split(args: TrainArgs) -> Layout:
     try:
         return args.layout
     except ValueError:
-        layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp if args.pp > 1 else None, dp=args.dp)
+        layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp if args.pp > 1 else None, dp=args.dp,
+                        sp=args.sp and args.tp > 1)
         try:  # the experts' split too, where the ranks hold it (else said above)
             return layout.with_(ep=args.ep, etp=args.etp)
         except ValueError:
