@@ -211,8 +211,9 @@ def test_dropout_mask_is_shared_by_both_streams(megatron_single_rank, fused):
 
 # -- mixture of experts: Megatron's MoELayer as the MLP sublayer ---------------------------------
 
+# every layer MoE and no z-loss unless a variant says so (the check's case mixes them by default)
 MOE = ModelCase(num_layers=3, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, add_bias_linear=False,
-                moe_aux_loss_coeff=1e-2, num_microbatches=2)
+                moe_aux_loss_coeff=1e-2, moe_layer_freq="1", moe_z_loss_coeff=None, num_microbatches=2)
 MOE_VARIANTS = {  # (ModelCase, TransformerConfig settings ModelCase has no field for)
     "top2-aux-layernorm-alltoall": (MOE, {}),
     "top2-aux-z-rmsnorm-allgather": (
