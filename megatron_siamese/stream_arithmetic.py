@@ -141,6 +141,9 @@ class StreamArithmetic:
                 )
             elif self.requested:
                 raise self._forced_error(self.refusal)
+        # hybrid_dual_norm's CUDA kernels have not run on a GPU yet (docs/kernels.md): on CUDA the
+        # hybrid variant uses them only when the fused ops are insisted on
+        self.cuda_opt_in = any(type(norm) is ChannelScale for norm in stream_norms)
         self._by_device: Dict[str, Arithmetic] = {}
 
     @staticmethod
@@ -158,6 +161,8 @@ class StreamArithmetic:
             chosen = self.torch
             if self.fused is not None:
                 reason = ops.unavailable_reason(device.type)
+                if reason is None and device.type == "cuda" and self.cuda_opt_in and not self.requested:
+                    reason = "unverified"  # the PyTorch path, as said in __init__
                 if reason is None:
                     chosen = self.fused
                 elif self.requested:

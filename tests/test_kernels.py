@@ -436,3 +436,19 @@ def test_layer_uses_fused_ops_by_default_and_refuses_to_fake_them(megatron_singl
     monkeypatch.setattr(ops, "load_error", lambda: "no extension for this test")
     with pytest.raises(RuntimeError, match="no extension for this test"):
         layer(siamese_fused_ops=True)
+
+
+@pytest.mark.skipif(ops.unavailable_reason("cuda") is not None, reason="this build has no CUDA kernels")
+def test_the_hybrid_op_runs_on_cuda_only_when_insisted_on(megatron_single_rank):
+    """hybrid_dual_norm's CUDA kernels have not run on a GPU: a hybrid layer picks them on CUDA only
+    with siamese_fused_ops=True (the standard sublayers keep their verified kernels)."""
+    from megatron_siamese.config import SiameseTransformerConfig
+    from megatron_siamese.norms import ChannelScale, TorchNorm
+    from megatron_siamese.stream_arithmetic import StreamArithmetic
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for fused, hybrid_on_cuda in ((None, "pytorch"), (True, "fused")):
+        config = SiameseTransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, siamese_fused_ops=fused)
+        hybrid = StreamArithmetic(config, [ChannelScale(config, 8), TorchNorm(config, 8)])
+        standard = StreamArithmetic(config, [TorchNorm(config, 8), TorchNorm(config, 8)])
+        assert (hybrid.on(cuda).name, standard.on(cuda).name, hybrid.on(cpu).name) == (hybrid_on_cuda, "fused", "fused")
