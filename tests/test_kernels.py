@@ -441,7 +441,7 @@ def test_layer_uses_fused_ops_by_default_and_refuses_to_fake_them(megatron_singl
 @pytest.mark.skipif(ops.unavailable_reason("cuda") is not None, reason="this build has no CUDA kernels")
 def test_the_hybrid_op_runs_on_cuda_only_when_insisted_on(megatron_single_rank):
     """hybrid_dual_norm's CUDA kernels have not run on a GPU: a hybrid layer picks them on CUDA only
-    with siamese_fused_ops=True (the standard sublayers keep their verified kernels)."""
+    with siamese_fused_ops=True (standard-variant layers keep their verified kernels)."""
     from megatron_siamese.config import SiameseTransformerConfig
     from megatron_siamese.norms import ChannelScale, TorchNorm
     from megatron_siamese.stream_arithmetic import StreamArithmetic
