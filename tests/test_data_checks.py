@@ -15,6 +15,8 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from cli_refusals import assert_one_line_refusal
+
 from megatron_siamese.training import data_checks
 from megatron_siamese.training.data_checks import (
     STATS_SUFFIX,
@@ -57,15 +59,6 @@ def train(tmp_path, prefix, *args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
     done.seconds = time.monotonic() - start
     return done
-
-
-def assert_one_line_refusal(done, *messages):
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert "Traceback" not in done.stdout + done.stderr
-    errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, done.stderr
-    for message in messages:
-        assert message in errors[0], errors[0]
 
 
 # -- the files ----------------------------------------------------------------------------

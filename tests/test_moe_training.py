@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_refusals import assert_one_line_refusal
+
 from megatron_siamese.training.args import ConfigError, TrainArgs
 from megatron_siamese.training.checkpoint_settings import (
     SETTINGS_KEY,
@@ -51,15 +53,6 @@ def logged(done) -> dict:
     return found
 
 
-def assert_refused(done, *messages):
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr + done.stdout
-    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
-    assert len(errors) == 1, done.stderr
-    for message in messages:
-        assert message in errors[0], errors[0]
-
-
 def assert_same_steps(resumed: dict, straight: dict, steps, router=ROUTER):
     for step in steps:
         assert resumed[step]["loss"] == pytest.approx(straight[step]["loss"], abs=2e-4), step
@@ -95,7 +88,7 @@ def test_expert_parallelism_must_fit_the_ranks_it_regroups():
     args = TrainArgs(tp=2, dp=1, ep=2, etp=1, sp=True, num_moe_experts=4)
     assert args.world_size == 2 and args.layout.name == "tp2-ep2-etp1-sp"
     done = subprocess.run([*CLI, "train", "--num-experts", "4", "--ep", "2", "--sp"], capture_output=True, text=True)
-    assert_refused(done, "--etp 2 = 4 must divide --tp 2 x --dp 1 = 2", "use --dp 2")
+    assert_one_line_refusal(done, "--etp 2 = 4 must divide --tp 2 x --dp 1 = 2", "use --dp 2")
 
 
 @pytest.mark.stack_independent
@@ -177,7 +170,7 @@ def test_expert_parallel_weights_load_into_a_pipeline_without_expert_parallelism
     and routing included, is the uninterrupted run's), with a fresh optimizer."""
     checkpoint = ep2.root / "checkpoints" / "iter_0000002"
     refused = train(tmp_path / "a", cache, "--tp", "1", "--pp", "2", "--steps", "4", "--load", checkpoint)
-    assert_refused(refused, f"--load {checkpoint} holds the expert parameters' optimizer state apart",
+    assert_one_line_refusal(refused, f"--load {checkpoint} holds the expert parameters' optimizer state apart",
                    "resume with expert parallelism (--ep 2 or more), or pass --no-load-optim")
     done = train(tmp_path / "b", cache, "--tp", "1", "--pp", "2", "--steps", "4", "--load", checkpoint,
                  "--no-load-optim")
@@ -192,7 +185,7 @@ def test_a_resume_into_other_experts_is_refused_before_any_rank_starts(tmp_path,
                            "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "6", "--num-experts", "8",
                            "--moe-router-topk", "3", "--load", str(ep2.root / "checkpoints")],
                           capture_output=True, text=True)
-    assert_refused(done, "holds another model", "--num-experts 4 -> 8, --moe-router-topk 2 -> 3")
+    assert_one_line_refusal(done, "holds another model", "--num-experts 4 -> 8, --moe-router-topk 2 -> 3")
     assert not os.path.exists(Path(tmp_path) / "checkpoints")
 
 
