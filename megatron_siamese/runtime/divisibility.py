@@ -98,7 +98,7 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
     elif _positive(tp, groups) and groups % tp:
         found.append(f"--num-query-groups {groups} does not split over {spell('tp', tp)}: use a tensor-parallel "
                      "size that divides it")
-    ffn = model.ffn_hidden_size or 4 * model.hidden_size  # Megatron's default width
+    ffn = model.mlp_width
     if _positive(tp, ffn) and ffn % tp:
         found.append(f"the MLP width {ffn} (--ffn-hidden-size) does not split over {spell('tp', tp)}")
     if _positive(tp, vocab_size) and vocab_size % tp:
@@ -127,7 +127,7 @@ def expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, 
     if _positive(experts, layout.ep) and experts % layout.ep:
         found.append(f"--num-experts {experts} does not split over {spell('ep', layout.ep)}: use an expert-parallel "
                      "size that divides the expert count")
-    width = model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    width = model.expert_width
     if _positive(width, layout.expert_tp) and width % layout.expert_tp:
         found.append(f"the expert MLP width {width} (--moe-ffn-hidden-size) does not split over "
                      f"{spell('etp', layout.expert_tp)}")

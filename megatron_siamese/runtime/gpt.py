@@ -47,12 +47,11 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
         **{**config_kwargs(model, ModelSettings), **scheme(model.norm).config},  # what a scheme needs wins
         **config_kwargs(layout, Layout),
         num_layers=num_layers(model),  # a HybridModel's: one per pattern symbol
-        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        ffn_hidden_size=model.mlp_width,
         # only with experts: a pattern makes Megatron save the layers unstacked (non-homogeneous)
         moe_layer_freq=moe_layer_freq(model.moe_layer_freq) if model.num_moe_experts else 1,
         # Megatron's own default, said here so that it does not warn about taking it
-        moe_ffn_hidden_size=(model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size)
-        if model.num_moe_experts else None,
+        moe_ffn_hidden_size=model.expert_width if model.num_moe_experts else None,
         activation_func=F.silu if model.gated_linear_unit else F.gelu,
         hidden_dropout=0.0,
         attention_dropout=0.0,

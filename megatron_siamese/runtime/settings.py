@@ -171,6 +171,16 @@ class ModelSettings:
     fp8_recipe: str = setting("delayed", group=PRECISION, flag="--fp8-recipe", choices=FP8_RECIPES,
                               config="fp8_recipe", resumable=True, help="FP8 scaling recipe, as Megatron names it")
 
+    @property
+    def mlp_width(self) -> int:
+        """The dense MLP's width as Megatron builds it: --ffn-hidden-size, else 4 x hidden."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's MLP width: --moe-ffn-hidden-size, else the dense MLP's (Megatron's default)."""
+        return self.moe_ffn_hidden_size or self.mlp_width
+
 
 def model_class_problems(settings: ModelSettings) -> List[str]:
     """What the installed megatron-core cannot build of ``settings``' model class (train and check)."""

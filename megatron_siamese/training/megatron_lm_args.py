@@ -44,7 +44,7 @@ def _moe_args(model: ModelSettings) -> dict:
     return dict(
         num_experts=model.num_moe_experts,
         moe_layer_freq=moe_layer_freq(model.moe_layer_freq),
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+        moe_ffn_hidden_size=model.expert_width,
         moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
         moe_router_topk=model.moe_router_topk,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
@@ -60,7 +60,7 @@ def model_args(model: ModelSettings, vocab_size: int, vocab_multiple: int) -> di
     return dict(
         **_model_class_args(model),
         hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        ffn_hidden_size=model.mlp_width,
         num_attention_heads=model.num_attention_heads,
         group_query_attention=model.num_query_groups is not None,
         num_query_groups=model.num_query_groups or model.num_attention_heads,
