@@ -14,7 +14,7 @@ import pytest
 
 from megatron_siamese.inference.generate import Sampling, generate, generate_on_ranks, greedy_without_cache
 from megatron_siamese.inference.session import load_full_model, open_session, read_checkpoint
-from megatron_siamese.runtime.launch import launch
+from megatron_siamese.runtime.launch import RankFailed, launch
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.training.args import TrainArgs
@@ -111,6 +111,29 @@ def test_the_comparison_catches_a_layer_that_breaks_decode_steps(checkpoint, unc
     # through decode steps: the batch decodes from the shortest prompt's end), which the bug leaves intact
     assert planted[0][0] == uncached[0][0]
     assert planted != uncached
+
+
+def _generate_through_narrow_pipeline_buffers(checkpoint):
+    """Megatron's own receive buffers, [s, b, hidden_size], between the two stages."""
+    from megatron_siamese.inference import generate as generation
+
+    original = generation.inference_wrapper
+
+    def narrow(*args, **kwargs):
+        wrapper = original(*args, **kwargs)
+        wrapper.packs_streams = False
+        return wrapper
+
+    generation.inference_wrapper = narrow
+    session = open_session(checkpoint, Layout(pp=2))
+    return [r.tokens for r in generate_on_ranks(session, PROMPTS[:1], 2, Sampling())]
+
+
+def test_pipeline_stages_need_the_wide_receive_buffers(checkpoint):
+    """What makes PP2 generation work: without the 2h-wide buffers the packed streams do not fit
+    (gloo aborts the receiving rank)."""
+    with pytest.raises(RankFailed):
+        launch(_generate_through_narrow_pipeline_buffers, 2, checkpoint, timeout_s=120)
 
 
 def _sampled(checkpoint):
