@@ -34,7 +34,11 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
     layout.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
                         help="pipeline-parallel size")
     layout.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1,
-                        help="expert-parallel size (MoE models; --ep must divide --tp)")
+                        help="expert-parallel size (MoE models): --ep x --etp must divide --tp")
+    layout.add_argument("--expert-tensor-parallel-size", "--etp", dest="etp", type=int, default=None,
+                        help="tensor-parallel size of the experts (unset: --tp)")
+    layout.add_argument("--sequence-parallel", "--sp", dest="sp", action="store_true",
+                        help="sequence parallelism (MoE models under --tp > 1 need it)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of {prompt, text, tokens}")
     return parser
 
@@ -52,14 +56,15 @@ def _sampling(options: argparse.Namespace):
 def _layout(options: argparse.Namespace):
     from megatron_siamese.runtime.layout import Layout
 
-    sizes = {"--tp": options.tp, "--pp": options.pp, "--ep": options.ep}
-    small = [f"{flag} must be at least 1 (got {value})" for flag, value in sizes.items() if value < 1]
+    sizes = {"--tp": options.tp, "--pp": options.pp, "--ep": options.ep, "--etp": options.etp}
+    small = [f"{flag} must be at least 1 (got {value})" for flag, value in sizes.items()
+             if value is not None and value < 1]
     if small:
         raise ConfigError(small)
     try:
-        return Layout(tp=options.tp, pp=options.pp, ep=options.ep)
+        return Layout(tp=options.tp, pp=options.pp, ep=options.ep, etp=options.etp, sp=options.sp)
     except ValueError as error:
-        raise ConfigError([f"{error} (generate runs one model replica: --ep must divide --tp)"]) from None
+        raise ConfigError([f"{error} (generate runs one model replica: --ep x --etp must divide --tp)"]) from None
 
 
 def run(options: argparse.Namespace) -> int:
