@@ -180,3 +180,15 @@ def test_the_command_generates_and_refuses(checkpoint, uncached):
     refused = subprocess.run([*cli, "--prompt", "x" * 40], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "more than the 32 the model was trained on (--seq-length)" in refused.stderr
+
+
+def test_a_session_in_a_process_whose_groups_are_up_uses_them(megatron_single_rank, checkpoint, uncached):
+    """In-process (a test's single rank): the session uses the groups it finds and leaves them up."""
+    from megatron.core import parallel_state
+
+    session = open_session(checkpoint)
+    session.close()
+    assert parallel_state.model_parallel_is_initialized()
+    assert greedy_without_cache(session.chunks[0], PROMPTS[0], NEW_TOKENS) == uncached[0]
+    with pytest.raises(ConfigError, match="the layout tp2 uses 2 ranks, the job has 1"):
+        open_session(checkpoint, Layout(tp=2))
