@@ -24,9 +24,9 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (fewer if "
                         "end-of-document comes first)")
     sampling = parser.add_argument_group("sampling (any of these samples; none: greedy)")
-    sampling.add_argument("--temperature", type=float, default=None, help="softmax temperature (default 1.0)")
-    sampling.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (0: all)")
-    sampling.add_argument("--top-p", type=float, default=None, help="sample within this probability mass (0: off)")
+    sampling.add_argument("--temperature", type=float, default=None, help="softmax temperature (sampling with it unset: 1.0)")
+    sampling.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (0: all; sampling with it unset: 0)")
+    sampling.add_argument("--top-p", type=float, default=None, help="sample within this probability mass (0: off; sampling with it unset: 0)")
     parser.add_argument("--seed", type=int, default=1234, help="the sampler's seed (the same seed repeats)")
     layout = parser.add_argument_group("parallelism")
     layout.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,
