@@ -73,8 +73,10 @@ def _qk_norm_without_config_flag() -> None:
     (``qk_layernorm``): each TP rank's QK-norm gradient covers only its own heads and is never
     summed over TP (what a spec with QK-norm built for a config without it would train)."""
     import copy
+    import importlib
 
-    from megatron.core.distributed import finalize_model_grads as finalize
+    # the module (megatron.core.distributed re-exports its function under the same name)
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 
     original = finalize._allreduce_non_tensor_model_parallel_grads
 
