@@ -7,8 +7,6 @@ from typing import List
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_siamese.norms import QKNormPerConfig
-
 
 class UnsupportedConfigError(ValueError):
     """A configuration SiameseNorm cannot honour; the message says what to change."""
@@ -146,8 +144,6 @@ def _spec_problems(config: TransformerConfig, submodules) -> List[str]:
         problems.append("cross-attention is not supported: SiameseNorm layers are decoder-only.")
     attention = getattr(getattr(submodules, "self_attention", None), "submodules", None)
     q_norm = getattr(attention, "q_layernorm", None)
-    if QKNormPerConfig.is_slot(q_norm):  # the spec objects: QK-norm exactly where the config has it
-        return problems
     # Megatron's specs name an absent QK-norm IdentityOp, some (the hybrid stack's) None
     has_qk_norm = q_norm not in (None, IdentityOp)
     if config.qk_layernorm and not has_qk_norm:

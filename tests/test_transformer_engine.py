@@ -196,7 +196,7 @@ def test_te_spec_computes_the_local_spec_with_te_modules_stood_in(megatron_singl
     assert isinstance(layer.input_layernorm, IdentityOp) and isinstance(layer.pre_mlp_layernorm, IdentityOp)
     assert type(layer.mlp.linear_fc1) is LayerNormColumnParallelLinear
     assert type(layer.attn_x_norm) is (ChannelScale if hybrid else TorchNorm)
-    assert isinstance(layer.self_attention.q_layernorm, TorchNorm if hybrid else IdentityOp)
+    assert isinstance(layer.self_attention.q_layernorm, TorchNorm) == hybrid
     if not plant:
         assert type(layer.self_attention.linear_qkv) is (ColumnParallelLinear if hybrid else LayerNormColumnParallelLinear)
 
