@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
+from megatron_siamese.norms import QKNormPerConfig
 from megatron_siamese.siamese_sublayer import SiameseSublayerMixin
 from megatron_siamese.streams import split_streams
 from megatron_siamese.support import check_moe_layer, check_supported
@@ -67,6 +68,7 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
         layer_number: int = 1,
         **kwargs: Any,
     ):
+        submodules = QKNormPerConfig.resolved(submodules, config)  # the --spec objects' QK-norm
         check_supported(config, submodules)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
 

@@ -16,11 +16,15 @@ against, and would keep several [T, h] intermediates).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_siamese.reference.functional import NORMALIZATIONS, channel_scale
@@ -97,3 +101,46 @@ class ChannelScale(MegatronModule):
 
     def forward(self, x: Tensor) -> Tensor:
         return channel_scale(x, self.weight)
+
+
+class QKNormPerConfig:
+    """A ``q_layernorm`` / ``k_layernorm`` slot that follows ``config.qk_layernorm``: ``norm`` with
+    QK-norm (so its parameters keep Megatron's names, ``q_layernorm.weight``), else Megatron's
+    ``IdentityOp`` (no parameters, as in Megatron's specs without QK-norm).
+
+    For layer spec objects made before any config exists (Megatron-LM's ``--spec`` imports a
+    module-level ``ModuleSpec``); Megatron's spec functions decide this from their
+    ``qk_layernorm`` argument instead. The SiameseNorm layer resolves the slots from its config
+    before it builds attention (``resolved``): megatron-core 0.19's SelfAttention refuses any
+    QK-norm module in a spec without ``qk_layernorm`` and calls the class it is given directly.
+    Built as a module anyway (0.16's ``build_module``), it returns the chosen one.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *,
+                norm: "ModuleSpec | type", **kwargs):
+        if not config.qk_layernorm:
+            return IdentityOp()
+        return build_module(norm, config=config, hidden_size=hidden_size, eps=eps, **kwargs)
+
+    @staticmethod
+    def spec(norm: "ModuleSpec | type") -> ModuleSpec:
+        return ModuleSpec(module=QKNormPerConfig, params={"norm": norm})
+
+    @staticmethod
+    def is_slot(slot) -> bool:
+        """Whether a spec's q/k_layernorm slot is one of these."""
+        return getattr(slot, "module", slot) is QKNormPerConfig
+
+    @staticmethod
+    def resolved(submodules, config: TransformerConfig):
+        """Layer ``submodules`` with these slots replaced by what ``config`` asks for."""
+        attention = getattr(submodules, "self_attention", None)
+        slots = getattr(attention, "submodules", None)
+        if slots is None or not QKNormPerConfig.is_slot(getattr(slots, "q_layernorm", None)):
+            return submodules
+
+        def chosen(slot):
+            return slot.params["norm"] if config.qk_layernorm else IdentityOp
+
+        slots = dataclasses.replace(slots, q_layernorm=chosen(slots.q_layernorm), k_layernorm=chosen(slots.k_layernorm))
+        return dataclasses.replace(submodules, self_attention=dataclasses.replace(attention, submodules=slots))

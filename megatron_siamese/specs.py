@@ -20,7 +20,13 @@ Two ways in, both with no edits to Megatron:
 
 Variants are spec choices: ``variant="standard"`` (the paper's block) or ``"hybrid"`` (the
 authors' OLMo variant: a per-channel scale instead of the attention PostNorm and InputNorm,
-QK-norm in attention; local modules only, and the config needs ``qk_layernorm=True``).
+QK-norm in attention; the config needs ``qk_layernorm=True``), on local modules or Transformer
+Engine's.
+
+QK-norm: the spec functions and ``get_siamese_block_spec`` follow their ``qk_layernorm``
+argument or the config; the module-level spec objects exist before any config, so their
+``q_layernorm`` / ``k_layernorm`` slots (``QKNormPerConfig``) decide when a layer is built, from
+its config's ``qk_layernorm`` (Megatron-LM's ``--qk-layernorm``).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 import megatron_siamese.te as te
 from megatron_siamese.layer import SiameseTransformerLayer, SiameseTransformerLayerSubmodules
 from megatron_siamese.merge import SiameseFinalNorm, StreamMerge
-from megatron_siamese.norms import ChannelScale, TorchNorm
+from megatron_siamese.norms import ChannelScale, QKNormPerConfig, TorchNorm
 from megatron_siamese.support import UnsupportedConfigError
 
 VARIANTS = ("standard", "hybrid")
@@ -72,6 +78,14 @@ def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=Tor
 def _with_qk_norm(attention: ModuleSpec, norm) -> ModuleSpec:
     submodules = dataclasses.replace(attention.submodules, q_layernorm=norm, k_layernorm=norm)
     return dataclasses.replace(attention, submodules=submodules)
+
+
+def with_qk_norm_per_config(layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` (its spec built with QK-norm) with QK-norm only where the config asks for it
+    (``qk_layernorm``) when a layer is built: for spec objects made before any config."""
+    attention = layer.submodules.self_attention
+    follows = _with_qk_norm(attention, QKNormPerConfig.spec(attention.submodules.q_layernorm))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=follows))
 
 
 def _has_qk_norm(attention: ModuleSpec) -> bool:
@@ -117,8 +131,31 @@ def siamese_local_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: 
     return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale if hybrid else TorchNorm, **slots)
 
 
+def siamese_te_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str = "standard") -> ModuleSpec:
+    """Megatron's Transformer Engine layer spec ``stock`` (dense or MoE) as a SiameseNorm layer.
+
+    The standard variant hands ``PostNorm(x) + PreNorm(y)`` to TE's LayerNorm-fused ``linear_qkv``
+    and ``linear_fc1`` (their norms are the InputNorms). The hybrid variant's attention sublayer
+    has no InputNorm: its ``linear_qkv`` is TE's plain ``TEColumnParallelLinear`` and gets
+    ``c1 * x + PreNorm(y)`` (``ChannelScale``); its MLP sublayer is the standard one, and its
+    stock spec must have QK-norm. Checkpoint names are the local hybrid spec's.
+    """
+    _check_variant(variant)
+    if variant == "standard":
+        return siamese_layer_from(stock, merge_at_output)
+    attention = stock.submodules.self_attention
+    if not _has_qk_norm(attention):
+        raise ValueError("the hybrid variant's stock spec needs QK-norm: build it with qk_layernorm=True")
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+
+    without_input_norm = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, linear_qkv=TEColumnParallelLinear))
+    return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale, input_layernorm=IdentityOp,
+                              self_attention=without_input_norm)
+
+
 def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "standard",
-                                 num_experts: Optional[int] = None, qk_layernorm: bool = False) -> ModuleSpec:
+                                 num_experts: Optional[int] = None, qk_layernorm: Optional[bool] = False) -> ModuleSpec:
     """Layer spec on Megatron-Core's own (non-Transformer-Engine) modules.
 
     Args:
@@ -127,15 +164,21 @@ def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "
         variant: "standard", or "hybrid" (see the module docstring; always has QK-norm).
         num_experts: not None for a mixture-of-experts MLP (Megatron's ``MoELayer``; the
             config's ``num_moe_experts`` sizes it), as in ``get_gpt_layer_local_spec``.
-        qk_layernorm: QK-norm in attention (the config needs ``qk_layernorm=True``).
+        qk_layernorm: QK-norm in attention (the config needs ``qk_layernorm=True``); None: QK-norm
+            where the config of the layer being built has ``qk_layernorm`` (the module-level
+            spec objects). The hybrid variant always has it.
     """
     _check_variant(variant)
-    stock = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm or variant == "hybrid")
-    return siamese_local_layer_from(stock, merge_at_output, variant)
+    per_config = qk_layernorm is None and variant == "standard"
+    stock = get_gpt_layer_local_spec(num_experts=num_experts,
+                                     qk_layernorm=bool(qk_layernorm) or per_config or variant == "hybrid")
+    layer = siamese_local_layer_from(stock, merge_at_output, variant)
+    return with_qk_norm_per_config(layer) if per_config else layer
 
 
 def get_siamese_layer_te_spec(merge_at_output: bool = False, num_experts: Optional[int] = None,
-                              moe_grouped_gemm: bool = False, qk_layernorm: bool = False) -> ModuleSpec:
+                              moe_grouped_gemm: bool = False, qk_layernorm: Optional[bool] = False,
+                              variant: str = "standard") -> ModuleSpec:
     """Layer spec on Transformer Engine: FP8-capable GEMMs and TE's attention.
 
     Megatron's TE layer fuses each sublayer's InputNorm with the FP8 cast and the GEMM
@@ -143,14 +186,19 @@ def get_siamese_layer_te_spec(merge_at_output: bool = False, num_experts: Option
     it ``PostNorm(x) + PreNorm(y)``. The X/Y stream norms are ours (the fused dual-norm op on
     CUDA). Checkpoint names match the local spec's, which maps its input norms onto these.
     An MoE MLP keeps Megatron's TE MoE spec (its own pre-MLP ``TENorm``, ``TEGroupedMLP``
-    experts with ``moe_grouped_gemm``).
+    experts with ``moe_grouped_gemm``). ``qk_layernorm`` and ``variant`` as for the local spec
+    (None: QK-norm per config; the hybrid variant: ``siamese_te_layer_from``).
     """
+    _check_variant(variant)
     _require_transformer_engine()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    stock = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-                                                       qk_layernorm=qk_layernorm)
-    return siamese_layer_from(stock, merge_at_output)
+    per_config = qk_layernorm is None and variant == "standard"
+    stock = get_gpt_layer_with_transformer_engine_spec(
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+        qk_layernorm=bool(qk_layernorm) or per_config or variant == "hybrid")
+    layer = siamese_te_layer_from(stock, merge_at_output, variant)
+    return with_qk_norm_per_config(layer) if per_config else layer
 
 
 def _require_transformer_engine() -> None:
@@ -164,8 +212,9 @@ def _require_transformer_engine() -> None:
 
 
 class TransformerEngineUnavailableLayer(SiameseTransformerLayer):
-    """Stands in for ``siamese_te_layer_spec`` where Transformer Engine cannot be imported:
-    Megatron-LM can import the spec everywhere, and building it says what to change."""
+    """Stands in for the TE spec objects (``siamese_te_layer_spec``, ``siamese_hybrid_te_layer_spec``)
+    where Transformer Engine cannot be imported: Megatron-LM can import them everywhere, and
+    building one says what to change."""
 
     def __init__(self, *args, **kwargs):
         get_siamese_layer_te_spec()  # raises with the reason
@@ -201,16 +250,14 @@ def get_siamese_block_spec(
     ``moe_layer_freq``, QK-norm per ``qk_layernorm``, this stage's slice of the layers, a
     ``pipeline_model_parallel_layout`` included), each layer made a SiameseNorm layer.
     Transformer Engine or local modules per ``use_transformer_engine``, else per
-    ``config.transformer_impl``; the hybrid variant is local only.
+    ``config.transformer_impl``.
     """
     _check_variant(variant)
     use_te = uses_transformer_engine(config, use_transformer_engine)
-    if use_te and variant != "standard":
-        raise ValueError(f"the {variant} variant has no Transformer Engine spec yet; use transformer_impl='local'")
     if use_te:
         _require_transformer_engine()
     layer_specs = [
-        siamese_layer_from(layer, merge_at_output=False) if use_te
+        siamese_te_layer_from(layer, merge_at_output=False, variant=variant) if use_te
         else siamese_local_layer_from(layer, merge_at_output=False, variant=variant)
         for layer in stock_decoder_layers(config, use_te, vp_stage=vp_stage, pp_rank=pp_rank)
     ]
@@ -218,16 +265,23 @@ def get_siamese_block_spec(
 
 
 # For Megatron-LM: pretrain_gpt.py --spec megatron_siamese.specs siamese_layer_spec
-siamese_layer_spec = get_siamese_layer_local_spec(merge_at_output=True)
+# (QK-norm where the config has it: --qk-layernorm)
+siamese_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, qk_layernorm=None)
 # ... its Transformer Engine form (FP8 GEMMs, TE attention; refuses to build without TE)
 siamese_te_layer_spec = (
     dataclasses.replace(siamese_layer_spec, module=TransformerEngineUnavailableLayer)
     if te.unavailable_reason()
-    else get_siamese_layer_te_spec(merge_at_output=True)
+    else get_siamese_layer_te_spec(merge_at_output=True, qk_layernorm=None)
 )
 # ... and the hybrid variant (local modules, with --qk-layernorm)
 siamese_hybrid_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, variant="hybrid")
+# ... and its Transformer Engine form (refuses to build without TE)
+siamese_hybrid_te_layer_spec = (
+    dataclasses.replace(siamese_hybrid_layer_spec, module=TransformerEngineUnavailableLayer)
+    if te.unavailable_reason()
+    else get_siamese_layer_te_spec(merge_at_output=True, variant="hybrid")
+)
 # ... and with a mixture-of-experts MLP in every layer (with --num-experts; Megatron-LM's --spec
 # builds every layer from one spec, so --moe-layer-freq must be 1)
 # (Megatron's spec functions only ask whether num_experts is set: the config's num_moe_experts sizes it)
-siamese_moe_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, num_experts=1)
+siamese_moe_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, num_experts=1, qk_layernorm=None)

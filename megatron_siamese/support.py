@@ -46,6 +46,11 @@ def _problems(config: TransformerConfig) -> List[str]:
             "only standard self-attention is supported: set multi_latent_attention=False and "
             "experimental_attention_variant=None."
         )
+    if getattr(config, "qk_l2_norm", False):
+        problems.append(
+            "qk_l2_norm (Llama 4's parameter-free L2 QK-norm) is not supported: SiameseNorm's specs "
+            "put a learned norm in the QK-norm slots. Set qk_l2_norm=False (qk_layernorm=True for QK-norm)."
+        )
     if config.fp32_residual_connection:
         problems.append(
             "fp32_residual_connection keeps Megatron's single residual stream in fp32; SiameseNorm's "
@@ -138,13 +143,14 @@ def _spec_problems(config: TransformerConfig, submodules) -> List[str]:
     if getattr(submodules, "cross_attention", IdentityOp) is not IdentityOp:
         problems.append("cross-attention is not supported: SiameseNorm layers are decoder-only.")
     attention = getattr(getattr(submodules, "self_attention", None), "submodules", None)
+    q_norm = getattr(attention, "q_layernorm", None)
     # Megatron's specs name an absent QK-norm IdentityOp, some (the hybrid stack's) None
-    has_qk_norm = attention is not None and getattr(attention, "q_layernorm", None) not in (None, IdentityOp)
+    has_qk_norm = q_norm not in (None, IdentityOp)
     if config.qk_layernorm and not has_qk_norm:
         problems.append(
             "qk_layernorm is set but this SiameseNorm layer spec has no QK-norm. Set "
-            "qk_layernorm=False, or build the spec with QK-norm (get_siamese_block_spec follows the "
-            "config; the hybrid variant always has it)."
+            "qk_layernorm=False, or build the spec with QK-norm (get_siamese_block_spec and the "
+            "module-level spec objects follow the config; the hybrid variant always has it)."
         )
     if has_qk_norm and not config.qk_layernorm:
         problems.append(

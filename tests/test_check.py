@@ -34,6 +34,16 @@ def test_hybrid_variant_matrix_passes():
     assert set(statuses(rows).values()) == {"PASS"}
 
 
+def test_qk_norm_through_the_megatron_lm_spec_object_passes_and_its_tp_reduction_is_checked():
+    """--norm siamese-layer --qk-layernorm: the spec object (made before any config) normalizes
+    queries and keys under TP (their gradients summed over TP ranks), PP with Megatron's own p2p,
+    and the distributed optimizer; the same QK-norm with its TP reduction left out fails."""
+    case = ModelCase(norm="siamese-layer", qk_layernorm=True, siamese_p2p=False)
+    assert set(statuses(run_check(case, ["tp2", "pp2-vpp2", "dp2-do"], "siamese-layer")).values()) == {"PASS"}
+    rows = run_check(case, ["tp2"], "siamese-layer", fault="qk-norm-unreduced")
+    assert statuses(rows) == {"tp2": "FAIL"} and "layernorm" in rows[0].detail
+
+
 def test_depth_scale_from_local_layer_index_fails_pipeline_layouts_only():
     rows = run_check(ModelCase(), ["tp2", "dp2", "pp2", "pp2-vpp2"], "siamese",
                      fault="local-depth-scale")

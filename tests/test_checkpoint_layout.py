@@ -241,6 +241,14 @@ def test_pretrain_gpt_resumes_an_moe_checkpoint_of_the_trainer(tmp_path, cache, 
 
 
 @needs_megatron_lm
+def test_pretrain_gpt_resumes_a_qk_norm_checkpoint_of_the_trainer(tmp_path, cache, corpus):
+    """--qk-layernorm with the spec object (--spec megatron_siamese.specs siamese_layer_spec): its
+    QK-norm follows Megatron-LM's flag, and it resumes our QK-norm checkpoint exactly."""
+    megatron_lm_resumes_ours(tmp_path, cache, [*OURS, "--qk-layernorm"],
+                             lambda checkpoints: pretrain_gpt(checkpoints, corpus, "--qk-layernorm"))
+
+
+@needs_megatron_lm
 def test_pretrain_gpt_resumes_a_checkpoint_of_the_trainer(tmp_path, cache, corpus):
     megatron_lm_resumes_ours(tmp_path, cache, OURS, lambda checkpoints: pretrain_gpt(checkpoints, corpus))
 

@@ -408,6 +408,10 @@ def synthetic_results() -> dict:
         record = {"ms": sum(ms) / len(ms), "ms_repeats": ms, **extra}
         return dict(record, ratios=ratios, ratio_to_stock=max(ratios)) if ratios else record
 
+    def parity(error, passed):
+        return {"logits_error": error, "max_grad_error": error, "worst": "logits", "over_tolerance": {},
+                "tolerance": 0.016, "compared": 72, "passed": passed}
+
     tests = {"all": {"passed": 80, "failed": 0, "error": 0, "skipped": 0},
              "cuda": {"passed": 40, "failed": 0, "error": 0, "skipped": 0}, "not_passed": [], "passed": True}
     tiled = dict(tests, cuda={"passed": 38, "failed": 2, "error": 0, "skipped": 0}, passed=False,
@@ -440,6 +444,7 @@ def synthetic_results() -> dict:
                      "stock": timing([150.0, 151.0], peak_mib=40960.0),
                      "siamese_fused": timing([153.0, 156.0], [1.02, 1.033], peak_mib=43008.0, kernels="verified",
                                              memory_ratio_to_stock=1.05)}]}),
+                "te-vs-local": ok({**parity(0.007, True), "hybrid": parity(0.03, False)}),
             }}
 
 
@@ -469,6 +474,8 @@ def test_report_renders_every_field_against_the_targets():
     assert "<= 1.02x" in lines[te.format(4096)]
     model = "model 24x2048, seq 2048 transformer_engine bf16 recompute=layernorm siamese_fused (verified)"
     assert "1.020x / 1.033x" in lines[model] and "1.050x" in lines[model] and verdict(model) == "**missed**"
+    assert verdict("TE vs local, bf16") == "met" and verdict("TE vs local, bf16, hybrid variant") == "**missed**"
+    assert "logits 0.03" in lines["TE vs local, bf16, hybrid variant"]
 
 
 def test_report_renders_the_first_runs_files():

@@ -137,6 +137,7 @@ UNSUPPORTED = {
     "fused TP inference": dict(inference_fuse_tp_communication=True),
     "expert-parallel overlap": dict(num_moe_experts=2, overlap_moe_expert_parallel_comm=True),
     "qk layernorm": dict(qk_layernorm=True),
+    "qk l2 norm": dict(qk_l2_norm=True),
     "heterogeneous blocks": dict(heterogeneous_block_specs=True),
     # Megatron main's hyper-connections flag (absent from 0.16.1) is refused whenever set
     "hyper-connections": dict(enable_mhc_connections=True),

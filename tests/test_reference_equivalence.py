@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -146,6 +147,26 @@ def test_standard_variant_with_qk_layernorm_matches_reference(megatron_single_ra
     model, reference = build_pair(case, qk_layernorm=True)
     assert model.decoder.layers[0].self_attention.q_layernorm.weight.shape == (case.hidden_size // 4,)
     assert_matches_reference(model, reference, microbatches(case)[:1])
+
+
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe"])
+def test_the_spec_objects_follow_qk_layernorm(megatron_single_rank, experts):
+    """Megatron-LM's --spec objects (siamese_layer_spec, siamese_moe_layer_spec) exist before any
+    config: QK-norm comes exactly where the config has qk_layernorm, and then the model computes
+    the reference's QK-normed function; a reference without QK-norm (the planted bug) differs."""
+    base = MOE if experts else ModelCase(normalization="RMSNorm")
+    case = dataclasses.replace(base, norm="siamese-layer")
+    (plain,) = build_seeded_chunks(case, case_config(case, Layout()))
+    assert isinstance(plain.decoder.layers[0].self_attention.q_layernorm, (IdentityOp, type(None)))  # None: 0.19
+    assert not any("layernorm" in name for name, _ in plain.decoder.layers[0].self_attention.named_parameters())
+    model, reference = build_pair(case, qk_layernorm=True)
+    assert isinstance(model.decoder.layers[0].mlp, MoELayer) == experts
+    assert model.decoder.layers[0].self_attention.k_layernorm.weight.shape == (case.hidden_size // 4,)
+    batches = microbatches(case)
+    assert_matches_reference(model, reference, batches)
+    for layer in reference.decoder.layers:  # planted: the reference forgets to normalize the queries
+        layer.self_attention.q_layernorm.forward = lambda queries: queries
+    assert "logits" in differences(model, reference, batches)
 
 
 @pytest.mark.parametrize("variant", ["hybrid-layernorm", "hybrid-rmsnorm-gelu-learned"])

@@ -7,15 +7,19 @@ import dataclasses
 import functools
 
 import pytest
+import torch
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_siamese import specs, te
-from megatron_siamese.check.step import ModelCase, case_config
+from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
 from megatron_siamese.layer import SiameseTransformerLayer
 from megatron_siamese.models import build_gpt_chunks
-from megatron_siamese.norms import TorchNorm
+from megatron_siamese.norms import ChannelScale, QKNormPerConfig, TorchNorm
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.support import UnsupportedConfigError
 
@@ -35,19 +39,24 @@ def described(spec):
 
 
 def test_local_spec_is_megatrons_with_the_layer_and_norm_slots_replaced():
-    stock = get_gpt_layer_local_spec().submodules
+    stock = get_gpt_layer_local_spec(qk_layernorm=True).submodules
     ours = specs.siamese_layer_spec
     assert ours.module is SiameseTransformerLayer
     siamese = ours.submodules
     # Megatron's attention, MLP, bias-dropout and checkpoint key map, as Megatron builds them ...
-    replaced = {"input_layernorm", "pre_mlp_layernorm"}
+    replaced = {"input_layernorm", "pre_mlp_layernorm", "self_attention"}
     for field in dataclasses.fields(stock):
         if field.name not in replaced:
             assert described(getattr(siamese, field.name)) == described(getattr(stock, field.name)), field.name
+    # ... its attention with QK-norm decided when a layer is built (the config's qk_layernorm)
+    attention = dataclasses.replace(stock.self_attention, submodules=dataclasses.replace(
+        stock.self_attention.submodules, q_layernorm=QKNormPerConfig.spec(TorchNorm),
+        k_layernorm=QKNormPerConfig.spec(TorchNorm)))
+    assert described(siamese.self_attention) == described(attention)
     assert siamese.sharded_state_dict_keys_map == {
         "input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
     # ... our norms in every norm slot (SP-capable), the merge on the last layer for --spec
-    for slot in sorted(replaced) + ["attn_x_norm", "attn_y_norm", "mlp_x_norm", "mlp_y_norm"]:
+    for slot in ["input_layernorm", "pre_mlp_layernorm", "attn_x_norm", "attn_y_norm", "mlp_x_norm", "mlp_y_norm"]:
         assert getattr(siamese, slot) is TorchNorm, slot
     assert siamese.output_merge is not None
 
@@ -98,3 +107,133 @@ def test_both_gpt_entry_points_store_the_merge_norms_under_one_name(megatron_sin
     assert merge == {"decoder.layers.output_merge.x_norm.weight", "decoder.layers.output_merge.x_norm.bias",
                      "decoder.layers.output_merge.y_norm.weight", "decoder.layers.output_merge.y_norm.bias"}
     assert "decoder.final_layernorm.weight" in keys
+
+
+# -- the TE specs' wiring, with Transformer Engine's modules stood in for by Megatron's local ones --
+
+
+class LayerNormColumnParallelLinear(ColumnParallelLinear):
+    """Stands in for TE's ``TELayerNormColumnParallelLinear``: the InputNorm, its parameters under
+    TE's names (``layer_norm_weight`` / ``layer_norm_bias``), then the column-parallel GEMM."""
+
+    def __init__(self, input_size, output_size, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        norm = TorchNorm(config, input_size, eps=config.layernorm_epsilon)
+        object.__setattr__(self, "input_norm", norm)  # its parameters are registered here, renamed:
+        self.layer_norm_weight = norm.weight
+        self.layer_norm_bias = norm.bias
+
+    def forward(self, input_, *args, **kwargs):
+        return super().forward(self.input_norm(input_), *args, **kwargs)
+
+
+def _with_fc1(mlp, linear_fc1):
+    """A dense MLP spec (a ModuleSpec, or newer Megatron's functools.partial) with ``linear_fc1`` replaced."""
+    if isinstance(mlp, functools.partial):
+        submodules = dataclasses.replace(mlp.keywords["submodules"], linear_fc1=linear_fc1)
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=linear_fc1))
+
+
+@pytest.fixture
+def te_stand_ins(monkeypatch):
+    """Megatron's TE layer spec as TE shapes it (each sublayer's InputNorm fused into its first linear,
+    ``input_layernorm`` / ``pre_mlp_layernorm`` empty, TE's norm for QK-norm), built of Megatron's local
+    modules: the TE specs then build and run on CPU. This checks how our specs wire TE's modules and
+    name their weights, not TE's numerics (those: bench/gpu/te_parity.py on a GPU)."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    def te_shaped_layer_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, **_unused):
+        assert num_experts is None, "the stand-ins are for dense layers"
+        stock = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm).submodules
+        qk_norm = TorchNorm if qk_layernorm else IdentityOp
+        attention = dataclasses.replace(stock.self_attention, submodules=dataclasses.replace(
+            stock.self_attention.submodules, linear_qkv=LayerNormColumnParallelLinear, q_layernorm=qk_norm,
+            k_layernorm=qk_norm))
+        return ModuleSpec(module=TransformerLayer, submodules=dataclasses.replace(
+            stock, input_layernorm=IdentityOp, self_attention=attention, pre_mlp_layernorm=IdentityOp,
+            mlp=_with_fc1(stock.mlp, LayerNormColumnParallelLinear), sharded_state_dict_keys_map={}))
+
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", te_shaped_layer_spec)
+    monkeypatch.setattr(gpt_layer_specs, "TENorm", TorchNorm, raising=False)
+    monkeypatch.setattr(te_extension, "TEColumnParallelLinear", ColumnParallelLinear)
+    monkeypatch.setattr(te, "unavailable_reason", lambda: None)
+    return te_extension
+
+
+def _logits_and_grads(model, case):
+    batch = microbatches(case)[0]
+    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    model(*args, labels=batch["labels"]).mean().backward()
+    with torch.no_grad():
+        return model(*args), {name: p.grad for name, p in model.named_parameters()}
+
+
+def _te_name(name: str) -> str:
+    """A local-spec weight's name in the TE spec (Megatron's key map, as te_parity.py maps them)."""
+    for old, new in specs.get_siamese_layer_local_spec().submodules.sharded_state_dict_keys_map.items():
+        name = name.replace(old, new)
+    return name
+
+
+@pytest.mark.parametrize("norm, plant", [("siamese", None), ("siamese-hybrid", None),
+                                         ("siamese-hybrid", "input-norm-kept")],
+                         ids=["standard", "hybrid", "hybrid-planted-input-norm-kept"])
+def test_te_spec_computes_the_local_spec_with_te_modules_stood_in(megatron_single_rank, te_stand_ins, norm, plant):
+    """The TE GPT, loaded with the local GPT's weights under the local spec's key map, computes the
+    local GPT's logits and every gradient: each InputNorm is the one TE fuses into the next linear,
+    and the hybrid variant's attention has none (its linear_qkv is TE's plain TEColumnParallelLinear,
+    X is scaled by c1, queries and keys are normalized). Planted: the hybrid TE layer keeping the
+    standard layer's fused InputNorm before linear_qkv computes something else."""
+    if plant:
+        te_stand_ins.TEColumnParallelLinear = LayerNormColumnParallelLinear
+    case = ModelCase(norm=norm, num_layers=2, fused_ops=False)
+    (local,) = build_seeded_chunks(case, case_config(case, Layout()))
+    te_case = dataclasses.replace(case, transformer_impl="transformer_engine")
+    (te_model,) = build_seeded_chunks(te_case, case_config(te_case, Layout()))
+    layer, hybrid = te_model.decoder.layers[0], norm == "siamese-hybrid"
+    assert isinstance(layer.input_layernorm, IdentityOp) and isinstance(layer.pre_mlp_layernorm, IdentityOp)
+    assert type(layer.mlp.linear_fc1) is LayerNormColumnParallelLinear
+    assert type(layer.attn_x_norm) is (ChannelScale if hybrid else TorchNorm)
+    assert isinstance(layer.self_attention.q_layernorm, TorchNorm) == hybrid
+    if not plant:
+        assert type(layer.self_attention.linear_qkv) is (ColumnParallelLinear if hybrid else LayerNormColumnParallelLinear)
+
+    missing, unexpected = te_model.load_state_dict({_te_name(k): v for k, v in local.state_dict().items()}, strict=False)
+    assert not unexpected and [name for name in missing if not name.endswith("_extra_state")] == (
+        [f"decoder.layers.{i}.self_attention.linear_qkv.layer_norm_{p}" for i in range(2) for p in ("weight", "bias")]
+        if plant else [])
+    (logits, grads), (te_logits, te_grads) = _logits_and_grads(local, case), _logits_and_grads(te_model, case)
+    if plant:
+        assert not torch.allclose(te_logits, logits, rtol=1e-3, atol=1e-3)
+        return
+    torch.testing.assert_close(te_logits, logits, rtol=1e-5, atol=1e-5)
+    assert {_te_name(name) for name in grads} == set(te_grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(te_grads[_te_name(name)], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_qk_norm_checkpoints_interchange_between_the_gpt_entry_points(megatron_single_rank, tmp_path):
+    """--norm siamese-layer --qk-layernorm (Megatron-LM's spec object) saves QK-norm under Megatron's
+    names (self_attention.q_layernorm / k_layernorm), and the Python API's model loads it."""
+    from megatron.core import dist_checkpointing
+
+    def built(norm, seed):
+        case = ModelCase(norm=norm, num_layers=2, seed=seed)
+        (model,) = build_seeded_chunks(case, dataclasses.replace(case_config(case, Layout()), qk_layernorm=True))
+        return model, case
+
+    layer_spec_model, case = built("siamese-layer", seed=1)
+    sharded = layer_spec_model.sharded_state_dict()
+    keys = {value.key for value in sharded.values() if hasattr(value, "key")}
+    assert {"decoder.layers.self_attention.q_layernorm.weight", "decoder.layers.self_attention.k_layernorm.weight"} <= keys
+    dist_checkpointing.save(sharded, str(tmp_path))
+    api_model, _ = built("siamese", seed=2)
+    batch = microbatches(case)[0]
+    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        expected = layer_spec_model(*args)
+        assert not torch.allclose(api_model(*args), expected)  # differently seeded until it loads
+        api_model.load_state_dict(dist_checkpointing.load(api_model.sharded_state_dict(), str(tmp_path)))
+        torch.testing.assert_close(api_model(*args), expected, rtol=1e-6, atol=1e-6)

@@ -254,6 +254,12 @@ def figures(steps: dict, rehearsal: bool) -> List[str]:
                   f"{parity.get('compared', '?')} tensors (worst: {parity['worst']})"
                   f"{'; over ' + str(parity['tolerance']) + ': ' + beyond if beyond else ''}",
                   f"<= {parity['tolerance']}, or TE's error vs fp32 <= 2x local's", parity.get("passed"))
+        hybrid = parity.get("hybrid") or {}
+        if "logits_error" in hybrid:
+            table.add("TE vs local, bf16, hybrid variant",
+                      f"logits {hybrid['logits_error']}, max gradient {hybrid['max_grad_error']} of "
+                      f"{hybrid.get('compared', '?')} tensors (worst: {hybrid['worst']})",
+                      f"<= {hybrid['tolerance']}, or TE's error vs fp32 <= 2x local's", hybrid.get("passed"))
     fp8 = result(steps, "fp8-training")
     for label, run in fp8.get("runs", {}).items():
         table.add(f"{label} training", f"val loss {run['final_val_loss']:.4f} ({100 * run['final_val_loss_gap']:.1f}% "

@@ -7,7 +7,10 @@
                   Passed when each is within Transformer Engine's bf16 tolerance (rtol 1.6e-2)
                   or, where bf16 rounding alone exceeds that, when TE's error against the same
                   model in fp32 is at most twice the local bf16 model's (the rule the kernel
-                  tests use): a wrong weight mapping or formula gives errors of order one
+                  tests use): a wrong weight mapping or formula gives errors of order one.
+                  Twice: the standard variant (the record's top level) and the hybrid variant
+                  (``hybrid``: no attention InputNorm, TE's plain linear_qkv, c1 * x, QK-norm;
+                  first run on a GPU here). Passed when both pass.
 
     python bench/gpu/te_parity.py te-vs-local --result out.json [--rehearse]
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from common import one_rank, require_gpu, step_main
+from common import NeedsGPU, one_rank, require_gpu, step_main
 
 BF16_RTOL = 1.6e-2  # Transformer Engine's (and torch.testing's) bf16 tolerance
 
@@ -104,7 +107,16 @@ def te_vs_local(rehearse: bool) -> dict:
         require_gpu(False, "TE vs local")
     case = ModelCase(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=1024,
                      seq_length=128, vocab_size=256, dtype="bf16", add_bias_linear=False, num_microbatches=1)
-    return one_rank(compare, case, rehearse)
+    records, stops = {}, []
+    for variant, norm in (("standard", "siamese"), ("hybrid", "siamese-hybrid")):
+        try:
+            records[variant] = one_rank(compare, dataclasses.replace(case, norm=norm), rehearse)
+        except NeedsGPU as stop:  # a rehearsal: both variants' local models are built first
+            stops.append(f"{variant}: {stop}")
+    if stops:
+        raise NeedsGPU("; ".join(stops))
+    return dict(records["standard"], hybrid=records["hybrid"],
+                passed=records["standard"]["passed"] and records["hybrid"]["passed"])
 
 
 STEPS = {"te-vs-local": te_vs_local}

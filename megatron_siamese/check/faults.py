@@ -68,11 +68,32 @@ def _aux_loss_averaged_over_data_parallel_twice() -> None:
     MoEAuxLossAutoScaler.set_loss_scale = staticmethod(set_loss_scale)
 
 
+def _qk_norm_without_config_flag() -> None:
+    """QK-norm in the layers but not in the config that Megatron's gradient finalization reads
+    (``qk_layernorm``): each TP rank's QK-norm gradient covers only its own heads and is never
+    summed over TP (what a spec with QK-norm built for a config without it would train)."""
+    import copy
+    import importlib
+
+    # the module (megatron.core.distributed re-exports its function under the same name)
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+    original = finalize._allreduce_non_tensor_model_parallel_grads
+
+    def allreduce(model, config, *args, **kwargs):
+        config = copy.copy(config)
+        config.qk_layernorm = False
+        return original(model, config, *args, **kwargs)
+
+    finalize._allreduce_non_tensor_model_parallel_grads = allreduce
+
+
 FAULTS: Dict[str, Callable[[], None]] = {
     "local-depth-scale": _local_depth_scale,
     "no-sp-flag": _norms_without_sequence_parallel_flag,
     "experts-reduced-over-dp": _experts_reduced_over_data_parallel,
     "aux-loss-over-dp": _aux_loss_averaged_over_data_parallel_twice,
+    "qk-norm-unreduced": _qk_norm_without_config_flag,
 }
 
 

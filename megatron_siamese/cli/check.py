@@ -50,7 +50,7 @@ and the distributed optimizer), expert parameters compared per global expert:
 
 # the model settings the check takes, as the trainer defines them, with the check's tiny defaults
 CASE_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                 "seq_length", "normalization", "add_bias_linear", "model", "hybrid_layer_pattern", "dtype",
+                 "seq_length", "normalization", "add_bias_linear", "qk_layernorm", "model", "hybrid_layer_pattern", "dtype",
                  "transformer_impl", "fp8", "fp8_recipe",
                  # mixture of experts
                  "num_moe_experts", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",

@@ -222,9 +222,6 @@ def problems(args: TrainArgs) -> List[str]:
 
     if args.task != "lm" and (args.tp, args.pp) != (1, 1):
         found.append("the addition tasks' greedy evaluation runs on one rank: use --tp 1 --pp 1")
-    if args.qk_layernorm and args.norm == "siamese-layer":
-        found.append("--qk-layernorm: the Megatron-LM spec objects (--norm siamese-layer) have no QK-norm; "
-                     "use --norm siamese")
     if args.model == "hybrid":
         if args.norm != "siamese":
             found.append(f"--model hybrid builds SiameseNorm layers only: use --norm siamese (got --norm {args.norm})")

@@ -23,6 +23,7 @@ LR_DECAY_STYLE = "cosine"  # the trainer's schedule (Megatron-LM's --lr-decay-st
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current "checkpoint_version" (3.0: no QKV reordering on load)
 # the layer spec Megatron-LM's --spec names for a scheme, where there is one (docs/megatron-lm.md)
 SPECS = {"siamese-layer": ["megatron_siamese.specs", "siamese_layer_spec"]}
+MOE_SPECS = {"siamese-layer": ["megatron_siamese.specs", "siamese_moe_layer_spec"]}  # with --num-experts
 # pretrain_hybrid.py's --spec: the whole HybridModel stack (local modules, as this trainer builds it)
 HYBRID_SPEC = ["megatron_siamese.hybrid", "siamese_hybrid_stack_spec"]
 
@@ -32,7 +33,7 @@ def _model_class_args(model: ModelSettings) -> dict:
     pattern (a checkpoint without one loads into pretrain_hybrid.py as a GPT's, translated),
     and num_layers counted as it derives it, one per pattern symbol."""
     if model.model != "hybrid":
-        return dict(num_layers=model.num_layers, spec=SPECS.get(model.norm))
+        return dict(num_layers=model.num_layers, spec=(MOE_SPECS if model.num_moe_experts else SPECS).get(model.norm))
     return dict(num_layers=num_layers(model), hybrid_layer_pattern=hybrid_pattern(model).text, spec=HYBRID_SPEC)
 
 
@@ -75,6 +76,7 @@ def model_args(model: ModelSettings, vocab_size: int, vocab_multiple: int) -> di
         swiglu=model.gated_linear_unit,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_bias_linear,
+        qk_layernorm=model.qk_layernorm,
         untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
         init_method_std=model.init_method_std,
         padded_vocab_size=vocab_size,
