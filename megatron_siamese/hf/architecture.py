@@ -125,3 +125,64 @@ def llama_config(model) -> Dict[str, object]:
         attention_bias=False,
         mlp_bias=False,
     )
+
+
+# -- back: a Hugging Face config.json as this package's model settings ---------------------
+
+_DEFAULT_EPS, _DEFAULT_ROPE_BASE = 1e-5, 10000.0  # what runtime/gpt.py builds (Megatron's defaults)
+
+
+def settings_fields(hf: Dict[str, object], vocab_size: int) -> Dict[str, object]:
+    """ModelSettings fields (runtime/settings.py) of the model ``hf`` (a config.json's dict:
+    SiameseNormForCausalLM or LlamaForCausalLM), or ExportError naming the first field this
+    package's GPT cannot build exactly; ``vocab_size`` is the one the trainer builds (320)."""
+    model_type = hf.get("model_type")
+    if model_type not in ("megatron_siamese", "llama"):
+        raise ExportError(f"model_type {model_type!r} is not one this package imports (megatron_siamese, or llama "
+                          "for a Pre-Norm model)")
+    llama = model_type == "llama"
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    rope = hf.get("rope_parameters") or {}
+    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_BASE)))
+    gated = True if llama else bool(hf.get("gated_mlp", True))
+    wrong = [problem for bad, problem in (
+        (int(hf["vocab_size"]) != vocab_size, f"vocab_size {hf['vocab_size']}: the byte-level GPT has {vocab_size}"),
+        ((hf.get("head_dim") or hidden // heads) != hidden // heads,
+         f"head_dim {hf.get('head_dim')}: this package's GPT has hidden_size / heads = {hidden // heads}"),
+        (float(hf.get("rms_norm_eps" if llama else "norm_eps", _DEFAULT_EPS)) != _DEFAULT_EPS,
+         f"norm epsilon {hf.get('rms_norm_eps' if llama else 'norm_eps')}: the trainer builds {_DEFAULT_EPS}"),
+        (hf.get("hidden_act") != ("silu" if gated else "gelu"),
+         f"hidden_act {hf.get('hidden_act')!r}: the trainer pairs SwiGLU with silu and a plain MLP with gelu"),
+        (rope_theta != _DEFAULT_ROPE_BASE, f"rope_theta {rope_theta}: the trainer builds {_DEFAULT_ROPE_BASE}"),
+        (float(hf.get("rotary_percent", 1.0)) != 1.0, "rotary_percent < 1: the trainer rotates the whole head"),
+        (bool(hf.get("rotary_interleaved", False)), "rotary_interleaved: the trainer rotates halves"),
+        (bool(hf.get("add_qkv_bias", False)) and not bool(hf.get("add_bias_linear", False)),
+         "add_qkv_bias without add_bias_linear: the trainer has no such switch"),
+        (llama and (hf.get("attention_bias") or hf.get("mlp_bias")), "Llama biases: the trainer's Pre-Norm has none"),
+        (llama and rope.get("rope_type", "default") != "default", f"rope_type {rope.get('rope_type')!r}"),
+    ) if bad]
+    if wrong:
+        raise ExportError(f"cannot import this {model_type} model exactly: {wrong[0]}")
+    fields = dict(
+        model="gpt",
+        num_layers=int(hf["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        seq_length=int(hf["max_position_embeddings"]),
+        gated_linear_unit=gated,
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if llama:
+        return dict(fields, norm="pre", normalization="RMSNorm", position_embedding_type="rope")
+    return dict(
+        fields,
+        norm="siamese-hybrid" if hf.get("siamese_variant") == "hybrid" else "siamese",
+        normalization=hf["normalization"],
+        position_embedding_type=hf["position_embedding_type"],
+        add_bias_linear=bool(hf.get("add_bias_linear", False)),
+        qk_layernorm=bool(hf.get("qk_layernorm", False)),
+        zero_centered_gamma=bool(hf.get("zero_centered_gamma", False)),
+    )

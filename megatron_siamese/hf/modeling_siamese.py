@@ -152,13 +152,15 @@ class Rotary(nn.Module):
         dim = config.head_dim
         if config.rotary_percent < 1.0:
             dim = int(dim * config.rotary_percent)
-        self.interleaved = config.rotary_interleaved
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim, self.base, self.interleaved = dim, config.rope_theta, config.rotary_interleaved
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         """[b, s] positions -> [b, s, 1, rot_dim] angles."""
-        freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.float()
+        # computed here, not kept as a buffer: transformers builds models on the meta device and
+        # would leave a non-persistent buffer uninitialized
+        steps = torch.arange(0, self.dim, 2, dtype=torch.float32, device=position_ids.device)
+        inv_freq = 1.0 / (self.base ** (steps / self.dim))
+        freqs = position_ids.to(torch.float32)[..., None] * inv_freq
         if self.interleaved:
             emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
         else:
