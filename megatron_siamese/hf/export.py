@@ -149,24 +149,15 @@ def write_directory(model, norm: str, directory: str) -> Dict[str, object]:
 
 
 def load_exported(directory: str):
-    """The model in an exported ``directory`` (AutoModelForCausalLM, local files, remote code), eval mode.
-
-    In a process running Megatron through the CPU shim (a spawned rank, the tests) the shim is
-    lifted meanwhile: transformers builds the model on the meta device and then fills its
-    non-persistent buffers, which the shim's wrapped tensor factories leave uninitialized
-    (LlamaForCausalLM's RoPE ``inv_freq`` came back as garbage)."""
+    """The model in an exported ``directory`` (AutoModelForCausalLM, local files, remote code), eval
+    mode. In a process running Megatron through the CPU shim (a spawned rank, the tests) the shim
+    is lifted meanwhile (``cpu_shim.lifted``: transformers' loading does not survive it)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_siamese.runtime import cpu_shim
 
-    shimmed = cpu_shim.is_installed()
-    if shimmed:
-        cpu_shim.uninstall()
-    try:
+    with cpu_shim.lifted():
         return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True).eval()
-    finally:
-        if shimmed:
-            cpu_shim.install()
 
 
 def verify(model, directory: str) -> float:
@@ -217,6 +208,22 @@ def read_hf_weights(directory: str) -> Dict[str, torch.Tensor]:
     return state
 
 
+def check_tokenizer(directory: str) -> None:
+    """ExportError unless ``directory``'s tokenizer gives ByteTokenizer's ids (the checkpoint was
+    trained on those: UTF-8 bytes 0-255, end of document 256)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        raise ExportError(f"--hf {directory} has no tokenizer.json: the byte-level tokenizer's files are needed "
+                          "(export writes them)")
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    probe = VERIFY_TEXT + " naïve"
+    if (tokenizer(probe, add_special_tokens=False)["input_ids"] != list(probe.encode("utf-8"))
+            or tokenizer.eos_token_id != 256):
+        raise ExportError(f"--hf {directory}'s tokenizer is not the byte-level one (UTF-8 bytes as ids 0-255, end of "
+                          "document 256): the model would read other ids than it was trained on")
+
+
 def import_args(hf: Dict[str, object], output_dir: str):
     """TrainArgs of the model ``hf`` describes, on one rank (as the checkpoint records them)."""
     from megatron_siamese.training.args import TrainArgs, padded_vocab_size
@@ -238,6 +245,7 @@ def import_hf(hf_dir: str, output_dir: str) -> str:
     refuse_existing(output_dir)
     hf = read_hf_config(hf_dir)
     args = import_args(hf, output_dir)
+    check_tokenizer(hf_dir)
     with written_atomically(output_dir) as tmp:
         path = run_job(_import_rank, 1, args, hf, hf_dir, tmp, needs="import-hf")
     return os.path.join(output_dir, os.path.relpath(path, tmp))
