@@ -68,22 +68,39 @@ def _save_seeded(case: ModelCase, layout: Layout, directory: str) -> str:
         parallel_state.destroy_model_parallel()
 
 
+def _save_and_export(saves, exports):
+    """On each rank of one job (cheaper than a job per layout): every checkpoint of ``saves``
+    (case, layout, directory) saved on the job's first ranks, then ``exports`` (checkpoints,
+    output directory) exported on its first rank, as ``export`` does on its own rank."""
+    from megatron_siamese.hf.export import _export_rank, written_atomically
+    from megatron_siamese.runtime.launch import on_first_ranks
+
+    for case, layout, directory in saves:
+        on_first_ranks(layout.world_size, _save_seeded, case, layout, directory)
+
+    def export_all():
+        for checkpoints, output in exports:
+            with written_atomically(output) as tmp:
+                _export_rank(checkpoints, None, tmp)
+
+    on_first_ranks(1, export_all)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """{name: (case, checkpoints directory, exported directory)}; the last export by the CLI."""
-    out = {}
-    for name, (case, layout) in SAVED.items():
-        directory = str(tmp_path_factory.mktemp(name))
-        run_job(_save_seeded, layout.world_size, case, layout, directory)
-        exported = os.path.join(directory, "hf")
-        if name == "tp2pp2-layernorm":
-            done = subprocess.run(CLI + ["export", "--load", os.path.join(directory, "checkpoints"), "--output-dir",
-                                         exported], capture_output=True, text=True, timeout=600)
-            assert done.returncode == 0, done.stderr
-            assert f"Hugging Face model: {exported}" in done.stdout
-        else:
-            export(os.path.join(directory, "checkpoints"), exported)
-        out[name] = (case, os.path.join(directory, "checkpoints"), exported)
+    """{name: (case, checkpoints directory, exported directory)}; the TP2 x PP2 one exported by the CLI."""
+    out = {name: (case, str(tmp_path_factory.mktemp(name))) for name, (case, _) in SAVED.items()}
+    out = {name: (case, os.path.join(directory, "checkpoints"), os.path.join(directory, "hf"))
+           for name, (case, directory) in out.items()}
+    saves = [(case, SAVED[name][1], os.path.dirname(checkpoints)) for name, (case, checkpoints, _) in out.items()]
+    cli = "tp2pp2-layernorm"
+    exports = [(checkpoints, exported) for name, (_, checkpoints, exported) in out.items() if name != cli]
+    run_job(_save_and_export, max(layout.world_size for _, layout in SAVED.values()), saves, exports)
+    _, checkpoints, exported = out[cli]
+    done = subprocess.run(CLI + ["export", "--load", checkpoints, "--output-dir", exported], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert f"Hugging Face model: {exported}" in done.stdout
     return out
 
 
@@ -141,14 +158,15 @@ def test_pre_norm_round_trips_through_llama(megatron_single_rank, tmp_path):
     assert all(torch.equal(imported[k], original[k]) for k in original)
 
 
+@pytest.mark.stack_independent
 @pytest.mark.parametrize("command", ["export", "import-hf"])
-def test_an_existing_output_directory_is_refused_in_one_line(saved, tmp_path, command):
+def test_an_existing_output_directory_is_refused_in_one_line(saved, tmp_path, capsys, command):
+    from megatron_siamese.cli import main
+
     _, checkpoints, exported = saved["tp1-rmsnorm"]
     source = ["--load", checkpoints] if command == "export" else ["--hf", exported]
-    done = subprocess.run(CLI + [command, *source, "--output-dir", str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
+    assert main([command, *source, "--output-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"megatron-siamese {command}: error: --output-dir {tmp_path} exists: choose a new directory (nothing is "
         "overwritten)"]
     assert os.listdir(tmp_path) == []
