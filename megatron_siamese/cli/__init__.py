@@ -7,6 +7,8 @@
                                         a Pre-Norm checkpoint as an equivalent SiameseNorm one
     megatron-siamese analyze --load CKPT [--compare-load PRE] [model flags]
                                         stream contributions, logit lens, magnitudes, effective depth
+    megatron-siamese generate --load CKPT --prompt TEXT [--prompt TEXT ...] [--tp N --pp N]
+                                        continue prompts (Megatron's inference engine, KV cache)
     megatron-siamese export --load CKPT --output-dir DIR
                                         a checkpoint (any layout) as a Hugging Face Transformers model
     megatron-siamese import-hf --hf DIR --output-dir OUT
@@ -29,13 +31,13 @@ import sys
 import traceback
 from typing import List, Optional
 
-from megatron_siamese.cli import check, hf, research, train
+from megatron_siamese.cli import check, generate, hf, research, train
 from megatron_siamese.runtime.launchers import JoinError, LaunchError
 from megatron_siamese.training.args import ConfigError
 
 DEBUG_ENV = "MEGATRON_SIAMESE_DEBUG"
 COMMANDS = {"train": train, "check": check, "study": research.study, "upcycle": research.upcycle,
-            "analyze": research.analyze, "export": hf.export, "import-hf": hf.import_hf}
+            "analyze": research.analyze, "generate": generate, "export": hf.export, "import-hf": hf.import_hf}
 
 
 class Parser(argparse.ArgumentParser):
