@@ -187,3 +187,22 @@ def test_pre_norm_without_a_stock_equivalent_is_refused(megatron_single_rank, tm
     with pytest.raises(ExportError, match=named):
         write_directory(megatron_model(case), "pre", str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_batched_left_padded_generate_equals_one_prompt_at_a_time(exported):
+    """What lm-eval's batched generation does: prompts of different lengths, left-padded with an
+    attention mask, decode as each prompt alone (positions count from the first real token)."""
+    _, _, directory = exported["layernorm-gelu-learned-untied-bias-qk-norm"]
+    hf = load_exported(directory)
+    prompts = [list(b"In the b"), list(b"And")]  # + 6 new tokens within the 16 learned positions
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[257] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batched = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    for row, prompt in enumerate(prompts):
+        alone = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        assert batched[row, width:].tolist() == alone[0, len(prompt):].tolist()
+    # the mask is what makes it so: attending to the padding changes the padded prompt's decode
+    unmasked = hf.generate(ids, attention_mask=torch.ones_like(mask), max_new_tokens=6, do_sample=False,
+                           min_new_tokens=6)
+    assert unmasked[1, width:].tolist() != batched[1, width:].tolist()
