@@ -23,7 +23,7 @@ from megatron_siamese.check.case import ModelCase  # noqa: E402
 from megatron_siamese.check.step import build_seeded_chunks  # noqa: E402
 from megatron_siamese.hf import convert  # noqa: E402
 from megatron_siamese.hf.architecture import ExportError  # noqa: E402
-from megatron_siamese.hf.export import load_exported, write_directory  # noqa: E402
+from megatron_siamese.hf.export import load_exported, verify, write_directory  # noqa: E402
 from megatron_siamese.runtime.gpt import transformer_config  # noqa: E402
 from megatron_siamese.runtime.layout import Layout  # noqa: E402
 
@@ -206,3 +206,38 @@ def test_batched_left_padded_generate_equals_one_prompt_at_a_time(exported):
     unmasked = hf.generate(ids, attention_mask=torch.ones_like(mask), max_new_tokens=6, do_sample=False,
                            min_new_tokens=6)
     assert unmasked[1, width:].tolist() != batched[1, width:].tolist()
+
+
+def test_transformer_engine_names_convert_like_the_local_ones(exported):
+    """A GPU checkpoint of the Transformer Engine spec keeps each InputNorm inside the next linear
+    layer (``linear_qkv.layer_norm_weight``): exported to the same tensors."""
+    _, model, directory = exported["layernorm-gelu-learned-untied-bias-qk-norm"]
+    with open(os.path.join(directory, "config.json")) as source:
+        config = json.load(source)
+    local = model.state_dict()
+    te = {name.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+              .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"): value for name, value in local.items()}
+    assert te.keys() != local.keys()
+    expected, actual = convert.megatron_to_hf(local, config), convert.megatron_to_hf(te, config)
+    assert actual.keys() == expected.keys() and all(torch.equal(actual[k], expected[k]) for k in expected)
+
+
+def test_bf16_checkpoints_export_in_bf16_and_verify(megatron_single_rank, tmp_path):
+    """bf16 weights stay bf16; the export's own check runs the Megatron model as the trainer does
+    (Float16Module) and accepts bf16 rounding, and only that: a misplaced weight fails it."""
+    import dataclasses
+
+    case = dataclasses.replace(CASES["hybrid-layernorm-gelu-learned"], dtype="bf16", fused_ops=False)
+    model = megatron_model(case)
+    directory = str(tmp_path)
+    write_directory(model, case.norm, directory)
+    assert load_exported(directory).dtype == torch.bfloat16
+    assert verify(model, directory) < 5e-2
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    weights["model.norm_x.weight"], weights["model.norm_y.weight"] = weights["model.norm_y.weight"], weights[
+        "model.norm_x.weight"]
+    save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ExportError, match="differ from the checkpoint's"):
+        verify(model, directory)
