@@ -241,3 +241,25 @@ def test_bf16_checkpoints_export_in_bf16_and_verify(megatron_single_rank, tmp_pa
     save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ExportError, match="differ from the checkpoint's"):
         verify(model, directory)
+
+
+def _has_hybrid_model() -> bool:
+    from megatron_siamese.versions import installed_megatron_core, release
+
+    return release(installed_megatron_core()) >= (0, 19, 0)
+
+
+@pytest.mark.skipif(not _has_hybrid_model(), reason="HybridModel needs megatron-core >= 0.19 (the 0.19 leg runs this)")
+def test_star_dash_hybrid_model_exports_as_the_gpt_it_equals(megatron_single_rank, tmp_path):
+    import dataclasses
+
+    from megatron_siamese.hf.export import exportable
+    from megatron_siamese.runtime.settings import ModelSettings
+
+    case = dataclasses.replace(CASES["rmsnorm-swiglu-rope-tied"], model="hybrid", num_layers=2)  # '*-*-'
+    model = megatron_model(case)
+    config = write_directory(model, case.norm, str(tmp_path))
+    assert config["num_hidden_layers"] == 2
+    ids = tokens(case)
+    assert relative_error(load_exported(str(tmp_path))(ids).logits, megatron_logits(model, ids)) < RTOL
+    assert "'*-*M'" in exportable(ModelSettings(model="hybrid", hybrid_layer_pattern="*-*M"))

@@ -108,6 +108,25 @@ def local_names(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return renamed
 
 
+_MLP_SIDE = ("mlp.", "mlp_x_norm.", "mlp_y_norm.", "pre_mlp_layernorm.")
+
+
+def hybrid_to_gpt_names(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A ``*-*-...`` HybridModel's state dict under the equivalent SiameseNorm GPTModel's names
+    (hybrid layer 2i holds GPT layer i's attention side, 2i + 1 its MLP side; the stack's
+    ``final_norm`` is the GPT's ``final_layernorm``): the two compute the same function
+    (tests/test_hybrid.py)."""
+    renamed = {}
+    for name, tensor in state.items():
+        if name.startswith("decoder.layers."):
+            index, rest = _layer_index(name)
+            if index % 2 != rest.startswith(_MLP_SIDE) and not rest.endswith("_extra_state"):
+                raise ValueError(f"{name} is not where a '*-' pattern keeps it")
+            name = f"decoder.layers.{index // 2}.{rest}"
+        renamed[name.replace("decoder.final_norm.", "decoder.final_layernorm.")] = tensor
+    return renamed
+
+
 def megatron_to_hf(state: Mapping[str, torch.Tensor], config: Mapping, pre_norm: bool = False) -> Dict[str, torch.Tensor]:
     """The Hugging Face state dict of a one-rank Megatron GPTModel's ``state``; ``config`` is the
     Hugging Face config (dict). Refuses any tensor it has no place for."""

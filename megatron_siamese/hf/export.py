@@ -73,8 +73,15 @@ def written_atomically(output_dir: str) -> Iterator[str]:
 
 def exportable(settings) -> Optional[str]:
     """Why a checkpoint of ``settings`` (runtime.settings.ModelSettings) cannot be exported, or None."""
-    if settings.model != "gpt":
-        return f"a {settings.model} model (HybridModel) has no export yet: export a --model gpt checkpoint"
+    if settings.model == "hybrid":
+        from megatron_siamese.hybrid_pattern import GPT_BLOCK, hybrid_pattern
+
+        layers = hybrid_pattern(settings).layers
+        if layers != GPT_BLOCK * (len(layers) // 2) or hybrid_pattern(settings).mtp is not None:
+            return (f"a HybridModel with the pattern {hybrid_pattern(settings).text!r} has no export yet: only "
+                    "'*-*-...' (the GPT's equivalent) exports")
+    elif settings.model != "gpt":
+        return f"a {settings.model} model has no export"
     if settings.norm not in SCHEMES:
         return (f"the {settings.norm!r} scheme has no export (siamese, siamese-layer, siamese-hybrid, or pre as "
                 "Llama)")
@@ -135,7 +142,11 @@ def write_directory(model, norm: str, directory: str) -> Dict[str, object]:
     config = hf_config(model, norm)
     config["torch_dtype"] = str(model.config.params_dtype).replace("torch.", "")
     pre_norm = config["model_type"] == "llama"
-    state = convert.megatron_to_hf(model.state_dict(), config, pre_norm=pre_norm)
+    state = model.state_dict()
+    if hasattr(model.decoder, "final_norm"):  # a '*-*-...' HybridModel: the GPT it equals
+        config["num_hidden_layers"] = model.config.num_layers // 2
+        state = convert.hybrid_to_gpt_names(state)
+    state = convert.megatron_to_hf(state, config, pre_norm=pre_norm)
     save_file({name: tensor.detach().cpu() for name, tensor in state.items()}, os.path.join(directory, WEIGHTS),
               metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as out:
