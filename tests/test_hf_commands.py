@@ -22,8 +22,7 @@ import torch
 pytest.importorskip("transformers")
 
 from megatron_siamese.check.case import ModelCase  # noqa: E402
-from megatron_siamese.hf.export import export, load_exported, write_directory  # noqa: E402
-from megatron_siamese.hf.import_hf import import_hf  # noqa: E402
+from megatron_siamese.hf.export import export, import_hf, load_exported, write_directory  # noqa: E402
 from megatron_siamese.runtime.layout import Layout  # noqa: E402
 from megatron_siamese.runtime.launch import run_job  # noqa: E402
 

@@ -61,8 +61,7 @@ def _import_parser(commands, name: str) -> argparse.ArgumentParser:
 
 
 def _run_import(options: argparse.Namespace) -> int:
-    from megatron_siamese.hf.architecture import ExportError
-    from megatron_siamese.hf.import_hf import import_hf
+    from megatron_siamese.hf.export import ExportError, import_hf
 
     try:
         path = import_hf(options.hf, options.output_dir)

@@ -23,7 +23,7 @@ the MLP is gated (SwiGLU: [gate, up]) or not. Generation uses transformers' KV c
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
