@@ -69,6 +69,7 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "tensorboard": ["tensorboard"],  # train --tensorboard-dir
         "wandb": ["wandb"],  # train --wandb-project
+        "hf": ["lm-eval[hf]==0.4.13"],  # megatron-siamese eval (docs/evaluate.md)
     },
     ext_modules=extension_modules(),
     cmdclass={"build_ext": build_ext_class()},

@@ -7,6 +7,7 @@
                                         a Pre-Norm checkpoint as an equivalent SiameseNorm one
     megatron-siamese analyze --load CKPT [--compare-load PRE] [model flags]
                                         stream contributions, logit lens, magnitudes, effective depth
+    megatron-siamese eval --hf DIR [--tasks T]  lm-evaluation-harness on an exported model (the [hf] extra)
 
 Every command checks all of its settings before starting any rank and says, one line per
 problem, what to change (exit status 2). Failures print one line; ``--debug`` (or
@@ -26,12 +27,13 @@ import traceback
 from typing import List, Optional
 
 from megatron_siamese.cli import check, research, train
+from megatron_siamese.cli.evaluate import evaluate
 from megatron_siamese.runtime.launchers import JoinError, LaunchError
 from megatron_siamese.training.args import ConfigError
 
 DEBUG_ENV = "MEGATRON_SIAMESE_DEBUG"
 COMMANDS = {"train": train, "check": check, "study": research.study, "upcycle": research.upcycle,
-            "analyze": research.analyze}
+            "analyze": research.analyze, "eval": evaluate}
 
 
 class Parser(argparse.ArgumentParser):
