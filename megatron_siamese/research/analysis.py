@@ -28,12 +28,17 @@ import torch
 import torch.nn.functional as F
 
 from megatron_siamese import device
+from megatron_siamese.training.corpus import ByteTokenizer
 
 PRUNE_FRACTIONS = (0.125, 0.25, 0.375, 0.5)
 
 
-def _batches(trainer, count: int):
-    return [b for i in range(count) for b in trainer.valid_data.step(i)]
+def _batches(args, count: int):
+    """The run's validation batches (the trainer's validation set for these settings)."""
+    from megatron_siamese.training.trainer import data_readers
+
+    _, valid = data_readers(args, ByteTokenizer())
+    return [b for i in range(count) for b in valid.step(i)]
 
 
 def _loss_from_hidden(model, hidden, labels):
@@ -141,22 +146,24 @@ def stream_probes(model, batches) -> Dict[str, list]:
 
 
 def _analyze_rank(args, compare_load: Optional[str], batches: int):
-    from megatron_siamese.training.trainer import Trainer
+    from megatron_siamese.inference.session import open_session
 
     results = {}
     runs = [("siamese", args)]
     if compare_load:
         runs.append(("pre", dataclasses.replace(args, norm="pre", load=compare_load)))
     for label, run_args in runs:
-        trainer = Trainer(run_args)
-        trainer.gpt.train(False)
-        model = trainer.gpt.chunks[0]
-        data = [{k: v.to(device.current()) for k, v in b.items()} for b in _batches(trainer, batches)]
-        with torch.no_grad():
-            results[label] = {"depth": effective_depth(model, data)}
-            if label == "siamese":
-                results[label].update(stream_probes(model, data))
-        trainer.gpt.close()
+        # the weights alone (the model flags must describe the checkpoint's model), no optimizer
+        session = open_session(run_args.load, settings=run_args, seed=run_args.seed, fused_ops=False)
+        try:
+            model = session.chunks[0]
+            data = [{k: v.to(device.current()) for k, v in b.items()} for b in _batches(run_args, batches)]
+            with torch.no_grad():
+                results[label] = {"depth": effective_depth(model, data)}
+                if label == "siamese":
+                    results[label].update(stream_probes(model, data))
+        finally:
+            session.close()
     return results
 
 
@@ -165,8 +172,8 @@ def analyze(args, compare_load: Optional[str] = None, batches: int = 2) -> dict:
 
     if (args.tp, args.pp) != (1, 1) or not args.load:
         raise ValueError("analyze a checkpoint (--load) at tp=1, pp=1")
-    # the probes only evaluate the weights: no optimizer state is loaded, so neither its kind
-    # (a distributed optimizer's state at another layout) nor its schedule stands in the way
+    # the probes only evaluate the weights (inference/session.py): no optimizer state is loaded, so
+    # neither its kind (a distributed optimizer's state at another layout) nor its schedule stands in the way
     args = dataclasses.replace(args, norm="siamese", fused_ops=False, no_load_optim=True, distributed_optimizer=False)
     results = run_job(_analyze_rank, 1, args, compare_load, batches, needs="analyze")
     os.makedirs(args.output_dir, exist_ok=True)

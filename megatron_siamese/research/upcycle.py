@@ -54,33 +54,32 @@ def upcycled_state(pre_norm: Dict[str, torch.Tensor], siamese: Dict[str, torch.T
 
 
 def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
-    from megatron.core import dist_checkpointing
+    from types import SimpleNamespace
 
+    from megatron_siamese import device
+    from megatron_siamese.inference.session import open_session
+    from megatron_siamese.models import build_model_chunks
+    from megatron_siamese.runtime.gpt import initialize_model_parallel, transformer_config
     from megatron_siamese.training import checkpoint
-    from megatron_siamese.training.checkpoint_files import checked
-    from megatron_siamese.training.trainer import Trainer
 
-    path = checked(pre_checkpoint)  # a broken or missing checkpoint is named as such first
-    pre = Trainer(pre_args)
-    pre_model = pre.gpt.chunks[0]
-    try:  # model weights only: works for our checkpoints and Megatron-LM's alike
-        loaded = dist_checkpointing.load(pre_model.sharded_state_dict(), path)
-    except Exception as error:
-        raise ValueError(
-            f"cannot read a stock Pre-Norm GPT from {pre_checkpoint} with these model flags "
-            f"(layers, hidden size, heads, normalization, vocabulary): {error}"
-        ) from error
-    # the load also returns the checkpoint's common (non-sharded) entries: step, scheduler, ...
-    model_keys = pre_model.state_dict().keys()
-    pre_model.load_state_dict({k: v for k, v in loaded.items() if k in model_keys})
-    pre.gpt.close()
-    siamese = Trainer(siamese_args)
-    model = siamese.gpt.chunks[0]
-    model.load_state_dict(upcycled_state(pre_model.state_dict(), model.state_dict(),
-                                         pre_model.config.layernorm_zero_centered_gamma))
-    path = checkpoint.save(siamese, siamese_args.output_dir + "/checkpoints", model_only=True)
-    siamese.gpt.close()
-    return path
+    # model weights only (the flags must describe the Pre-Norm model): ours and Megatron-LM's alike
+    pre = open_session(pre_checkpoint, settings=pre_args, seed=pre_args.seed)
+    pre_model = pre.chunks[0]
+    pre_state = pre_model.state_dict()
+    zero_centered = pre_model.config.layernorm_zero_centered_gamma
+    pre.close()
+    initialize_model_parallel(siamese_args.layout, siamese_args.seed)
+    try:
+        config = transformer_config(siamese_args, siamese_args.layout)
+        (model,) = build_model_chunks(config, siamese_args, pre.vocab_size)
+        model.to(device.current())
+        model.load_state_dict(upcycled_state(pre_state, model.state_dict(), zero_centered))
+        # what checkpoint.save reads of a trainer, for a model-only checkpoint at step 0
+        written = SimpleNamespace(args=siamese_args, step=0, vocab_size=pre.vocab_size, saved_before=False,
+                                  model=[SimpleNamespace(module=model)])
+        return checkpoint.save(written, siamese_args.output_dir + "/checkpoints", model_only=True)
+    finally:
+        pre.close()
 
 
 def upcycle(args, pre_checkpoint: str) -> str:

@@ -50,6 +50,47 @@ def _optimizer_schedule(args: TrainArgs) -> dict:
     return dict(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay)
 
 
+def data_readers(args: TrainArgs, tokenizer):
+    """This rank's (train, validation) MicrobatchReaders of the run's data (the embedded corpus
+    or --data-prefix, or an addition task), as the trainer reads them: the same validation set
+    for a run's settings wherever it is built (``research/analysis.py`` evaluates on it)."""
+    from megatron.core import parallel_state
+
+    from megatron_siamese.training.data import MicrobatchReader, build_gpt_datasets
+
+    if args.task != "lm":
+        from megatron_siamese.training.addition import addition_corpus
+
+        corpus = partial(addition_corpus, reverse=ADDITION_TASKS[args.task], digits=args.addition_digits)
+    else:
+        corpus = embedded_corpus
+    shared_cache = launch.shared_by_all_ranks(args.cache_dir)
+    if args.data_prefix is None:
+        job = launch.joined()
+        if (job.rank if shared_cache else job.local_rank) == 0:
+            corpus(args.cache_dir)  # once for all on a shared path, else once per node
+        torch.distributed.barrier()
+    prefix = args.data_prefix or corpus(args.cache_dir)
+    train, valid = build_gpt_datasets(
+        prefix,
+        tokenizer,
+        args.seq_length,
+        args.seed,
+        train_samples=args.steps * args.global_batch_size,
+        # one fixed validation set: losses compare across steps, runs and layouts
+        valid_samples=args.eval_iters * args.global_batch_size,
+        # Megatron writes index caches on global rank 0 only: elsewhere they must be in memory
+        cache_dir=os.path.join(args.cache_dir, "indices") if shared_cache else "",
+    )
+    dp_rank = parallel_state.get_data_parallel_rank()
+    # every microbatch's ids are checked against the tokenizer's (the padded rows are no tokens)
+    vocab = tokenizer.vocab_size
+    return (MicrobatchReader(train, args.micro_batch_size, args.num_microbatches, dp_rank, args.dp, vocab, prefix,
+                             "train"),
+            MicrobatchReader(valid, args.micro_batch_size, args.num_microbatches, dp_rank, args.dp, vocab, prefix,
+                             "validation"))
+
+
 class Trainer:
     """One rank's view of a run."""
 
@@ -97,42 +138,7 @@ class Trainer:
             checkpoint.load(self, args.load)
 
     def _build_data(self):
-        from megatron.core import parallel_state
-
-        from megatron_siamese.training.data import MicrobatchReader, build_gpt_datasets
-
-        args = self.args
-        if args.task != "lm":
-            from megatron_siamese.training.addition import addition_corpus
-
-            corpus = partial(addition_corpus, reverse=ADDITION_TASKS[args.task], digits=args.addition_digits)
-        else:
-            corpus = embedded_corpus
-        shared_cache = launch.shared_by_all_ranks(args.cache_dir)
-        if args.data_prefix is None:
-            job = launch.joined()
-            if (job.rank if shared_cache else job.local_rank) == 0:
-                corpus(args.cache_dir)  # once for all on a shared path, else once per node
-            torch.distributed.barrier()
-        prefix = args.data_prefix or corpus(args.cache_dir)
-        train, valid = build_gpt_datasets(
-            prefix,
-            self.tokenizer,
-            args.seq_length,
-            args.seed,
-            train_samples=args.steps * args.global_batch_size,
-            # one fixed validation set: losses compare across steps, runs and layouts
-            valid_samples=args.eval_iters * args.global_batch_size,
-            # Megatron writes index caches on global rank 0 only: elsewhere they must be in memory
-            cache_dir=os.path.join(args.cache_dir, "indices") if shared_cache else "",
-        )
-        dp_rank = parallel_state.get_data_parallel_rank()
-        # every microbatch's ids are checked against the tokenizer's (the padded rows are no tokens)
-        vocab = self.tokenizer.vocab_size
-        self.train_data = MicrobatchReader(train, args.micro_batch_size, args.num_microbatches, dp_rank, args.dp,
-                                           vocab, prefix, "train")
-        self.valid_data = MicrobatchReader(valid, args.micro_batch_size, args.num_microbatches, dp_rank, args.dp,
-                                           vocab, prefix, "validation")
+        self.train_data, self.valid_data = data_readers(self.args, self.tokenizer)
 
     # -- steps ---------------------------------------------------------------------------
 

@@ -1,0 +1,156 @@
+"""Weights between a whole (one-rank) Megatron GPTModel and the Hugging Face layout, both ways.
+
+Plain torch on state dicts, no Megatron import. The Megatron side is the module state dict of
+a GPTModel built with one rank (``model.state_dict()``: the names below, TP and PP already
+undone by the checkpoint's resharding load); the Hugging Face side is what
+``modeling_siamese.SiameseNormForCausalLM`` (SiameseNorm) or transformers'
+``LlamaForCausalLM`` (a Pre-Norm model, ``pre_norm=True``) holds.
+
+Per layer i (Megatron ``decoder.layers.i.`` -> Hugging Face ``model.layers.i.``):
+
+    self_attention.linear_qkv          -> self_attn.q_proj, k_proj, v_proj  (rows grouped per query
+                                          group as [its q heads, k, v] in Megatron; split here)
+    self_attention.linear_proj         -> self_attn.o_proj
+    self_attention.q_layernorm/k_layernorm -> self_attn.q_norm/k_norm
+    mlp.linear_fc1                     -> mlp.gate_proj, up_proj (gated: Megatron's [gate, up] halves)
+                                          or mlp.up_proj
+    mlp.linear_fc2                     -> mlp.down_proj
+    input_layernorm                    -> input_layernorm        (the attention's InputNorm)
+    pre_mlp_layernorm                  -> post_attention_layernorm (the MLP's InputNorm)
+    attn_x_norm, attn_y_norm           -> attn_x_norm (hybrid variant: attn_x_scale), attn_y_norm
+    mlp_x_norm, mlp_y_norm             -> mlp_x_norm, mlp_y_norm
+
+and embedding.word_embeddings -> model.embed_tokens, embedding.position_embeddings ->
+model.embed_positions, decoder.final_layernorm -> model.norm, its merge.x_norm/merge.y_norm
+(``decoder.layers.<last>.output_merge`` in a Megatron-LM ``--spec`` model) -> model.norm_x /
+model.norm_y, output_layer -> lm_head (untied only). Every tensor is moved as it is: the
+conversion is a renaming plus the QKV and gated-MLP splits, so a round trip is bit-exact.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Tuple
+
+import torch
+
+# per-layer renames (Megatron suffix, Hugging Face suffix) that move a tensor unchanged
+_LAYER_NAMES = (
+    ("self_attention.linear_proj.", "self_attn.o_proj."),
+    ("self_attention.q_layernorm.", "self_attn.q_norm."),
+    ("self_attention.k_layernorm.", "self_attn.k_norm."),
+    ("mlp.linear_fc2.", "mlp.down_proj."),
+    ("input_layernorm.", "input_layernorm."),
+    ("pre_mlp_layernorm.", "post_attention_layernorm."),
+    ("attn_y_norm.", "attn_y_norm."),
+    ("mlp_x_norm.", "mlp_x_norm."),
+    ("mlp_y_norm.", "mlp_y_norm."),
+)
+_TOP_NAMES = (
+    ("embedding.word_embeddings.", "model.embed_tokens."),
+    ("embedding.position_embeddings.", "model.embed_positions."),
+    ("decoder.final_layernorm.merge.x_norm.", "model.norm_x."),
+    ("decoder.final_layernorm.merge.y_norm.", "model.norm_y."),
+    ("decoder.final_layernorm.", "model.norm."),
+    ("output_layer.", "lm_head."),
+)
+
+
+def _qkv_sizes(config: Mapping) -> Tuple[int, int, int]:
+    """(query groups, query heads per group, head dim)."""
+    groups = config["num_key_value_heads"]
+    return groups, config["num_attention_heads"] // groups, config["head_dim"]
+
+
+def split_qkv(qkv: torch.Tensor, config: Mapping) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's fused ``linear_qkv`` weight [(heads + 2 groups) d, h] (or bias) -> q, k, v."""
+    groups, per_group, d = _qkv_sizes(config)
+    grouped = qkv.reshape(groups, (per_group + 2) * d, *qkv.shape[1:])
+    q, k, v = grouped.split([per_group * d, d, d], dim=1)
+    return (q.reshape(groups * per_group * d, *qkv.shape[1:]), k.reshape(groups * d, *qkv.shape[1:]),
+            v.reshape(groups * d, *qkv.shape[1:]))
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Mapping) -> torch.Tensor:
+    groups, per_group, d = _qkv_sizes(config)
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, per_group * d, *rest), k.reshape(groups, d, *rest),
+                       v.reshape(groups, d, *rest)], dim=1)
+    return fused.reshape(groups * (per_group + 2) * d, *rest)
+
+
+def _layer_index(name: str) -> Tuple[int, str]:
+    """``decoder.layers.3.mlp.linear_fc1.weight`` -> (3, ``mlp.linear_fc1.weight``)."""
+    index, rest = name[len("decoder.layers."):].split(".", 1)
+    return int(index), rest
+
+
+def _rename(name: str, pairs) -> str:
+    for megatron, hf in pairs:
+        if name.startswith(megatron):
+            return hf + name[len(megatron):]
+    raise KeyError(name)
+
+
+def megatron_to_hf(state: Mapping[str, torch.Tensor], config: Mapping, pre_norm: bool = False) -> Dict[str, torch.Tensor]:
+    """The Hugging Face state dict of a one-rank Megatron GPTModel's ``state``; ``config`` is the
+    Hugging Face config (dict). Refuses any tensor it has no place for."""
+    last = f"decoder.layers.{config['num_hidden_layers'] - 1}.output_merge."
+    hybrid = config.get("siamese_variant") == "hybrid"
+    out: Dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith("_extra_state"):
+            continue
+        if name.startswith(last):  # Megatron-LM --spec: the last layer merges the streams
+            name = "decoder.final_layernorm.merge." + name[len(last):]
+        if not name.startswith("decoder.layers."):
+            out[_rename(name, _TOP_NAMES)] = tensor
+            continue
+        index, rest = _layer_index(name)
+        prefix = f"model.layers.{index}."
+        kind = rest.rsplit(".", 1)[-1]  # weight or bias
+        if rest.startswith("self_attention.linear_qkv."):
+            for part, value in zip(("q", "k", "v"), split_qkv(tensor, config)):
+                out[f"{prefix}self_attn.{part}_proj.{kind}"] = value
+        elif rest.startswith("mlp.linear_fc1."):
+            if config.get("gated_mlp", pre_norm):
+                gate, up = tensor.chunk(2, dim=0)
+                out[f"{prefix}mlp.gate_proj.{kind}"], out[f"{prefix}mlp.up_proj.{kind}"] = gate, up
+            else:
+                out[f"{prefix}mlp.up_proj.{kind}"] = tensor
+        elif rest.startswith("attn_x_norm."):
+            out[prefix + ("attn_x_scale." if hybrid else "attn_x_norm.") + rest[len("attn_x_norm."):]] = tensor
+        else:
+            out[prefix + _rename(rest, _LAYER_NAMES)] = tensor
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Mapping, pre_norm: bool = False) -> Dict[str, torch.Tensor]:
+    """The inverse of ``megatron_to_hf``: Megatron module names of a Python-API GPTModel (the
+    merge norms under ``decoder.final_layernorm.merge``)."""
+    top = {hf: megatron for megatron, hf in _TOP_NAMES}
+    layer = {hf: megatron for megatron, hf in _LAYER_NAMES}
+    layer["attn_x_scale."] = layer["attn_x_norm."] = "attn_x_norm."
+    out: Dict[str, torch.Tensor] = {}
+    pending: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        if not name.startswith("model.layers."):
+            out[_rename(name, top.items())] = tensor
+            continue
+        index_text, rest = name[len("model.layers."):].split(".", 1)
+        index, kind = int(index_text), rest.rsplit(".", 1)[-1]
+        prefix = f"decoder.layers.{index}."
+        if rest.split(".")[1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") and not (
+                rest.startswith("mlp.up_proj") and not config.get("gated_mlp", pre_norm)):
+            group = "self_attention.linear_qkv" if rest.startswith("self_attn.") else "mlp.linear_fc1"
+            pending.setdefault((index, f"{group}.{kind}"), {})[rest.split(".")[1]] = tensor
+        elif rest.startswith("mlp.up_proj."):
+            out[f"{prefix}mlp.linear_fc1.{kind}"] = tensor
+        else:
+            out[prefix + _rename(rest, layer.items())] = tensor
+    for (index, name), parts in pending.items():
+        if name.startswith("self_attention"):
+            fused = fuse_qkv(parts["q_proj"], parts["k_proj"], parts["v_proj"], config)
+        else:
+            fused = torch.cat([parts["gate_proj"], parts["up_proj"]], dim=0)
+        out[f"decoder.layers.{index}.{name}"] = fused
+    return out

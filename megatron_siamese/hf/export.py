@@ -1,0 +1,272 @@
+"""``megatron-siamese export`` and ``import-hf``: a checkpoint as a Hugging Face model directory,
+and such a directory back as a checkpoint.
+
+Export: the checkpoint's whole model on one rank (``inference.session``: any TP/PP/VPP layout,
+resharded by dist_checkpointing on load), its config.json (``architecture.py``), its weights
+renamed (``convert.py``) into ``model.safetensors``, the modeling file (SiameseNorm) and the
+byte-level tokenizer's files (``tokenizer.py``). Before anything is kept, the exported model's
+logits on a fixed text are compared with the Megatron model's (fp32: 1e-4 relative) and the
+export refuses on a mismatch. Everything is written into a temporary directory beside the
+target, renamed into place at the end: nothing is ever left half-written.
+
+Import: config.json read as this package's model settings (a field it cannot build exactly is
+refused naming it), the weights renamed back, loaded strictly into a one-rank GPTModel and
+saved as a model-only torch_dist checkpoint (step 0, no optimizer, as ``upcycle`` writes):
+``megatron-siamese train --load OUT/checkpoints`` fine-tunes it at any layout (torch_dist
+reshards on load, so no layout needs choosing when writing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Dict, Iterator, Optional
+
+import torch
+
+from megatron_siamese.hf import architecture, convert
+from megatron_siamese.hf.architecture import ExportError
+
+PACKAGES = ("transformers", "safetensors")
+INSTALL = "pip install 'megatron_siamese[hf]' (transformers, safetensors)"
+WEIGHTS = "model.safetensors"
+PROVENANCE = "megatron_siamese.json"  # which checkpoint and settings the directory came from
+VERIFY_TEXT = "In the beginning God created the heaven and the earth.\n"
+VERIFY_RTOL = 1e-4
+SCHEMES = {"siamese": "standard", "siamese-layer": "standard", "siamese-hybrid": "hybrid", "pre": None}
+
+
+def require_packages() -> None:
+    """ExportError naming what to install when transformers or safetensors is missing."""
+    import importlib.util
+
+    missing = [name for name in PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ExportError(f"{' and '.join(missing)} not installed: {INSTALL}")
+
+
+def refuse_existing(output_dir: str) -> None:
+    if os.path.lexists(output_dir):
+        raise ExportError(f"--output-dir {output_dir} exists: choose a new directory (nothing is overwritten)")
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    if not os.path.isdir(parent):
+        raise ExportError(f"--output-dir {output_dir}: its parent directory {parent} does not exist")
+
+
+@contextmanager
+def written_atomically(output_dir: str) -> Iterator[str]:
+    """A fresh directory beside ``output_dir``, renamed to it when the block succeeds, removed when not."""
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.", suffix=".partial", dir=parent)
+    try:
+        yield tmp
+        os.rename(tmp, output_dir)  # fails, rather than merges, if the target appeared meanwhile
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def exportable(settings) -> Optional[str]:
+    """Why a checkpoint of ``settings`` (runtime.settings.ModelSettings) cannot be exported, or None."""
+    if settings.model != "gpt":
+        return f"a {settings.model} model (HybridModel) has no export yet: export a --model gpt checkpoint"
+    if settings.norm not in SCHEMES:
+        return (f"the {settings.norm!r} scheme has no export (siamese, siamese-layer, siamese-hybrid, or pre as "
+                "Llama)")
+    if settings.num_moe_experts:
+        return "--num-experts (mixture of experts) has no export yet: export a dense model"
+    return None
+
+
+# -- export --------------------------------------------------------------------------------
+
+
+def export(checkpoint: str, output_dir: str, settings=None) -> str:
+    """Write the Hugging Face directory of ``checkpoint`` to ``output_dir`` (new); returns its path.
+    ``settings``: the model's, for a checkpoint that records none (Megatron-LM's)."""
+    from megatron_siamese.inference.session import model_settings, read_checkpoint
+    from megatron_siamese.runtime.launch import run_job
+
+    require_packages()
+    refuse_existing(output_dir)
+    chosen = model_settings(read_checkpoint(checkpoint), settings)
+    problem = exportable(chosen)
+    if problem:
+        raise ExportError(f"cannot export {checkpoint}: {problem}")
+    with written_atomically(output_dir) as tmp:
+        run_job(_export_rank, 1, checkpoint, settings, tmp, needs="export")
+    return output_dir
+
+
+def _export_rank(checkpoint: str, settings, directory: str) -> None:
+    from megatron_siamese.inference.session import open_session
+
+    session = open_session(checkpoint, settings=settings, fused_ops=False)
+    try:
+        model = session.chunks[0]
+        write_directory(model, session.settings.norm, directory)
+        verify(model, directory)
+        provenance = dict(checkpoint=os.path.abspath(session.checkpoint), step=session.step,
+                          settings=dataclasses.asdict(session.settings))
+        with open(os.path.join(directory, PROVENANCE), "w") as out:
+            json.dump(provenance, out, indent=2)
+    finally:
+        session.close()
+
+
+def hf_config(model, norm: str) -> Dict[str, object]:
+    """config.json for a one-rank GPTModel of scheme ``norm``."""
+    variant = SCHEMES[norm]
+    return architecture.llama_config(model) if variant is None else architecture.siamese_config(model, variant)
+
+
+def write_directory(model, norm: str, directory: str) -> Dict[str, object]:
+    """config.json, model.safetensors, the modeling file (SiameseNorm) and the tokenizer of the
+    one-rank GPTModel ``model`` (scheme ``norm``) into ``directory``; returns the config."""
+    from safetensors.torch import save_file
+
+    from megatron_siamese.hf.tokenizer import save_tokenizer
+
+    config = hf_config(model, norm)
+    config["torch_dtype"] = str(model.config.params_dtype).replace("torch.", "")
+    pre_norm = config["model_type"] == "llama"
+    state = convert.megatron_to_hf(model.state_dict(), config, pre_norm=pre_norm)
+    save_file({name: tensor.detach().cpu() for name, tensor in state.items()}, os.path.join(directory, WEIGHTS),
+              metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as out:
+        json.dump(config, out, indent=2, sort_keys=True)
+    with open(os.path.join(directory, "generation_config.json"), "w") as out:
+        json.dump({k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, out, indent=2)
+    if not pre_norm:
+        shutil.copyfile(os.path.join(os.path.dirname(__file__), architecture.MODELING_FILE),
+                        os.path.join(directory, architecture.MODELING_FILE))
+    save_tokenizer(directory)
+    return config
+
+
+def load_exported(directory: str):
+    """The model in an exported ``directory`` (AutoModelForCausalLM, local files, remote code), eval mode.
+
+    In a process running Megatron through the CPU shim (a spawned rank, the tests) the shim is
+    lifted meanwhile: transformers builds the model on the meta device and then fills its
+    non-persistent buffers, which the shim's wrapped tensor factories leave uninitialized
+    (LlamaForCausalLM's RoPE ``inv_freq`` came back as garbage)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_siamese.runtime import cpu_shim
+
+    shimmed = cpu_shim.is_installed()
+    if shimmed:
+        cpu_shim.uninstall()
+    try:
+        return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True).eval()
+    finally:
+        if shimmed:
+            cpu_shim.install()
+
+
+def verify(model, directory: str) -> float:
+    """The exported model's logits against the Megatron model's on ``VERIFY_TEXT`` (fp32 models);
+    ExportError when they differ by more than ``VERIFY_RTOL`` of their largest magnitude."""
+    if model.config.params_dtype != torch.float32:
+        return float("nan")  # 16-bit weights: rounding, not the export, would dominate the comparison
+    tokens = torch.tensor([list(VERIFY_TEXT.encode("utf-8"))[: model.max_sequence_length]])
+    positions = torch.arange(tokens.shape[1])[None]
+    causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).triu(1)[None, None]
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        expected = model(tokens.to(device), positions.to(device), causal.to(device)).float().cpu()
+        actual = load_exported(directory)(tokens).logits.float()
+    error = float((actual - expected).abs().max() / expected.abs().max())
+    if not error <= VERIFY_RTOL:
+        raise ExportError(f"the exported model's logits differ from the checkpoint's by {error:.2e} of their "
+                          f"magnitude (allowed {VERIFY_RTOL:.0e}): please report this model's settings")
+    return error
+
+
+# -- import --------------------------------------------------------------------------------
+
+
+def read_hf_config(directory: str) -> Dict[str, object]:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ExportError(f"--hf {directory} has no config.json: give a Hugging Face model directory")
+    with open(path) as source:
+        return json.load(source)
+
+
+def read_hf_weights(directory: str) -> Dict[str, torch.Tensor]:
+    """model.safetensors, or the shards its index names."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(directory, WEIGHTS)
+    if os.path.isfile(single):
+        return load_file(single)
+    index = os.path.join(directory, WEIGHTS + ".index.json")
+    if not os.path.isfile(index):
+        raise ExportError(f"--hf {directory} has no {WEIGHTS} (nor its index): safetensors weights are needed")
+    with open(index) as source:
+        shards = sorted(set(json.load(source)["weight_map"].values()))
+    state: Dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(os.path.join(directory, shard)))
+    return state
+
+
+def import_args(hf: Dict[str, object], output_dir: str):
+    """TrainArgs of the model ``hf`` describes, on one rank (as the checkpoint records them)."""
+    from megatron_siamese.training.args import TrainArgs, padded_vocab_size
+
+    fields = architecture.settings_fields(hf, padded_vocab_size())
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"))
+    if dtype is None:
+        raise ExportError(f"torch_dtype {hf.get('torch_dtype')!r}: import float32 or bfloat16 weights")
+    return TrainArgs(**fields, dtype=dtype, tp=1, pp=1, dp=1, fused_ops=False, output_dir=output_dir,
+                     progress=False)
+
+
+def import_hf(hf_dir: str, output_dir: str) -> str:
+    """Write ``output_dir/checkpoints/iter_0000000`` (model only) from the Hugging Face directory
+    ``hf_dir``; returns the checkpoint's path."""
+    from megatron_siamese.runtime.launch import run_job
+
+    require_packages()
+    refuse_existing(output_dir)
+    hf = read_hf_config(hf_dir)
+    args = import_args(hf, output_dir)
+    with written_atomically(output_dir) as tmp:
+        path = run_job(_import_rank, 1, args, hf, hf_dir, tmp, needs="import-hf")
+    return os.path.join(output_dir, os.path.relpath(path, tmp))
+
+
+def _import_rank(args, hf: Dict[str, object], hf_dir: str, directory: str) -> str:
+    from types import SimpleNamespace
+
+    from megatron_siamese import device
+    from megatron_siamese.models import build_model_chunks
+    from megatron_siamese.runtime.gpt import initialize_model_parallel, transformer_config
+    from megatron_siamese.training import checkpoint
+    from megatron_siamese.training.args import padded_vocab_size
+
+    state = convert.hf_to_megatron(read_hf_weights(hf_dir), hf, pre_norm=hf["model_type"] == "llama")
+    initialize_model_parallel(args.layout, args.seed)
+    try:
+        (model,) = build_model_chunks(transformer_config(args, args.layout), args, padded_vocab_size())
+        expected = {name for name in model.state_dict() if not name.endswith("_extra_state")}
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ExportError(f"--hf {hf_dir} does not hold this model's weights: "
+                              + (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"))
+        model.load_state_dict(state, strict=False)  # strict but for Megatron's _extra_state entries
+        model.to(device.current())
+        written = SimpleNamespace(args=args, step=0, vocab_size=padded_vocab_size(), saved_before=False,
+                                  model=[SimpleNamespace(module=model)])
+        return checkpoint.save(written, os.path.join(directory, "checkpoints"), model_only=True)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()

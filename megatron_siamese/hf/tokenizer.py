@@ -1,0 +1,57 @@
+"""The byte-level tokenizer (training/corpus.py ``ByteTokenizer``) as Hugging Face tokenizer files.
+
+Our ids: the UTF-8 bytes of the text (0-255), end of document 256, padding 257; the model's
+vocabulary is padded to 320 (rows 258-319 are never produced). Hugging Face's tokenizers
+library says exactly that with a byte-level BPE that has no merges: the ByteLevel
+pre-tokenizer turns each byte into one symbol of its 256-symbol alphabet (no regex split, no
+prefix space), the vocabulary maps the symbol of byte b to id b, and the ByteLevel decoder turns
+symbols back into bytes. ``PreTrainedTokenizerFast`` loads the resulting ``tokenizer.json`` with
+``AutoTokenizer.from_pretrained(dir)``, no remote code. No special token is added to a text
+(training documents start without one); the end-of-document token is both EOS and BOS.
+"""
+
+from __future__ import annotations
+
+EOD_TOKEN, PAD_TOKEN = "<|endoftext|>", "<pad>"
+EOD_ID, PAD_ID = 256, 257
+
+
+def byte_level_tokenizer():
+    """A ``PreTrainedTokenizerFast`` whose ids are ByteTokenizer's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()  # the 256 printable symbols standing for bytes
+    symbol_of_byte = _byte_symbols()
+    assert sorted(symbol_of_byte.values()) == sorted(alphabet)
+    vocab = {symbol: byte for byte, symbol in symbol_of_byte.items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([EOD_TOKEN, PAD_TOKEN])  # ids 256, 257: the next free ones
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOD_TOKEN, eos_token=EOD_TOKEN,
+                                   pad_token=PAD_TOKEN, clean_up_tokenization_spaces=False)
+    if (fast.convert_tokens_to_ids(EOD_TOKEN), fast.convert_tokens_to_ids(PAD_TOKEN)) != (EOD_ID, PAD_ID):
+        raise AssertionError("the special tokens did not get ByteTokenizer's ids")
+    return fast
+
+
+def _byte_symbols() -> dict:
+    """GPT-2's byte -> printable symbol table, which the ByteLevel pre-tokenizer and decoder use:
+    printable Latin-1 bytes stand for themselves, the others for 256 + their rank."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte] = chr(256 + extra)
+            extra += 1
+    return symbols
+
+
+def save_tokenizer(directory: str) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``directory``."""
+    byte_level_tokenizer().save_pretrained(directory)

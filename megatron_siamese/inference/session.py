@@ -1,0 +1,237 @@
+"""A checkpoint's model on this rank, for reading and running its weights: no optimizer, no data,
+no schedule (``training.trainer.Trainer`` is for training).
+
+    checkpoint dir --checkpoint_files.checked--> one complete iter_<N>
+      --its common state--> the ModelSettings the run recorded (norm, model class, sizes, ...)
+      --runtime.gpt--> Megatron's process groups for the requested Layout, this rank's chunks
+      --dist_checkpointing.load--> the weights, resharded from whatever TP/PP/VPP/EP layout
+          saved them into this one --> eval mode
+
+On the ranks of a job (inside ``run_job``)::
+
+    session = open_session("runs/x/checkpoints", Layout(tp=2))
+    session.chunks[0](tokens, position_ids, attention_mask)  # this rank's GPTModel chunk(s)
+    session.close()                                            # Megatron's process groups
+
+From any process, the whole model on one rank (TP = PP = 1, every weight unsharded)::
+
+    full = load_full_model("runs/x/checkpoints")
+    full.state_dict, full.settings, full.tokenizer, full.step
+
+``read_checkpoint`` tells what a checkpoint holds without starting any rank (for refusing bad
+input before launching). The settings come from the checkpoint; a checkpoint that records none
+(Megatron-LM's, or an earlier release's) needs ``settings`` from the caller, and settings
+given for one that records them must describe the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.runtime.settings import ModelSettings
+from megatron_siamese.training.checkpoint_files import CheckpointError
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What one checkpoint holds, read without building a model."""
+
+    path: str  # the complete iter_<N> directory a checkpoints directory's tracker names
+    step: int
+    model_class: str  # "gpt" or "hybrid"
+    settings: Optional[ModelSettings]  # None: the checkpoint records none (Megatron-LM's, older releases)
+
+
+def recorded_settings(common: Dict[str, Any]) -> Optional[ModelSettings]:
+    """The ModelSettings a checkpoint's common state records (None when it records none)."""
+    from megatron_siamese.training.checkpoint_settings import SETTINGS_KEY
+
+    saved = common.get(SETTINGS_KEY)
+    if not isinstance(saved, dict):
+        return None
+    fields = {f.name for f in dataclasses.fields(ModelSettings)}
+    return ModelSettings(**{key: value for key, value in saved.items() if key in fields})
+
+
+def read_checkpoint(path: str) -> SavedCheckpoint:
+    """The checkpoint ``path`` names (a checkpoints directory or one iter_<N>), verified;
+    CheckpointError (one line) for a missing or broken one."""
+    from megatron_siamese.training import checkpoint_files
+
+    checkpoint = checkpoint_files.checked(path)
+    try:
+        common = checkpoint_files.common_state(checkpoint)
+    except Exception as error:  # noqa: BLE001  (whatever Megatron's reader raises: one line)
+        raise CheckpointError(f"cannot read the common state of {checkpoint}: {type(error).__name__}: "
+                              f"{str(error).strip().splitlines()[-1][:200] if str(error).strip() else ''}") from None
+    return SavedCheckpoint(checkpoint, checkpoint_files.iteration(common), checkpoint_files.model_class(common),
+                           recorded_settings(common))
+
+
+def model_settings(saved: SavedCheckpoint, settings: Optional[ModelSettings] = None, **changes) -> ModelSettings:
+    """The settings to build ``saved``'s model with: the recorded ones, else ``settings``; given
+    ``settings`` must describe the recorded model (``checkpoint_settings.model_problem``).
+    ``changes`` may set only settings the weights do not depend on (kernels, FP8, MoE dispatch)."""
+    from megatron_siamese.training.checkpoint_settings import SETTINGS_KEY, model_fields, model_problem
+
+    fixed = sorted(set(changes) & set(model_fields()))
+    if fixed:
+        raise ValueError(f"cannot change {', '.join(fixed)} of a trained model (the weights depend on them)")
+    if settings is not None:
+        if saved.model_class != settings.model:
+            raise CheckpointError(f"{saved.path} holds a {saved.model_class} model, not a {settings.model} model: "
+                                  f"use --model {saved.model_class}")
+        if saved.settings is not None:
+            refused = model_problem(saved.path, {SETTINGS_KEY: dataclasses.asdict(saved.settings)}, settings)
+            if refused:
+                raise CheckpointError(refused)
+        chosen = settings
+    elif saved.settings is not None:
+        chosen = saved.settings
+    else:
+        raise CheckpointError(f"{saved.path} records no model settings (Megatron-LM's or an earlier release's "
+                              "checkpoint): give its model flags (layers, hidden size, heads, ...)")
+    return dataclasses.replace(chosen, **changes)
+
+
+def layout_problems(settings: ModelSettings, layout: Layout, world_size: Optional[int] = None) -> List[str]:
+    """What of ``settings``' model does not split over ``layout`` (and, given, a job of
+    ``world_size`` ranks that is not the layout's): one line each, empty when it fits."""
+    from megatron_siamese.runtime.divisibility import split_problems
+    from megatron_siamese.training.args import padded_vocab_size
+
+    found = split_problems(settings, layout, vocab_size=padded_vocab_size(), micro_batch_size=1,
+                           global_batch_size=layout.dp)
+    if world_size is not None and world_size != layout.world_size:
+        found.append(f"the layout {layout.name} uses {layout.world_size} ranks, the job has {world_size}")
+    return found
+
+
+class ModelSession:
+    """This rank's chunks of a checkpoint's model under a layout, in eval mode; Megatron's
+    process groups for that layout stay up until ``close``."""
+
+    def __init__(self, saved: SavedCheckpoint, settings: ModelSettings, layout: Layout, seed: int = 1234):
+        from megatron_siamese import device
+        from megatron_siamese.models import build_model_chunks
+        from megatron_siamese.runtime.gpt import initialize_model_parallel, transformer_config
+        from megatron_siamese.training.args import padded_vocab_size
+        from megatron_siamese.training.corpus import ByteTokenizer
+
+        self.checkpoint, self.step, self.settings, self.layout = saved.path, saved.step, settings, layout
+        self.tokenizer = ByteTokenizer()
+        self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size)
+        initialize_model_parallel(layout, seed)
+        try:
+            self.config = transformer_config(settings, layout)
+            chunks = build_model_chunks(self.config, settings, self.vocab_size)
+            if device.uses_cuda():
+                chunks = [chunk.to(device.current()) for chunk in chunks]
+            self.chunks: List[torch.nn.Module] = chunks  # GPTModel / HybridModel, one per virtual stage
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+        for chunk in self.chunks:
+            chunk.eval()
+
+    def _sharded_state(self) -> dict:
+        from megatron.core import parallel_state
+
+        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                    "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+        keys = ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
+        return {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(keys, self.chunks)}
+
+    def _load(self) -> None:
+        from megatron.core import dist_checkpointing
+        from torch.distributed.checkpoint import CheckpointException
+
+        from megatron_siamese.training.checkpoint import _last_line
+        from megatron_siamese.training.checkpoint_files import damaged_shards, instead
+
+        state = self._sharded_state()
+        try:
+            loaded = dist_checkpointing.load(state, self.checkpoint)
+        except (Exception, CheckpointException) as error:
+            damaged = damaged_shards(self.checkpoint)
+            if damaged:
+                raise CheckpointError(f"cannot load {self.checkpoint}: {damaged[0]} is corrupt; "
+                                      f"{instead(self.checkpoint)}") from None
+            raise CheckpointError(f"cannot load the weights of {self.checkpoint} into a {self.settings.model} model "
+                                  f"with --norm {self.settings.norm} ({type(error).__name__}: "
+                                  f"{_last_line(error)[:300]}); are its model settings the checkpoint's?") from None
+        for key, chunk in zip(state, self.chunks):
+            chunk.load_state_dict(loaded[key])
+
+    @property
+    def first_stage(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+
+    @property
+    def last_stage(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+    @staticmethod
+    def close() -> None:
+        """Tear down Megatron's process groups (the next session or run builds its own)."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def open_session(checkpoint: str, layout: Layout = Layout(), settings: Optional[ModelSettings] = None,
+                 seed: int = 1234, **changes) -> ModelSession:
+    """On each rank of a joined job (e.g. inside ``run_job``): this rank's chunks of the model in
+    ``checkpoint`` under ``layout`` (whose world size must be the job's). ``settings``: for a
+    checkpoint that records none, or to insist on a model; ``changes``: settings the weights do
+    not depend on (e.g. ``fused_ops=False``)."""
+    saved = read_checkpoint(checkpoint)
+    chosen = model_settings(saved, settings, **changes)
+    problems = layout_problems(chosen, layout, torch.distributed.get_world_size())
+    if problems:
+        from megatron_siamese.runtime.registry import ConfigError
+
+        raise ConfigError(problems)
+    return ModelSession(saved, chosen, layout, seed)
+
+
+@dataclass
+class FullModel:
+    """A checkpoint's whole model, unsharded (TP = PP = 1), on the CPU."""
+
+    state_dict: Dict[str, torch.Tensor]  # the GPTModel's / HybridModel's own keys
+    settings: ModelSettings
+    tokenizer: Any  # training.corpus.ByteTokenizer
+    vocab_size: int  # the padded vocabulary the embedding and output layer hold
+    step: int
+    checkpoint: str
+
+
+def _full_model_rank(checkpoint: str, settings: Optional[ModelSettings], changes: dict) -> FullModel:
+    session = open_session(checkpoint, Layout(), settings, **changes)
+    try:
+        state = {key: value.detach().to("cpu", copy=True) for key, value in session.chunks[0].state_dict().items()
+                 if isinstance(value, torch.Tensor)}
+        return FullModel(state, session.settings, session.tokenizer, session.vocab_size, session.step,
+                         session.checkpoint)
+    finally:
+        session.close()
+
+
+def load_full_model(checkpoint: str, settings: Optional[ModelSettings] = None, **changes) -> FullModel:
+    """The whole model of ``checkpoint`` (saved at any layout) on one rank: spawned here, or this
+    process as the one rank of a launched job. Bad input fails before any rank starts."""
+    from megatron_siamese.runtime.launch import run_job
+
+    model_settings(read_checkpoint(checkpoint), settings, **changes)  # refused here, not on a rank
+    return run_job(_full_model_rank, 1, checkpoint, settings, changes, needs="loading the full model")

@@ -1,0 +1,188 @@
+"""Export to Hugging Face Transformers and back, in one process (megatron_siamese/hf/).
+
+The exported directory, loaded with ``AutoModelForCausalLM.from_pretrained(dir,
+trust_remote_code=True)`` and no network, computes the one-rank Megatron model's logits (fp32,
+1e-5 relative) for LayerNorm and RMSNorm, SwiGLU and GELU, RoPE and learned positions, tied and
+untied embeddings, biases, GQA, zero-centred gamma, the hybrid variant and the Megatron-LM
+layer-spec model; planted bugs (no depth scale, swapped merge norms) are caught; the weight
+conversion round-trips bit for bit; ``generate()`` with its KV cache decodes what a no-cache
+greedy loop decodes; the tokenizer reproduces ByteTokenizer's ids; a Pre-Norm model exports as
+transformers' own LlamaForCausalLM, and what Llama cannot compute is refused naming the setting.
+Checkpoints saved under TP/PP layouts and the two commands: tests/test_hf_commands.py.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megatron_siamese.check.case import ModelCase  # noqa: E402
+from megatron_siamese.check.step import build_seeded_chunks  # noqa: E402
+from megatron_siamese.hf import convert  # noqa: E402
+from megatron_siamese.hf.architecture import ExportError  # noqa: E402
+from megatron_siamese.hf.export import load_exported, write_directory  # noqa: E402
+from megatron_siamese.runtime.gpt import transformer_config  # noqa: E402
+from megatron_siamese.runtime.layout import Layout  # noqa: E402
+
+VOCAB = 320  # the byte-level GPT's padded vocabulary (training/args.py)
+RTOL = 1e-5
+
+CASES = {
+    "rmsnorm-swiglu-rope-tied": ModelCase(normalization="RMSNorm", add_bias_linear=False, vocab_size=VOCAB),
+    "layernorm-gelu-learned-untied-bias-qk-norm": ModelCase(
+        gated_linear_unit=False, position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,
+        qk_layernorm=True, vocab_size=VOCAB),
+    "hybrid-rmsnorm-zero-centred-mha": ModelCase(norm="siamese-hybrid", normalization="RMSNorm", zero_centered_gamma=True,
+                                                 num_query_groups=None, add_bias_linear=False, vocab_size=VOCAB),
+    "hybrid-layernorm-gelu-learned": ModelCase(norm="siamese-hybrid", gated_linear_unit=False,
+                                               position_embedding_type="learned_absolute", vocab_size=VOCAB),
+    "layer-spec-layernorm": ModelCase(norm="siamese-layer", vocab_size=VOCAB),
+}
+LLAMA_CASE = ModelCase(norm="pre", normalization="RMSNorm", add_bias_linear=False, vocab_size=VOCAB,
+                       share_embeddings_and_output_weights=False)
+
+
+def megatron_model(case):
+    config = transformer_config(case, Layout())
+    (model,) = build_seeded_chunks(case, config)
+    return model.eval()
+
+
+def tokens(case, batch=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 258, (batch, case.seq_length), generator=generator)  # bytes, EOD, padding
+
+
+def megatron_logits(model, ids):
+    s = ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        return model(ids, torch.arange(s).expand_as(ids), causal)
+
+
+def relative_error(actual, expected) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+@pytest.fixture(scope="module")
+def exported(megatron_single_rank, tmp_path_factory):
+    """{case name: (Megatron model, exported directory)}, each exported once for the module."""
+    out = {}
+    for name, case in {**CASES, "llama": LLAMA_CASE}.items():
+        model = megatron_model(case)
+        directory = str(tmp_path_factory.mktemp(name))
+        write_directory(model, case.norm, directory)
+        out[name] = (case, model, directory)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_exported_logits_equal_megatron(exported, name):
+    case, model, directory = exported[name]
+    hf = load_exported(directory)
+    assert type(hf).__name__ == "SiameseNormForCausalLM"
+    ids = tokens(case)
+    assert relative_error(hf(ids).logits, megatron_logits(model, ids)) < RTOL
+
+
+def test_the_comparison_catches_a_dropped_depth_scale_and_swapped_merge_norms(exported, tmp_path):
+    case, model, directory = exported["rmsnorm-swiglu-rope-tied"]
+    ids = tokens(case)
+    expected = megatron_logits(model, ids)
+    hf = load_exported(directory)
+    for layer in hf.model.layers:
+        layer.depth_scale = 1.0  # export "without c = sqrt(2L)"
+    assert relative_error(hf(ids).logits, expected) > 1e-3
+    hf = load_exported(directory)
+    with torch.no_grad():  # NormX and NormY swapped at export
+        x, y = hf.model.norm_x.weight.clone(), hf.model.norm_y.weight.clone()
+        hf.model.norm_x.weight.copy_(y)
+        hf.model.norm_y.weight.copy_(x)
+    assert not torch.equal(x, y)
+    assert relative_error(hf(ids).logits, expected) > 1e-3
+
+
+def test_exported_model_equals_the_reference_gpt(exported):
+    from megatron_siamese.reference.gpt import ReferenceGPT, ReferenceGPTConfig
+
+    case, model, directory = exported["hybrid-layernorm-gelu-learned"]
+    reference = ReferenceGPT(ReferenceGPTConfig.from_megatron(
+        model.config, VOCAB, case.seq_length, position_embedding_type=case.position_embedding_type,
+        share_embeddings_and_output_weights=case.share_embeddings_and_output_weights, variant="hybrid"))
+    reference.load_megatron_state_dict(model.state_dict())
+    ids = tokens(case)
+    with torch.no_grad():
+        assert relative_error(load_exported(directory)(ids).logits, reference(ids)) < RTOL
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + ["llama"])
+def test_conversion_round_trips_bit_for_bit(exported, name):
+    case, model, directory = exported[name]
+    with open(os.path.join(directory, "config.json")) as source:
+        config = json.load(source)
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(directory, "model.safetensors"))
+    back = convert.hf_to_megatron(saved, config, pre_norm=name == "llama")
+    original = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if case.norm == "siamese-layer":  # the layer spec keeps the merge in its last layer
+        last = f"decoder.layers.{case.num_layers - 1}.output_merge."
+        original = {(("decoder.final_layernorm.merge." + k[len(last):]) if k.startswith(last) else k): v
+                    for k, v in original.items()}
+    assert back.keys() == original.keys()
+    for key, value in original.items():
+        assert torch.equal(back[key], value), key
+
+
+def test_generate_with_kv_cache_equals_greedy_without(exported):
+    case, _, directory = exported["rmsnorm-swiglu-rope-tied"]
+    hf = load_exported(directory)
+    prompt = tokens(case, batch=1)[:, :5]
+    cached = hf.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True, min_new_tokens=8)
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            step = hf(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, step], dim=1)
+    assert torch.equal(cached, sequence)
+
+
+def test_tokenizer_round_trips_byte_tokenizer_ids(exported):
+    from transformers import AutoTokenizer
+
+    from megatron_siamese.training.corpus import ByteTokenizer
+
+    _, _, directory = exported["rmsnorm-swiglu-rope-tied"]
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    ours = ByteTokenizer()
+    for text in ("In the beginning God created the heaven and the earth.", " naïve café — 日本語 🙂\t\r\n"):
+        ids = tokenizer(text)["input_ids"]
+        assert ids == ours.tokenize(text)
+        assert tokenizer.decode(ids) == text == ours.detokenize(ids)
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (ours.eod, ours.pad)
+
+
+def test_pre_norm_exports_as_stock_llama(exported):
+    case, model, directory = exported["llama"]
+    assert not os.path.exists(os.path.join(directory, "modeling_siamese.py"))
+    hf = load_exported(directory)
+    assert isinstance(hf, transformers.LlamaForCausalLM)
+    ids = tokens(case)
+    assert relative_error(hf(ids).logits, megatron_logits(model, ids)) < RTOL
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(normalization="LayerNorm", add_bias_linear=False), "--normalization LayerNorm"),
+    (dict(add_bias_linear=True), "--add-bias-linear"),
+    (dict(qk_layernorm=True), "--qk-layernorm"),
+])
+def test_pre_norm_without_a_stock_equivalent_is_refused(megatron_single_rank, tmp_path, change, named):
+    import dataclasses
+
+    case = dataclasses.replace(LLAMA_CASE, **change)
+    with pytest.raises(ExportError, match=named):
+        write_directory(megatron_model(case), "pre", str(tmp_path))
+    assert os.listdir(tmp_path) == []
