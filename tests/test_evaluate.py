@@ -1,6 +1,7 @@
-"""``megatron-siamese eval``: lm-evaluation-harness runs a Transformers model directory offline on
-our addition task, and what it reports is computed from that model's own log-likelihoods
-(docs/evaluate.md). Skipped without the [hf] extra (lm-eval, transformers)."""
+"""``megatron-siamese eval``: lm-evaluation-harness runs an exported SiameseNorm model (its
+remote-code modeling file) offline on our addition task, and what it reports is the Megatron
+model's own log-likelihoods and greedy decodes (docs/evaluate.md). Skipped without the [hf]
+extra (lm-eval, transformers)."""
 
 import json
 import os
@@ -12,61 +13,61 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}.items()
 
 pytest.importorskip("lm_eval", reason="the [hf] extra (lm-eval) is not installed")
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from megatron_siamese.cli import main  # noqa: E402
 from megatron_siamese.evaluation.addition_task import write_addition_tasks, write_task  # noqa: E402
 from megatron_siamese.evaluation.harness import EvalPlan, evaluate  # noqa: E402
 
-pytestmark = pytest.mark.stack_independent  # lm-eval and transformers; no megatron-core in the path
-
-
-def byte_tokenizer():
-    """Bytes as tokens 0-255, end-of-document 256, padding 257 (training/corpus.py's ByteTokenizer),
-    as a Transformers fast tokenizer built offline: byte-level BPE without merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    # byte-level BPE's printable stand-in for each byte: printable Latin-1 as itself, the rest from U+0100
-    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
-    extra = iter(range(256, 512))
-    vocab = {chr(b if b in keep else next(extra)): b for b in range(256)}
-    vocab.update({"<|endoftext|>": 256, "<pad>": 257})
-    tokenizer = Tokenizer(models.BPE(vocab, []))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
-                                                pad_token="<pad>")
+# the harness's side (lm-eval, transformers); the exported model's equality with the Megatron
+# model on both stacks is test_hf_export.py's
+pytestmark = pytest.mark.stack_independent
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny random Transformers causal LM with the byte vocabulary (padded to 320, as ours)."""
+def exported(megatron_single_rank, tmp_path_factory):
+    """(a tiny SiameseNorm GPTModel, its exported Transformers directory: remote code, byte tokenizer)."""
+    from megatron_siamese.check.case import ModelCase
+    from megatron_siamese.check.step import build_seeded_chunks
+    from megatron_siamese.hf.export import write_directory
+    from megatron_siamese.runtime.gpt import transformer_config
+    from megatron_siamese.runtime.layout import Layout
+
+    case = ModelCase(norm="siamese", normalization="RMSNorm", add_bias_linear=False, vocab_size=320, seq_length=32)
+    (model,) = build_seeded_chunks(case, transformer_config(case, Layout()))
+    with torch.no_grad():  # greedy decodes stay ASCII text (seeded weights would pick any of the 320 ids)
+        model.embedding.word_embeddings.weight[128:] = 0
+        if not model.share_embeddings_and_output_weights:
+            model.output_layer.weight[128:] = 0
     directory = str(tmp_path_factory.mktemp("hf"))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=256, eos_token_id=256, pad_token_id=257)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # greedy decodes stay ASCII text (random weights would pick any of the 320 ids)
-        model.lm_head.weight[128:] = 0
-    model.save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
-    return directory
+    write_directory(model.eval(), case.norm, directory)
+    return model, directory
 
 
 @pytest.fixture(scope="module")
-def model(model_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True,
-                                                             dtype=torch.float32).eval()
+def model_dir(exported):
+    return exported[1]
+
+
+@pytest.fixture(scope="module")
+def model(exported):
+    return exported[0]
+
+
+def logits(model, ids):
+    """The Megatron model's logits for one sequence of token ids."""
+    s = len(ids)
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+    return model(torch.tensor([ids]), torch.arange(s)[None], causal)[0]
 
 
 @torch.no_grad()
 def direct(model, context: str, continuation: str):
     """(log-likelihood of ``continuation`` after ``context``, whether greedy decoding yields it),
-    straight from the model's logits: token ids are the UTF-8 bytes."""
+    straight from the Megatron model's logits: token ids are the UTF-8 bytes."""
     ids = list((context + continuation).encode())
     n = len(continuation.encode())
-    logprobs = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)[-n:]
+    logprobs = logits(model, ids)[:-1].float().log_softmax(-1)[-n:]
     targets = torch.tensor(ids[-n:])
     return logprobs.gather(1, targets[:, None]).sum().item(), bool((logprobs.argmax(-1) == targets).all())
 
@@ -75,7 +76,7 @@ def direct(model, context: str, continuation: str):
 def greedy(model, context: str, steps: int) -> str:
     ids = list(context.encode())
     for _ in range(steps):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        ids.append(int(logits(model, ids)[-1].argmax()))
     return bytes(i for i in ids[len(context.encode()):] if i < 256).decode("latin-1")
 
 
@@ -91,7 +92,7 @@ def test_the_harness_scores_the_models_own_log_likelihoods(model_dir, model, tmp
                                 log_samples=True, task_dirs=[str(tmp_path / "tasks")]))
 
     for task, requests in (("siamese_addition", problems), ("greedy_or_not", mixed)):
-        samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+        samples = samples_of(results, task)
         assert [tuple(s["arguments"][0]) for s in samples] == requests  # the prompt and answer as written
         got = [tuple(s["resps"][0][0]) for s in samples]
         expected = [direct(model, *request) for request in requests]
@@ -104,10 +105,19 @@ def test_the_harness_scores_the_models_own_log_likelihoods(model_dir, model, tmp
         sum(direct(model, *r)[1] for r in problems) / 4)
 
     # the comparison catches a model other than the one evaluated: one weight changed
-    perturbed = type(model).from_pretrained(model_dir, dtype=torch.float32).eval()
+    weight = model.decoder.layers[1].mlp.linear_fc2.weight
+    harness = samples_of(results, "siamese_addition")[0]["resps"][0][0][0]
     with torch.no_grad():
-        perturbed.model.layers[1].mlp.down_proj.weight[0] += 0.5
-    assert direct(perturbed, *problems[0])[0] != pytest.approx(direct(model, *problems[0])[0], abs=1e-4)
+        weight[0] += 0.5
+    try:
+        assert direct(model, *problems[0])[0] != pytest.approx(harness, abs=1e-4)
+    finally:
+        with torch.no_grad():
+            weight[0] -= 0.5
+
+
+def samples_of(results, task):
+    return sorted(results["samples"][task], key=lambda s: s["doc_id"])
 
 
 def _requests(directory):
@@ -144,6 +154,24 @@ def test_the_command_prints_the_table_and_writes_json(model_dir, tmp_path, capsy
     # a second run does not replace it unasked
     assert main(["eval", "--hf", model_dir, "--output-dir", str(output)]) == 2
     assert "results.json exists: choose another --output-dir or pass --overwrite" in capsys.readouterr().err
+
+
+def test_a_checkpoint_is_exported_then_evaluated(model_dir, tmp_path, capsys):
+    # the exported directory imported as a checkpoint: evaluating the checkpoint (--load exports it
+    # again) reports what evaluating the directory does
+    from megatron_siamese.hf.export import import_hf
+
+    checkpoint = import_hf(model_dir, str(tmp_path / "imported"))
+    scores = {}
+    for source in (["--hf", model_dir], ["--load", checkpoint]):
+        output = tmp_path / source[0].strip("-")
+        assert main(["eval", *source, "--limit", "6", "--output-dir", str(output)]) == 0
+        scores[source[0]] = json.loads((output / "results.json").read_text())["results"]["siamese_addition"]
+    assert "exported" in capsys.readouterr().out
+    assert scores["--load"]["perplexity,none"] == pytest.approx(scores["--hf"]["perplexity,none"], rel=1e-5)
+    assert scores["--load"]["acc,none"] == scores["--hf"]["acc,none"]
+    assert main(["eval", "--load", str(tmp_path / "none"), "--output-dir", str(tmp_path / "x")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_refusals_are_one_line(model_dir, tmp_path, capsys, monkeypatch):

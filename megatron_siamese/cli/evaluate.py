@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from types import SimpleNamespace
 
 from megatron_siamese.cli import flags
@@ -20,8 +21,12 @@ def _parser(commands, name: str) -> argparse.ArgumentParser:
                     "by default on the held-out synthetic addition problems the trainer evaluates "
                     "(docs/evaluate.md). Prints the harness's table and writes its results as JSON.",
         formatter_class=flags.HelpFormatter)
-    parser.add_argument("--hf", required=True, metavar="DIR",
-                        help="a Transformers model directory (megatron-siamese export --output-dir DIR)")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--hf", metavar="DIR",
+                       help="a Transformers model directory (megatron-siamese export --output-dir DIR)")
+    model.add_argument("--load", metavar="CHECKPOINT",
+                       help="a checkpoint (ours or Megatron-LM's, any TP/PP layout): exported to a temporary "
+                            "Transformers directory first, as megatron-siamese export writes it")
     parser.add_argument("--tasks", default="siamese_addition",
                         help="comma-separated tasks: siamese_addition, siamese_addition_reversed (for models trained "
                              "with --task addition-reversed), or lm-evaluation-harness tasks whose data it can reach")
@@ -44,16 +49,32 @@ def _run(options: argparse.Namespace) -> int:
     plan = EvalPlan(model_dir=options.hf, tasks=[t.strip() for t in options.tasks.split(",") if t.strip()],
                     limit=options.limit, batch_size=options.batch_size, device=options.device, dtype=options.dtype,
                     addition_digits=options.addition_digits, log_samples=options.log_samples)
-    check(plan)
+    check(plan)  # everything but an exported --load's directory, before exporting it
     output = os.path.join(options.output_dir, RESULTS)
     if os.path.exists(output) and not options.overwrite:
         raise ConfigError([f"{output} exists: choose another --output-dir or pass --overwrite"])
     require_lm_eval()
-    results = evaluate(plan)
+    with tempfile.TemporaryDirectory(prefix="siamese-eval-") as scratch:
+        if options.load is not None:
+            plan.model_dir = _export(options.load, os.path.join(scratch, "hf"))
+        results = evaluate(plan)
     print(table(results))
     write_results(results, output)
     print(f"results: {output}")
     return 0
+
+
+def _export(checkpoint: str, directory: str) -> str:
+    from megatron_siamese.hf.architecture import ExportError
+    from megatron_siamese.hf.export import export
+    from megatron_siamese.training.checkpoint_files import CheckpointError
+
+    try:
+        export(checkpoint, directory)
+    except (ExportError, CheckpointError) as error:
+        raise ConfigError([str(error)]) from None
+    print(f"exported {checkpoint} to a temporary Transformers directory (as megatron-siamese export does)")
+    return directory
 
 
 evaluate = SimpleNamespace(add_parser=_parser, run=_run)

@@ -19,7 +19,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 @dataclass
 class EvalPlan:
-    model_dir: str  # a Transformers directory (config.json, weights, tokenizer)
+    model_dir: Optional[str]  # a Transformers directory (config.json, weights, tokenizer); None: not yet known
     tasks: List[str] = field(default_factory=lambda: ["siamese_addition"])
     limit: Optional[int] = None  # problems per task (all if None)
     batch_size: int = 16
@@ -41,7 +41,7 @@ def require_lm_eval():
 
 def check(plan: EvalPlan) -> None:
     problems = []
-    if not os.path.isfile(os.path.join(plan.model_dir, "config.json")):
+    if plan.model_dir is not None and not os.path.isfile(os.path.join(plan.model_dir, "config.json")):
         problems.append(f"--hf {plan.model_dir}: no config.json there; give a Transformers model directory "
                         "(megatron-siamese export writes one)")
     if plan.limit is not None and plan.limit < 1:
