@@ -48,6 +48,7 @@ import contextlib
 import functools
 import os
 import threading
+import time
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -161,7 +162,12 @@ class HostStream:
         return event if event is not None else HostStream()
 
     def record(self, stream: Any = None) -> None:
-        pass
+        self.recorded_at = time.perf_counter()
+
+    def elapsed_time(self, end: "HostStream") -> float:
+        """Milliseconds from this event's record() to ``end``'s, as CUDA events report (inference
+        engines time their steps with them)."""
+        return (end.recorded_at - self.recorded_at) * 1e3
 
     def synchronize(self) -> None:
         pass

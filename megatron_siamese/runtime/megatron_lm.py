@@ -55,6 +55,8 @@ def main() -> None:
         original_loader_init(self, *args, **{**kwargs, "pin_memory": False})
 
     torch.utils.data.DataLoader.__init__ = loader_init
+    # its inference controller draws samples from a generator on torch.cuda.current_device()
+    torch.Generator = _HostGenerator
     script = os.path.abspath(sys.argv[1])
     sys.argv = [script, *sys.argv[2:]]
     sys.path.insert(0, os.path.dirname(script))
@@ -64,7 +66,65 @@ def main() -> None:
         fused_kernels.load = lambda args: None
     except ImportError:
         pass
+    _keep_built_dataset_helpers()
+    _serve_on_localhost()
+    _inference_on_host()
     runpy.run_path(script, run_name="__main__")
+
+
+class _HostGenerator(torch.Generator):
+    """torch.Generator on the CPU whatever device it is asked for (still a torch.Generator)."""
+
+    def __new__(cls, device=None):
+        return super().__new__(cls, device="cpu")
+
+    def __init__(self, device=None):
+        pass
+
+
+def _keep_built_dataset_helpers() -> None:
+    """Its start-up compiles the dataset helpers with the ``python3`` and ``pybind11`` on PATH,
+    whatever interpreter runs it, and exits when that fails; a tree that already holds them built
+    for this interpreter (the wheel's ``helpers_cpp*.so`` copied in) needs no compiler."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        from megatron.core.datasets import utils
+    except ImportError:
+        return
+    utils.compile_helpers = lambda: None
+
+
+def _serve_on_localhost() -> None:
+    """Its text generation servers listen on every interface (``0.0.0.0``, hard-coded): a CPU
+    trial serves this machine only, unless SERVER_HOST_ENV names another address."""
+    try:
+        from megatron.core.inference.text_generation_server import text_generation_server
+    except ImportError:  # a release without the server
+        return
+    host = os.environ.get(SERVER_HOST_ENV, "127.0.0.1")
+    original_run = text_generation_server.MegatronServer.run
+
+    def run(self, url, port):
+        original_run(self, host, port)
+
+    text_generation_server.MegatronServer.run = run
+
+
+SERVER_HOST_ENV = "MEGATRON_SIAMESE_SERVER_HOST"
+
+
+def _inference_on_host() -> None:
+    """Its inference broadcasts (the server's request parameters, prompts, PP stages' tokens)
+    assert that their tensors are CUDA tensors; on gloo they are host tensors."""
+    try:
+        from megatron.core.inference import communication_utils
+    except ImportError:
+        return
+
+    def is_tensor(tensor):
+        assert tensor is not None
+
+    communication_utils._is_cuda = is_tensor
 
 
 if __name__ == "__main__":
