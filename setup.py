@@ -69,7 +69,9 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "tensorboard": ["tensorboard"],  # train --tensorboard-dir
         "wandb": ["wandb"],  # train --wandb-project
-        "hf": ["lm-eval[hf]==0.4.13"],  # megatron-siamese eval (docs/evaluate.md)
+        # export / import-hf (docs/export.md); eval adds lm-eval. transformers <= 5.12.1 is what
+        # Megatron-Bridge 0.6 accepts
+        "hf": ["transformers==5.12.1", "safetensors==0.8.0", "lm-eval[hf]==0.4.13"],
     },
     ext_modules=extension_modules(),
     cmdclass={"build_ext": build_ext_class()},

@@ -23,7 +23,7 @@ from megatron_siamese.check.case import ModelCase  # noqa: E402
 from megatron_siamese.check.step import build_seeded_chunks  # noqa: E402
 from megatron_siamese.hf import convert  # noqa: E402
 from megatron_siamese.hf.architecture import ExportError  # noqa: E402
-from megatron_siamese.hf.export import load_exported, write_directory  # noqa: E402
+from megatron_siamese.hf.export import load_exported, verify, write_directory  # noqa: E402
 from megatron_siamese.runtime.gpt import transformer_config  # noqa: E402
 from megatron_siamese.runtime.layout import Layout  # noqa: E402
 
@@ -150,6 +150,7 @@ def test_generate_with_kv_cache_equals_greedy_without(exported):
     assert torch.equal(cached, sequence)
 
 
+@pytest.mark.stack_independent
 def test_tokenizer_round_trips_byte_tokenizer_ids(exported):
     from transformers import AutoTokenizer
 
@@ -186,3 +187,79 @@ def test_pre_norm_without_a_stock_equivalent_is_refused(megatron_single_rank, tm
     with pytest.raises(ExportError, match=named):
         write_directory(megatron_model(case), "pre", str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_batched_left_padded_generate_equals_one_prompt_at_a_time(exported):
+    """What lm-eval's batched generation does: prompts of different lengths, left-padded with an
+    attention mask, decode as each prompt alone (positions count from the first real token)."""
+    _, _, directory = exported["layernorm-gelu-learned-untied-bias-qk-norm"]
+    hf = load_exported(directory)
+    prompts = [list(b"In the b"), list(b"And")]  # + 6 new tokens within the 16 learned positions
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[257] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batched = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    for row, prompt in enumerate(prompts):
+        alone = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        assert batched[row, width:].tolist() == alone[0, len(prompt):].tolist()
+    # the mask is what makes it so: attending to the padding changes the padded prompt's decode
+    unmasked = hf.generate(ids, attention_mask=torch.ones_like(mask), max_new_tokens=6, do_sample=False,
+                           min_new_tokens=6)
+    assert unmasked[1, width:].tolist() != batched[1, width:].tolist()
+
+
+def test_transformer_engine_names_convert_like_the_local_ones(exported):
+    """A GPU checkpoint of the Transformer Engine spec keeps each InputNorm inside the next linear
+    layer (``linear_qkv.layer_norm_weight``): exported to the same tensors."""
+    _, model, directory = exported["layernorm-gelu-learned-untied-bias-qk-norm"]
+    with open(os.path.join(directory, "config.json")) as source:
+        config = json.load(source)
+    local = model.state_dict()
+    te = {name.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+              .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"): value for name, value in local.items()}
+    assert te.keys() != local.keys()
+    expected, actual = convert.megatron_to_hf(local, config), convert.megatron_to_hf(te, config)
+    assert actual.keys() == expected.keys() and all(torch.equal(actual[k], expected[k]) for k in expected)
+
+
+def test_bf16_checkpoints_export_in_bf16_and_verify(megatron_single_rank, tmp_path):
+    """bf16 weights stay bf16; the export's own check runs the Megatron model as the trainer does
+    (Float16Module) and accepts bf16 rounding, and only that: a misplaced weight fails it."""
+    import dataclasses
+
+    case = dataclasses.replace(CASES["hybrid-layernorm-gelu-learned"], dtype="bf16", fused_ops=False)
+    model = megatron_model(case)
+    directory = str(tmp_path)
+    write_directory(model, case.norm, directory)
+    assert load_exported(directory).dtype == torch.bfloat16
+    assert verify(model, directory) < 5e-2
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    weights["model.norm_x.weight"], weights["model.norm_y.weight"] = weights["model.norm_y.weight"], weights[
+        "model.norm_x.weight"]
+    save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ExportError, match="differ from the checkpoint's"):
+        verify(model, directory)
+
+
+def _has_hybrid_model() -> bool:
+    from megatron_siamese.versions import installed_megatron_core, release
+
+    return release(installed_megatron_core()) >= (0, 19, 0)
+
+
+@pytest.mark.skipif(not _has_hybrid_model(), reason="HybridModel needs megatron-core >= 0.19 (the 0.19 leg runs this)")
+def test_star_dash_hybrid_model_exports_as_the_gpt_it_equals(megatron_single_rank, tmp_path):
+    import dataclasses
+
+    from megatron_siamese.hf.export import exportable
+    from megatron_siamese.runtime.settings import ModelSettings
+
+    case = dataclasses.replace(CASES["rmsnorm-swiglu-rope-tied"], model="hybrid", num_layers=2)  # '*-*-'
+    model = megatron_model(case)
+    config = write_directory(model, case.norm, str(tmp_path))
+    assert config["num_hidden_layers"] == 2
+    ids = tokens(case)
+    assert relative_error(load_exported(str(tmp_path))(ids).logits, megatron_logits(model, ids)) < RTOL
+    assert "'*-*M'" in exportable(ModelSettings(model="hybrid", hybrid_layer_pattern="*-*M"))

@@ -7,7 +7,14 @@
                                         a Pre-Norm checkpoint as an equivalent SiameseNorm one
     megatron-siamese analyze --load CKPT [--compare-load PRE] [model flags]
                                         stream contributions, logit lens, magnitudes, effective depth
-    megatron-siamese eval --hf DIR [--tasks T]  lm-evaluation-harness on an exported model (the [hf] extra)
+    megatron-siamese generate --load CKPT --prompt TEXT [--prompt TEXT ...] [--tp N --pp N]
+                                        continue prompts (Megatron's inference engine, KV cache)
+    megatron-siamese export --load CKPT --output-dir DIR
+                                        a checkpoint (any layout) as a Hugging Face Transformers model
+    megatron-siamese import-hf --hf DIR --output-dir OUT
+                                        a Hugging Face model directory back as a Megatron checkpoint
+    megatron-siamese eval --hf DIR | --load CKPT [--tasks T]
+                                        lm-evaluation-harness on an exported model (addition by default)
 
 Every command checks all of its settings before starting any rank and says, one line per
 problem, what to change (exit status 2). Failures print one line; ``--debug`` (or
@@ -26,14 +33,15 @@ import sys
 import traceback
 from typing import List, Optional
 
-from megatron_siamese.cli import check, research, train
+from megatron_siamese.cli import check, generate, hf, research, train
 from megatron_siamese.cli.evaluate import evaluate
 from megatron_siamese.runtime.launchers import JoinError, LaunchError
 from megatron_siamese.training.args import ConfigError
 
 DEBUG_ENV = "MEGATRON_SIAMESE_DEBUG"
 COMMANDS = {"train": train, "check": check, "study": research.study, "upcycle": research.upcycle,
-            "analyze": research.analyze, "eval": evaluate}
+            "analyze": research.analyze, "generate": generate, "export": hf.export, "import-hf": hf.import_hf,
+            "eval": evaluate}
 
 
 class Parser(argparse.ArgumentParser):

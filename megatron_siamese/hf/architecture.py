@@ -51,6 +51,21 @@ def _unexportable(model) -> List[str]:
     return problems
 
 
+def rotary(model):
+    """(base, percent) of the model's RoPE: GPTModel keeps them; HybridModel only its
+    RotaryEmbedding's ``inv_freq``, from which they are read back (and checked to reproduce it)."""
+    if hasattr(model, "rotary_base"):
+        return float(model.rotary_base), float(model.rotary_percent)
+    import torch
+
+    inv_freq = model.rotary_pos_emb.inv_freq.detach().float().cpu()
+    dim, head = 2 * len(inv_freq), model.config.kv_channels
+    base = float(round(float(1.0 / inv_freq[1]) ** (dim / 2))) if len(inv_freq) > 1 else 10000.0
+    if not torch.allclose(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), inv_freq, rtol=1e-6):
+        raise ExportError("cannot read this model's RoPE base back from its frequencies")
+    return base, (1.0 if dim == head else dim / head)
+
+
 def common_fields(model) -> Dict[str, object]:
     """The config.json fields both architectures share, read off the built GPTModel."""
     config = model.config
@@ -90,8 +105,8 @@ def siamese_config(model, variant: str) -> Dict[str, object]:
         add_bias_linear=bool(config.add_bias_linear),
         add_qkv_bias=bool(config.add_qkv_bias),
         position_embedding_type=model.position_embedding_type,
-        rope_theta=float(model.rotary_base) if rope else 10000.0,
-        rotary_percent=float(model.rotary_percent) if rope else 1.0,
+        rope_theta=rotary(model)[0] if rope else 10000.0,
+        rotary_percent=rotary(model)[1] if rope else 1.0,
         rotary_interleaved=bool(config.rotary_interleaved),
         siamese_variant=variant,
         qk_layernorm=bool(config.qk_layernorm),
@@ -106,7 +121,7 @@ def llama_config(model) -> Dict[str, object]:
         (config.normalization != "RMSNorm", "--normalization LayerNorm: Llama has RMSNorm only"),
         (not config.gated_linear_unit, "--no-swiglu: Llama's MLP is SwiGLU"),
         (model.position_embedding_type != "rope", "--position-embedding-type learned_absolute: Llama has RoPE only"),
-        (model.position_embedding_type == "rope" and model.rotary_percent != 1.0,
+        (model.position_embedding_type == "rope" and rotary(model)[1] != 1.0,
          "rotary percent < 1: Llama rotates the whole head"),
         (config.rotary_interleaved, "interleaved RoPE: Llama rotates halves"),
         (config.add_bias_linear or config.add_qkv_bias, "--add-bias-linear: Llama's linear layers have no biases"),
@@ -120,8 +135,8 @@ def llama_config(model) -> Dict[str, object]:
         model_type="llama",
         **common_fields(model),
         rms_norm_eps=config.layernorm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": float(model.rotary_base)},
-        rope_theta=float(model.rotary_base),
+        rope_parameters={"rope_type": "default", "rope_theta": rotary(model)[0]},
+        rope_theta=rotary(model)[0],
         attention_bias=False,
         mlp_bias=False,
     )

@@ -2,7 +2,8 @@
 
 Plain torch on state dicts, no Megatron import. The Megatron side is the module state dict of
 a GPTModel built with one rank (``model.state_dict()``: the names below, TP and PP already
-undone by the checkpoint's resharding load); the Hugging Face side is what
+undone by the checkpoint's resharding load; Transformer Engine's names for the InputNorms,
+``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``, are read too); the Hugging Face side is what
 ``modeling_siamese.SiameseNormForCausalLM`` (SiameseNorm) or transformers'
 ``LlamaForCausalLM`` (a Pre-Norm model, ``pre_norm=True``) holds.
 
@@ -91,13 +92,48 @@ def _rename(name: str, pairs) -> str:
     raise KeyError(name)
 
 
+# Transformer Engine's layer fuses each InputNorm into the next linear layer: its names for them
+_TE_INPUT_NORMS = (("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+                   ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
+
+
+def local_names(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A Transformer Engine GPTModel's state dict with its InputNorms under the local spec's names."""
+    renamed = {}
+    for name, tensor in state.items():
+        for te, local in _TE_INPUT_NORMS:
+            if te in name:
+                name = name.replace(te, local)
+        renamed[name] = tensor
+    return renamed
+
+
+_MLP_SIDE = ("mlp.", "mlp_x_norm.", "mlp_y_norm.", "pre_mlp_layernorm.")
+
+
+def hybrid_to_gpt_names(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A ``*-*-...`` HybridModel's state dict under the equivalent SiameseNorm GPTModel's names
+    (hybrid layer 2i holds GPT layer i's attention side, 2i + 1 its MLP side; the stack's
+    ``final_norm`` is the GPT's ``final_layernorm``): the two compute the same function
+    (tests/test_hybrid.py)."""
+    renamed = {}
+    for name, tensor in state.items():
+        if name.startswith("decoder.layers."):
+            index, rest = _layer_index(name)
+            if index % 2 != rest.startswith(_MLP_SIDE) and not rest.endswith("_extra_state"):
+                raise ValueError(f"{name} is not where a '*-' pattern keeps it")
+            name = f"decoder.layers.{index // 2}.{rest}"
+        renamed[name.replace("decoder.final_norm.", "decoder.final_layernorm.")] = tensor
+    return renamed
+
+
 def megatron_to_hf(state: Mapping[str, torch.Tensor], config: Mapping, pre_norm: bool = False) -> Dict[str, torch.Tensor]:
     """The Hugging Face state dict of a one-rank Megatron GPTModel's ``state``; ``config`` is the
     Hugging Face config (dict). Refuses any tensor it has no place for."""
     last = f"decoder.layers.{config['num_hidden_layers'] - 1}.output_merge."
     hybrid = config.get("siamese_variant") == "hybrid"
     out: Dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
+    for name, tensor in local_names(state).items():
         if name.endswith("_extra_state"):
             continue
         if name.startswith(last):  # Megatron-LM --spec: the last layer merges the streams

@@ -37,6 +37,7 @@ WEIGHTS = "model.safetensors"
 PROVENANCE = "megatron_siamese.json"  # which checkpoint and settings the directory came from
 VERIFY_TEXT = "In the beginning God created the heaven and the earth.\n"
 VERIFY_RTOL = 1e-4
+VERIFY_RTOL_16BIT = 5e-2
 SCHEMES = {"siamese": "standard", "siamese-layer": "standard", "siamese-hybrid": "hybrid", "pre": None}
 
 
@@ -72,8 +73,15 @@ def written_atomically(output_dir: str) -> Iterator[str]:
 
 def exportable(settings) -> Optional[str]:
     """Why a checkpoint of ``settings`` (runtime.settings.ModelSettings) cannot be exported, or None."""
-    if settings.model != "gpt":
-        return f"a {settings.model} model (HybridModel) has no export yet: export a --model gpt checkpoint"
+    if settings.model == "hybrid":
+        from megatron_siamese.hybrid_pattern import GPT_BLOCK, hybrid_pattern
+
+        layers = hybrid_pattern(settings).layers
+        if layers != GPT_BLOCK * (len(layers) // 2) or hybrid_pattern(settings).mtp is not None:
+            return (f"a HybridModel with the pattern {hybrid_pattern(settings).text!r} has no export yet: only "
+                    "'*-*-...' (the GPT's equivalent) exports")
+    elif settings.model != "gpt":
+        return f"a {settings.model} model has no export"
     if settings.norm not in SCHEMES:
         return (f"the {settings.norm!r} scheme has no export (siamese, siamese-layer, siamese-hybrid, or pre as "
                 "Llama)")
@@ -134,7 +142,11 @@ def write_directory(model, norm: str, directory: str) -> Dict[str, object]:
     config = hf_config(model, norm)
     config["torch_dtype"] = str(model.config.params_dtype).replace("torch.", "")
     pre_norm = config["model_type"] == "llama"
-    state = convert.megatron_to_hf(model.state_dict(), config, pre_norm=pre_norm)
+    state = model.state_dict()
+    if hasattr(model.decoder, "final_norm"):  # a '*-*-...' HybridModel: the GPT it equals
+        config["num_hidden_layers"] = model.config.num_layers // 2
+        state = convert.hybrid_to_gpt_names(state)
+    state = convert.megatron_to_hf(state, config, pre_norm=pre_norm)
     save_file({name: tensor.detach().cpu() for name, tensor in state.items()}, os.path.join(directory, WEIGHTS),
               metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as out:
@@ -149,42 +161,40 @@ def write_directory(model, norm: str, directory: str) -> Dict[str, object]:
 
 
 def load_exported(directory: str):
-    """The model in an exported ``directory`` (AutoModelForCausalLM, local files, remote code), eval mode.
-
-    In a process running Megatron through the CPU shim (a spawned rank, the tests) the shim is
-    lifted meanwhile: transformers builds the model on the meta device and then fills its
-    non-persistent buffers, which the shim's wrapped tensor factories leave uninitialized
-    (LlamaForCausalLM's RoPE ``inv_freq`` came back as garbage)."""
+    """The model in an exported ``directory`` (AutoModelForCausalLM, local files, remote code), eval
+    mode. In a process running Megatron through the CPU shim (a spawned rank, the tests) the shim
+    is lifted meanwhile (``cpu_shim.lifted``: transformers' loading does not survive it)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_siamese.runtime import cpu_shim
 
-    shimmed = cpu_shim.is_installed()
-    if shimmed:
-        cpu_shim.uninstall()
-    try:
+    with cpu_shim.lifted():
         return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True).eval()
-    finally:
-        if shimmed:
-            cpu_shim.install()
 
 
 def verify(model, directory: str) -> float:
-    """The exported model's logits against the Megatron model's on ``VERIFY_TEXT`` (fp32 models);
-    ExportError when they differ by more than ``VERIFY_RTOL`` of their largest magnitude."""
-    if model.config.params_dtype != torch.float32:
-        return float("nan")  # 16-bit weights: rounding, not the export, would dominate the comparison
+    """The exported model's logits against the Megatron model's on ``VERIFY_TEXT``, relative to
+    their largest magnitude; ExportError above ``VERIFY_RTOL`` (fp32) or ``VERIFY_RTOL_16BIT``
+    (bf16 weights, run as the trainer runs them, in Megatron's Float16Module: rounding alone
+    reaches about 2e-2 there, a misplaced weight gives errors of order 1)."""
+    sixteen_bit = model.config.params_dtype != torch.float32
+    tolerance = VERIFY_RTOL_16BIT if sixteen_bit else VERIFY_RTOL
+    megatron = model
+    if sixteen_bit:
+        from megatron.core.transformer.module import Float16Module
+
+        megatron = Float16Module(model.config, model)
     tokens = torch.tensor([list(VERIFY_TEXT.encode("utf-8"))[: model.max_sequence_length]])
     positions = torch.arange(tokens.shape[1])[None]
     causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).triu(1)[None, None]
     device = next(model.parameters()).device
     with torch.no_grad():
-        expected = model(tokens.to(device), positions.to(device), causal.to(device)).float().cpu()
+        expected = megatron(tokens.to(device), positions.to(device), causal.to(device)).float().cpu()
         actual = load_exported(directory)(tokens).logits.float()
     error = float((actual - expected).abs().max() / expected.abs().max())
-    if not error <= VERIFY_RTOL:
+    if not error <= tolerance:
         raise ExportError(f"the exported model's logits differ from the checkpoint's by {error:.2e} of their "
-                          f"magnitude (allowed {VERIFY_RTOL:.0e}): please report this model's settings")
+                          f"magnitude (allowed {tolerance:.0e}): please report this model's settings")
     return error
 
 
@@ -217,6 +227,22 @@ def read_hf_weights(directory: str) -> Dict[str, torch.Tensor]:
     return state
 
 
+def check_tokenizer(directory: str) -> None:
+    """ExportError unless ``directory``'s tokenizer gives ByteTokenizer's ids (the checkpoint was
+    trained on those: UTF-8 bytes 0-255, end of document 256)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        raise ExportError(f"--hf {directory} has no tokenizer.json: the byte-level tokenizer's files are needed "
+                          "(export writes them)")
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    probe = VERIFY_TEXT + " naïve"
+    if (tokenizer(probe, add_special_tokens=False)["input_ids"] != list(probe.encode("utf-8"))
+            or tokenizer.eos_token_id != 256):
+        raise ExportError(f"--hf {directory}'s tokenizer is not the byte-level one (UTF-8 bytes as ids 0-255, end of "
+                          "document 256): the model would read other ids than it was trained on")
+
+
 def import_args(hf: Dict[str, object], output_dir: str):
     """TrainArgs of the model ``hf`` describes, on one rank (as the checkpoint records them)."""
     from megatron_siamese.training.args import TrainArgs, padded_vocab_size
@@ -238,6 +264,7 @@ def import_hf(hf_dir: str, output_dir: str) -> str:
     refuse_existing(output_dir)
     hf = read_hf_config(hf_dir)
     args = import_args(hf, output_dir)
+    check_tokenizer(hf_dir)
     with written_atomically(output_dir) as tmp:
         path = run_job(_import_rank, 1, args, hf, hf_dir, tmp, needs="import-hf")
     return os.path.join(output_dir, os.path.relpath(path, tmp))

@@ -18,6 +18,9 @@ From any process, the whole model on one rank (TP = PP = 1, every weight unshard
     full = load_full_model("runs/x/checkpoints")
     full.state_dict, full.settings, full.tokenizer, full.step
 
+``save_model(chunks, args, directory)`` writes a model-only checkpoint of chunks built here (an
+upcycled or imported model) as the trainer writes its own.
+
 ``read_checkpoint`` tells what a checkpoint holds without starting any rank (for refusing bad
 input before launching). The settings come from the checkpoint; a checkpoint that records none
 (Megatron-LM's, or an earlier release's) needs ``settings`` from the caller, and settings
@@ -203,6 +206,21 @@ def open_session(checkpoint: str, layout: Layout = Layout(), settings: Optional[
 
         raise ConfigError(problems)
     return ModelSession(saved, chosen, layout, seed)
+
+
+def save_model(chunks: List[torch.nn.Module], args, directory: str, step: int = 0) -> str:
+    """On the ranks of a joined job: a model-only checkpoint of this rank's ``chunks`` (the model
+    ``args``, a ``TrainArgs``, describes, under its layout) at ``directory/iter_<step>``, as the
+    trainer writes one (its settings recorded; resumes with a fresh optimizer). Returns its path."""
+    from types import SimpleNamespace
+
+    from megatron_siamese.training import checkpoint
+    from megatron_siamese.training.args import padded_vocab_size
+
+    # what checkpoint.save reads of a trainer for a model-only checkpoint
+    written = SimpleNamespace(args=args, step=step, vocab_size=padded_vocab_size(), saved_before=False,
+                              model=[SimpleNamespace(module=chunk) for chunk in chunks])
+    return checkpoint.save(written, directory, model_only=True)
 
 
 @dataclass

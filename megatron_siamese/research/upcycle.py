@@ -54,13 +54,10 @@ def upcycled_state(pre_norm: Dict[str, torch.Tensor], siamese: Dict[str, torch.T
 
 
 def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
-    from types import SimpleNamespace
-
     from megatron_siamese import device
-    from megatron_siamese.inference.session import open_session
+    from megatron_siamese.inference.session import open_session, save_model
     from megatron_siamese.models import build_model_chunks
     from megatron_siamese.runtime.gpt import initialize_model_parallel, transformer_config
-    from megatron_siamese.training import checkpoint
 
     # model weights only (the flags must describe the Pre-Norm model): ours and Megatron-LM's alike
     pre = open_session(pre_checkpoint, settings=pre_args, seed=pre_args.seed)
@@ -74,10 +71,7 @@ def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
         (model,) = build_model_chunks(config, siamese_args, pre.vocab_size)
         model.to(device.current())
         model.load_state_dict(upcycled_state(pre_state, model.state_dict(), zero_centered))
-        # what checkpoint.save reads of a trainer, for a model-only checkpoint at step 0
-        written = SimpleNamespace(args=siamese_args, step=0, vocab_size=pre.vocab_size, saved_before=False,
-                                  model=[SimpleNamespace(module=model)])
-        return checkpoint.save(written, siamese_args.output_dir + "/checkpoints", model_only=True)
+        return save_model([model], siamese_args, siamese_args.output_dir + "/checkpoints")
     finally:
         pre.close()
 

@@ -18,6 +18,10 @@ What ``install()`` changes, and only while it is installed:
 * ``Tensor.type()`` with no argument reports the CUDA type name
   (``"torch.cuda.FloatTensor"``), which Megatron's optimizers check before accepting
   a parameter;
+* Megatron's inference pipeline broadcasts (``communication_utils._is_cuda``) accept CPU
+  tensors;
+* ``torch.Generator`` asked for on a CUDA device is made on the CPU (Megatron's inference
+  controller seeds its sampler there);
 * ``torch.cuda.Stream/Event/current_stream/default_stream/stream`` are host stand-ins
   (CPU work is in program order), and
   ``torch.cuda.current_device/synchronize/empty_cache`` and the CUDA RNG entry points
@@ -150,7 +154,7 @@ class HostStream:
     streams even without overlap)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        pass
+        self.recorded_at = time.perf_counter()
 
     def wait_stream(self, other: Any) -> None:
         pass
@@ -165,8 +169,7 @@ class HostStream:
         self.recorded_at = time.perf_counter()
 
     def elapsed_time(self, end: "HostStream") -> float:
-        """Milliseconds from this event's record() to ``end``'s, as CUDA events report (inference
-        engines time their steps with them)."""
+        """Milliseconds between two recorded events (Megatron's inference controller times its steps)."""
         return (end.recorded_at - self.recorded_at) * 1e3
 
     def synchronize(self) -> None:
@@ -180,11 +183,30 @@ class HostStream:
         return 0, 0
 
 
+class _GeneratorOnCpu(type):
+    """``torch.Generator(device=<CUDA>)`` (Megatron's text-generation controller seeds its sampler
+    on ``torch.cuda.current_device()``) made on the CPU; ``isinstance`` still means a torch
+    Generator."""
+
+    original = torch.Generator
+
+    def __call__(cls, device: Any = "cpu"):
+        return cls.original(device="cpu" if _names_cuda(device) else device)
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, cls.original)
+
+
+class _Generator(metaclass=_GeneratorOnCpu):
+    pass
+
+
 def _device_replacements() -> Dict[Tuple[Any, str], Any]:
     replacements = {(torch, name): _factory_on_cpu(getattr(torch, name)) for name in _FACTORIES}
     replacements.update(_tensor_method_replacements())
     replacements.update(
         {
+            (torch, "Generator"): _Generator,
             (torch.cuda, "current_device"): lambda: 0,
             (torch.cuda, "synchronize"): lambda device=None: None,
             (torch.cuda, "empty_cache"): lambda: None,
@@ -196,6 +218,16 @@ def _device_replacements() -> Dict[Tuple[Any, str], Any]:
         }
     )
     return replacements
+
+
+def _inference_replacements() -> Dict[Tuple[Any, str], Any]:
+    """Megatron's inference stack: its pipeline broadcasts assert that a tensor is on CUDA."""
+    from megatron.core.inference import communication_utils
+
+    def is_a_tensor(tensor) -> None:
+        assert tensor is not None
+
+    return {(communication_utils, "_is_cuda"): is_a_tensor}
 
 
 def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
@@ -262,7 +294,8 @@ def install() -> None:
             )
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0)
-        replacements = {**_device_replacements(), **_cuda_rng_replacements(generator), **_moe_replacements()}
+        replacements = {**_device_replacements(), **_cuda_rng_replacements(generator), **_moe_replacements(),
+                        **_inference_replacements()}
         originals: List[Tuple[Any, str, Any]] = []
         for (owner, name), replacement in replacements.items():
             originals.append((owner, name, getattr(owner, name, _ABSENT)))
@@ -293,3 +326,20 @@ def installed():
     finally:
         if not already:
             uninstall()
+
+
+@contextlib.contextmanager
+def lifted():
+    """The shim taken off for a block, and put back after (if it was installed).
+
+    For code that never touches Megatron's CUDA paths but does not survive the wrapped tensor
+    factories: transformers' ``from_pretrained`` builds a model on the meta device and then fills
+    its non-persistent buffers, which come back uninitialized under the shim (LlamaForCausalLM's
+    RoPE ``inv_freq``; transformers 5.12, torch 2.13)."""
+    was = is_installed()
+    uninstall()
+    try:
+        yield
+    finally:
+        if was:
+            install()

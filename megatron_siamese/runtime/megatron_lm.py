@@ -55,8 +55,6 @@ def main() -> None:
         original_loader_init(self, *args, **{**kwargs, "pin_memory": False})
 
     torch.utils.data.DataLoader.__init__ = loader_init
-    # its inference controller draws samples from a generator on torch.cuda.current_device()
-    torch.Generator = _HostGenerator
     script = os.path.abspath(sys.argv[1])
     sys.argv = [script, *sys.argv[2:]]
     sys.path.insert(0, os.path.dirname(script))
@@ -68,18 +66,7 @@ def main() -> None:
         pass
     _keep_built_dataset_helpers()
     _serve_on_localhost()
-    _inference_on_host()
     runpy.run_path(script, run_name="__main__")
-
-
-class _HostGenerator(torch.Generator):
-    """torch.Generator on the CPU whatever device it is asked for (still a torch.Generator)."""
-
-    def __new__(cls, device=None):
-        return super().__new__(cls, device="cpu")
-
-    def __init__(self, device=None):
-        pass
 
 
 def _keep_built_dataset_helpers() -> None:
@@ -112,20 +99,3 @@ def _serve_on_localhost() -> None:
 
 SERVER_HOST_ENV = "MEGATRON_SIAMESE_SERVER_HOST"
 
-
-def _inference_on_host() -> None:
-    """Its inference broadcasts (the server's request parameters, prompts, PP stages' tokens)
-    assert that their tensors are CUDA tensors; on gloo they are host tensors."""
-    try:
-        from megatron.core.inference import communication_utils
-    except ImportError:
-        return
-
-    def is_tensor(tensor):
-        assert tensor is not None
-
-    communication_utils._is_cuda = is_tensor
-
-
-if __name__ == "__main__":
-    main()

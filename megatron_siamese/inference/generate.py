@@ -1,0 +1,237 @@
+"""Text generation from a checkpoint through Megatron-Core's own inference stack.
+
+    checkpoint --session.open_session(layout)--> this rank's model chunk (TP/PP/EP as asked)
+      --SiameseGPTInferenceWrapper--> Megatron's GPTInferenceWrapper, pipeline receive buffers
+          2h wide where stages send SiameseNorm's packed streams
+      --TextGenerationController + StaticInferenceEngine(legacy=True)--> batched prompts, the KV
+          cache in a StaticInferenceContext: the prompt once, then one new token per step
+      --SamplingParams--> greedy (top-k 1) or temperature / top-k / top-p sampling, seeded
+
+Megatron's attention keeps the KV cache; a SiameseNorm sublayer hands its attention the one
+normalized input both streams share (``InputNorm(PostNorm(x) + PreNorm(y))``) together with
+``inference_context``, so one cache serves both streams, and a decode step runs both streams
+of the new positions only (docs/inference.md).
+
+Megatron's dynamic engine (paged KV cache) needs CUDA (unified memory, Triton kernels, CUDA
+graphs); this module runs the static engine, which Megatron keeps as the "legacy" path of
+``StaticInferenceEngine`` in megatron-core 0.16.1 and 0.19.2 alike, on CPU (gloo, the CPU
+shim) and GPU.
+
+``greedy_without_cache`` is the check: the same model re-run on the whole sequence at every
+step, no inference context.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.runtime.registry import ConfigError
+from megatron_siamese.training.corpus import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked: greedy (``top_k=1``, the default) or sampled."""
+
+    temperature: float = 1.0
+    top_k: int = 1  # 1: greedy; 0: no top-k cut
+    top_p: float = 0.0  # 0: no nucleus cut
+    seed: int = 1234
+
+    @property
+    def greedy(self) -> bool:
+        return self.top_k == 1
+
+    def problems(self) -> List[str]:
+        found = []
+        if not self.temperature > 0:
+            found.append(f"--temperature must be > 0 (got {self.temperature:g})")
+        if self.top_k < 0:
+            found.append(f"--top-k must be >= 0 (got {self.top_k})")
+        if not 0.0 <= self.top_p <= 1.0:
+            found.append(f"--top-p must lie in [0, 1] (got {self.top_p:g})")
+        if self.top_k > 0 and self.top_p > 0.0:  # greedy is top-k 1
+            found.append("Megatron's sampler takes --top-k or --top-p, not both: drop one (top-k 0 with top-p)")
+        return found
+
+
+@dataclass
+class Generation:
+    """One prompt's continuation."""
+
+    prompt: str
+    text: str  # the generated text only
+    tokens: List[int] = field(default_factory=list)  # the generated token ids (EOD included if it came)
+
+
+class InferenceTokenizer(ByteTokenizer):
+    """The trainer's byte tokenizer with what Megatron's text-generation controller reads."""
+
+    bos = None  # no beginning-of-sequence token
+
+    @property
+    def eod(self) -> int:
+        return self.EOD
+
+    def detokenize(self, ids, **unused) -> str:
+        return super().detokenize(ids)
+
+
+def prompt_problems(prompts: Sequence[str], max_new_tokens: int, seq_length: int) -> List[str]:
+    """What of the prompts and the length asked for the model cannot take (one line each)."""
+    tokenizer = InferenceTokenizer()
+    found = []
+    if not prompts:
+        found.append("give at least one --prompt")
+    if max_new_tokens < 1:
+        found.append(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    for i, prompt in enumerate(prompts):
+        length = len(tokenizer.tokenize(prompt))
+        if length == 0:
+            found.append(f"prompt {i + 1} is empty")
+        elif length + max(max_new_tokens, 0) > seq_length:
+            found.append(f"prompt {i + 1} has {length} tokens; with --max-new-tokens {max_new_tokens} that is "
+                         f"{length + max_new_tokens} positions, more than the {seq_length} the model was trained on "
+                         f"(--seq-length): shorten the prompt or lower --max-new-tokens")
+    return found
+
+
+def _wrapper_class():
+    """Megatron's GPTInferenceWrapper with pipeline receive buffers as wide as what the previous
+    stage sends: SiameseNorm's packed ``[s, b, 2h]`` streams (the wrapper sizes them
+    ``[s, b, hidden_size]``, as the training schedules do: ``pipeline.py``)."""
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+
+    class SiameseGPTInferenceWrapper(GPTInferenceWrapper):
+        def _allocate_recv_buffer(self, batch_size, seq_len):
+            buffer = super()._allocate_recv_buffer(batch_size, seq_len)
+            if buffer.shape[-1] != self.model.config.hidden_size or not self.packs_streams:
+                return buffer
+            return buffer.new_empty((*buffer.shape[:-1], 2 * buffer.shape[-1]))
+
+    return SiameseGPTInferenceWrapper
+
+
+def inference_wrapper(model, max_batch_size: int, max_sequence_length: int, vocab_size: int):
+    """Megatron's inference wrapper of ``model`` with a static KV cache for ``max_batch_size``
+    sequences of ``max_sequence_length`` tokens (megatron-core 0.16's wrapper takes an
+    InferenceWrapperConfig, 0.19's reads the model's config)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from megatron_siamese.runtime.gpt import packs_streams
+
+    wrapper_class = _wrapper_class()
+    context = StaticInferenceContext(max_batch_size, max_sequence_length)
+    if "inference_wrapper_config" in inspect.signature(wrapper_class.__init__).parameters:  # megatron-core < 0.19
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+
+        config = InferenceWrapperConfig(
+            hidden_size=model.config.hidden_size, params_dtype=model.config.params_dtype,
+            # above it, PP splits a batch into microbatches: one batch here
+            inference_batch_times_seqlen_threshold=max_batch_size * max_sequence_length + 1,
+            padded_vocab_size=vocab_size, inference_max_requests=max_batch_size,
+            inference_max_seq_length=max_sequence_length)
+        wrapper = wrapper_class(model, config, context)
+    else:
+        wrapper = wrapper_class(model, context)
+    wrapper.packs_streams = packs_streams([model])
+    return wrapper
+
+
+def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, sampling: Sampling) -> List[Generation]:
+    """On every rank of the session's job: the prompts' continuations (every rank returns them)."""
+    from megatron.core.inference.engines import StaticInferenceEngine
+    from megatron.core.inference.sampling_params import SamplingParams
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    if len(session.chunks) != 1:
+        raise ConfigError(["Megatron's inference wrapper runs no virtual pipeline stages: generate without --vpp"])
+    tokenizer = InferenceTokenizer()
+    # the controller seeds its sampler from the model's config (megatron-core 0.16.1 and 0.19.2)
+    session.chunks[0].config.inference_sampling_seed = sampling.seed
+    wrapper = inference_wrapper(session.chunks[0], len(prompts), session.settings.seq_length, session.vocab_size)
+    controller = TextGenerationController(wrapper, tokenizer)
+    engine = StaticInferenceEngine(controller, max_batch_size=len(prompts), random_seed=sampling.seed, legacy=True)
+    params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                            num_tokens_to_generate=max_new_tokens)
+    with torch.no_grad():
+        requests = engine.generate(prompts=list(prompts), sampling_params=params)
+    results = []
+    for prompt, request in zip(prompts, requests):
+        tokens = [int(t) for t in (request.generated_tokens.tolist() if torch.is_tensor(request.generated_tokens)
+                                   else request.generated_tokens)]
+        results.append(Generation(prompt, tokenizer.detokenize(tokens), tokens))
+    return results
+
+
+def greedy_without_cache(model, prompt: str, max_new_tokens: int) -> List[int]:
+    """Greedy continuation by re-running ``model`` (one rank, TP = PP = 1) on the whole sequence at
+    every step, no inference context: what the KV-cached engine must reproduce token for token
+    (it stops at end-of-document, as Megatron's controller does)."""
+    from megatron_siamese import device
+
+    tokenizer = InferenceTokenizer()
+    tokens = tokenizer.tokenize(prompt)
+    generated = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids = torch.tensor([tokens], device=device.current())
+            positions = torch.arange(len(tokens), device=device.current()).unsqueeze(0)
+            mask = torch.tril(torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device.current()))
+            logits = model(ids, positions, ~mask.view(1, 1, len(tokens), len(tokens)))
+            # over the padded vocabulary, as Megatron's sampler picks (a trained model gives the
+            # padding rows, never a target, no weight; their ids decode to no text)
+            next_token = int(logits[0, -1].argmax())
+            generated.append(next_token)
+            tokens.append(next_token)
+            if next_token == tokenizer.eod:
+                break
+    return generated
+
+
+def _generate_rank(checkpoint: str, layout: Layout, prompts: List[str], max_new_tokens: int, sampling: Sampling):
+    from megatron_siamese.inference.session import open_session
+
+    session = open_session(checkpoint, layout, seed=sampling.seed, fused_ops=False if _on_cpu() else None)
+    try:
+        return generate_on_ranks(session, prompts, max_new_tokens, sampling)
+    finally:
+        session.close()
+
+
+def _on_cpu() -> bool:
+    from megatron_siamese import device
+
+    return not device.uses_cuda()
+
+
+def generate(checkpoint: str, prompts: Sequence[str], max_new_tokens: int = 32, sampling: Sampling = Sampling(),
+             layout: Layout = Layout()) -> List[Generation]:
+    """The continuations of ``prompts`` by the model in ``checkpoint`` (saved at any layout), run
+    at ``layout``: spawned here (gloo ranks on CPU, one per GPU), or as this rank of a launched
+    job. Every problem with the input is refused before any rank starts (ConfigError)."""
+    from megatron_siamese.inference.session import layout_problems, model_settings, read_checkpoint
+    from megatron_siamese.runtime.launch import run_job
+    from megatron_siamese.training.checkpoint_files import CheckpointError
+
+    try:
+        settings = model_settings(read_checkpoint(checkpoint))
+    except CheckpointError as error:
+        raise ConfigError([str(error)]) from None
+    found = sampling.problems() + prompt_problems(prompts, max_new_tokens, settings.seq_length)
+    found += layout_problems(settings, layout)
+    if layout.vpp is not None:
+        found.append("Megatron's inference wrapper runs no virtual pipeline stages: generate without --vpp")
+    if layout.dp != 1 or layout.cp != 1:
+        found.append(f"generate runs one model replica: use --dp 1 (got layout {layout.name})")
+    if found:
+        raise ConfigError(found)
+    return run_job(_generate_rank, layout.world_size, checkpoint, layout, list(prompts), max_new_tokens, sampling,
+                   needs=f"layout {layout.name}")

@@ -1,0 +1,159 @@
+"""After pretraining: the model session (a checkpoint's weights without the trainer) and text
+generation through Megatron's inference engine with its KV cache, against a full re-forward.
+
+One tiny randomly initialised SiameseNorm checkpoint (saved at PP2, so every load reshards) is
+shared by the module; its init is wide (std 0.2) and its output layer its own (a tied one echoes the last token) so that the greedy continuations depend on the
+context, and a broken cache shows."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_siamese.inference.generate import Sampling, generate, generate_on_ranks, greedy_without_cache
+from megatron_siamese.inference.session import load_full_model, open_session, read_checkpoint
+from megatron_siamese.runtime.launch import launch
+from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.runtime.registry import ConfigError
+from megatron_siamese.training.args import TrainArgs
+from megatron_siamese.training.checkpoint_files import CheckpointError
+
+REPO = Path(__file__).resolve().parent.parent
+OLD_CHECKPOINT = REPO / "tests" / "data" / "step_layout" / "checkpoints"  # records no model settings
+PROMPTS = ["In the beginning", "And God said, Let there be"]  # two lengths: the batch is padded
+NEW_TOKENS = 6
+MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, init_method_std=0.2,
+             share_embeddings_and_output_weights=False)
+
+
+def _save_random(args, directory):
+    from megatron_siamese.inference.session import save_model
+    from megatron_siamese.models import build_model_chunks
+    from megatron_siamese.runtime.gpt import MegatronGPT, initialize_model_parallel, transformer_config
+    from megatron_siamese.training.args import padded_vocab_size
+
+    initialize_model_parallel(args.layout, args.seed)
+    chunks = build_model_chunks(transformer_config(args, args.layout), args, padded_vocab_size())
+    path = save_model(chunks, args, directory, step=3)
+    MegatronGPT.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("random") / "checkpoints"
+    args = TrainArgs(**MODEL, tp=1, pp=2, micro_batch_size=1, global_batch_size=1, output_dir=str(directory.parent))
+    launch(_save_random, 2, args, str(directory))
+    return str(directory)
+
+
+def _uncached(checkpoint, prompts, new_tokens):
+    session = open_session(checkpoint)
+    try:
+        return [greedy_without_cache(session.chunks[0], prompt, new_tokens) for prompt in prompts]
+    finally:
+        session.close()
+
+
+@pytest.fixture(scope="module")
+def uncached(checkpoint):
+    """Greedy by re-running the whole sequence at every step: no inference context, no cache."""
+    return launch(_uncached, 1, checkpoint, PROMPTS, NEW_TOKENS)[0]
+
+
+def test_the_session_reads_the_recorded_model_and_the_full_model(checkpoint):
+    saved = read_checkpoint(checkpoint)
+    assert (saved.step, saved.model_class, saved.settings.norm) == (3, "gpt", "siamese")
+    assert (saved.settings.hidden_size, saved.settings.num_layers, saved.settings.init_method_std) == (32, 2, 0.2)
+    full = load_full_model(checkpoint)  # saved over two pipeline stages: both layers here, unsharded
+    assert full.step == 3 and full.settings == saved.settings and full.vocab_size == 320
+    assert full.state_dict["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (3 * 32, 32)
+    assert full.state_dict["embedding.word_embeddings.weight"].shape == (320, 32)
+    assert full.tokenizer.detokenize(full.tokenizer.tokenize("Amen")) == "Amen"
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(tp=2), Layout(pp=2)], ids=lambda layout: layout.name)
+def test_greedy_with_the_kv_cache_is_greedy_without_it(checkpoint, uncached, layout):
+    results = generate(checkpoint, PROMPTS, NEW_TOKENS, Sampling(), layout)
+    assert [r.tokens for r in results] == uncached
+    assert [r.prompt for r in results] == PROMPTS
+    # the continuations depend on the context (else a broken cache could not show)
+    assert len({t for tokens in uncached for t in tokens}) > 2
+
+
+def _generate_with_planted_bug(checkpoint, prompts, new_tokens):
+    """Decode steps (one new position per sequence) leave the Y stream without its update."""
+    from megatron_siamese.siamese_sublayer import SiameseSublayerMixin
+
+    original = SiameseSublayerMixin._siamese_sublayer
+
+    def dropped_y_update(self, hidden_states, *args):
+        packed = original(self, hidden_states, *args)
+        h = self.config.hidden_size
+        if hidden_states.shape[0] == 1 and hidden_states.shape[-1] == 2 * h:
+            packed = packed.clone()
+            packed[..., h:] = hidden_states[..., h:]
+        return packed
+
+    SiameseSublayerMixin._siamese_sublayer = dropped_y_update
+    session = open_session(checkpoint)
+    try:
+        return [r.tokens for r in generate_on_ranks(session, prompts, new_tokens, Sampling())]
+    finally:
+        session.close()
+
+
+def test_the_comparison_catches_a_layer_that_breaks_decode_steps(checkpoint, uncached):
+    planted = launch(_generate_with_planted_bug, 1, checkpoint, PROMPTS, NEW_TOKENS)[0]
+    # the shortest prompt's first token comes from the prompt pass (the longer prompt's last tokens go
+    # through decode steps: the batch decodes from the shortest prompt's end), which the bug leaves intact
+    assert planted[0][0] == uncached[0][0]
+    assert planted != uncached
+
+
+def _sampled(checkpoint):
+    session = open_session(checkpoint)
+    try:
+        runs = [Sampling(top_k=0, seed=1), Sampling(top_k=0, seed=1), Sampling(top_k=0, seed=2),
+                Sampling(temperature=0.7, top_k=0, top_p=0.9, seed=1)]
+        return [[r.tokens for r in generate_on_ranks(session, PROMPTS, NEW_TOKENS, sampling)] for sampling in runs]
+    finally:
+        session.close()
+
+
+def test_sampling_repeats_with_its_seed(checkpoint):
+    first, again, other_seed, nucleus = launch(_sampled, 1, checkpoint)[0]
+    assert first == again
+    assert other_seed != first
+    assert all(len(tokens) == NEW_TOKENS or tokens[-1] == 256 for tokens in first + nucleus)
+
+
+@pytest.mark.stack_independent  # refused before any rank starts
+def test_bad_input_is_refused_in_one_line(checkpoint, tmp_path):
+    def refused(*args, **kwargs):
+        with pytest.raises(ConfigError) as error:
+            generate(*args, **kwargs)
+        assert all("\n" not in problem for problem in error.value.problems)  # one line each
+        return "\n".join(error.value.problems)
+
+    assert "more than the 32 the model was trained on" in refused(checkpoint, ["x" * 30], 8)
+    assert "--num-attention-heads 4 does not split over --tp 3" in refused(checkpoint, ["x"], 4, layout=Layout(tp=3))
+    assert "no virtual pipeline stages" in refused(checkpoint, ["x"], 4, layout=Layout(pp=2, vpp=1))
+    assert "--top-k or --top-p" in refused(checkpoint, ["x"], 4, Sampling(top_k=5, top_p=0.5))
+    assert "records no model settings" in refused(str(OLD_CHECKPOINT), ["x"], 4)
+    assert "no such file or directory" in refused(str(tmp_path / "missing"), ["x"], 4).lower()
+    with pytest.raises(CheckpointError, match="holds another model"):  # the session refuses another model
+        load_full_model(checkpoint, TrainArgs(**{**MODEL, "norm": "pre"}))
+
+
+def test_the_command_generates_and_refuses(checkpoint, uncached):
+    cli = [sys.executable, "-m", "megatron_siamese.cli", "generate", "--load", checkpoint]
+    done = subprocess.run([*cli, *[f"--prompt={p}" for p in PROMPTS], "--max-new-tokens", str(NEW_TOKENS),
+                           "--tp", "2", "--json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["tokens"] for r in json.loads(done.stdout.strip().splitlines()[-1])] == uncached
+    refused = subprocess.run([*cli, "--prompt", "x" * 40], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "more than the 32 the model was trained on (--seq-length)" in refused.stderr
