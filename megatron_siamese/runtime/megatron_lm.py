@@ -26,6 +26,8 @@ import torch  # noqa: E402
 
 from megatron_siamese.runtime import cpu_shim  # noqa: E402
 
+SERVER_HOST_ENV = "MEGATRON_SIAMESE_SERVER_HOST"  # where a text generation server listens (default 127.0.0.1)
+
 
 def main() -> None:
     if len(sys.argv) < 2:
@@ -97,5 +99,5 @@ def _serve_on_localhost() -> None:
     text_generation_server.MegatronServer.run = run
 
 
-SERVER_HOST_ENV = "MEGATRON_SIAMESE_SERVER_HOST"
-
+if __name__ == "__main__":
+    main()
