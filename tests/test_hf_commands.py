@@ -215,3 +215,18 @@ def test_exported_generate_equals_megatron_siamese_generate(saved):
         with torch.no_grad():
             out = hf.generate(ids, max_new_tokens=8, do_sample=False)
         assert out[0, ids.shape[1]:].tolist() == expected.tokens
+
+
+@pytest.mark.stack_independent
+def test_a_failure_midway_leaves_nothing(tmp_path):
+    from megatron_siamese.hf.export import written_atomically
+
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="midway"):
+        with written_atomically(str(target)) as partial:
+            open(os.path.join(partial, "model.safetensors"), "w").close()
+            raise RuntimeError("midway")
+    assert os.listdir(tmp_path) == []
+    with written_atomically(str(target)) as partial:
+        open(os.path.join(partial, "config.json"), "w").close()
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(target) == ["config.json"]

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_siamese.inference.generate import Sampling, generate, generate_on_ranks, greedy_without_cache
 from megatron_siamese.inference.session import load_full_model, open_session, read_checkpoint
-from megatron_siamese.runtime.launch import launch
+from megatron_siamese.runtime.launch import RankFailed, launch
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.training.args import TrainArgs
@@ -113,6 +113,29 @@ def test_the_comparison_catches_a_layer_that_breaks_decode_steps(checkpoint, unc
     assert planted != uncached
 
 
+def _generate_through_narrow_pipeline_buffers(checkpoint):
+    """Megatron's own receive buffers, [s, b, hidden_size], between the two stages."""
+    from megatron_siamese.inference import generate as generation
+
+    original = generation.inference_wrapper
+
+    def narrow(*args, **kwargs):
+        wrapper = original(*args, **kwargs)
+        wrapper.packs_streams = False
+        return wrapper
+
+    generation.inference_wrapper = narrow
+    session = open_session(checkpoint, Layout(pp=2))
+    return [r.tokens for r in generate_on_ranks(session, PROMPTS[:1], 2, Sampling())]
+
+
+def test_pipeline_stages_need_the_wide_receive_buffers(checkpoint):
+    """What makes PP2 generation work: without the 2h-wide buffers the packed streams do not fit
+    (gloo aborts the receiving rank)."""
+    with pytest.raises(RankFailed):
+        launch(_generate_through_narrow_pipeline_buffers, 2, checkpoint, timeout_s=120)
+
+
 def _sampled(checkpoint):
     session = open_session(checkpoint)
     try:
@@ -157,3 +180,15 @@ def test_the_command_generates_and_refuses(checkpoint, uncached):
     refused = subprocess.run([*cli, "--prompt", "x" * 40], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "more than the 32 the model was trained on (--seq-length)" in refused.stderr
+
+
+def test_a_session_in_a_process_whose_groups_are_up_uses_them(megatron_single_rank, checkpoint, uncached):
+    """In-process (a test's single rank): the session uses the groups it finds and leaves them up."""
+    from megatron.core import parallel_state
+
+    session = open_session(checkpoint)
+    session.close()
+    assert parallel_state.model_parallel_is_initialized()
+    assert greedy_without_cache(session.chunks[0], PROMPTS[0], NEW_TOKENS) == uncached[0]
+    with pytest.raises(ConfigError, match="the layout tp2 uses 2 ranks, the job has 1"):
+        open_session(checkpoint, Layout(tp=2))

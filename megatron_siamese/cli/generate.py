@@ -24,9 +24,9 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (fewer if "
                         "end-of-document comes first)")
     sampling = parser.add_argument_group("sampling (any of these samples; none: greedy)")
-    sampling.add_argument("--temperature", type=float, default=None, help="softmax temperature (default 1.0)")
-    sampling.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (0: all)")
-    sampling.add_argument("--top-p", type=float, default=None, help="sample within this probability mass (0: off)")
+    sampling.add_argument("--temperature", type=float, default=None, help="softmax temperature (sampling with it unset: 1.0)")
+    sampling.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (0: all; sampling with it unset: 0)")
+    sampling.add_argument("--top-p", type=float, default=None, help="sample within this probability mass (0: off; sampling with it unset: 0)")
     parser.add_argument("--seed", type=int, default=1234, help="the sampler's seed (the same seed repeats)")
     layout = parser.add_argument_group("parallelism")
     layout.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,
@@ -34,7 +34,11 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
     layout.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
                         help="pipeline-parallel size")
     layout.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1,
-                        help="expert-parallel size (MoE models; --ep must divide --tp)")
+                        help="expert-parallel size (MoE models): --ep x --etp must divide --tp")
+    layout.add_argument("--expert-tensor-parallel-size", "--etp", dest="etp", type=int, default=None,
+                        help="tensor-parallel size of the experts (unset: --tp)")
+    layout.add_argument("--sequence-parallel", "--sp", dest="sp", action="store_true",
+                        help="sequence parallelism (MoE models under --tp > 1 need it)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of {prompt, text, tokens}")
     return parser
 
@@ -52,14 +56,15 @@ def _sampling(options: argparse.Namespace):
 def _layout(options: argparse.Namespace):
     from megatron_siamese.runtime.layout import Layout
 
-    sizes = {"--tp": options.tp, "--pp": options.pp, "--ep": options.ep}
-    small = [f"{flag} must be at least 1 (got {value})" for flag, value in sizes.items() if value < 1]
+    sizes = {"--tp": options.tp, "--pp": options.pp, "--ep": options.ep, "--etp": options.etp}
+    small = [f"{flag} must be at least 1 (got {value})" for flag, value in sizes.items()
+             if value is not None and value < 1]
     if small:
         raise ConfigError(small)
     try:
-        return Layout(tp=options.tp, pp=options.pp, ep=options.ep)
+        return Layout(tp=options.tp, pp=options.pp, ep=options.ep, etp=options.etp, sp=options.sp)
     except ValueError as error:
-        raise ConfigError([f"{error} (generate runs one model replica: --ep must divide --tp)"]) from None
+        raise ConfigError([f"{error} (generate runs one model replica: --ep x --etp must divide --tp)"]) from None
 
 
 def run(options: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ the MLP is gated (SwiGLU: [gate, up]) or not. Generation uses transformers' KV c
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -129,7 +129,11 @@ class ModelSession:
         self.checkpoint, self.step, self.settings, self.layout = saved.path, saved.step, settings, layout
         self.tokenizer = ByteTokenizer()
         self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size)
-        initialize_model_parallel(layout, seed)
+        # process groups someone else set up for this layout (a test's single rank) are used as
+        # they are and left up; else the session's own, torn down by close()
+        self._owns_groups = not _groups_for(layout)
+        if self._owns_groups:
+            initialize_model_parallel(layout, seed)
         try:
             self.config = transformer_config(settings, layout)
             chunks = build_model_chunks(self.config, settings, self.vocab_size)
@@ -184,12 +188,25 @@ class ModelSession:
 
         return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
-    @staticmethod
-    def close() -> None:
-        """Tear down Megatron's process groups (the next session or run builds its own)."""
+    def close(self) -> None:
+        """Tear down the process groups the session set up (the next session or run builds its own)."""
         from megatron.core import parallel_state
 
-        parallel_state.destroy_model_parallel()
+        if self._owns_groups:
+            parallel_state.destroy_model_parallel()
+
+
+def _groups_for(layout: Layout) -> bool:
+    """Whether Megatron's process groups are up, for ``layout`` (another layout's: ValueError)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return False
+    here = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+    if here != (layout.tp, layout.pp):
+        raise ValueError(f"Megatron's process groups are up for tp{here[0]} x pp{here[1]}, not for the session's "
+                         f"layout {layout.name}: close the other session or run first")
+    return True
 
 
 def open_session(checkpoint: str, layout: Layout = Layout(), settings: Optional[ModelSettings] = None,

@@ -57,7 +57,7 @@ def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
     from megatron_siamese import device
     from megatron_siamese.inference.session import open_session, save_model
     from megatron_siamese.models import build_model_chunks
-    from megatron_siamese.runtime.gpt import initialize_model_parallel, transformer_config
+    from megatron_siamese.runtime.gpt import MegatronGPT, initialize_model_parallel, transformer_config
 
     # model weights only (the flags must describe the Pre-Norm model): ours and Megatron-LM's alike
     pre = open_session(pre_checkpoint, settings=pre_args, seed=pre_args.seed)
@@ -73,7 +73,7 @@ def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
         model.load_state_dict(upcycled_state(pre_state, model.state_dict(), zero_centered))
         return save_model([model], siamese_args, siamese_args.output_dir + "/checkpoints")
     finally:
-        pre.close()
+        MegatronGPT.close()
 
 
 def upcycle(args, pre_checkpoint: str) -> str:
