@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_siamese"
-CORE_MAY_NOT_IMPORT = ("runtime", "check", "training", "research", "cli", "inference", "hf")
+CORE_MAY_NOT_IMPORT = ("runtime", "check", "training", "research", "cli", "inference", "hf", "evaluation")
 MAX_LINES = 400
 
 

@@ -13,6 +13,8 @@
                                         a checkpoint (any layout) as a Hugging Face Transformers model
     megatron-siamese import-hf --hf DIR --output-dir OUT
                                         a Hugging Face model directory back as a Megatron checkpoint
+    megatron-siamese eval --hf DIR | --load CKPT [--tasks T]
+                                        lm-evaluation-harness on an exported model (addition by default)
 
 Every command checks all of its settings before starting any rank and says, one line per
 problem, what to change (exit status 2). Failures print one line; ``--debug`` (or
@@ -32,12 +34,14 @@ import traceback
 from typing import List, Optional
 
 from megatron_siamese.cli import check, generate, hf, research, train
+from megatron_siamese.cli.evaluate import evaluate
 from megatron_siamese.runtime.launchers import JoinError, LaunchError
 from megatron_siamese.training.args import ConfigError
 
 DEBUG_ENV = "MEGATRON_SIAMESE_DEBUG"
 COMMANDS = {"train": train, "check": check, "study": research.study, "upcycle": research.upcycle,
-            "analyze": research.analyze, "generate": generate, "export": hf.export, "import-hf": hf.import_hf}
+            "analyze": research.analyze, "generate": generate, "export": hf.export, "import-hf": hf.import_hf,
+            "eval": evaluate}
 
 
 class Parser(argparse.ArgumentParser):

@@ -26,6 +26,8 @@ import torch  # noqa: E402
 
 from megatron_siamese.runtime import cpu_shim  # noqa: E402
 
+SERVER_HOST_ENV = "MEGATRON_SIAMESE_SERVER_HOST"  # where a text generation server listens (default 127.0.0.1)
+
 
 def main() -> None:
     if len(sys.argv) < 2:
@@ -64,7 +66,37 @@ def main() -> None:
         fused_kernels.load = lambda args: None
     except ImportError:
         pass
+    _keep_built_dataset_helpers()
+    _serve_on_localhost()
     runpy.run_path(script, run_name="__main__")
+
+
+def _keep_built_dataset_helpers() -> None:
+    """Its start-up compiles the dataset helpers with the ``python3`` and ``pybind11`` on PATH,
+    whatever interpreter runs it, and exits when that fails; a tree that already holds them built
+    for this interpreter (the wheel's ``helpers_cpp*.so`` copied in) needs no compiler."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        from megatron.core.datasets import utils
+    except ImportError:
+        return
+    utils.compile_helpers = lambda: None
+
+
+def _serve_on_localhost() -> None:
+    """Its text generation servers listen on every interface (``0.0.0.0``, hard-coded): a CPU
+    trial serves this machine only, unless SERVER_HOST_ENV names another address."""
+    try:
+        from megatron.core.inference.text_generation_server import text_generation_server
+    except ImportError:  # a release without the server
+        return
+    host = os.environ.get(SERVER_HOST_ENV, "127.0.0.1")
+    original_run = text_generation_server.MegatronServer.run
+
+    def run(self, url, port):
+        original_run(self, host, port)
+
+    text_generation_server.MegatronServer.run = run
 
 
 if __name__ == "__main__":

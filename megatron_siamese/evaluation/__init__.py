@@ -1,0 +1,1 @@
+"""Evaluation of exported models with lm-evaluation-harness (``megatron-siamese eval``)."""
