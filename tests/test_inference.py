@@ -269,6 +269,8 @@ def _run_dynamic_on_cpu(monkeypatch, checkpoint, forget_cache=False, layout=Layo
         session.close()
 
 
+@pytest.mark.stack_independent  # refused before any rank starts
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the dynamic engine is not refused for want of one")
 def test_the_dynamic_engine_is_refused_on_cpu(checkpoint):
     with pytest.raises(ConfigError, match=r"--engine dynamic needs a GPU: .*flash_decode_and_prefill.*--engine static"):
         generate(checkpoint, PROMPTS, NEW_TOKENS, engine="dynamic")
