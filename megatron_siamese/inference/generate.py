@@ -187,7 +187,9 @@ def build_engine(session, max_requests: int, sampling: Sampling, engine: str = "
 def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, sampling: Sampling,
                       engine: str = "static") -> List[Generation]:
     """On every rank of the session's job: the prompts' continuations (every rank returns them),
-    by Megatron's ``engine`` (``build_engine``)."""
+    by Megatron's ``engine`` (``build_engine``; ``generate`` refuses an engine that cannot run
+    here, this function trusts its caller: the tests run the dynamic one on CPU with a stand-in
+    attention kernel)."""
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_siamese.inference.dynamic import generated_tokens
