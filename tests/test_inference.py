@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_siamese.inference.generate import Sampling, generate, generate_on_ranks, greedy_without_cache
 from megatron_siamese.inference.session import load_full_model, open_session, read_checkpoint
@@ -192,3 +193,109 @@ def test_a_session_in_a_process_whose_groups_are_up_uses_them(megatron_single_ra
     assert greedy_without_cache(session.chunks[0], PROMPTS[0], NEW_TOKENS) == uncached[0]
     with pytest.raises(ConfigError, match="the layout tp2 uses 2 ranks, the job has 1"):
         open_session(checkpoint, Layout(tp=2))
+
+
+# Megatron's dynamic engine (paged KV cache): refused on CPU, its wiring run here with a stand-in
+# for the one piece CPU lacks, flash-attn's paged attention kernels (docs/inference.md).
+
+def _paged_attention(q, k_cache, v_cache, query_lengths, key_lengths, block_table, softmax_scale, forget_cache):
+    """Plain-PyTorch attention of each request's queries over its keys in the paged cache,
+    causal aligned at the end (flash-attn's convention), as flash-attn's paged kernels compute."""
+    outputs = []
+    softmax_scale = softmax_scale or k_cache.shape[-1] ** -0.5  # flash-attn's default
+    for i, (n_q, n_k) in enumerate(zip(query_lengths, key_lengths)):
+        blocks = block_table[i, :-(-n_k // k_cache.shape[1])].long()
+        keys = k_cache[blocks].flatten(0, 1)[:n_k]
+        values = v_cache[blocks].flatten(0, 1)[:n_k]
+        if forget_cache:  # planted bug: earlier positions' cached keys and values go unread
+            keys, values, n_k = keys[-n_q:], values[-n_q:], n_q
+        repeat = q[i].shape[-2] // keys.shape[-2]  # grouped-query heads
+        keys, values = keys.repeat_interleave(repeat, -2), values.repeat_interleave(repeat, -2)
+        scores = torch.einsum("qhd,khd->hqk", q[i][:n_q].float(), keys.float()) * softmax_scale
+        visible = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        outputs.append(torch.einsum("hqk,khd->qhd", weights, values.float()).to(q[i].dtype))
+    return outputs
+
+
+class _Setattr:
+    """monkeypatch.setattr on a launched rank (which ends with the job)."""
+
+    @staticmethod
+    def setattr(owner, name, value, raising=True):
+        setattr(owner, name, value)
+
+
+def _dynamic_on_rank(checkpoint, layout):
+    return _run_dynamic_on_cpu(_Setattr(), checkpoint, layout=layout)
+
+
+def _run_dynamic_on_cpu(monkeypatch, checkpoint, forget_cache=False, layout=Layout()):
+    """Greedy through Megatron's DynamicInferenceEngine on this CPU rank: flash-attn's two paged
+    kernels replaced by ``_paged_attention``, Megatron's gate for them passed, its own PyTorch
+    KV append instead of the Triton one (Triton needs a GPU), NVTX ranges off (CPU torch)."""
+    from megatron.core.inference.contexts import dynamic_context
+    from megatron.core.inference.engines import dynamic_engine
+    from megatron.core.transformer import attention
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True, block_table=None, **unused):
+        assert causal and not unused.get("return_attn_probs")
+        q_lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        pieces = [q[int(start):int(start) + n] for start, n in zip(cu_q[:-1].tolist(), q_lengths)]
+        out = q.new_zeros(q.shape)  # padding tokens past the last request stay zero
+        out[:int(cu_q[-1])] = torch.cat(_paged_attention(pieces, k, v, q_lengths, (cu_k[1:] - cu_k[:-1]).tolist(),
+                                                         block_table, softmax_scale, forget_cache))
+        return out
+
+    def with_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, causal=True, block_table=None, **unused):
+        assert causal and not unused.get("return_softmax_lse")
+        out = _paged_attention(q, k_cache, v_cache, [q.shape[1]] * q.shape[0], cache_seqlens.tolist(), block_table,
+                               softmax_scale, forget_cache)
+        return torch.stack(out)
+
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", varlen)
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", with_kvcache)
+    monkeypatch.setattr(attention, "is_fa_min_version", lambda *args, **kwargs: True)
+    if attention.rearrange is None:  # einops, which flash-attn installs: the one pattern Megatron uses here
+        monkeypatch.setattr(attention, "rearrange", lambda x, pattern: x.flatten(2) if pattern == "s b h d -> s b (h d)"
+                            else pytest.fail(f"rearrange {pattern!r}"))
+    monkeypatch.setattr(dynamic_context, "triton_append_key_value_cache", None, raising=False)
+    monkeypatch.setattr(dynamic_engine, "range_push", lambda *args, **kwargs: None, raising=False)
+    monkeypatch.setattr(dynamic_engine, "range_pop", lambda *args, **kwargs: None, raising=False)
+    session = open_session(checkpoint, layout)
+    try:
+        return [r.tokens for r in generate_on_ranks(session, PROMPTS, NEW_TOKENS, Sampling(), engine="dynamic")]
+    finally:
+        session.close()
+
+
+@pytest.mark.stack_independent  # refused before any rank starts
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the dynamic engine is not refused for want of one")
+def test_the_dynamic_engine_is_refused_on_cpu(checkpoint):
+    with pytest.raises(ConfigError, match=r"--engine dynamic needs a GPU: .*flash_decode_and_prefill.*--engine static"):
+        generate(checkpoint, PROMPTS, NEW_TOKENS, engine="dynamic")
+
+
+def test_the_dynamic_engine_greedy_is_greedy_without_cache(megatron_single_rank, monkeypatch, checkpoint, uncached):
+    """Megatron's dynamic engine, paged cache and ragged token batches, over the SiameseNorm model:
+    the same tokens as the full re-forward, given a correct paged attention kernel; a kernel
+    that ignores the cache does not pass."""
+    from megatron_siamese.inference import dynamic
+    from megatron_siamese.inference.generate import build_engine
+
+    session = open_session(checkpoint)
+    engine = build_engine(session, len(PROMPTS), Sampling(), "dynamic")
+    assert isinstance(engine.context, __import__(
+        "megatron.core.inference.contexts.dynamic_context", fromlist=["x"]).DynamicInferenceContext)
+    allocator = getattr(engine.context, "kv_block_allocator", None) or engine.context.block_allocator
+    assert allocator.active_count >= len(PROMPTS)  # a 256-token block per prompt of <= 32 tokens
+    assert engine.context.block_size_tokens == dynamic.BLOCK_SIZE_TOKENS
+    assert type(engine.controller.inference_wrapped_model).__name__ == "SiameseGPTInferenceWrapper"
+    assert _run_dynamic_on_cpu(monkeypatch, checkpoint) == uncached
+    assert _run_dynamic_on_cpu(monkeypatch, checkpoint, forget_cache=True) != uncached
+
+
+def test_the_dynamic_engine_over_two_pipeline_stages(checkpoint, uncached):
+    """The packed streams cross the stages through the dynamic engine's ragged token batches too
+    (the wide receive buffers); TP2 gave the same tokens when run by hand (docs/inference.md)."""
+    assert launch(_dynamic_on_rank, 2, checkpoint, Layout(pp=2))[0] == uncached

@@ -28,6 +28,9 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (0: all; sampling with it unset: 0)")
     sampling.add_argument("--top-p", type=float, default=None, help="sample within this probability mass (0: off; sampling with it unset: 0)")
     parser.add_argument("--seed", type=int, default=1234, help="the sampler's seed (the same seed repeats)")
+    parser.add_argument("--engine", choices=("static", "dynamic"), default="static",
+                        help="Megatron's inference engine: static (its static KV cache; CPU and GPU) or dynamic "
+                             "(its paged KV cache; a GPU with flash-attn >= 2.7.3 only, refused elsewhere)")
     layout = parser.add_argument_group("parallelism")
     layout.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,
                         help="tensor-parallel size")
@@ -71,7 +74,8 @@ def run(options: argparse.Namespace) -> int:
     from megatron_siamese.inference.generate import generate
     from megatron_siamese.runtime.launch import console
 
-    results = generate(options.load, options.prompt, options.max_new_tokens, _sampling(options), _layout(options))
+    results = generate(options.load, options.prompt, options.max_new_tokens, _sampling(options), _layout(options),
+                       options.engine)
     if results is None:  # a launched job's other ranks: rank 0 speaks
         return 0
     if options.json:

@@ -12,10 +12,12 @@ normalized input both streams share (``InputNorm(PostNorm(x) + PreNorm(y))``) to
 ``inference_context``, so one cache serves both streams, and a decode step runs both streams
 of the new positions only (docs/inference.md).
 
-Megatron's dynamic engine (paged KV cache) needs CUDA (unified memory, Triton kernels, CUDA
-graphs); this module runs the static engine, which Megatron keeps as the "legacy" path of
-``StaticInferenceEngine`` in megatron-core 0.16.1 and 0.19.2 alike, on CPU (gloo, the CPU
-shim) and GPU.
+The engine is the static one by default, which Megatron keeps as the "legacy" path of
+``StaticInferenceEngine`` in megatron-core 0.16.1 and 0.19.2 alike, on CPU (gloo, the CPU shim)
+and GPU. ``engine="dynamic"`` (``--engine dynamic``) runs Megatron's dynamic engine with its
+paged KV cache instead (``inference/dynamic.py``): on a GPU with flash-attn only, since Megatron
+attends over the paged cache with flash-attn's CUDA kernels alone; elsewhere it is refused
+before any rank starts. Either engine decodes greedily with Megatron's own sampler (top-k 1).
 
 ``greedy_without_cache`` is the check: the same model re-run on the whole sequence at every
 step, no inference context.
@@ -117,16 +119,29 @@ def _wrapper_class():
     return SiameseGPTInferenceWrapper
 
 
-def inference_wrapper(model, max_batch_size: int, max_sequence_length: int, vocab_size: int):
-    """Megatron's inference wrapper of ``model`` with a static KV cache for ``max_batch_size``
-    sequences of ``max_sequence_length`` tokens (megatron-core 0.16's wrapper takes an
-    InferenceWrapperConfig, 0.19's reads the model's config)."""
+ENGINES = ("static", "dynamic")
+
+
+def engine_problem(engine: str) -> Optional[str]:
+    """Why ``engine`` cannot run here (one line), or None."""
+    from megatron_siamese.inference.dynamic import dynamic_engine_problem
+
+    if engine not in ENGINES:
+        return f"--engine must be one of {', '.join(ENGINES)} (got {engine!r})"
+    return dynamic_engine_problem() if engine == "dynamic" else None
+
+
+def inference_wrapper(model, max_batch_size: int, max_sequence_length: int, vocab_size: int, context=None):
+    """Megatron's inference wrapper of ``model`` with ``context``, by default a static KV cache
+    for ``max_batch_size`` sequences of ``max_sequence_length`` tokens (megatron-core 0.16's
+    wrapper takes an InferenceWrapperConfig, 0.19's reads the model's config)."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     from megatron_siamese.runtime.gpt import packs_streams
 
     wrapper_class = _wrapper_class()
-    context = StaticInferenceContext(max_batch_size, max_sequence_length)
+    if context is None:
+        context = StaticInferenceContext(max_batch_size, max_sequence_length)
     if "inference_wrapper_config" in inspect.signature(wrapper_class.__init__).parameters:  # megatron-core < 0.19
         from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
@@ -143,32 +158,54 @@ def inference_wrapper(model, max_batch_size: int, max_sequence_length: int, voca
     return wrapper
 
 
-def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, sampling: Sampling) -> List[Generation]:
-    """On every rank of the session's job: the prompts' continuations (every rank returns them)."""
+def build_engine(session, max_requests: int, sampling: Sampling, engine: str = "static"):
+    """Megatron's ``engine`` ("static": StaticInferenceEngine(legacy=True) with a static KV
+    cache; "dynamic": DynamicInferenceEngine with a paged one) over this rank's chunk, for
+    ``max_requests`` prompts of up to the model's --seq-length tokens."""
     from megatron.core.inference.engines import StaticInferenceEngine
-    from megatron.core.inference.sampling_params import SamplingParams
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
     )
 
+    from megatron_siamese.inference import dynamic
+
     if len(session.chunks) != 1:
         raise ConfigError(["Megatron's inference wrapper runs no virtual pipeline stages: generate without --vpp"])
-    tokenizer = InferenceTokenizer()
+    if engine not in ENGINES:
+        raise ConfigError([engine_problem(engine)])
+    model, length = session.chunks[0], session.settings.seq_length
     # the controller seeds its sampler from the model's config (megatron-core 0.16.1 and 0.19.2)
-    session.chunks[0].config.inference_sampling_seed = sampling.seed
-    wrapper = inference_wrapper(session.chunks[0], len(prompts), session.settings.seq_length, session.vocab_size)
-    controller = TextGenerationController(wrapper, tokenizer)
-    engine = StaticInferenceEngine(controller, max_batch_size=len(prompts), random_seed=sampling.seed, legacy=True)
+    model.config.inference_sampling_seed = sampling.seed
+    context = dynamic.dynamic_context(model, max_requests, length) if engine == "dynamic" else None
+    wrapper = inference_wrapper(model, max_requests, length, session.vocab_size, context)
+    controller = TextGenerationController(wrapper, InferenceTokenizer())
+    if engine == "dynamic":
+        return dynamic.dynamic_engine(controller, wrapper.inference_context, sampling.seed)
+    return StaticInferenceEngine(controller, max_batch_size=max_requests, random_seed=sampling.seed, legacy=True)
+
+
+def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, sampling: Sampling,
+                      engine: str = "static") -> List[Generation]:
+    """On every rank of the session's job: the prompts' continuations (every rank returns them),
+    by Megatron's ``engine`` (``build_engine``; ``generate`` refuses an engine that cannot run
+    here, this function trusts its caller: the tests run the dynamic one on CPU with a stand-in
+    attention kernel)."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_siamese.inference.dynamic import generated_tokens
+
+    tokenizer = InferenceTokenizer()
+    megatron_engine = build_engine(session, len(prompts), sampling, engine)
     params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                             num_tokens_to_generate=max_new_tokens)
     with torch.no_grad():
-        requests = engine.generate(prompts=list(prompts), sampling_params=params)
-    results = []
-    for prompt, request in zip(prompts, requests):
-        tokens = [int(t) for t in (request.generated_tokens.tolist() if torch.is_tensor(request.generated_tokens)
-                                   else request.generated_tokens)]
-        results.append(Generation(prompt, tokenizer.detokenize(tokens), tokens))
-    return results
+        if engine == "dynamic":
+            tokens = generated_tokens(megatron_engine.generate(prompts=list(prompts), sampling_params=params))
+        else:
+            requests = megatron_engine.generate(prompts=list(prompts), sampling_params=params)
+            tokens = [[int(t) for t in (r.generated_tokens.tolist() if torch.is_tensor(r.generated_tokens)
+                                        else r.generated_tokens)] for r in requests]
+    return [Generation(prompt, tokenizer.detokenize(ids), ids) for prompt, ids in zip(prompts, tokens)]
 
 
 def greedy_without_cache(model, prompt: str, max_new_tokens: int) -> List[int]:
@@ -196,12 +233,13 @@ def greedy_without_cache(model, prompt: str, max_new_tokens: int) -> List[int]:
     return generated
 
 
-def _generate_rank(checkpoint: str, layout: Layout, prompts: List[str], max_new_tokens: int, sampling: Sampling):
+def _generate_rank(checkpoint: str, layout: Layout, prompts: List[str], max_new_tokens: int, sampling: Sampling,
+                   engine: str = "static"):
     from megatron_siamese.inference.session import open_session
 
     session = open_session(checkpoint, layout, seed=sampling.seed, fused_ops=False if _on_cpu() else None)
     try:
-        return generate_on_ranks(session, prompts, max_new_tokens, sampling)
+        return generate_on_ranks(session, prompts, max_new_tokens, sampling, engine)
     finally:
         session.close()
 
@@ -213,10 +251,11 @@ def _on_cpu() -> bool:
 
 
 def generate(checkpoint: str, prompts: Sequence[str], max_new_tokens: int = 32, sampling: Sampling = Sampling(),
-             layout: Layout = Layout()) -> List[Generation]:
+             layout: Layout = Layout(), engine: str = "static") -> List[Generation]:
     """The continuations of ``prompts`` by the model in ``checkpoint`` (saved at any layout), run
-    at ``layout``: spawned here (gloo ranks on CPU, one per GPU), or as this rank of a launched
-    job. Every problem with the input is refused before any rank starts (ConfigError)."""
+    at ``layout`` by Megatron's ``engine`` ("static", or "dynamic" on a GPU with flash-attn):
+    spawned here (gloo ranks on CPU, one per GPU), or as this rank of a launched job. Every
+    problem with the input is refused before any rank starts (ConfigError)."""
     from megatron_siamese.inference.session import layout_problems, model_settings, read_checkpoint
     from megatron_siamese.runtime.launch import run_job
     from megatron_siamese.training.checkpoint_files import CheckpointError
@@ -231,7 +270,10 @@ def generate(checkpoint: str, prompts: Sequence[str], max_new_tokens: int = 32, 
         found.append("Megatron's inference wrapper runs no virtual pipeline stages: generate without --vpp")
     if layout.dp != 1 or layout.cp != 1:
         found.append(f"generate runs one model replica: use --dp 1 (got layout {layout.name})")
+    refused_engine = engine_problem(engine)
+    if refused_engine:
+        found.append(refused_engine)
     if found:
         raise ConfigError(found)
     return run_job(_generate_rank, layout.world_size, checkpoint, layout, list(prompts), max_new_tokens, sampling,
-                   needs=f"layout {layout.name}")
+                   engine, needs=f"layout {layout.name}")
