@@ -43,6 +43,8 @@ KNOWN_NOTICES = (
     "DistributedDataParallel: full_param_layout not provided",
     # megatron-core 0.19's synchronous dist_checkpointing.save goes through its deprecated async path
     "MCore's async save is deprecated",
+    # generate runs the static engine on purpose where the dynamic one cannot run (docs/inference.md)
+    "The static engine will be deprecated",
 )
 _PATTERN = re.compile("|".join(f"(?:{notice})" for notice in KNOWN_NOTICES))
 # loggers that log a known notice while torch is being imported, before its handlers exist:
