@@ -165,9 +165,11 @@ def load_exported(directory: str):
     mode. In a process running Megatron through the CPU shim (a spawned rank, the tests) the shim
     is lifted meanwhile (``cpu_shim.lifted``: transformers' loading does not survive it)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     from megatron_siamese.runtime import cpu_shim
 
+    transformers_logging.disable_progress_bar()  # a weight-loading bar in the middle of our own output
     with cpu_shim.lifted():
         return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True).eval()
 
@@ -230,12 +232,14 @@ def read_hf_weights(directory: str) -> Dict[str, torch.Tensor]:
 def check_tokenizer(directory: str) -> None:
     """ExportError unless ``directory``'s tokenizer gives ByteTokenizer's ids (the checkpoint was
     trained on those: UTF-8 bytes 0-255, end of document 256)."""
-    from transformers import AutoTokenizer
+    # the fast tokenizer's class itself: AutoTokenizer would read config.json and, for a remote-code
+    # model, ask on the terminal whether to trust its code (a tokenizer needs none)
+    from transformers import PreTrainedTokenizerFast
 
     if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         raise ExportError(f"--hf {directory} has no tokenizer.json: the byte-level tokenizer's files are needed "
                           "(export writes them)")
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
     probe = VERIFY_TEXT + " naïve"
     if (tokenizer(probe, add_special_tokens=False)["input_ids"] != list(probe.encode("utf-8"))
             or tokenizer.eos_token_id != 256):
