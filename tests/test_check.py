@@ -60,10 +60,46 @@ def test_norms_without_sequence_parallel_flag_fail_sp_layouts_only():
 
 
 def test_cli_exit_status_and_table(capfd):  # rank 0 prints the rows: capfd sees its output, capsys would not
-    assert cli_main(["check", "--layouts", "tp2-sp", "--num-layers", "2"]) == 0
-    assert cli_main(["check", "--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"]) == 1
-    out = capfd.readouterr().out
-    assert "tolerance (fp32)" in out and "PASS" in out and "FAIL" in out
+    status = cli_main(["check", "--layouts", "tp2-sp", "--num-layers", "2"])
+    passed = capfd.readouterr()  # each run's own output, shown if it falls short
+    assert status == 0 and "tolerance (fp32)" in passed.out and "  PASS" in passed.out, passed
+    status = cli_main(["check", "--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"])
+    failed = capfd.readouterr()
+    assert status == 1 and "  FAIL" in failed.out and "  PASS" not in failed.out, failed
+
+
+@pytest.mark.stack_independent
+def test_a_broken_pipe_inside_the_run_fails_it_and_keeps_what_was_printed(capfd, monkeypatch):
+    """A BrokenPipeError of the run's own (a pipe to a rank or the fork server) is a failure: it
+    once read as `check ... | head` closing stdout, which silenced stdout (the table already
+    printed included, fd-captured or a file) and exited 0."""
+    import megatron_siamese.check.command as command
+    import megatron_siamese.runtime.launch as launch
+
+    def pipe_to_a_rank_breaks(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(launch, "start_rank_server", lambda: None)
+    monkeypatch.setattr(command, "run_check", pipe_to_a_rank_breaks)
+    assert cli_main(["check", "--layouts", "tp2-sp", "--num-layers", "2"]) == 1
+    captured = capfd.readouterr()
+    assert "tolerance (fp32)" in captured.out
+    assert "error: BrokenPipeError" in captured.err
+
+
+@pytest.mark.stack_independent
+def test_a_reader_that_closed_stdout_ends_the_command_quietly_with_0(capfd, monkeypatch):
+    """`megatron-siamese check --list | head -1`: stdout's reader is gone; nothing left to say."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w", buffering=1) as closed_pipe:  # line-buffered: print writes at once
+        monkeypatch.setattr("sys.stdout", closed_pipe)
+        assert cli_main(["check", "--list"]) == 0
+        monkeypatch.undo()
+        assert os.path.samestat(os.fstat(write_end), os.stat(os.devnull))  # the handler silenced it
+    assert capfd.readouterr().err == ""
 
 
 def test_cli_rejects_unknown_layout_before_running_anything(capsys):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 import traceback
 from typing import List, Optional
@@ -99,13 +100,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"megatron-siamese {options.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader went away (`... --list | head`): nothing left to say
+    except BrokenPipeError as error:
+        if not _stdout_reader_gone():  # a pipe of the run's own broke (to a rank, the fork server): a failure
+            return _failed(options.command, error, debug)
+        # the reader went away (`... --list | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (SystemExit, GeneratorExit):
         raise
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         return _failed(options.command, error, debug)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it. Only then is a BrokenPipeError the
+    reader's doing; silencing stdout after any other one would swallow the run's output (the
+    check's table) and report success."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout is no file (replaced, closed)
+        return False
 
 
 def _failed(command: str, error: BaseException, debug: bool) -> int:
