@@ -282,6 +282,17 @@ def is_installed() -> bool:
     return bool(_state)
 
 
+def _remember_real_factories() -> None:
+    """``with torch.device(...)`` (transformers' meta-device loading) recognizes factories by
+    identity, from a set torch builds once, on first use, from the ``torch.*`` attributes of that
+    moment. Built while the factories are wrapped, it holds the wrappers, and the device context
+    then ignores the real factories for the rest of the process (RoPE buffers made on the CPU
+    instead of the meta device come back uninitialized). So it is built now, from the real ones."""
+    import torch.utils._device
+
+    torch.utils._device._device_constructors()
+
+
 def install() -> None:
     """Redirect megatron-core's CUDA-only calls to CPU in this process (idempotent)."""
     with _lock:
@@ -292,6 +303,7 @@ def install() -> None:
                 "megatron_siamese CPU shim refused: CUDA is available, so Megatron must run "
                 "on the GPU; do not call cpu_shim.install() on GPU machines."
             )
+        _remember_real_factories()
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0)
         replacements = {**_device_replacements(), **_cuda_rng_replacements(generator), **_moe_replacements(),
