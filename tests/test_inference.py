@@ -281,10 +281,11 @@ def test_the_dynamic_engine_greedy_is_greedy_without_cache(megatron_single_rank,
     the same tokens as the full re-forward, given a correct paged attention kernel; a kernel
     that ignores the cache does not pass."""
     from megatron_siamese.inference import dynamic
-    from megatron_siamese.inference.generate import build_engine
+    from megatron_siamese.inference.generate import build_engine, process_inference_flag_kept
 
     session = open_session(checkpoint)
-    engine = build_engine(session, len(PROMPTS), Sampling(), "dynamic")
+    with process_inference_flag_kept():
+        engine = build_engine(session, len(PROMPTS), Sampling(), "dynamic")
     assert isinstance(engine.context, __import__(
         "megatron.core.inference.contexts.dynamic_context", fromlist=["x"]).DynamicInferenceContext)
     allocator = getattr(engine.context, "kv_block_allocator", None) or engine.context.block_allocator
@@ -293,6 +294,16 @@ def test_the_dynamic_engine_greedy_is_greedy_without_cache(megatron_single_rank,
     assert type(engine.controller.inference_wrapped_model).__name__ == "SiameseGPTInferenceWrapper"
     assert _run_dynamic_on_cpu(monkeypatch, checkpoint) == uncached
     assert _run_dynamic_on_cpu(monkeypatch, checkpoint, forget_cache=True) != uncached
+    assert not inference_flag_set()  # the process's own forwards still work afterwards
+
+
+def inference_flag_set() -> bool:
+    """megatron-core 0.19's process-wide 'an engine is inferring' flag (0.16 has none)."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return False
+    return InferenceMode.is_active()
 
 
 def test_the_dynamic_engine_over_two_pipeline_stages(checkpoint, uncached):

@@ -25,6 +25,8 @@ step, no inference context.
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -184,6 +186,25 @@ def build_engine(session, max_requests: int, sampling: Sampling, engine: str = "
     return StaticInferenceEngine(controller, max_batch_size=max_requests, random_seed=sampling.seed, legacy=True)
 
 
+@contextlib.contextmanager
+def process_inference_flag_kept():
+    """megatron-core 0.19's engines mark the whole process as inferring when they are built
+    (``InferenceMode``, after which GPTModel refuses an ordinary forward) and leave it so, as a
+    server would; a generate call inside a longer-lived process (the Python API, a notebook, the
+    tests) puts the flag back as it found it. 0.16 has no such flag."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        yield
+        return
+    was = InferenceMode.is_active()
+    try:
+        yield
+    finally:
+        if not was:
+            InferenceMode.unset_active()
+
+
 def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, sampling: Sampling,
                       engine: str = "static") -> List[Generation]:
     """On every rank of the session's job: the prompts' continuations (every rank returns them),
@@ -195,10 +216,10 @@ def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, samp
     from megatron_siamese.inference.dynamic import generated_tokens
 
     tokenizer = InferenceTokenizer()
-    megatron_engine = build_engine(session, len(prompts), sampling, engine)
     params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                             num_tokens_to_generate=max_new_tokens)
-    with torch.no_grad():
+    with torch.no_grad(), process_inference_flag_kept():
+        megatron_engine = build_engine(session, len(prompts), sampling, engine)
         if engine == "dynamic":
             tokens = generated_tokens(megatron_engine.generate(prompts=list(prompts), sampling_params=params))
         else:
