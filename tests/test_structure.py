@@ -88,9 +88,7 @@ def test_one_module_decides_whether_cuda_is_used():
 
 def test_only_the_launchers_install_the_cpu_shim():
     users = {name for name, path in MODULES.items() if "megatron_siamese.runtime.cpu_shim" in imports(path)}
-    # hf.export only lifts it (cpu_shim.lifted) while transformers loads a model
-    assert users == {"megatron_siamese.runtime.launch", "megatron_siamese.runtime.megatron_lm",
-                     "megatron_siamese.hf.export"}
+    assert users == {"megatron_siamese.runtime.launch", "megatron_siamese.runtime.megatron_lm"}
 
 
 def test_long_modules_say_why():

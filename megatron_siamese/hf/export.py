@@ -162,16 +162,13 @@ def write_directory(model, norm: str, directory: str) -> Dict[str, object]:
 
 def load_exported(directory: str):
     """The model in an exported ``directory`` (AutoModelForCausalLM, local files, remote code), eval
-    mode. In a process running Megatron through the CPU shim (a spawned rank, the tests) the shim
-    is lifted meanwhile (``cpu_shim.lifted``: transformers' loading does not survive it)."""
+    mode. Also in a process running Megatron through the CPU shim (a spawned rank, the tests):
+    the shim keeps torch's device contexts working (tests/test_cpu_shim.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
-    from megatron_siamese.runtime import cpu_shim
-
     transformers_logging.disable_progress_bar()  # a weight-loading bar in the middle of our own output
-    with cpu_shim.lifted():
-        return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True).eval()
 
 
 def verify(model, directory: str) -> float:

@@ -338,20 +338,3 @@ def installed():
     finally:
         if not already:
             uninstall()
-
-
-@contextlib.contextmanager
-def lifted():
-    """The shim taken off for a block, and put back after (if it was installed).
-
-    For code that never touches Megatron's CUDA paths but does not survive the wrapped tensor
-    factories: transformers' ``from_pretrained`` builds a model on the meta device and then fills
-    its non-persistent buffers, which come back uninitialized under the shim (LlamaForCausalLM's
-    RoPE ``inv_freq``; transformers 5.12, torch 2.13)."""
-    was = is_installed()
-    uninstall()
-    try:
-        yield
-    finally:
-        if was:
-            install()
