@@ -11,13 +11,24 @@
 //                  base = [x | y] (the X stream continues from x itself)
 //   dual_residual: out_packed = base + [z / c | z],  z = (out + bias) * mask * scale
 //
+// and, between the sublayers of one layer (docs/kernels.md, "Boundary ops"):
+//
+//   entry_norm / hybrid_entry_norm: dual_norm's (hybrid_dual_norm's) normed and stats without
+//                  base: the layer's first sublayer, whose residual the boundary op recomputes
+//                  from the streams, which pass through (their gradient comes back to the
+//                  entry op's backward and is added there, after the norms' backward)
+//   residual_dual_norm: u = PostNorm_prev(x) (x itself for the hybrid attention side);
+//                  x' = u + z / c, y' = y + z; then dual_norm of [x' | y']: base, normed,
+//                  stats (8 per row: x's, then dual_norm's six)
+//
 // "base" is what the residual update adds to. Returning it as one packed tensor lets the
-// residual op's backward hand dual_norm's backward the identity-path gradient of y
+// residual op's backward hand the norm op's backward the identity-path gradient of y
 // without a copy: grad_base is exactly the gradient of the packed output.
 //
 // ops.cpp checks every argument, prepares the weights, allocates the outputs and returns
-// early on empty inputs; a device's kernels (CpuKernels in dual_norm_cpu.cpp, CudaKernels in
-// dual_norm_cuda.cu) only launch on checked, contiguous, non-empty tensors.
+// early on empty inputs; a device's kernels (CpuKernels in dual_norm_cpu.cpp and
+// residual_norm_cpu.cpp, CudaKernels in dual_norm_cuda.cu) only launch on checked,
+// contiguous, non-empty tensors.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -30,6 +41,11 @@ namespace megatron_siamese {
 
 // Per-row fp32 statistics: mean and rstd of x, y and a (means are 0 for RMSNorm).
 constexpr int64_t kStatsPerRow = 6;
+// residual_dual_norm's: mean and rstd of the previous sublayer's x (0 and 1 without its
+// PostNorm), then dual_norm's six for [x' | y'].
+constexpr int64_t kBoundaryStatsPerRow = 8;
+// residual_dual_norm's weight gradients: PostNorm_prev's gamma and beta, then dual_norm's six.
+constexpr int64_t kBoundaryWeightGrads = 8;
 
 // The norms' affine parameters as the kernels apply them: contiguous, in the accumulation
 // type (fp32; fp64 for double streams), gamma already 1 + w for zero-centred weights.
@@ -40,11 +56,20 @@ constexpr int64_t kStatsPerRow = 6;
 // identity's (mean 0, rstd 1, written to stats as such), so u = c1 * x falls out of the same
 // formulas, and the backward's x-norm terms vanish. base keeps x itself: the residual-path
 // gradient of x reaches x directly, not through c1.
+//
+// base_is_streams: the entry ops, whose base is the streams themselves (never written): the
+// gradient handed to the backward as grad_base is the streams' own ([rows, width]), added to x's
+// and y's gradients after the norms' backward. prev_gamma / prev_beta: residual_dual_norm's
+// PostNorm of the previous sublayer (undefined: the residual continues from x).
 struct NormWeights {
   torch::Tensor x_gamma, x_beta, y_gamma, y_beta, in_gamma, in_beta;
+  torch::Tensor prev_gamma, prev_beta;
   bool rms = false;
   bool channel_scale = false;
+  bool base_is_streams = false;
   bool has_input_norm() const { return in_gamma.defined(); }
+  // base's x half is x itself: its gradient reaches x directly, not through PostNorm
+  bool base_keeps_x() const { return channel_scale || base_is_streams; }
 };
 
 // NormWeights' tensors as pointers of the accumulation type A (null where undefined).
@@ -93,9 +118,12 @@ inline at::ScalarType accumulation_type(const torch::Tensor& t) {
 }
 
 // One device's kernel launchers, for dual_norm and (NormWeights::channel_scale) for
-// hybrid_dual_norm. Outputs are allocated by the host layer: base, normed and stats [rows, 6];
-// grad_streams and weight_grads [6, h] (zeroed, rows of absent weights stay zero); packed;
-// grad_out and grad_bias [h] (zeroed; undefined without a bias). Optional inputs (bias in the accumulation type, mask) may be undefined.
+// hybrid_dual_norm, their entry forms (base undefined in the forward; base_is_streams in the
+// backward, whose grad_base is then [rows, width] or undefined), dual_residual and
+// residual_dual_norm. Outputs are allocated by the host layer: base, normed and stats [rows, 6]
+// ([rows, 8] for residual_dual_norm); grad_streams and weight_grads [6, h] ([8, h]; zeroed, rows
+// of absent weights stay zero); packed; grad_out and grad_bias [h] (zeroed; undefined without a
+// bias). Optional inputs (bias in the accumulation type, mask, grad_base) may be undefined.
 #define MEGATRON_SIAMESE_KERNELS                                                                      \
   static void dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w,     \
                         double eps, torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats); \
@@ -108,7 +136,17 @@ inline at::ScalarType accumulation_type(const torch::Tensor& t) {
                             double inv_c, torch::Tensor& packed);                                    \
   static void dual_residual_backward(const torch::Tensor& grad, const torch::Tensor& mask,           \
                                      double scale, double inv_c, torch::Tensor& grad_out,            \
-                                     torch::Tensor& grad_bias);
+                                     torch::Tensor& grad_bias);                                      \
+  static void residual_dual_norm(const torch::Tensor& streams, const torch::Tensor& out,             \
+                                 const torch::Tensor& bias, const torch::Tensor& mask, double scale, \
+                                 double inv_c, const StreamRows& g, const NormWeights& w, double eps, \
+                                 torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats);  \
+  static void residual_dual_norm_backward(                                                          \
+      const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams, \
+      const torch::Tensor& out, const torch::Tensor& bias, const torch::Tensor& mask,                \
+      const torch::Tensor& stats, double scale, double inv_c, const StreamRows& g,                   \
+      const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& grad_out,                    \
+      torch::Tensor& grad_bias, torch::Tensor& weight_grads);
 
 struct CpuKernels {
   MEGATRON_SIAMESE_KERNELS

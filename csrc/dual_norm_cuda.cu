@@ -37,6 +37,7 @@
 
 #include "dual_norm.h"
 #include "general_kernels.cuh"
+#include "general_launch.h"
 #include "tiled_kernels.h"
 
 namespace megatron_siamese {
@@ -447,11 +448,7 @@ Params<A> make_params(const NormWeights& w, const StreamRows& g, double eps) {
   return Params<A>{pointers_of<A>(w), w.rms, w.has_input_norm(), g.packed, g.rows, g.hidden, static_cast<A>(eps)};
 }
 
-int current_device() {
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  return device;
-}
+using general::current_device;
 
 int grid_for_rows(int64_t rows) {
   const int sms = tiled::device_limits(current_device()).sms;  // cached per device
@@ -492,19 +489,48 @@ template <typename A>
 general::Params<A> general_params(const NormWeights& w, const StreamRows& g, double eps) {
   const WeightPointers<A> p = pointers_of<A>(w);
   return general::Params<A>{p.gx, p.bx, p.gy, p.by, p.gi, p.bi, g.rows, g.hidden, g.packed, w.rms, w.channel_scale,
-                            static_cast<A>(eps)};
+                            w.base_keeps_x(), static_cast<A>(eps)};
 }
 
-int general_grid(int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, 65535 * 32)); }
+}  // namespace
+
+namespace general {
+int current_device() {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+int row_grid(int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, 65535 * 32)); }
+
+Strips weight_grad_strips(int64_t rows, int64_t hidden) {
+  const int64_t column_blocks = (hidden + kWarp - 1) / kWarp;
+  const int64_t sms = tiled::device_limits(current_device()).sms;
+  const int64_t wanted = std::max<int64_t>(1, sms * 8 / column_blocks);
+  const int64_t max_strips = std::min<int64_t>((rows + kLanes - 1) / kLanes, 65535);
+  const int64_t rows_per_strip = (rows + std::min(wanted, max_strips) - 1) / std::min(wanted, max_strips);
+  return {column_blocks, (rows + rows_per_strip - 1) / rows_per_strip, rows_per_strip};
+}
+
+void sum_parts(const torch::Tensor& partials, int64_t parts, int64_t columns, torch::Tensor& out) {
+  SIAMESE_DISPATCH(out.scalar_type(), "sum_parts_cuda", [&] {
+    sum_parts_kernel<scalar_t><<<static_cast<int>((columns + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        partials.data_ptr<scalar_t>(), parts, columns, out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+}  // namespace general
+
+namespace {
 
 void general_forward(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps,
                      torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cuda_general", [&] {
     using A = at::opmath_type<scalar_t>;
-    general::forward_kernel<scalar_t, A><<<general_grid(g.rows), general::kThreads, 0,
+    general::forward_kernel<scalar_t, A><<<general::row_grid(g.rows), general::kThreads, 0,
                                            c10::cuda::getCurrentCUDAStream()>>>(
-        streams.data_ptr<scalar_t>(), general_params<A>(w, g, eps), base.data_ptr<scalar_t>(),
-        normed.data_ptr<scalar_t>(), stats.data_ptr<A>());
+        streams.data_ptr<scalar_t>(), general_params<A>(w, g, eps),
+        base.defined() ? base.data_ptr<scalar_t>() : nullptr, normed.data_ptr<scalar_t>(), stats.data_ptr<A>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -517,27 +543,20 @@ void general_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_
     const auto params = general_params<A>(w, g, 0.0);
     auto stream = c10::cuda::getCurrentCUDAStream();
     auto terms = torch::empty({g.rows, 2}, weight_grads.options());
-    general::backward_rows_kernel<scalar_t, A><<<general_grid(g.rows), general::kThreads, 0, stream>>>(
-        grad_base.data_ptr<scalar_t>(), grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(),
-        stats.data_ptr<A>(), params, grad_streams.data_ptr<scalar_t>(), terms.data_ptr<A>());
+    const scalar_t* gb = grad_base.defined() ? grad_base.data_ptr<scalar_t>() : nullptr;
+    const int64_t base_width = grad_base.defined() ? grad_base.size(1) : 0;
+    general::backward_rows_kernel<scalar_t, A><<<general::row_grid(g.rows), general::kThreads, 0, stream>>>(
+        gb, base_width, grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(), stats.data_ptr<A>(), params,
+        grad_streams.data_ptr<scalar_t>(), terms.data_ptr<A>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // strips of rows: about 8 CTAs of 32 columns x 8 lanes per SM
-    const int64_t column_blocks = (g.hidden + general::kWarp - 1) / general::kWarp;
-    const int64_t sms = tiled::device_limits(current_device()).sms;
-    const int64_t wanted = std::max<int64_t>(1, sms * 8 / column_blocks);
-    const int64_t max_strips = std::min<int64_t>((g.rows + general::kLanes - 1) / general::kLanes, 65535);
-    const int64_t rows_per_strip = (g.rows + std::min(wanted, max_strips) - 1) / std::min(wanted, max_strips);
-    const int64_t strips = (g.rows + rows_per_strip - 1) / rows_per_strip;
-    auto partials = torch::empty({strips * general::kLanes, 6, g.hidden}, weight_grads.options());
-    general::weight_grad_kernel<scalar_t, A><<<dim3(column_blocks, strips), dim3(general::kWarp, general::kLanes), 0,
-                                               stream>>>(
-        grad_base.data_ptr<scalar_t>(), grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(),
-        stats.data_ptr<A>(), terms.data_ptr<A>(), params, rows_per_strip, partials.data_ptr<A>());
+    const general::Strips strips = general::weight_grad_strips(g.rows, g.hidden);
+    auto partials = torch::empty({strips.strips * general::kLanes, 6, g.hidden}, weight_grads.options());
+    general::weight_grad_kernel<scalar_t, A><<<dim3(strips.column_blocks, strips.strips),
+                                               dim3(general::kWarp, general::kLanes), 0, stream>>>(
+        gb, base_width, grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(), stats.data_ptr<A>(),
+        terms.data_ptr<A>(), params, strips.rows_per_strip, partials.data_ptr<A>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int64_t columns = 6 * g.hidden;
-    general::sum_parts_kernel<A><<<static_cast<int>((columns + 255) / 256), 256, 0, stream>>>(
-        partials.data_ptr<A>(), strips * general::kLanes, columns, weight_grads.data_ptr<A>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    general::sum_parts(partials, strips.strips * general::kLanes, 6 * g.hidden, weight_grads);
   });
 }
 
@@ -601,7 +620,8 @@ void CudaKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, c
                             torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
   const c10::cuda::CUDAGuard guard(streams.device());
   const KernelGeneration generation = cuda_kernel_generation();  // checks the setting for every op
-  if (w.channel_scale) return general_forward(streams, g, w, eps, base, normed, stats);
+  // the hybrid and entry ops run the general kernels under both generations (docs/kernels.md)
+  if (w.channel_scale || w.base_is_streams) return general_forward(streams, g, w, eps, base, normed, stats);
   if (generation == KernelGeneration::kTiled) return tiled_dual_norm(streams, g, w, eps, base, normed, stats);
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
@@ -624,7 +644,7 @@ void CudaKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch
                                      const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
   const c10::cuda::CUDAGuard guard(streams.device());
   const KernelGeneration generation = cuda_kernel_generation();
-  if (w.channel_scale)
+  if (w.channel_scale || w.base_is_streams)
     return general_backward(grad_base, grad_normed, streams, stats, g, w, grad_streams, weight_grads);
   if (generation == KernelGeneration::kTiled)
     return tiled_dual_norm_backward(grad_base, grad_normed, streams, stats, g, w, grad_streams, weight_grads);

@@ -87,44 +87,72 @@ NormWeights prepare_hybrid_weights(const torch::Tensor& streams, int64_t hidden,
   return w;
 }
 
-// The forward of both norm ops on checked streams and prepared weights.
+// The forward of the norm ops on checked streams and prepared weights; the entry ops write no
+// base (an undefined tensor).
 template <class Kernels>
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> norm_forward(const torch::Tensor& streams,
                                                                      const StreamRows& geometry,
                                                                      const NormWeights& weights, double eps) {
-  auto base = torch::empty({geometry.rows, 2 * geometry.hidden}, streams.options());
+  auto base = weights.base_is_streams ? torch::Tensor()
+                                      : torch::empty({geometry.rows, 2 * geometry.hidden}, streams.options());
   auto normed = torch::empty({geometry.rows, geometry.hidden}, streams.options());
   auto stats = torch::empty({geometry.rows, kStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
   if (geometry.rows > 0) Kernels::dual_norm(streams, geometry, weights, eps, base, normed, stats);
   return {base, normed, stats};
 }
 
-// The backward of both norm ops: grad_streams and weight gradients [6, h] in dual_norm's order.
+// Checks a gradient that the backward ops take beside the streams: [rows, cols], the streams'
+// device and dtype. Optional ones (grad_base of the entry and boundary ops) may be undefined.
+void check_gradient(const char* op, const char* name, const torch::Tensor& grad, const torch::Tensor& streams,
+                    int64_t rows, int64_t cols, const char* shape) {
+  if (!grad.defined()) return;
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == rows && grad.size(1) == cols, op, ": ", name, " must be ", shape,
+              ", got ", grad.sizes());
+  TORCH_CHECK(grad.device() == streams.device(), op, ": tensors must be on one device");
+  TORCH_CHECK(grad.scalar_type() == streams.scalar_type(), op, ": ", name, " (", grad.scalar_type(),
+              ") must be in the streams' dtype (", streams.scalar_type(), ")");
+}
+
+void check_stats(const char* op, const torch::Tensor& stats, const torch::Tensor& streams, int64_t rows,
+                 int64_t per_row) {
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == rows && stats.size(1) == per_row &&
+                  stats.scalar_type() == accumulation_type(streams) && stats.is_contiguous(),
+              op, ": stats must be the forward's [rows, ", per_row, "] statistics");
+  TORCH_CHECK(stats.device() == streams.device(), op, ": tensors must be on one device");
+}
+
+// The backward of the norm ops: grad_streams and weight gradients [6, h] in dual_norm's order.
+// grad_base: base's gradient [rows, 2h], or for the entry ops (base_is_streams) the streams'
+// pass-through gradient [rows, width], which may be undefined (no such path).
 template <class Kernels>
 std::tuple<torch::Tensor, torch::Tensor> norm_backward(const char* op, const torch::Tensor& grad_base,
                                                        const torch::Tensor& grad_normed, const torch::Tensor& streams,
                                                        const torch::Tensor& stats, const StreamRows& geometry,
                                                        const NormWeights& weights) {
   const int64_t hidden = geometry.hidden;
-  TORCH_CHECK(grad_base.dim() == 2 && grad_base.size(0) == geometry.rows && grad_base.size(1) == 2 * hidden, op,
-              ": grad_base must be [rows, 2 * hidden], got ", grad_base.sizes());
-  TORCH_CHECK(grad_normed.dim() == 2 && grad_normed.size(0) == geometry.rows && grad_normed.size(1) == hidden, op,
-              ": grad_normed must be [rows, hidden], got ", grad_normed.sizes());
-  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == geometry.rows && stats.size(1) == kStatsPerRow &&
-                  stats.scalar_type() == accumulation_type(streams) && stats.is_contiguous(),
-              op, ": stats must be the forward's [rows, 6] statistics");
-  TORCH_CHECK(grad_base.device() == streams.device() && grad_normed.device() == streams.device(), op,
-              ": tensors must be on one device");
-  TORCH_CHECK(grad_base.scalar_type() == streams.scalar_type() && grad_normed.scalar_type() == streams.scalar_type(),
-              op, ": grad_base (", grad_base.scalar_type(), ") and grad_normed (", grad_normed.scalar_type(),
-              ") must be in the streams' dtype (", streams.scalar_type(), ")");
-  auto gb = grad_base.contiguous();
+  if (weights.base_is_streams) {
+    check_gradient(op, "grad_streams_through", grad_base, streams, geometry.rows, geometry.width(),
+                   "the streams' shape");
+  } else {
+    TORCH_CHECK(grad_base.defined(), op, ": grad_base is required");
+    check_gradient(op, "grad_base", grad_base, streams, geometry.rows, 2 * hidden, "[rows, 2 * hidden]");
+  }
+  TORCH_CHECK(grad_normed.defined(), op, ": grad_normed is required");
+  check_gradient(op, "grad_normed", grad_normed, streams, geometry.rows, hidden, "[rows, hidden]");
+  check_stats(op, stats, streams, geometry.rows, kStatsPerRow);
+  auto gb = grad_base.defined() ? grad_base.contiguous() : grad_base;
   auto gn = grad_normed.contiguous();
   auto grad_streams = torch::empty_like(streams);
   auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
   if (geometry.rows > 0)
     Kernels::dual_norm_backward(gb, gn, streams, stats, geometry, weights, grad_streams, weight_grads);
   return {grad_streams, weight_grads};
+}
+
+// dual_norm's weight-gradient rows x_weight, y_weight, y_bias: the hybrid ops' c1, y_weight, y_bias
+torch::Tensor hybrid_rows(const torch::Tensor& weight_grads) {
+  const auto rows = torch::tensor({0, 2, 3}, weight_grads.options().dtype(at::kLong));
+  return weight_grads.index_select(0, rows);
 }
 
 template <class Kernels>
@@ -170,9 +198,165 @@ std::tuple<torch::Tensor, torch::Tensor> hybrid_dual_norm_backward(
   auto [grad_streams, weight_grads] = norm_backward<Kernels>(
       "hybrid_dual_norm_backward", grad_base, grad_normed, streams, stats, geometry,
       prepare_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms, zero_centered_gamma));
-  // dual_norm's rows x_weight, y_weight, y_bias are c1's, y_weight's and y_bias's
-  const auto rows = torch::tensor({0, 2, 3}, weight_grads.options().dtype(at::kLong));
-  return {grad_streams, weight_grads.index_select(0, rows)};
+  return {grad_streams, hybrid_rows(weight_grads)};
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor> entry_norm(const torch::Tensor& streams, int64_t hidden,
+                                                    const torch::Tensor& x_weight, const OptionalTensor& x_bias,
+                                                    const torch::Tensor& y_weight, const OptionalTensor& y_bias,
+                                                    const OptionalTensor& in_weight, const OptionalTensor& in_bias,
+                                                    double eps, bool rms, bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden, "entry_norm");
+  NormWeights weights = prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, rms,
+                                        zero_centered_gamma);
+  weights.base_is_streams = true;
+  auto [base, normed, stats] = norm_forward<Kernels>(streams, geometry, weights, eps);
+  return {normed, stats};
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor> entry_norm_backward(
+    const OptionalTensor& grad_streams_through, const torch::Tensor& grad_normed, const torch::Tensor& streams,
+    const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_weight, const OptionalTensor& x_bias,
+    const torch::Tensor& y_weight, const OptionalTensor& y_bias, const OptionalTensor& in_weight,
+    const OptionalTensor& in_bias, bool rms, bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden, "entry_norm_backward");
+  NormWeights weights = prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, rms,
+                                        zero_centered_gamma);
+  weights.base_is_streams = true;
+  return norm_backward<Kernels>("entry_norm_backward", defined_or_empty(grad_streams_through), grad_normed, streams,
+                                stats, geometry, weights);
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor> hybrid_entry_norm(const torch::Tensor& streams, int64_t hidden,
+                                                           const torch::Tensor& x_scale, const torch::Tensor& y_weight,
+                                                           const OptionalTensor& y_bias, double eps, bool rms,
+                                                           bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden, "hybrid_entry_norm");
+  NormWeights weights = prepare_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms, zero_centered_gamma);
+  weights.base_is_streams = true;
+  auto [base, normed, stats] = norm_forward<Kernels>(streams, geometry, weights, eps);
+  return {normed, stats};
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor> hybrid_entry_norm_backward(
+    const OptionalTensor& grad_streams_through, const torch::Tensor& grad_normed, const torch::Tensor& streams,
+    const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_scale, const torch::Tensor& y_weight,
+    const OptionalTensor& y_bias, bool rms, bool zero_centered_gamma) {
+  const StreamRows geometry = check_streams(streams, hidden, "hybrid_entry_norm_backward");
+  NormWeights weights = prepare_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms, zero_centered_gamma);
+  weights.base_is_streams = true;
+  auto [grad_streams, weight_grads] = norm_backward<Kernels>(
+      "hybrid_entry_norm_backward", defined_or_empty(grad_streams_through), grad_normed, streams, stats, geometry,
+      weights);
+  return {grad_streams, hybrid_rows(weight_grads)};
+}
+
+// residual_dual_norm's inputs besides the streams: the sublayer's output, its bias (in the
+// accumulation type) and dropout mask, checked against the streams.
+struct ResidualInputs {
+  torch::Tensor out, bias, mask;
+};
+
+ResidualInputs check_residual_inputs(const char* op, const torch::Tensor& streams, const StreamRows& g,
+                                     const torch::Tensor& out, const OptionalTensor& bias, const OptionalTensor& mask) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == g.rows && out.size(1) == g.hidden, op, ": out must be [rows, hidden] = [",
+              g.rows, ", ", g.hidden, "], got ", out.sizes());
+  TORCH_CHECK(out.device() == streams.device(), op, ": out is on ", out.device(), ", the streams on ",
+              streams.device());
+  TORCH_CHECK(out.scalar_type() == streams.scalar_type(), op, ": out (", out.scalar_type(),
+              ") must be in the streams' dtype (", streams.scalar_type(), ")");
+  ResidualInputs r{out.contiguous(), defined_or_empty(bias), defined_or_empty(mask)};
+  if (r.bias.defined()) {
+    TORCH_CHECK(r.bias.dim() == 1 && r.bias.size(0) == g.hidden, op, ": bias must be [", g.hidden, "], got ",
+                r.bias.sizes());
+    TORCH_CHECK(r.bias.device() == streams.device(), op, ": bias is on ", r.bias.device(), ", the streams on ",
+                streams.device());
+    TORCH_CHECK(r.bias.scalar_type() == streams.scalar_type() || r.bias.scalar_type() == at::kFloat, op,
+                ": bias must be in the streams' dtype (", streams.scalar_type(), ") or float32, got ",
+                r.bias.scalar_type());
+    r.bias = r.bias.to(accumulation_type(streams)).contiguous();
+  }
+  if (r.mask.defined()) {
+    TORCH_CHECK(r.mask.scalar_type() == at::kBool && r.mask.dim() == 2 && r.mask.size(0) == g.rows &&
+                    r.mask.size(1) == g.hidden,
+                op, ": mask must be bool [rows, hidden]");
+    TORCH_CHECK(r.mask.device() == streams.device(), op, ": mask is on ", r.mask.device(), ", the streams on ",
+                streams.device());
+    r.mask = r.mask.contiguous();
+  }
+  return r;
+}
+
+// The boundary op's weights: the previous sublayer's PostNorm (gamma and beta, or neither: the
+// residual continues from x) and the next sublayer's three norms, as dual_norm takes them.
+NormWeights prepare_boundary_weights(const char* op, const torch::Tensor& streams, int64_t hidden,
+                                     const OptionalTensor& prev_x_weight, const OptionalTensor& prev_x_bias,
+                                     const torch::Tensor& x_weight, const OptionalTensor& x_bias,
+                                     const torch::Tensor& y_weight, const OptionalTensor& y_bias,
+                                     const OptionalTensor& in_weight, const OptionalTensor& in_bias, bool rms,
+                                     bool zero_centered_gamma) {
+  NormWeights w = prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, rms,
+                                  zero_centered_gamma);
+  w.prev_gamma = prepared(prev_x_weight, streams, hidden, op, "prev_x_weight", true, zero_centered_gamma);
+  w.prev_beta = prepared(prev_x_bias, streams, hidden, op, "prev_x_bias", false, false);
+  TORCH_CHECK(w.prev_gamma.defined() || !w.prev_beta.defined(), op, ": prev_x_bias without prev_x_weight");
+  TORCH_CHECK(!w.prev_gamma.defined() || w.prev_beta.defined() == w.x_beta.defined(), op,
+              ": give biases for all norms or for none");
+  return w;
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> residual_dual_norm(
+    const torch::Tensor& streams, const torch::Tensor& out, const OptionalTensor& bias, const OptionalTensor& mask,
+    double scale, double inv_c, int64_t hidden, const OptionalTensor& prev_x_weight, const OptionalTensor& prev_x_bias,
+    const torch::Tensor& x_weight, const OptionalTensor& x_bias, const torch::Tensor& y_weight,
+    const OptionalTensor& y_bias, const OptionalTensor& in_weight, const OptionalTensor& in_bias, double eps, bool rms,
+    bool zero_centered_gamma) {
+  constexpr const char* op = "residual_dual_norm";
+  const StreamRows g = check_streams(streams, hidden, op);
+  const ResidualInputs r = check_residual_inputs(op, streams, g, out, bias, mask);
+  const NormWeights w = prepare_boundary_weights(op, streams, hidden, prev_x_weight, prev_x_bias, x_weight, x_bias,
+                                                 y_weight, y_bias, in_weight, in_bias, rms, zero_centered_gamma);
+  auto base = torch::empty({g.rows, 2 * hidden}, streams.options());
+  auto normed = torch::empty({g.rows, hidden}, streams.options());
+  auto stats = torch::empty({g.rows, kBoundaryStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
+  if (g.rows > 0) Kernels::residual_dual_norm(streams, r.out, r.bias, r.mask, scale, inv_c, g, w, eps, base, normed, stats);
+  return {base, normed, stats};
+}
+
+template <class Kernels>
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> residual_dual_norm_backward(
+    const OptionalTensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
+    const torch::Tensor& out, const OptionalTensor& bias, const OptionalTensor& mask, const torch::Tensor& stats,
+    double scale, double inv_c, int64_t hidden, const OptionalTensor& prev_x_weight, const OptionalTensor& prev_x_bias,
+    const torch::Tensor& x_weight, const OptionalTensor& x_bias, const torch::Tensor& y_weight,
+    const OptionalTensor& y_bias, const OptionalTensor& in_weight, const OptionalTensor& in_bias, bool rms,
+    bool zero_centered_gamma) {
+  constexpr const char* op = "residual_dual_norm_backward";
+  const StreamRows g = check_streams(streams, hidden, op);
+  const ResidualInputs r = check_residual_inputs(op, streams, g, out, bias, mask);
+  const NormWeights w = prepare_boundary_weights(op, streams, hidden, prev_x_weight, prev_x_bias, x_weight, x_bias,
+                                                 y_weight, y_bias, in_weight, in_bias, rms, zero_centered_gamma);
+  const torch::Tensor gb = defined_or_empty(grad_base);
+  check_gradient(op, "grad_base", gb, streams, g.rows, 2 * hidden, "[rows, 2 * hidden]");
+  check_gradient(op, "grad_normed", grad_normed, streams, g.rows, hidden, "[rows, hidden]");
+  check_stats(op, stats, streams, g.rows, kBoundaryStatsPerRow);
+  const auto acc = streams.options().dtype(accumulation_type(streams));
+  auto grad_streams = torch::empty_like(streams);
+  auto grad_out = torch::empty({g.rows, hidden}, streams.options());
+  auto grad_bias = torch::zeros({r.bias.defined() ? hidden : 0}, acc);
+  auto weight_grads = torch::zeros({kBoundaryWeightGrads, hidden}, acc);
+  if (g.rows > 0) {
+    torch::Tensor bias_grad = r.bias.defined() ? grad_bias : torch::Tensor();
+    Kernels::residual_dual_norm_backward(gb.defined() ? gb.contiguous() : gb, grad_normed.contiguous(), streams,
+                                         r.out, r.bias, r.mask, stats, scale, inv_c, g, w, grad_streams, grad_out,
+                                         bias_grad, weight_grads);
+  }
+  return {grad_streams, grad_out, grad_bias, weight_grads};
 }
 
 template <class Kernels>
@@ -232,6 +416,12 @@ void register_kernels(torch::Library& m) {
   m.impl("hybrid_dual_norm_backward", &hybrid_dual_norm_backward<Kernels>);
   m.impl("dual_residual", &dual_residual<Kernels>);
   m.impl("dual_residual_backward", &dual_residual_backward<Kernels>);
+  m.impl("entry_norm", &entry_norm<Kernels>);
+  m.impl("entry_norm_backward", &entry_norm_backward<Kernels>);
+  m.impl("hybrid_entry_norm", &hybrid_entry_norm<Kernels>);
+  m.impl("hybrid_entry_norm_backward", &hybrid_entry_norm_backward<Kernels>);
+  m.impl("residual_dual_norm", &residual_dual_norm<Kernels>);
+  m.impl("residual_dual_norm_backward", &residual_dual_norm_backward<Kernels>);
 }
 
 }  // namespace
@@ -273,6 +463,44 @@ TORCH_LIBRARY(megatron_siamese, m) {
   m.def(
       "dual_residual_backward(Tensor grad, Tensor? mask, float scale, float inv_c, "
       "bool has_bias) -> (Tensor grad_out, Tensor grad_bias)");
+  // A layer's first sublayer: dual_norm's normed and stats, no base (the streams pass through to
+  // the boundary op, which recomputes u from them).
+  m.def(
+      "entry_norm(Tensor streams, int hidden, Tensor x_weight, Tensor? x_bias, Tensor y_weight, "
+      "Tensor? y_bias, Tensor? in_weight, Tensor? in_bias, float eps, bool rms, "
+      "bool zero_centered_gamma) -> (Tensor normed, Tensor stats)");
+  // Gradients w.r.t. the streams (their pass-through gradient, [N, width], added after the norms'
+  // backward) and weight gradients [6, h] in dual_norm's order.
+  m.def(
+      "entry_norm_backward(Tensor? grad_streams_through, Tensor grad_normed, Tensor streams, Tensor stats, "
+      "int hidden, Tensor x_weight, Tensor? x_bias, Tensor y_weight, Tensor? y_bias, "
+      "Tensor? in_weight, Tensor? in_bias, bool rms, bool zero_centered_gamma) -> "
+      "(Tensor grad_streams, Tensor weight_grads)");
+  // The hybrid variant's attention side as a layer's first sublayer: hybrid_dual_norm without base.
+  m.def(
+      "hybrid_entry_norm(Tensor streams, int hidden, Tensor x_scale, Tensor y_weight, Tensor? y_bias, "
+      "float eps, bool rms, bool zero_centered_gamma) -> (Tensor normed, Tensor stats)");
+  m.def(
+      "hybrid_entry_norm_backward(Tensor? grad_streams_through, Tensor grad_normed, Tensor streams, "
+      "Tensor stats, int hidden, Tensor x_scale, Tensor y_weight, Tensor? y_bias, bool rms, "
+      "bool zero_centered_gamma) -> (Tensor grad_streams, Tensor weight_grads)");
+  // The boundary between two sublayers of a layer: the first's residual update from the layer's
+  // streams (u = PostNorm_prev(x), or x without prev_x_weight; x' = u + z * inv_c, y' = y + z,
+  // z = (out + bias) * mask * scale) and the second's norms of [x' | y']: base [N, 2h] =
+  // [PostNorm(x') | y'], normed [N, h], stats [N, 8] (x's mean and rstd, then dual_norm's six).
+  m.def(
+      "residual_dual_norm(Tensor streams, Tensor out, Tensor? bias, Tensor? mask, float scale, float inv_c, "
+      "int hidden, Tensor? prev_x_weight, Tensor? prev_x_bias, Tensor x_weight, Tensor? x_bias, "
+      "Tensor y_weight, Tensor? y_bias, Tensor? in_weight, Tensor? in_bias, float eps, bool rms, "
+      "bool zero_centered_gamma) -> (Tensor base, Tensor normed, Tensor stats)");
+  // Gradients w.r.t. the streams, out, bias (fp32 [h]; empty without a bias) and the weights
+  // [8, h] (fp32): prev_x_weight, prev_x_bias, then dual_norm's six.
+  m.def(
+      "residual_dual_norm_backward(Tensor? grad_base, Tensor grad_normed, Tensor streams, Tensor out, "
+      "Tensor? bias, Tensor? mask, Tensor stats, float scale, float inv_c, int hidden, "
+      "Tensor? prev_x_weight, Tensor? prev_x_bias, Tensor x_weight, Tensor? x_bias, Tensor y_weight, "
+      "Tensor? y_bias, Tensor? in_weight, Tensor? in_bias, bool rms, bool zero_centered_gamma) -> "
+      "(Tensor grad_streams, Tensor grad_out, Tensor grad_bias, Tensor weight_grads)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_siamese, CPU, m) {

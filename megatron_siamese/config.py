@@ -9,6 +9,7 @@ from typing import Optional
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 FUSED_OPS_ENV = "MEGATRON_SIAMESE_FUSED_OPS"
+BOUNDARY_OPS_ENV = "MEGATRON_SIAMESE_BOUNDARY_OPS"
 
 
 @dataclass
@@ -22,17 +23,35 @@ class SiameseTransformerConfig(TransformerConfig):
     field (a plain TransformerConfig, e.g. from Megatron-LM) MEGATRON_SIAMESE_FUSED_OPS=1/0
     decides."""
 
+    siamese_boundary_ops: Optional[bool] = None
+    """Join a layer's two sublayers with the fused boundary ops (entry_norm, residual_dual_norm,
+    dual_residual: 7 passes over the tokens per sublayer forward instead of 10; docs/kernels.md)
+    instead of a dual_norm and a dual_residual per sublayer: None uses them on the CPU and not
+    yet on CUDA (their CUDA kernels have not run on a GPU), True everywhere the fused ops run
+    (and fails where they cannot), False never. Both compute the same function. Without this
+    field MEGATRON_SIAMESE_BOUNDARY_OPS=1/0 decides."""
 
-def fused_ops_requested(config: TransformerConfig) -> Optional[bool]:
+
+def _requested(config: TransformerConfig, field: str, variable: str) -> Optional[bool]:
     """True / False when forced (config field, else environment), None for automatic."""
-    requested = getattr(config, "siamese_fused_ops", None)
+    requested = getattr(config, field, None)
     if requested is not None:
         return bool(requested)
-    value = os.environ.get(FUSED_OPS_ENV, "auto").strip().lower()
+    value = os.environ.get(variable, "auto").strip().lower()
     if value in ("", "auto"):
         return None
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{FUSED_OPS_ENV} must be 1, 0 or auto, got {value!r}")
+    raise ValueError(f"{variable} must be 1, 0 or auto, got {value!r}")
+
+
+def fused_ops_requested(config: TransformerConfig) -> Optional[bool]:
+    """The fused ops: True / False when forced (config field, else environment), None for automatic."""
+    return _requested(config, "siamese_fused_ops", FUSED_OPS_ENV)
+
+
+def boundary_ops_requested(config: TransformerConfig) -> Optional[bool]:
+    """The boundary ops: True / False when forced (config field, else environment), None for automatic."""
+    return _requested(config, "siamese_boundary_ops", BOUNDARY_OPS_ENV)

@@ -210,11 +210,11 @@ def get_siamese_hybrid_stack_spec() -> ModuleSpec:
     return ModuleSpec(
         module=SiameseHybridStack,
         submodules=HybridStackSubmodules(
-            attention_layer=siamese_layer_from(stock, False, mlp=False, **norms),
-            mlp_layer=siamese_layer_from(stock, False, attention=False, **norms),
+            attention_layer=siamese_layer_from(stock, False, with_mlp=False, **norms),
+            mlp_layer=siamese_layer_from(stock, False, with_attention=False, **norms),
             mamba_layer=_refused(f"Mamba layers ('M') run on GPU kernels: {needs_te}."),
             gdn_layer=_refused(f"gated delta net layers ('G') run on GPU kernels: {needs_te}."),
-            moe_layer=siamese_layer_from(stock_moe, False, attention=False, **norms),
+            moe_layer=siamese_layer_from(stock_moe, False, with_attention=False, **norms),
             dsa_layer=_DSA, mla_layer=_MLA,
         ),
     )
@@ -230,9 +230,18 @@ class TransformerEngineUnavailableStack(SiameseHybridStack):
         )
 
 
+def _te_layer(stock: ModuleSpec, **sublayers) -> ModuleSpec:
+    """A TE stack layer as a SiameseNorm layer, its InputNorm ours feeding TE's plain linear."""
+    from megatron_siamese.specs import te_input_norm_slots
+
+    return siamese_layer_from(stock, False, **sublayers, **te_input_norm_slots(stock))
+
+
 def get_siamese_hybrid_te_stack_spec() -> ModuleSpec:
-    """Megatron's Transformer Engine ``hybrid_stack_spec`` with SiameseNorm layers: the InputNorms
-    stay fused into TE's LayerNorm-Linear (attention qkv, MLP fc1, Mamba and GDN in_proj)."""
+    """Megatron's Transformer Engine ``hybrid_stack_spec`` with SiameseNorm layers: the attention,
+    MLP and MoE layers' InputNorms are ours feeding TE's plain linears (as in the GPT TE spec);
+    the Mamba and GDN mixers keep the InputNorm TE fuses into their ``in_proj``, which then
+    normalizes the merged input the stream norms hand it (docs/transformer-engine.md)."""
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
     stock = hybrid_stack_spec.submodules
@@ -240,16 +249,16 @@ def get_siamese_hybrid_te_stack_spec() -> ModuleSpec:
     return ModuleSpec(
         module=SiameseHybridStack if te.unavailable_reason() is None else TransformerEngineUnavailableStack,
         submodules=HybridStackSubmodules(
-            attention_layer=siamese_layer_from(_without_qk_norm(stock.attention_layer), False, mlp=False),
-            mlp_layer=siamese_layer_from(stock.mlp_layer, False, attention=False),
-            gdn_layer=siamese_layer_from(stock.gdn_layer, False, mlp=False),
+            attention_layer=_te_layer(_without_qk_norm(stock.attention_layer), with_mlp=False),
+            mlp_layer=_te_layer(stock.mlp_layer, with_attention=False),
+            gdn_layer=siamese_layer_from(stock.gdn_layer, False, with_mlp=False),
             mamba_layer=ModuleSpec(
                 module=SiameseMambaLayer,
                 submodules=SiameseMambaLayerSubmodules(
                     norm=mamba.norm, mixer=mamba.mixer, sharded_state_dict_keys_map=dict(mamba.sharded_state_dict_keys_map)
                 ),
             ),
-            moe_layer=siamese_layer_from(stock.moe_layer, False, attention=False),
+            moe_layer=_te_layer(stock.moe_layer, with_attention=False),
             dsa_layer=_DSA, mla_layer=_MLA,
         ),
     )

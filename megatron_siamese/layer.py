@@ -11,6 +11,10 @@ Megatron's layer structure:
   SiameseNorm sublayer (``siamese_sublayer.py``);
 * a layer holds both sublayers (a GPT block) or one of them (a HybridModel ``*`` or ``-``
   layer: the other is Megatron's ``IdentityOp`` and passes the streams through);
+* where the boundary ops run, a GPT block's two sublayers are joined: ``_forward_attention``
+  hands ``_forward_mlp`` a ``JoinedSublayers`` instead of the packed streams between them
+  (Megatron's forward passes it on untouched); under Transformer Engine's CUDA graphs, which
+  capture the two hooks apart, each sublayer runs on its own (the same function);
 * selective recompute "layernorm" discards the stream norms' outputs and recomputes them
   in backward, "mlp" checkpoints the MLP, as the base layer does for its single stream.
 """
@@ -36,9 +40,9 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
 from megatron_siamese.norms import QKNormPerConfig
-from megatron_siamese.siamese_sublayer import SiameseSublayerMixin
+from megatron_siamese.siamese_sublayer import JoinedSublayers, SiameseSublayerMixin
 from megatron_siamese.streams import split_streams
-from megatron_siamese.support import check_moe_layer, check_supported
+from megatron_siamese.support import UnsupportedConfigError, check_moe_layer, check_supported
 
 
 @dataclass
@@ -46,8 +50,8 @@ class SiameseTransformerLayerSubmodules(TransformerLayerSubmodules):
     """TransformerLayerSubmodules plus the per-sublayer stream norms.
 
     ``input_layernorm`` / ``pre_mlp_layernorm`` keep their Megatron meaning (InputNorm of
-    the attention / MLP sublayer; IdentityOp when Transformer Engine fuses it into the
-    following linear). ``output_merge`` is built on the last global layer only, for specs
+    the attention / MLP sublayer; IdentityOp where the sublayer has none: the hybrid
+    variant's attention). ``output_merge`` is built on the last global layer only, for specs
     that cannot give the block a merging final norm (Megatron-LM's ``--spec``).
     """
 
@@ -94,6 +98,16 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
             (self.mlp_x_norm, self.mlp_y_norm) if self.has_mlp else ()
         )
         self._init_siamese(stream_norms, sublayers_per_layer=self.has_attention + self.has_mlp)
+        # Transformer Engine's CUDA graphs capture _forward_attention and _forward_mlp apart, with
+        # static [s, b, 2h] buffers between them: there the sublayers run apart (docs/kernels.md)
+        self.may_join_sublayers = (self.has_attention and self.has_mlp
+                                   and getattr(self.config, "cuda_graph_impl", "none") != "transformer_engine")
+        if not self.may_join_sublayers and self.has_attention and self.has_mlp and self.stream_arithmetic.boundary_requested:
+            raise UnsupportedConfigError(
+                "siamese_boundary_ops=True (MEGATRON_SIAMESE_BOUNDARY_OPS=1) joins a layer's two sublayers, which "
+                "Transformer Engine's CUDA graphs (cuda_graph_impl='transformer_engine') capture apart: leave "
+                "siamese_boundary_ops unset (the sublayers then run apart, the same function) or use "
+                "cuda_graph_impl='local'.")
         self.is_last_layer = self.layer_number == self.config.num_layers
         self.output_merge = (
             build_norm(submodules.output_merge)
@@ -125,14 +139,17 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
                 normed, attention_mask=attention_mask, inference_context=inference_context, **attention_kwargs
             )
 
-        packed = self._siamese_sublayer(
-            hidden_states, self.attn_x_norm, self.attn_y_norm, self.input_layernorm, attention
-        )
-        return packed, context
+        attention_norms = (self.attn_x_norm, self.attn_y_norm, self.input_layernorm)
+        if self.may_join_sublayers and self._joins_sublayers(hidden_states):
+            mlp_norms = (self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm)
+            return self._siamese_first_of_two(hidden_states, attention_norms, mlp_norms, attention), context
+        return self._siamese_sublayer(hidden_states, *attention_norms, attention), context
 
-    def _forward_mlp(self, hidden_states: Tensor, inference_context=None, padding_mask=None, **unused: Any):
+    def _forward_mlp(self, hidden_states: Union[Tensor, JoinedSublayers], inference_context=None, padding_mask=None,
+                     **unused: Any):
         """MLP sublayer; returns packed streams, or the merged ``[s, b, h]`` if this layer merges.
 
+        ``hidden_states``: the packed streams, or what ``_forward_attention`` joined to this sublayer.
         Newer Megatron passes more keywords (``packed_seq_params``, ...) that the MLP does not use.
         """
 
@@ -141,11 +158,12 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
                 return self._checkpointed_mlp(normed, padding_mask)
             return self.mlp(normed, padding_mask=padding_mask)
 
-        output = (
-            self._siamese_sublayer(hidden_states, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm, mlp)
-            if self.has_mlp
-            else hidden_states  # a HybridModel attention layer
-        )
+        if isinstance(hidden_states, JoinedSublayers):
+            output = self._siamese_second_of_two(hidden_states, mlp)
+        elif self.has_mlp:
+            output = self._siamese_sublayer(hidden_states, self.mlp_x_norm, self.mlp_y_norm, self.pre_mlp_layernorm, mlp)
+        else:
+            output = hidden_states  # a HybridModel attention layer
         if self.output_merge is not None:
             output = self.output_merge(*split_streams(output, self.config.hidden_size))
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)

@@ -9,7 +9,13 @@ as ``_siamese_sublayer(streams, x_norm, y_norm, input_norm, sublayer)``:
     streams = base + [z / c | z]        # z = dropout(out + bias), one mask for both streams
 
 through the fused ops or the PyTorch composition (``stream_arithmetic.py``), with selective
-"layernorm" recompute releasing the norms' outputs until the backward needs them. ``c`` comes
+"layernorm" recompute releasing the norms' outputs until the backward needs them.
+
+A layer with two sublayers (a GPT block) runs them joined where the boundary ops run
+(``StreamArithmetic.joins``): ``_siamese_first_of_two`` runs the first sublayer between the
+entry op and the boundary op and returns ``JoinedSublayers`` (the second sublayer's base and
+normalized input), which ``_siamese_second_of_two`` finishes with the second sublayer and
+``dual_residual``. The packed streams between the two sublayers are never written. ``c`` comes
 from the global layer number and how many sublayers the layer holds
 (``reference.functional.gpt_equivalent_block``), so every pipeline and virtual-pipeline
 layout, and a HybridModel stack of one-sublayer layers, computes the GPT's function.
@@ -17,8 +23,10 @@ layout, and a HybridModel stack of one-sublayer layers, computes the GPT's funct
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel
@@ -28,6 +36,42 @@ from megatron_siamese.reference.functional import depth_scale, gpt_equivalent_bl
 from megatron_siamese.stream_arithmetic import StreamArithmetic, dropout_mask
 
 Sublayer = Callable[[Tensor], Tuple[Tensor, Optional[Tensor]]]
+
+
+@dataclass
+class JoinedSublayers:
+    """What a layer's first sublayer hands its second when the boundary op joined them: the
+    second's residual base ``[PostNorm(x') | y']`` and normalized input. Not a tensor: a caller
+    that expects the packed streams between the sublayers (a CUDA graph of one sublayer) fails
+    instead of reading these as streams."""
+
+    base: Tensor
+    normed: Tensor
+    arithmetic: object
+    recompute_normed: Optional[Callable[[], Tensor]] = None
+
+
+def release_until_backward(tensor: Tensor, recompute: Callable[[], Tensor], hook_tensor: Tensor) -> None:
+    """Selective "layernorm" recompute for the boundary ops: frees ``tensor``'s storage now, and
+    refills that same storage (which the next module saved for its backward) from
+    ``recompute()`` when ``hook_tensor``'s gradient arrives, before that module's backward.
+
+    Megatron's CheckpointWithoutOutput does this by re-running its function with autograd; the
+    fused ops' own backward never reads ``tensor``, so a plain recomputation refills it."""
+    if not (torch.is_grad_enabled() and hook_tensor.requires_grad):
+        return
+    storage = tensor.untyped_storage()
+    size = storage.size()
+    storage.resize_(0)
+
+    def refill(grad):
+        with torch.no_grad():
+            fresh = recompute()
+            storage.resize_(size)
+            tensor.copy_(fresh)
+        return grad
+
+    hook_tensor.register_hook(refill)
 
 
 class SiameseSublayerMixin:
@@ -81,3 +125,36 @@ class SiameseSublayerMixin:
             # they are dead from here on (the residual update does not save them)
             norm_checkpoint.discard_output_and_register_recompute(output)
         return packed
+
+    def _joins_sublayers(self, hidden_states: Tensor) -> bool:
+        """Whether this layer's two sublayers run joined by the boundary ops (its device's choice)."""
+        return self.stream_arithmetic.joins(hidden_states.device)
+
+    def _siamese_first_of_two(self, hidden_states: Tensor, first_norms, second_norms,
+                              sublayer: Sublayer) -> JoinedSublayers:
+        """The first of two joined sublayers: entry op, ``sublayer``, boundary op.
+
+        ``first_norms`` / ``second_norms``: (PostNorm, PreNorm, InputNorm) modules of each sublayer."""
+        self._check_width(hidden_states)
+        arithmetic = self.stream_arithmetic.on(hidden_states.device)
+        normed, through = arithmetic.entry(hidden_states, *first_norms)
+        output, bias = sublayer(normed)
+        if self.recompute_stream_norms:
+            release_until_backward(normed, lambda: arithmetic.entry_normed(hidden_states, *first_norms), output)
+        mask, scale = dropout_mask(output, self.hidden_dropout, self.training)
+        args = (through, output, bias, mask, scale, 1.0 / self.depth_scale, first_norms[0], *second_norms)
+        base, second_normed = arithmetic.boundary(*args)
+        recompute = None
+        if self.recompute_stream_norms:
+            def recompute():
+                return arithmetic.boundary(*args)[1]
+        return JoinedSublayers(base, second_normed, arithmetic, recompute)
+
+    def _siamese_second_of_two(self, joined: JoinedSublayers, sublayer: Sublayer) -> Tensor:
+        """The second of two joined sublayers: ``sublayer`` on the boundary op's normed, then the
+        residual update onto its base; returns the packed streams."""
+        output, bias = sublayer(joined.normed)
+        if joined.recompute_normed is not None:
+            release_until_backward(joined.normed, joined.recompute_normed, output)
+        mask, scale = dropout_mask(output, self.hidden_dropout, self.training)
+        return joined.arithmetic.residual(joined.base, output, bias, mask, scale, 1.0 / self.depth_scale)

@@ -32,6 +32,7 @@ its config's ``qk_layernorm`` (Megatron-LM's ``--qk-layernorm``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
@@ -49,19 +50,19 @@ from megatron_siamese.support import UnsupportedConfigError
 VARIANTS = ("standard", "hybrid")
 
 
-def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=TorchNorm, attention: bool = True,
-                       mlp: bool = True, **slots) -> ModuleSpec:
+def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=TorchNorm, with_attention: bool = True,
+                       with_mlp: bool = True, **slots) -> ModuleSpec:
     """Megatron's layer spec ``stock`` as a SiameseNorm layer: its submodules, ``slots`` replaced,
     plus the stream norms (and the output merge for single-stream final norms).
 
-    ``attention=False`` / ``mlp=False`` drop that sublayer (a HybridModel ``-`` / ``*`` layer):
-    its module, InputNorm and stream norms become IdentityOp.
+    ``with_attention=False`` / ``with_mlp=False`` drop that sublayer (a HybridModel ``-`` / ``*``
+    layer): its module, InputNorm and stream norms become IdentityOp.
     """
     stream_norms = dict(attn_x_norm=attn_x_norm, attn_y_norm=TorchNorm, mlp_x_norm=TorchNorm, mlp_y_norm=TorchNorm)
-    if not attention:
+    if not with_attention:
         slots.update(self_attention=IdentityOp, input_layernorm=IdentityOp)
         stream_norms.update(attn_x_norm=IdentityOp, attn_y_norm=IdentityOp)
-    if not mlp:
+    if not with_mlp:
         slots.update(mlp=IdentityOp, pre_mlp_layernorm=IdentityOp)
         stream_norms.update(mlp_x_norm=IdentityOp, mlp_y_norm=IdentityOp)
     return ModuleSpec(
@@ -131,27 +132,64 @@ def siamese_local_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: 
     return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale if hybrid else TorchNorm, **slots)
 
 
-def siamese_te_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str = "standard") -> ModuleSpec:
-    """Megatron's Transformer Engine layer spec ``stock`` (dense or MoE) as a SiameseNorm layer.
+# Where a spec whose InputNorms are ours stores them in dist checkpoints: under the names of
+# Transformer Engine's LayerNorm-fused linears (Megatron's local spec maps them the same way).
+INPUT_NORM_CHECKPOINT_NAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                               "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
-    The standard variant hands ``PostNorm(x) + PreNorm(y)`` to TE's LayerNorm-fused ``linear_qkv``
-    and ``linear_fc1`` (their norms are the InputNorms). The hybrid variant's attention sublayer
-    has no InputNorm: its ``linear_qkv`` is TE's plain ``TEColumnParallelLinear`` and gets
-    ``c1 * x + PreNorm(y)`` (``ChannelScale``); its MLP sublayer is the standard one, and its
-    stock spec must have QK-norm. Checkpoint names are the local hybrid spec's.
-    """
-    _check_variant(variant)
-    if variant == "standard":
-        return siamese_layer_from(stock, merge_at_output)
-    attention = stock.submodules.self_attention
-    if not _has_qk_norm(attention):
-        raise ValueError("the hybrid variant's stock spec needs QK-norm: build it with qk_layernorm=True")
+
+def _with_fc1(mlp, linear_fc1):
+    """A dense MLP spec (a ModuleSpec, or newer Megatron's functools.partial) with ``linear_fc1`` replaced."""
+    if isinstance(mlp, functools.partial):
+        submodules = dataclasses.replace(mlp.keywords["submodules"], linear_fc1=linear_fc1)
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=linear_fc1))
+
+
+def _is_moe(mlp) -> bool:
+    return not hasattr(getattr(mlp, "submodules", None) or getattr(mlp, "keywords", {}).get("submodules"), "linear_fc1")
+
+
+def te_input_norm_slots(stock: ModuleSpec, attention_input_norm: bool = True) -> dict:
+    """Slots that make the InputNorms of Megatron's Transformer Engine layer spec ``stock`` ours
+    (``TorchNorm``, run inside the fused ops with the stream norms) feeding TE's plain
+    ``TEColumnParallelLinear`` for ``linear_qkv`` and ``linear_fc1``: Megatron's TE spec builds
+    those as LayerNorm-fused linears (``TELayerNormColumnParallelLinear``), which would normalize
+    our normalized input again. An MoE MLP's ``pre_mlp_layernorm`` (``TENorm``) becomes ours too.
+    Dist checkpoints keep the fused linears' names for the InputNorms (``linear_qkv.layer_norm_weight``,
+    ``linear_fc1.layer_norm_weight``), as earlier TE checkpoints and the local spec have them.
+
+    ``attention_input_norm=False``: the attention sublayer has no InputNorm (the hybrid variant)."""
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
 
-    without_input_norm = dataclasses.replace(
-        attention, submodules=dataclasses.replace(attention.submodules, linear_qkv=TEColumnParallelLinear))
-    return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale, input_layernorm=IdentityOp,
-                              self_attention=without_input_norm)
+    submodules, slots, names = stock.submodules, {}, {}
+    attention, mlp = submodules.self_attention, submodules.mlp
+    if attention is not IdentityOp:
+        slots["self_attention"] = dataclasses.replace(
+            attention, submodules=dataclasses.replace(attention.submodules, linear_qkv=TEColumnParallelLinear))
+        slots["input_layernorm"] = TorchNorm if attention_input_norm else IdentityOp
+        if attention_input_norm:
+            names["input_layernorm."] = INPUT_NORM_CHECKPOINT_NAMES["input_layernorm."]
+    if mlp is not IdentityOp:
+        slots["pre_mlp_layernorm"] = TorchNorm
+        if not _is_moe(mlp):  # Megatron's MoE spec keeps its pre_mlp_layernorm's own name
+            slots["mlp"] = _with_fc1(mlp, TEColumnParallelLinear)
+            names["pre_mlp_layernorm."] = INPUT_NORM_CHECKPOINT_NAMES["pre_mlp_layernorm."]
+    slots["sharded_state_dict_keys_map"] = {**(submodules.sharded_state_dict_keys_map or {}), **names}
+    return slots
+
+
+def siamese_te_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str = "standard") -> ModuleSpec:
+    """Megatron's Transformer Engine layer spec ``stock`` (dense or MoE) as a SiameseNorm layer, its
+    InputNorms ours feeding TE's plain linears (``te_input_norm_slots``). The hybrid variant's
+    attention sublayer has no InputNorm (X is scaled by c1, ``ChannelScale``) and its stock spec
+    must have QK-norm."""
+    _check_variant(variant)
+    hybrid = variant == "hybrid"
+    if hybrid and not _has_qk_norm(stock.submodules.self_attention):
+        raise ValueError("the hybrid variant's stock spec needs QK-norm: build it with qk_layernorm=True")
+    return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale if hybrid else TorchNorm,
+                              **te_input_norm_slots(stock, attention_input_norm=not hybrid))
 
 
 def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "standard",
@@ -181,13 +219,11 @@ def get_siamese_layer_te_spec(merge_at_output: bool = False, num_experts: Option
                               variant: str = "standard") -> ModuleSpec:
     """Layer spec on Transformer Engine: FP8-capable GEMMs and TE's attention.
 
-    Megatron's TE layer fuses each sublayer's InputNorm with the FP8 cast and the GEMM
-    (``TELayerNormColumnParallelLinear`` for ``linear_qkv`` / ``linear_fc1``); the layer hands
-    it ``PostNorm(x) + PreNorm(y)``. The X/Y stream norms are ours (the fused dual-norm op on
-    CUDA). Checkpoint names match the local spec's, which maps its input norms onto these.
-    An MoE MLP keeps Megatron's TE MoE spec (its own pre-MLP ``TENorm``, ``TEGroupedMLP``
-    experts with ``moe_grouped_gemm``). ``qk_layernorm`` and ``variant`` as for the local spec
-    (None: QK-norm per config; the hybrid variant: ``siamese_te_layer_from``).
+    The InputNorms are ours, inside the fused ops with the stream norms, and feed TE's plain
+    column-parallel linears (``siamese_te_layer_from``), which cast their input to FP8 under
+    ``fp8``. Dist checkpoint names match today's TE layers' and the local spec's. An MoE MLP keeps
+    Megatron's TE MoE spec (``TEGroupedMLP`` experts with ``moe_grouped_gemm``) with our
+    pre-MLP norm. ``qk_layernorm`` and ``variant`` as for the local spec (None: QK-norm per config).
     """
     _check_variant(variant)
     _require_transformer_engine()

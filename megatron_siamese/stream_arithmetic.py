@@ -13,6 +13,14 @@ modules (torch's fused norm kernels) and ``reference.functional.dual_residual``;
 ``ChannelScale`` (``normed = c1 * x + PreNorm(y)``, ``base = [x | y]``).
 ``StreamArithmetic`` picks one per device the tensors live on: the fused ops where the
 extension has kernels for that device (or always, or never, as the config asks).
+
+Where a layer holds two sublayers, the fused implementation also joins them (``joins(device)``):
+
+    entry:     normed = InputNorm(PostNorm(x) + PreNorm(y)), the streams passed through
+    boundary:  (base, normed) of the second sublayer from the streams and the first's output
+
+so the first sublayer's base and the packed streams between the sublayers are never written
+(``entry_norm`` / ``residual_dual_norm``; docs/kernels.md, "Boundary ops").
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch
 from torch import Tensor
 
 import megatron_siamese.ops as ops
-from megatron_siamese.config import FUSED_OPS_ENV, fused_ops_requested
+from megatron_siamese.config import BOUNDARY_OPS_ENV, FUSED_OPS_ENV, boundary_ops_requested, fused_ops_requested
 from megatron_siamese.norms import ChannelScale, TorchNorm
 from megatron_siamese.reference.functional import dual_residual, stream_norms
 
@@ -78,33 +86,56 @@ class FusedStreamArithmetic:
         self.hidden = hidden
         self.eps, self.rms, self.zero_centered = eps, rms, zero_centered
 
+    def _input_weights(self, input_norm) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """The InputNorm's weights when the op applies it, else (None, None): Transformer Engine
+        normalizes inside its linear (``_finish`` applies such a module)."""
+        return (input_norm.weight, input_norm.bias) if isinstance(input_norm, TorchNorm) else (None, None)
+
+    @staticmethod
+    def _finish(normed: Tensor, input_norm) -> Tensor:
+        return normed if isinstance(input_norm, TorchNorm) else input_norm(normed)
+
+    def _entry_weights(self, x_norm, y_norm, input_norm) -> Tuple[Optional[Tensor], ...]:
+        """dual_norm's six weights, or hybrid_dual_norm's three for a ChannelScale X side."""
+        if type(x_norm) is ChannelScale:
+            return x_norm.weight, y_norm.weight, y_norm.bias
+        return (x_norm.weight, x_norm.bias, y_norm.weight, y_norm.bias, *self._input_weights(input_norm))
+
+    def _flags(self):
+        return self.eps, self.rms, self.zero_centered
+
     def norms(self, streams: Tensor, x_norm: Union[TorchNorm, ChannelScale], y_norm: TorchNorm,
               input_norm) -> Tuple[Tensor, Tensor]:
-        if type(x_norm) is ChannelScale:
-            base, normed = self.ops.hybrid_dual_norm(
-                streams, self.hidden, x_norm.weight, y_norm.weight, y_norm.bias, self.eps, self.rms,
-                self.zero_centered,
-            )
-            return base, input_norm(normed)  # the hybrid spec's input norm is IdentityOp
-        fused_input_norm = isinstance(input_norm, TorchNorm)  # else Transformer Engine fuses it downstream
-        base, normed = self.ops.dual_norm(
-            streams,
-            self.hidden,
-            x_norm.weight,
-            x_norm.bias,
-            y_norm.weight,
-            y_norm.bias,
-            input_norm.weight if fused_input_norm else None,
-            input_norm.bias if fused_input_norm else None,
-            self.eps,
-            self.rms,
-            self.zero_centered,
-        )
-        return base, (normed if fused_input_norm else input_norm(normed))
+        op = self.ops.hybrid_dual_norm if type(x_norm) is ChannelScale else self.ops.dual_norm
+        base, normed = op(streams, self.hidden, *self._entry_weights(x_norm, y_norm, input_norm), *self._flags())
+        return base, self._finish(normed, input_norm)  # the hybrid spec's input norm is IdentityOp
 
     def residual(self, base: Tensor, out: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
                  inv_c: float) -> Tensor:
         return self.ops.dual_residual(base, out, bias, mask, scale, inv_c)
+
+    # -- a layer's two sublayers joined ------------------------------------------------------
+
+    def entry(self, streams: Tensor, x_norm, y_norm, input_norm) -> Tuple[Tensor, Tensor]:
+        """The first sublayer's normalized input, and the streams passed through (rows) for ``boundary``."""
+        normed, through = self.ops.layer_entry(streams, self.hidden, self._entry_weights(x_norm, y_norm, input_norm),
+                                               *self._flags(), hybrid=type(x_norm) is ChannelScale)
+        return self._finish(normed, input_norm), through
+
+    def entry_normed(self, streams: Tensor, x_norm, y_norm, input_norm) -> Tensor:
+        """``entry``'s normed again, without autograd (selective recompute refills it)."""
+        op = self.ops.hybrid_entry_norm if type(x_norm) is ChannelScale else self.ops.entry_norm
+        return op(streams, self.hidden, *self._entry_weights(x_norm, y_norm, input_norm), *self._flags())
+
+    def boundary(self, through: Tensor, out: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                 inv_c: float, prev_x_norm, x_norm: TorchNorm, y_norm: TorchNorm, input_norm) -> Tuple[Tensor, Tensor]:
+        """The second sublayer's ``(base, normed)``: the first's residual update (its X side's
+        PostNorm ``prev_x_norm``, or none for a ChannelScale) and the second's norms, in one op."""
+        prev = (None, None) if type(prev_x_norm) is ChannelScale else (prev_x_norm.weight, prev_x_norm.bias)
+        base, normed = self.ops.residual_dual_norm(
+            through, out, bias, mask, scale, inv_c, self.hidden, *prev, x_norm.weight, x_norm.bias, y_norm.weight,
+            y_norm.bias, *self._input_weights(input_norm), *self._flags())
+        return base, self._finish(normed, input_norm)
 
 
 Arithmetic = Union[TorchStreamArithmetic, FusedStreamArithmetic]
@@ -145,6 +176,8 @@ class StreamArithmetic:
         # hybrid variant uses them only when the fused ops are insisted on
         self.cuda_opt_in = any(type(norm) is ChannelScale for norm in stream_norms)
         self._by_device: Dict[str, Arithmetic] = {}
+        self.boundary_requested = boundary_ops_requested(config)
+        self._joins_by_device: Dict[str, bool] = {}
 
     @staticmethod
     def _forced_error(reason: str) -> RuntimeError:
@@ -169,3 +202,19 @@ class StreamArithmetic:
                     raise self._forced_error(reason)
             self._by_device[device.type] = chosen
         return chosen
+
+    def joins(self, device: torch.device) -> bool:
+        """Whether a layer's two sublayers run joined by the boundary ops on ``device``: where the
+        fused ops run and the setting allows (on CUDA only when insisted on: their CUDA kernels
+        have not run on a GPU yet). Insisting where the fused ops do not run is an error."""
+        joined = self._joins_by_device.get(device.type)
+        if joined is None:
+            fused = isinstance(self.on(device), FusedStreamArithmetic)
+            if self.boundary_requested and not fused:
+                raise RuntimeError(
+                    f"the boundary ops were requested (siamese_boundary_ops=True or {BOUNDARY_OPS_ENV}=1) but the "
+                    f"fused ops do not run here ({self.refusal or 'siamese_fused_ops=False'}). Set "
+                    f"siamese_boundary_ops=False (or {BOUNDARY_OPS_ENV}=0), or enable the fused ops.")
+            joined = fused and (self.boundary_requested or (self.boundary_requested is None and device.type != "cuda"))
+            self._joins_by_device[device.type] = joined
+        return joined

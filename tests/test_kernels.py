@@ -296,14 +296,20 @@ def test_hybrid_refusals_name_the_op_and_argument(device):
 @pytest.mark.parametrize("rows", [0, 1])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
 def test_zero_and_one_rows(device, rows, hybrid):
+    """Both outputs and every gradient equal the reference's, with the right shapes, for no row
+    and one row."""
     streams, weights = make_inputs(rows, 9, device=device, hybrid=hybrid)
-    streams.requires_grad_(True)
-    base, normed = fused_dual_norm(streams, 9, weights, rms=False)
-    assert base.shape == (rows, 18) and normed.shape == (rows, 9)
-    ref_base, ref_normed = reference_dual_norm(streams, 9, weights, rms=False)
-    torch.testing.assert_close(normed, ref_normed, rtol=1e-5, atol=1e-5)
-    (normed.sum() + base.sum()).backward()
-    assert streams.grad.shape == streams.shape
+    present = [t.requires_grad_(True) for t in [streams] + weights if t is not None]
+    outs = fused_dual_norm(streams, 9, weights, rms=False)
+    expected = reference_dual_norm(streams, 9, weights, rms=False)
+    assert outs[0].shape == (rows, 18) and outs[1].shape == (rows, 9)
+    upstream = [torch.linspace(-1, 1, rows * 18, device=device).view(rows, 18),
+                torch.linspace(1, 2, rows * 9, device=device).view(rows, 9)]
+    grads = torch.autograd.grad(outs, present, upstream)
+    expected_grads = torch.autograd.grad(expected, present, upstream)
+    for got, want in zip(list(outs) + list(grads), list(expected) + list(expected_grads)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

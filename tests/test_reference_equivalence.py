@@ -33,6 +33,11 @@ def assert_close_fp32(actual, expected, name=""):
     torch.testing.assert_close(actual, expected, rtol=FP32["rtol"], atol=atol,
                                msg=lambda m: f"{name}: {m}" if name else m)
 
+# The layer's three ways to its function: torch's norms, the fused ops per sublayer, and a GPT
+# block's two sublayers joined by the boundary ops (entry_norm, residual_dual_norm).
+PATHS = {"pytorch": dict(fused_ops=False), "fused": dict(fused_ops=True, boundary_ops=False),
+         "joined": dict(fused_ops=True, boundary_ops=True)}
+
 VARIANTS = {
     "layernorm-swiglu-rope-tied": ModelCase(),
     "rmsnorm-swiglu-rope-tied": ModelCase(normalization="RMSNorm"),
@@ -131,19 +136,19 @@ def assert_matches_reference(model, reference, batches):
     assert not found, "differs from the reference:\n" + "\n".join(f"{k}: {v}" for k, v in found.items())
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_logits_and_gradients_match_reference(megatron_single_rank, variant, fused):
-    case = dataclasses.replace(VARIANTS[variant], fused_ops=fused)
+def test_logits_and_gradients_match_reference(megatron_single_rank, variant, path):
+    case = dataclasses.replace(VARIANTS[variant], **PATHS[path])
     model, reference = build_pair(case)
     assert_matches_reference(model, reference, microbatches(case)[:1])
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_standard_variant_with_qk_layernorm_matches_reference(megatron_single_rank, normalization, fused):
+def test_standard_variant_with_qk_layernorm_matches_reference(megatron_single_rank, normalization, path):
     """Qwen3 / OLMo 2 style QK-norm: a per-head norm of queries and keys before RoPE."""
-    case = ModelCase(normalization=normalization, fused_ops=fused)
+    case = ModelCase(normalization=normalization, **PATHS[path])
     model, reference = build_pair(case, qk_layernorm=True)
     assert model.decoder.layers[0].self_attention.q_layernorm.weight.shape == (case.hidden_size // 4,)
     assert_matches_reference(model, reference, microbatches(case)[:1])
@@ -169,24 +174,34 @@ def test_the_spec_objects_follow_qk_layernorm(megatron_single_rank, experts):
     assert "logits" in differences(model, reference, batches)
 
 
+# the fused ops each path runs per layer and forward: (attention side, MLP side)
+FUSED_CALLS = {"fused": {"hybrid_dual_norm": 1, "dual_norm": 1, "layer_entry": 0, "residual_dual_norm": 0},
+               "joined": {"hybrid_dual_norm": 0, "dual_norm": 0, "layer_entry": 1, "residual_dual_norm": 1}}
+
+
+@pytest.mark.parametrize("path", sorted(FUSED_CALLS))
 @pytest.mark.parametrize("variant", ["hybrid-layernorm", "hybrid-rmsnorm-gelu-learned"])
-def test_hybrid_fused_and_pytorch_paths_agree(megatron_single_rank, monkeypatch, variant):
+def test_hybrid_fused_and_pytorch_paths_agree(megatron_single_rank, monkeypatch, variant, path):
     """The hybrid variant on the fused ops runs hybrid_dual_norm for every attention sublayer
-    (and dual_norm for every MLP one) and computes the PyTorch path's logits and gradients."""
+    and dual_norm for every MLP one, or, joined, one entry op (the hybrid's) and one boundary op
+    per layer, and computes the PyTorch path's logits and gradients."""
     from megatron_siamese.ops import fused as fused_ops
 
-    calls = {"dual_norm": 0, "hybrid_dual_norm": 0}
+    calls = dict.fromkeys(FUSED_CALLS[path], 0)
+    hybrid_entries = []
     for name in calls:
         op = getattr(fused_ops, name)
 
-        def counted(*args, _op=op, _name=name):
+        def counted(*args, _op=op, _name=name, **kwargs):
             calls[_name] += 1
-            return _op(*args)
+            if _name == "layer_entry":
+                hybrid_entries.append(kwargs.get("hybrid"))
+            return _op(*args, **kwargs)
 
         monkeypatch.setattr(fused_ops, name, counted)
 
-    def logits_and_grads(fused):
-        case = dataclasses.replace(VARIANTS[variant], fused_ops=fused)
+    def logits_and_grads(changes):
+        case = dataclasses.replace(VARIANTS[variant], **changes)
         (model,) = build_seeded_chunks(case, case_config(case, Layout()))
         batch = microbatches(case)[0]
         args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
@@ -194,10 +209,11 @@ def test_hybrid_fused_and_pytorch_paths_agree(megatron_single_rank, monkeypatch,
         model(*args, labels=batch["labels"]).mean().backward()
         return logits.detach(), {name: p.grad for name, p in model.named_parameters()}, case
 
-    logits, grads, case = logits_and_grads(fused=False)
-    assert calls == {"dual_norm": 0, "hybrid_dual_norm": 0}
-    fused_logits, fused_grads, _ = logits_and_grads(fused=True)
-    assert calls == {"dual_norm": 2 * case.num_layers, "hybrid_dual_norm": 2 * case.num_layers}  # 2 forwards
+    logits, grads, case = logits_and_grads(PATHS["pytorch"])
+    assert not any(calls.values())
+    fused_logits, fused_grads, _ = logits_and_grads(PATHS[path])
+    assert calls == {name: 2 * n * case.num_layers for name, n in FUSED_CALLS[path].items()}  # 2 forwards
+    assert all(hybrid_entries)  # the hybrid's entry op: c1 * x + PreNorm(y)
     assert_close_fp32(fused_logits, logits, "logits")
     assert fused_grads.keys() == grads.keys()
     for name, grad in grads.items():
@@ -213,10 +229,10 @@ def test_reference_depth_scale_uses_one_based_layer_number():
     assert scales == pytest.approx([2 ** 0.5, 4 ** 0.5, 6 ** 0.5])
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
-def test_dropout_mask_is_shared_by_both_streams(megatron_single_rank, fused):
+@pytest.mark.parametrize("path", ["pytorch", "fused"])
+def test_dropout_mask_is_shared_by_both_streams(megatron_single_rank, path):
     """With dropout on, y' - y must equal c * (x' - u): the same z reached both streams."""
-    case = dataclasses.replace(ModelCase(), num_layers=1, fused_ops=fused)
+    case = dataclasses.replace(ModelCase(), num_layers=1, **PATHS[path])
     config = dataclasses.replace(case_config(case, Layout()), hidden_dropout=0.5)
     (model,) = build_gpt_chunks(config, "siamese", case.vocab_size, case.seq_length)
     layer = model.decoder.layers[0]
@@ -228,6 +244,29 @@ def test_dropout_mask_is_shared_by_both_streams(megatron_single_rank, fused):
     z = y_new - x
     assert (z == 0).float().mean() > 0.2, "dropout did not drop anything"
     assert_close_fp32(x_new, u + z / layer.depth_scale)
+
+
+def test_joined_sublayers_drop_out_as_the_sublayers_apart(megatron_single_rank):
+    """The boundary ops take the masks the layer draws, in the same order: with dropout on, the
+    joined layer's output and gradients are the fused path's apart, whose masks are shared by
+    both streams (above); a different draw would differ."""
+    def run(path, seed):
+        case = dataclasses.replace(ModelCase(), num_layers=1, **PATHS[path])
+        config = dataclasses.replace(case_config(case, Layout()), hidden_dropout=0.5)
+        (model,) = build_seeded_chunks(case, config)
+        layer = model.decoder.layers[0]
+        layer.train()
+        x = torch.randn(case.seq_length, 2, case.hidden_size, generator=torch.Generator().manual_seed(0))
+        x.requires_grad_(True)
+        torch.manual_seed(seed)
+        out, _ = layer(x, attention_mask=microbatches(case)[0]["attention_mask"])
+        out.square().sum().backward()
+        return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+    joined, apart, other_draw = run("joined", 7), run("fused", 7), run("joined", 8)
+    for a, b in zip(joined, apart):
+        assert_close_fp32(a, b)
+    assert not torch.allclose(joined[0], other_draw[0])
 
 
 # -- mixture of experts: Megatron's MoELayer as the MLP sublayer ---------------------------------
@@ -253,19 +292,19 @@ MOE_VARIANTS = {  # (ModelCase, TransformerConfig settings ModelCase has no fiel
 }
 
 
-def moe_pair(variant, fused=False, reference_changes=None):
+def moe_pair(variant, path="pytorch", reference_changes=None):
     case, config_changes = MOE_VARIANTS[variant]
-    case = dataclasses.replace(case, fused_ops=fused)
+    case = dataclasses.replace(case, **PATHS[path])
     return (*build_pair(case, reference_changes, **config_changes), microbatches(case))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
-def test_moe_logits_and_gradients_match_reference(megatron_single_rank, variant, fused):
+def test_moe_logits_and_gradients_match_reference(megatron_single_rank, variant, path):
     """Router, experts, shared expert, norms and embeddings, over two microbatches through
     Megatron's schedule: the aux and z losses reach the gradients as the reference's objective
     has them, scaled like the main loss."""
-    model, reference, batches = moe_pair(variant, fused)
+    model, reference, batches = moe_pair(variant, path)
     moe = [isinstance(layer.mlp, ReferenceMoE) for layer in reference.decoder.layers]
     assert moe == [isinstance(layer.mlp, MoELayer) for layer in model.decoder.layers] and any(moe)
     assert_matches_reference(model, reference, batches)

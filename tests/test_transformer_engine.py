@@ -170,22 +170,16 @@ def _logits_and_grads(model, case):
         return model(*args), {name: p.grad for name, p in model.named_parameters()}
 
 
-def _te_name(name: str) -> str:
-    """A local-spec weight's name in the TE spec (Megatron's key map, as te_parity.py maps them)."""
-    for old, new in specs.get_siamese_layer_local_spec().submodules.sharded_state_dict_keys_map.items():
-        name = name.replace(old, new)
-    return name
-
-
-@pytest.mark.parametrize("norm, plant", [("siamese", None), ("siamese-hybrid", None),
-                                         ("siamese-hybrid", "input-norm-kept")],
-                         ids=["standard", "hybrid", "hybrid-planted-input-norm-kept"])
+@pytest.mark.parametrize("norm, plant", [("siamese", None), ("siamese-hybrid", None), ("siamese", "te-norms-again"),
+                                         ("siamese-hybrid", "te-norms-again")],
+                         ids=["standard", "hybrid", "standard-planted-te-norms-again", "hybrid-planted-te-norms-again"])
 def test_te_spec_computes_the_local_spec_with_te_modules_stood_in(megatron_single_rank, te_stand_ins, norm, plant):
-    """The TE GPT, loaded with the local GPT's weights under the local spec's key map, computes the
-    local GPT's logits and every gradient: each InputNorm is the one TE fuses into the next linear,
-    and the hybrid variant's attention has none (its linear_qkv is TE's plain TEColumnParallelLinear,
-    X is scaled by c1, queries and keys are normalized). Planted: the hybrid TE layer keeping the
-    standard layer's fused InputNorm before linear_qkv computes something else."""
+    """The TE GPT, loaded with the local GPT's weights, computes the local GPT's logits and every
+    gradient: its InputNorms are ours (inside the fused ops) and feed TE's plain linears
+    (TEColumnParallelLinear for linear_qkv and linear_fc1, not the LayerNorm-fused ones Megatron's
+    TE spec builds), the hybrid variant's attention has none (X is scaled by c1, queries and keys
+    are normalized). Planted: TE's LayerNorm-fused linears normalizing the normalized input again
+    (the earlier TE spec's second norm pass) compute something else."""
     if plant:
         te_stand_ins.TEColumnParallelLinear = LayerNormColumnParallelLinear
     case = ModelCase(norm=norm, num_layers=2, fused_ops=False)
@@ -193,25 +187,53 @@ def test_te_spec_computes_the_local_spec_with_te_modules_stood_in(megatron_singl
     te_case = dataclasses.replace(case, transformer_impl="transformer_engine")
     (te_model,) = build_seeded_chunks(te_case, case_config(te_case, Layout()))
     layer, hybrid = te_model.decoder.layers[0], norm == "siamese-hybrid"
-    assert isinstance(layer.input_layernorm, IdentityOp) and isinstance(layer.pre_mlp_layernorm, IdentityOp)
-    assert type(layer.mlp.linear_fc1) is LayerNormColumnParallelLinear
+    assert type(layer.input_layernorm) is (IdentityOp if hybrid else TorchNorm)
+    assert type(layer.pre_mlp_layernorm) is TorchNorm
     assert type(layer.attn_x_norm) is (ChannelScale if hybrid else TorchNorm)
     assert isinstance(layer.self_attention.q_layernorm, TorchNorm) == hybrid
     if not plant:
-        assert type(layer.self_attention.linear_qkv) is (ColumnParallelLinear if hybrid else LayerNormColumnParallelLinear)
+        assert type(layer.self_attention.linear_qkv) is ColumnParallelLinear
+        assert type(layer.mlp.linear_fc1) is ColumnParallelLinear
 
-    missing, unexpected = te_model.load_state_dict({_te_name(k): v for k, v in local.state_dict().items()}, strict=False)
+    missing, unexpected = te_model.load_state_dict(local.state_dict(), strict=False)
     assert not unexpected and [name for name in missing if not name.endswith("_extra_state")] == (
-        [f"decoder.layers.{i}.self_attention.linear_qkv.layer_norm_{p}" for i in range(2) for p in ("weight", "bias")]
+        [f"decoder.layers.{i}.{linear}.layer_norm_{p}" for i in range(2)
+         for linear in ("self_attention.linear_qkv", "mlp.linear_fc1") for p in ("weight", "bias")]
         if plant else [])
     (logits, grads), (te_logits, te_grads) = _logits_and_grads(local, case), _logits_and_grads(te_model, case)
     if plant:
         assert not torch.allclose(te_logits, logits, rtol=1e-3, atol=1e-3)
         return
     torch.testing.assert_close(te_logits, logits, rtol=1e-5, atol=1e-5)
-    assert {_te_name(name) for name in grads} == set(te_grads)
+    assert set(grads) == set(te_grads)
     for name, grad in grads.items():
-        torch.testing.assert_close(te_grads[_te_name(name)], grad, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(te_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_te_spec_checkpoints_keep_the_fused_linears_names_and_load_local_ones(megatron_single_rank, te_stand_ins,
+                                                                            tmp_path):
+    """The TE spec stores its InputNorms under the names TE's LayerNorm-fused linears gave them
+    (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), as every earlier TE
+    checkpoint and the local spec do: a local GPT's dist checkpoint loads into the TE GPT."""
+    from megatron.core import dist_checkpointing
+
+    case = ModelCase(num_layers=2, fused_ops=False)
+    (local,) = build_seeded_chunks(case, case_config(case, Layout()))
+    te_case = dataclasses.replace(case, transformer_impl="transformer_engine", seed=case.seed + 1)
+    (te_model,) = build_seeded_chunks(te_case, case_config(te_case, Layout()))
+    sharded = te_model.sharded_state_dict()
+    keys = {value.key for value in sharded.values() if hasattr(value, "key")}
+    assert {f"decoder.layers.{name}" for name in ("self_attention.linear_qkv.layer_norm_weight",
+                                                  "mlp.linear_fc1.layer_norm_weight")} <= keys
+    assert not any("input_layernorm" in key or "pre_mlp_layernorm" in key for key in keys)
+    dist_checkpointing.save(local.sharded_state_dict(), str(tmp_path))
+    batch = microbatches(case)[0]
+    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        expected = local(*args)
+        assert not torch.allclose(te_model(*args), expected)  # differently seeded until it loads
+        te_model.load_state_dict(dist_checkpointing.load(sharded, str(tmp_path)), strict=False)
+        torch.testing.assert_close(te_model(*args), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_qk_norm_checkpoints_interchange_between_the_gpt_entry_points(megatron_single_rank, tmp_path):

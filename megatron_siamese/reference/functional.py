@@ -26,7 +26,14 @@ The sublayer's element-wise work is written once, as the fused ops split it
 
 * ``dual_norm`` (``hybrid_dual_norm`` for the hybrid attention side): packed streams in,
   ``base = [u | y]`` (what the residual adds to) and the sublayer's normalized input out;
-* ``dual_residual``: ``base + [z / c | z]`` with ``z = (out + bias) * mask * scale``.
+* ``dual_residual``: ``base + [z / c | z]`` with ``z = (out + bias) * mask * scale``;
+
+and, where a layer holds two sublayers, as the boundary ops split it (docs/kernels.md):
+
+* ``entry_norm`` (``hybrid_entry_norm``): the first sublayer's normalized input alone; its
+  residual base is not written but recomputed from the streams by
+* ``residual_dual_norm``: the first sublayer's residual update and the second sublayer's
+  ``dual_norm`` in one: ``dual_norm(dual_residual([PostNorm_prev(x) | y], out, ...))``.
 
 ``stream_norms`` is the same composition over any norm callables; the layer's PyTorch path
 runs it with its norm modules. Norms are computed in fp32 (fp64 for double inputs) and cast
@@ -199,6 +206,68 @@ def dual_residual(
         z = z * mask * scale
     u, y = split_streams(base, out.shape[-1])
     return pack_streams((u.to(compute) + z * inv_c).to(base.dtype), (y.to(compute) + z).to(base.dtype))
+
+
+def entry_norm(
+    streams: Tensor,
+    hidden: int,
+    x_weight: Tensor,
+    x_bias: Optional[Tensor],
+    y_weight: Tensor,
+    y_bias: Optional[Tensor],
+    in_weight: Optional[Tensor],
+    in_bias: Optional[Tensor],
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> Tensor:
+    """Reference of ``ops.entry_norm``: ``dual_norm``'s ``normed`` alone, for a layer's first
+    sublayer (its residual base, ``[PostNorm(x) | y]``, is recomputed by ``residual_dual_norm``)."""
+    return dual_norm(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms,
+                     zero_centered_gamma)[1]
+
+
+def hybrid_entry_norm(streams: Tensor, hidden: int, x_scale: Tensor, y_weight: Tensor, y_bias: Optional[Tensor],
+                      eps: float, rms: bool, zero_centered_gamma: bool) -> Tensor:
+    """Reference of ``ops.hybrid_entry_norm``: ``hybrid_dual_norm``'s ``normed`` alone (its base is
+    the streams themselves)."""
+    return hybrid_dual_norm(streams, hidden, x_scale, y_weight, y_bias, eps, rms, zero_centered_gamma)[1]
+
+
+def residual_dual_norm(
+    streams: Tensor,
+    out: Tensor,
+    bias: Optional[Tensor],
+    mask: Optional[Tensor],
+    scale: float,
+    inv_c: float,
+    hidden: int,
+    prev_x_weight: Optional[Tensor],
+    prev_x_bias: Optional[Tensor],
+    x_weight: Tensor,
+    x_bias: Optional[Tensor],
+    y_weight: Tensor,
+    y_bias: Optional[Tensor],
+    in_weight: Optional[Tensor],
+    in_bias: Optional[Tensor],
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Reference of ``ops.residual_dual_norm``: the residual update of a layer's first sublayer
+    and the norms of its second, ``(base, normed)`` as ``dual_norm`` returns them.
+
+    The first sublayer's base is recomputed from the layer's streams, ``[PostNorm_prev(x) | y]``
+    (``[x | y]`` without ``prev_x_weight``: the hybrid variant's attention side), updated by
+    ``dual_residual`` and normalized by ``dual_norm``, all in the accumulation dtype: the updated
+    streams ``[x' | y']`` are rounded only as outputs (base holds ``PostNorm(x')`` and ``y'``)."""
+    compute = _compute_dtype(streams)
+    x, y = _streams_of(streams.to(compute), hidden)
+    u = x if prev_x_weight is None else _norm_fn(prev_x_weight, prev_x_bias, eps, rms, zero_centered_gamma)(x)
+    updated = dual_residual(pack_streams(u, y), out.to(compute), bias, mask, scale, inv_c)
+    base, normed = dual_norm(updated, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms,
+                             zero_centered_gamma)
+    return base.to(streams.dtype), normed.to(streams.dtype)
 
 
 def merge_streams(x_normed: Tensor, y_normed: Tensor) -> Tensor:

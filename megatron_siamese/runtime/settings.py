@@ -163,6 +163,11 @@ class ModelSettings:
     fused_ops: Optional[bool] = setting(
         None, group=PRECISION, flag="--fused-ops", action=argparse.BooleanOptionalAction, config="siamese_fused_ops", resumable=True,
         help="the fused C++/CUDA dual-norm ops: on, off, or (unset) wherever the extension has kernels")
+    boundary_ops: Optional[bool] = setting(
+        None, group=PRECISION, flag="--boundary-ops", action=argparse.BooleanOptionalAction,
+        config="siamese_boundary_ops", resumable=True,
+        help="join each layer's two sublayers with the fused boundary ops (fewer bytes; the same function): on, "
+             "off, or (unset) on CPU only, until their CUDA kernels have run on a GPU")
     transformer_impl: str = setting("local", group=PRECISION, flag="--transformer-impl", choices=TRANSFORMER_IMPLS,
                                     config="transformer_impl",
                                     help="Megatron's own modules, or Transformer Engine's GEMMs and attention (GPUs)")
