@@ -1,7 +1,7 @@
 """SiameseNorm's extra cost per layer, on paper, checked against measurements.
 
-    python bench/cost_model.py               # all four tables (CPU, a few seconds)
-    python bench/cost_model.py --gb-s 3300   # the time tables at another measured bandwidth
+    python bench/cost_model.py               # all tables (CPU, a few seconds)
+    python bench/cost_model.py --gb-s 3300   # the time tables at another measured bandwidth (and 75% of it)
 
 Per layer and micro-batch, T = s * b tokens on a rank (T / t under sequence parallelism,
 T / cp with context parallelism), h = hidden size, B = bytes per activation element.
@@ -12,21 +12,29 @@ T / cp with context parallelism), h = hidden size, B = bytes per activation elem
   a = u + PreNorm(y) ([T, h]; stock: none) and the InputNorm output ([T, h], as stock), plus
   two more norms' statistics (S bytes per token: 8 for LayerNorm, 4 for RMSNorm). Extra per
   layer: 4 T h B + 4 T S. Fused ops: dual_norm keeps only the packed input and 6 fp32
-  statistics per token (a is recomputed in its backward): 2 T h B + 4 T S. With selective
-  "layernorm" recompute the stream norms' outputs are recomputed, and a layer keeps only its
-  packed input per sublayer: 2 T S *less* than stock Pre-Norm without recompute, and 2 T h B
-  more than stock with its own "layernorm" recompute (which keeps the [T, h] residual and drops
-  the norm output). P2P: stages exchange [T, 2h] instead of [T, h].
+  statistics per token (a is recomputed in its backward): 2 T h B + 4 T S. The joined design
+  (boundary ops) keeps the layer's packed input once for both of its ops, the first sublayer's
+  output z (recomputing x' and y' from them costs less than keeping them) and 14 fp32
+  statistics per token: T h B + (56 - 2 S) T. With selective "layernorm" recompute the stream
+  norms' outputs are recomputed, and a layer keeps only its packed input per sublayer: 2 T S
+  *less* than stock Pre-Norm without recompute, and 2 T h B more than stock with its own
+  "layernorm" recompute (which keeps the [T, h] residual and drops the norm output); joined,
+  T h B + (56 - 2 S) T - 2 T h B. P2P: stages exchange [T, 2h] instead of [T, h].
 
 2. Time: the bytes the norm and residual work moves, forward + backward, per sublayer, in
   passes over a [T, h] tensor (T h B bytes), as the ops are implemented (docs/kernels.md,
-  "Byte floor"), converted to time at a measured bandwidth, against the layer's GEMM and
-  attention time. Assumptions, each a constant below: bf16 activations (FP8 GEMMs change the
-  denominator, not these bytes); RMSNorm; no linear biases (as the H200 layer benches; with a
-  bias, dual_residual_backward also makes an fp32 copy of grad out); each kernel at the given
-  bandwidth (a floor: the 2026-12-01 kernels ran at 20-22% of copy bandwidth forward+backward
-  in bf16); GEMMs and attention at a fixed FLOP rate; the first layer's [T, h] input not
-  modelled.
+  "Boundary ops"; bench/sublayer_bytes.py counts them from the code path), converted to time at
+  a measured bandwidth and at 75% of it, against the layer's GEMM and attention time, for both
+  designs: "apart" (a dual_norm and a dual_residual per sublayer, 20 passes; on the earlier TE
+  spec, TE's LayerNormLinear normalized their output again, 25) and "joined" (the boundary ops,
+  16.5 passes, the InputNorm ours on both specs). Assumptions, each a constant below: RMSNorm;
+  no linear biases (as the H200 layer benches); each kernel at the given bandwidth (a floor: the
+  2026-12-01 kernels ran at 20-22% of copy bandwidth forward+backward in bf16); GEMMs and
+  attention at a fixed FLOP rate; the first layer's [T, h] input not modelled. FP8 rows: GEMMs at
+  FP8_GEMM_FLOPS; stock's LayerNormLinear writes its normalized input in FP8 (half a pass instead
+  of one); ours writes it in bf16 and TE's linear casts it (one pass read, half a pass written),
+  so the joined design moves 1.5 passes more per sublayer and stock half a pass less (the
+  opt-in FP8 output of our op, docs/transformer-engine.md, would take back one of them).
 
 3. The model against the layer benches of the H200 run of 2026-12-01.
 
@@ -52,21 +60,32 @@ COPY_GB_S = 3853.2
 GEMM_FLOPS = 700e12  # bf16 GEMM and attention rate a well-tuned run reaches on H100/H200 (H200 peak: 989e12)
 BYTES = 2  # bf16 activations
 
-# Passes over [T, h] per sublayer (docs/kernels.md, "Byte floor").
-SIAMESE_PASSES = {"dual_norm": 5, "dual_residual": 5, "dual_residual_backward": 3, "dual_norm_backward": 7}
+# Passes over [T, h] per sublayer (docs/kernels.md, "Boundary ops"), per design; the joined design's
+# ops are averaged over the layer's two sublayers (entry and boundary op once each per layer).
+DESIGN_PASSES = {
+    "apart": {"dual_norm": 5, "dual_residual": 5, "dual_residual_backward": 3, "dual_norm_backward": 7},
+    "joined": {"entry_norm": 1.5, "residual_dual_norm": 3, "dual_residual": 2.5, "dual_residual_backward": 1.5,
+               "residual_dual_norm_backward": 4.5, "entry_norm_backward": 3.5},
+}
 STOCK_PASSES = {"norm": 2, "residual add": 3, "norm backward": 3, "residual-gradient add": 3}
-# On the TE spec TE's LayerNormLinear normalizes dual_norm's sum u + PreNorm(y) (forward 2,
-# backward 3), as it normalizes stock's residual; on the local spec dual_norm does it inside.
-TE_INPUT_NORM_PASSES = 5
-SIAMESE_STATS, STOCK_STATS = 24, 4  # fp32 statistics per row (dual_norm: 6; RMSNorm: rstd), written and read
-# dual_norm_backward's fp32 weight-gradient partials [CTAs, 6, h] (six rows whichever weights
-# exist), written and read back by the finalize, which writes [6, h]: CTAs = min(T, 8 x 132 SMs).
+# On the earlier TE spec TE's LayerNormLinear normalized dual_norm's sum u + PreNorm(y) (forward 2,
+# backward 3), as it normalizes stock's residual; today's TE spec feeds it our InputNorm's output.
+EARLIER_TE_INPUT_NORM_PASSES = 5
+# FP8: stock's norm writes its output in FP8 (0.5 pass instead of 1); ours is cast by TE's linear
+FP8_STOCK_SAVING, FP8_CAST_PASSES = 0.5, 1.5
+# fp32 statistics per row and sublayer, written and read: dual_norm 6 values; the joined design's
+# entry op 6 and boundary op 8, averaged; stock (RMSNorm) rstd
+DESIGN_STATS = {"apart": 24, "joined": 28}
+STOCK_STATS = 4
+# The weight-gradient partials [parts, rows, h] fp32, written and read back by a finalize that
+# writes [rows, h]. The verified kernels: parts = min(T, 8 x 132 SMs), six rows whichever weights
+# exist; the tiled kernels (and the joined design's, on their plan): one part per SM, rows for the
+# weights that exist (RMSNorm: dual_norm's 3 gammas; the boundary op's 4 and the entry op's 3, averaged).
 BACKWARD_CTAS, PARTIAL_ROWS = 8 * 132, 6
-# The tiled kernels (MEGATRON_SIAMESE_CUDA_KERNELS=tiled): one partial per row group of the
-# persistent grid (one per SM at these widths: the backward's plan, tests/test_launch_plan.py),
-# rows only for the weights that exist (RMSNorm with an input norm: 3).
 TILED_PARTS, TILED_PARTIAL_ROWS = 132, 3
-PARTIALS = {"verified": (BACKWARD_CTAS, PARTIAL_ROWS), "tiled": (TILED_PARTS, TILED_PARTIAL_ROWS)}
+PARTIALS = {"verified": (BACKWARD_CTAS, PARTIAL_ROWS), "tiled": (TILED_PARTS, TILED_PARTIAL_ROWS),
+            "joined": (TILED_PARTS, 3.5)}
+FP8_GEMM_FLOPS = 1.6 * GEMM_FLOPS  # what FP8 GEMMs reach on H100/H200 layers (well under 2x: smaller GEMMs, casts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,31 +122,58 @@ TIME_SHAPES = (
 )
 
 
+JOINED_STATS = 56  # bytes per token the joined design's two ops keep: 6 + 8 fp32
+
+
 def memory_costs(shape: Shape, stats=8):
     """Extra activation bytes per layer (LayerNorm statistics) and p2p bytes per boundary, MiB."""
     t, h, mib = shape.tokens, shape.h, 2**20
     return dict(
         pytorch=(4 * t * h * BYTES + 4 * t * stats) / mib,
         fused=(2 * t * h * BYTES + 4 * t * stats) / mib,
+        joined=(t * h * BYTES + (JOINED_STATS - 2 * stats) * t) / mib,
         recompute=2 * t * h * BYTES / mib,  # vs stock with its own "layernorm" recompute
         p2p_stock=t * h * BYTES / mib,
     )
 
 
 def partial_bytes(tokens, h, kernels="verified"):
-    """dual_norm_backward's weight-gradient partials: written, read back, finalized."""
+    """The norm backward's weight-gradient partials per sublayer: written, read back, finalized."""
     parts, rows = PARTIALS[kernels]
     return (2 * min(tokens, parts) + 1) * rows * h * 4
 
 
-def siamese_sublayer_bytes(tokens, h, te, kernels="verified"):
-    passes = sum(SIAMESE_PASSES.values()) + (TE_INPUT_NORM_PASSES if te else 0)
-    stats = 2 * tokens * (SIAMESE_STATS + (STOCK_STATS if te else 0))
-    return passes * tokens * h * BYTES + stats + partial_bytes(tokens, h, kernels)
+@dataclasses.dataclass(frozen=True)
+class Design:
+    """What a SiameseNorm layer moves per sublayer: its ops (``design``), on which spec, in which precision."""
+
+    design: str  # "apart" or "joined"
+    te: bool = False
+    earlier_te: bool = False  # the TE spec before its InputNorm became ours (apart only)
+    fp8: bool = False
+
+    @property
+    def kernels(self):
+        return "joined" if self.design == "joined" else "verified"
+
+    @property
+    def label(self):
+        spec = "TE-earlier" if self.earlier_te else ("TE" if self.te else "local")
+        return f"{spec} {self.design}{' fp8' if self.fp8 else ''}"
+
+    def passes(self) -> float:
+        passes = sum(DESIGN_PASSES[self.design].values()) + (EARLIER_TE_INPUT_NORM_PASSES if self.earlier_te else 0)
+        return passes + (FP8_CAST_PASSES if self.fp8 and not self.earlier_te else 0)
 
 
-def stock_sublayer_bytes(tokens, h):
-    return sum(STOCK_PASSES.values()) * tokens * h * BYTES + 2 * tokens * STOCK_STATS
+def siamese_sublayer_bytes(tokens, h, design: Design):
+    stats = 2 * tokens * (DESIGN_STATS[design.design] + (STOCK_STATS if design.earlier_te else 0))
+    return design.passes() * tokens * h * BYTES + stats + partial_bytes(tokens, h, design.kernels)
+
+
+def stock_sublayer_bytes(tokens, h, fp8=False):
+    passes = sum(STOCK_PASSES.values()) - (FP8_STOCK_SAVING if fp8 else 0)
+    return passes * tokens * h * BYTES + 2 * tokens * STOCK_STATS
 
 
 def matmul_flops(shape: Shape):
@@ -139,15 +185,25 @@ def matmul_flops(shape: Shape):
     return 3 * (gemm + attention) / shape.tp
 
 
+def layer_ratio(shape: Shape, gb_s, design: Design):
+    """(SiameseNorm's extra ms per layer, layer time ratio to stock) for ``design`` at ``gb_s``."""
+    t, h = shape.tokens, shape.h
+    stock = stock_sublayer_bytes(t, h, design.fp8)
+    ms = lambda nbytes: 2 * nbytes / (gb_s * 1e9) * 1e3  # two sublayers a layer  # noqa: E731
+    matmul = matmul_flops(shape) / (FP8_GEMM_FLOPS if design.fp8 else GEMM_FLOPS) * 1e3
+    extra = ms(siamese_sublayer_bytes(t, h, design) - stock)
+    return extra, 1 + extra / (matmul + ms(stock))
+
+
 def layer_times_ms(shape: Shape, gb_s, kernels="verified"):
-    """Per layer: matmuls, stock's norm work, SiameseNorm's extra on each spec (two sublayers)."""
+    """Per layer: matmuls, stock's norm work, SiameseNorm's extra on each spec (two sublayers), apart."""
     t, h = shape.tokens, shape.h
     stock = stock_sublayer_bytes(t, h)
     sublayer_bytes = {
         "stock_norm": stock,
         "partials": partial_bytes(t, h, kernels),
-        "local": siamese_sublayer_bytes(t, h, te=False, kernels=kernels) - stock,
-        "te": siamese_sublayer_bytes(t, h, te=True, kernels=kernels) - stock,
+        "local": siamese_sublayer_bytes(t, h, Design("apart")) - stock,
+        "te": siamese_sublayer_bytes(t, h, Design("apart", te=True, earlier_te=True)) - stock,
     }
     times = {name: 2 * nbytes / (gb_s * 1e9) * 1e3 for name, nbytes in sublayer_bytes.items()}
     return dict(times, matmul=matmul_flops(shape) / GEMM_FLOPS * 1e3)
@@ -155,30 +211,31 @@ def layer_times_ms(shape: Shape, gb_s, kernels="verified"):
 
 def print_memory():
     print("1. On paper (bf16 activations, LayerNorm statistics; per layer, per micro-batch, per rank):")
-    print(f"{'model':<6} {'layout':<19} {'+act MiB':>9} {'fused':>7} {'+act MiB (ln rc)':>16} "
+    print(f"{'model':<6} {'layout':<19} {'+act MiB':>9} {'apart':>7} {'joined':>7} {'+act MiB (ln rc)':>16} "
           f"{'p2p MiB stock->siamese':>23}")
     for shape in MEMORY_SHAPES:
         c = memory_costs(shape)
-        print(f"{shape.name:<6} {shape.layout():<19} {c['pytorch']:>9.1f} {c['fused']:>7.1f} "
+        print(f"{shape.name:<6} {shape.layout():<19} {c['pytorch']:>9.1f} {c['fused']:>7.1f} {c['joined']:>7.1f} "
               f"{c['recompute']:>16.1f} {c['p2p_stock']:>10.1f} -> {2 * c['p2p_stock']:.1f}")
 
 
-def print_times(gb_s, kernels="verified"):
-    print(f"\n2. Norm + residual work, forward + backward, bf16, bytes at {gb_s:.1f} GB/s; GEMMs and causal "
-          f"attention at {GEMM_FLOPS / 1e12:.0f} TFLOP/s (per layer and rank).")
-    print(f"   Per sublayer, passes over [T, h]: SiameseNorm {sum(SIAMESE_PASSES.values())} "
-          f"(+{TE_INPUT_NORM_PASSES} on the TE spec), stock {sum(STOCK_PASSES.values())}; statistics "
-          f"{SIAMESE_STATS} vs {STOCK_STATS} bytes a row;\n   SiameseNorm's fp32 partials "
-          f"[min(T, {PARTIALS[kernels][0]}), {PARTIALS[kernels][1]}, h] ({kernels} kernels). "
-          f"Ratio: (matmul + stock norm + extra) / (matmul + stock norm).")
-    print(f"{'model':<6} {'layout':<17} {'T/rank':>6} {'h':>5} {'ffn':>6} {'matmul ms':>9} {'stock norm ms':>13} "
-          f"{'extra ms local':>14} {'of it partials':>14} {'ratio':>6} {'extra ms TE':>11} {'ratio':>6}")
-    for shape in TIME_SHAPES:
-        c = layer_times_ms(shape, gb_s, kernels)
-        base = c["matmul"] + c["stock_norm"]
-        print(f"{shape.name:<6} {shape.layout():<17} {shape.tokens:>6} {shape.h:>5} {shape.ffn:>6} "
-              f"{c['matmul']:>9.3f} {c['stock_norm']:>13.3f} {c['local']:>14.3f} {c['partials']:>14.3f} "
-              f"{1 + c['local'] / base:>5.3f}x {c['te']:>11.3f} {1 + c['te'] / base:>5.3f}x")
+DESIGNS = (Design("apart"), Design("joined"), Design("apart", te=True, earlier_te=True), Design("joined", te=True),
+           Design("apart", te=True, earlier_te=True, fp8=True), Design("joined", te=True, fp8=True))
+
+
+def print_times(gb_s):
+    print(f"\n2. Norm + residual work, forward + backward, at {gb_s:.1f} GB/s and 75% of it; GEMMs and causal "
+          f"attention at {GEMM_FLOPS / 1e12:.0f} TFLOP/s bf16, {FP8_GEMM_FLOPS / 1e12:.0f} FP8 (per layer and rank).")
+    print("   Passes per sublayer over [T, h]: " + ", ".join(f"{d.label} {d.passes():g}" for d in DESIGNS)
+          + f"; stock {sum(STOCK_PASSES.values())} ({sum(STOCK_PASSES.values()) - FP8_STOCK_SAVING:g} in FP8).")
+    print("   Ratio: (matmul + stock norm + SiameseNorm's extra) / (matmul + stock norm); statistics and "
+          "weight-gradient partials included.")
+    for bandwidth in (gb_s, 0.75 * gb_s):
+        print(f"\n   at {bandwidth:.0f} GB/s:")
+        print(f"   {'model':<6} {'layout':<17} {'h':>5}" + "".join(f"{d.label:>22}" for d in DESIGNS))
+        for shape in TIME_SHAPES:
+            cells = "".join(f"{layer_ratio(shape, bandwidth, d)[1]:>21.4f}x" for d in DESIGNS)
+            print(f"   {shape.name:<6} {shape.layout():<17} {shape.h:>5}{cells}")
 
 
 def measured_layer_rows():
@@ -203,10 +260,14 @@ def print_measured(gb_s):
               f"{siamese / stock:>5.3f}x {siamese - stock:>8.3f} {model:>14.3f} {(siamese - stock) / model:>14.1f}")
 
 
-def measured_extra_bytes(hidden, seq, batch, recompute, fused):
-    """Activation bytes one layer keeps for backward: SiameseNorm (fused ops or PyTorch path,
-    optionally with "layernorm" recompute) minus stock Pre-Norm without recompute (stock's own
-    "layernorm" recompute needs Transformer Engine in megatron-core 0.16.1)."""
+PATHS = {"pytorch": dict(fused_ops=False), "apart": dict(fused_ops=True, boundary_ops=False),
+         "joined": dict(fused_ops=True, boundary_ops=True)}
+
+
+def measured_extra_bytes(hidden, seq, batch, recompute, path):
+    """Activation bytes one layer keeps for backward: SiameseNorm (``path``: the PyTorch path, the
+    fused ops apart or joined; optionally with "layernorm" recompute) minus stock Pre-Norm without
+    recompute (stock's own "layernorm" recompute needs Transformer Engine in megatron-core 0.16.1)."""
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_siamese.check.step import ModelCase, case_config
@@ -215,7 +276,7 @@ def measured_extra_bytes(hidden, seq, batch, recompute, fused):
 
     case = ModelCase(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=4,
                      num_query_groups=4, seq_length=seq, micro_batch_size=batch, add_bias_linear=False,
-                     fused_ops=fused)
+                     **PATHS[path])
     plain = case_config(case, Layout())
     configs = {
         "siamese": dataclasses.replace(
@@ -256,13 +317,16 @@ def print_memory_check():
     print(f"{'h':>5} {'s':>5} {'b':>3} {'path':>7} {'siamese rc':>10} {'measured':>10} {'predicted':>10}"
           "  (bytes, SiameseNorm minus stock without recompute)")
     for hidden, seq, batch in ((64, 32, 2), (128, 64, 2), (256, 64, 4)):
-        for fused in (False, True):
+        for path in PATHS:
             for recompute in (False, True):
-                measured = measured_extra_bytes(hidden, seq, batch, recompute, fused)
+                measured = measured_extra_bytes(hidden, seq, batch, recompute, path)
                 tokens, element, stats = seq * batch, 4, 8  # fp32 activations, LayerNorm statistics
-                kept_streams = (2 if fused else 4) * tokens * hidden * element
-                predicted = -2 * tokens * stats if recompute else kept_streams + 4 * tokens * stats
-                print(f"{hidden:>5} {seq:>5} {batch:>3} {('fused' if fused else 'pytorch'):>7} "
+                vector = tokens * hidden * element  # one h-wide activation
+                if path == "joined":
+                    predicted = vector + (JOINED_STATS - 2 * stats) * tokens - (2 * vector if recompute else 0)
+                else:
+                    predicted = -2 * tokens * stats if recompute else (2 if path == "apart" else 4) * vector + 4 * tokens * stats
+                print(f"{hidden:>5} {seq:>5} {batch:>3} {path:>7} "
                       f"{('layernorm' if recompute else 'none'):>10} {measured:>10d} {predicted:>10d}")
 
 
@@ -271,12 +335,10 @@ def main():
     parser.add_argument("--gb-s", type=float, default=COPY_GB_S,
                         help=f"measured bandwidth for the time tables, GB/s (default {COPY_GB_S}: the H200's "
                              "copy bandwidth of 2026-12-01)")
-    parser.add_argument("--kernels", choices=sorted(PARTIALS), default="verified",
-                        help="whose weight-gradient partials table 2 counts (default verified: today's CUDA default)")
     parser.add_argument("--no-check", action="store_true", help="skip table 4 (needs megatron-core)")
     args = parser.parse_args()
     print_memory()
-    print_times(args.gb_s, args.kernels)
+    print_times(args.gb_s)
     print_measured(args.gb_s)
     if not args.no_check:
         print_memory_check()

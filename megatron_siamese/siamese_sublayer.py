@@ -144,10 +144,7 @@ class SiameseSublayerMixin:
         mask, scale = dropout_mask(output, self.hidden_dropout, self.training)
         args = (through, output, bias, mask, scale, 1.0 / self.depth_scale, first_norms[0], *second_norms)
         base, second_normed = arithmetic.boundary(*args)
-        recompute = None
-        if self.recompute_stream_norms:
-            def recompute():
-                return arithmetic.boundary(*args)[1]
+        recompute = (lambda: arithmetic.boundary(*args)[1]) if self.recompute_stream_norms else None
         return JoinedSublayers(base, second_normed, arithmetic, recompute)
 
     def _siamese_second_of_two(self, joined: JoinedSublayers, sublayer: Sublayer) -> Tensor:

@@ -5,6 +5,8 @@ The TE spec's numerics (TE vs local outputs, FP8 training) need a GPU: bench/gpu
 
 import dataclasses
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_siamese import specs, te
 from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
@@ -22,6 +23,9 @@ from megatron_siamese.models import build_gpt_chunks
 from megatron_siamese.norms import ChannelScale, QKNormPerConfig, TorchNorm
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.support import UnsupportedConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from te_stand_ins import LayerNormColumnParallelLinear, stood_in  # noqa: E402
 
 needs_no_te = pytest.mark.skipif(te.unavailable_reason() is None, reason="Transformer Engine is installed here")
 
@@ -112,54 +116,11 @@ def test_both_gpt_entry_points_store_the_merge_norms_under_one_name(megatron_sin
 # -- the TE specs' wiring, with Transformer Engine's modules stood in for by Megatron's local ones --
 
 
-class LayerNormColumnParallelLinear(ColumnParallelLinear):
-    """Stands in for TE's ``TELayerNormColumnParallelLinear``: the InputNorm, its parameters under
-    TE's names (``layer_norm_weight`` / ``layer_norm_bias``), then the column-parallel GEMM."""
-
-    def __init__(self, input_size, output_size, *, config, **kwargs):
-        super().__init__(input_size, output_size, config=config, **kwargs)
-        norm = TorchNorm(config, input_size, eps=config.layernorm_epsilon)
-        object.__setattr__(self, "input_norm", norm)  # its parameters are registered here, renamed:
-        self.layer_norm_weight = norm.weight
-        self.layer_norm_bias = norm.bias
-
-    def forward(self, input_, *args, **kwargs):
-        return super().forward(self.input_norm(input_), *args, **kwargs)
-
-
-def _with_fc1(mlp, linear_fc1):
-    """A dense MLP spec (a ModuleSpec, or newer Megatron's functools.partial) with ``linear_fc1`` replaced."""
-    if isinstance(mlp, functools.partial):
-        submodules = dataclasses.replace(mlp.keywords["submodules"], linear_fc1=linear_fc1)
-        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
-    return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=linear_fc1))
-
-
 @pytest.fixture
-def te_stand_ins(monkeypatch):
-    """Megatron's TE layer spec as TE shapes it (each sublayer's InputNorm fused into its first linear,
-    ``input_layernorm`` / ``pre_mlp_layernorm`` empty, TE's norm for QK-norm), built of Megatron's local
-    modules: the TE specs then build and run on CPU. This checks how our specs wire TE's modules and
-    name their weights, not TE's numerics (those: bench/gpu/te_parity.py on a GPU)."""
-    from megatron.core.extensions import transformer_engine as te_extension
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    def te_shaped_layer_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, **_unused):
-        assert num_experts is None, "the stand-ins are for dense layers"
-        stock = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm).submodules
-        qk_norm = TorchNorm if qk_layernorm else IdentityOp
-        attention = dataclasses.replace(stock.self_attention, submodules=dataclasses.replace(
-            stock.self_attention.submodules, linear_qkv=LayerNormColumnParallelLinear, q_layernorm=qk_norm,
-            k_layernorm=qk_norm))
-        return ModuleSpec(module=TransformerLayer, submodules=dataclasses.replace(
-            stock, input_layernorm=IdentityOp, self_attention=attention, pre_mlp_layernorm=IdentityOp,
-            mlp=_with_fc1(stock.mlp, LayerNormColumnParallelLinear), sharded_state_dict_keys_map={}))
-
-    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", te_shaped_layer_spec)
-    monkeypatch.setattr(gpt_layer_specs, "TENorm", TorchNorm, raising=False)
-    monkeypatch.setattr(te_extension, "TEColumnParallelLinear", ColumnParallelLinear)
-    monkeypatch.setattr(te, "unavailable_reason", lambda: None)
-    return te_extension
+def te_stand_ins():
+    """Megatron's TE layer spec as TE shapes it, built of Megatron's local modules (bench/te_stand_ins.py)."""
+    with stood_in() as te_extension:
+        yield te_extension
 
 
 def _logits_and_grads(model, case):

@@ -371,7 +371,7 @@ _BOUNDARY_WEIGHTS = 7
 
 def _residual_dual_norm_setup(ctx, inputs, output):
     streams, out, bias, mask, scale, inv_c, hidden, *rest = inputs
-    weights, (eps, rms, zero_centered_gamma) = rest[:-3], rest[-3:]
+    weights, (_eps, rms, zero_centered_gamma) = rest[:-3], rest[-3:]
     ctx.scale, ctx.inv_c, ctx.hidden, ctx.rms, ctx.zero_centered_gamma = scale, inv_c, hidden, rms, zero_centered_gamma
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.save_for_backward(streams, out, bias, mask, output[2], *weights)
