@@ -57,7 +57,9 @@ def release_until_backward(tensor: Tensor, recompute: Callable[[], Tensor], hook
     ``recompute()`` when ``hook_tensor``'s gradient arrives, before that module's backward.
 
     Megatron's CheckpointWithoutOutput does this by re-running its function with autograd; the
-    fused ops' own backward never reads ``tensor``, so a plain recomputation refills it."""
+    fused ops' own backward never reads ``tensor``, so a plain recomputation refills it. As
+    there, the refill copies storage to storage: no tensor is written in place, so no version
+    counter moves under the views that modules made of ``tensor``."""
     if not (torch.is_grad_enabled() and hook_tensor.requires_grad):
         return
     storage = tensor.untyped_storage()
@@ -67,8 +69,10 @@ def release_until_backward(tensor: Tensor, recompute: Callable[[], Tensor], hook
     def refill(grad):
         with torch.no_grad():
             fresh = recompute()
-            storage.resize_(size)
-            tensor.copy_(fresh)
+        if fresh.untyped_storage().size() != size or not fresh.is_contiguous():
+            raise RuntimeError("selective recompute of the boundary ops produced a differently laid out tensor")
+        storage.resize_(size)
+        storage.copy_(fresh.untyped_storage())
         return grad
 
     hook_tensor.register_hook(refill)

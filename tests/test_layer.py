@@ -108,28 +108,41 @@ def saved_activation_bytes(config):
 SUBLAYER_BYTES = CASE.seq_length * CASE.micro_batch_size * CASE.hidden_size * 4
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_selective_recompute_keeps_fewer_activations(megatron_single_rank, fused):
-    plain = config_with(siamese_fused_ops=fused)
+PATHS = {"pytorch": dict(siamese_fused_ops=False), "apart": dict(siamese_fused_ops=True, siamese_boundary_ops=False),
+         "joined": dict(siamese_fused_ops=True, siamese_boundary_ops=True)}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_selective_recompute_keeps_fewer_activations(megatron_single_rank, path):
+    plain = config_with(**PATHS[path])
     baseline = saved_activation_bytes(plain)
     norms = saved_activation_bytes(
-        config_with(siamese_fused_ops=fused, recompute_granularity="selective", recompute_modules=["layernorm"])
+        config_with(**PATHS[path], recompute_granularity="selective", recompute_modules=["layernorm"])
     )
     both = saved_activation_bytes(
-        config_with(siamese_fused_ops=fused, recompute_granularity="selective",
-                    recompute_modules=["layernorm", "mlp"])
+        config_with(**PATHS[path], recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
     )
-    # "layernorm" drops InputNorm's output per sublayer, and on the PyTorch path also its
-    # input u + PreNorm(y), which the fused op never keeps
-    freed_per_sublayer = 1 if fused else 2
+    # "layernorm" drops InputNorm's output per sublayer (joined: the entry and boundary ops'), and on
+    # the PyTorch path also its input u + PreNorm(y), which the fused ops never keep
+    freed_per_sublayer = 2 if path == "pytorch" else 1
     assert baseline - norms >= freed_per_sublayer * SUBLAYER_BYTES * 2 * CASE.num_layers
     assert both < norms
 
 
 def test_fused_ops_keep_fewer_activations_than_pytorch(megatron_single_rank):
     torch_path = saved_activation_bytes(config_with(siamese_fused_ops=False))
-    fused_path = saved_activation_bytes(config_with(siamese_fused_ops=True))
+    fused_path = saved_activation_bytes(config_with(**PATHS["apart"]))
     assert torch_path - fused_path >= SUBLAYER_BYTES * 2 * CASE.num_layers
+
+
+def test_joined_sublayers_keep_one_activation_less_per_layer(megatron_single_rank):
+    """Apart, each sublayer's dual_norm keeps its packed [s, b, 2h] input; joined, a layer keeps
+    its input once (for both ops) and the first sublayer's output z: one [s, b, h] activation less
+    per layer, for 8 bytes of statistics more per token (6 + 8 fp32 instead of 2 x 6)."""
+    apart = saved_activation_bytes(config_with(**PATHS["apart"]))
+    joined = saved_activation_bytes(config_with(**PATHS["joined"]))
+    tokens = CASE.seq_length * CASE.micro_batch_size
+    assert apart - joined == CASE.num_layers * (SUBLAYER_BYTES - 8 * tokens)
 
 
 UNSUPPORTED = {

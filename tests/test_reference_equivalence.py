@@ -144,6 +144,22 @@ def test_logits_and_gradients_match_reference(megatron_single_rank, variant, pat
     assert_matches_reference(model, reference, microbatches(case)[:1])
 
 
+RECOMPUTE = {"layernorm": dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
+             "layernorm-mlp": dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"]),
+             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+def test_recompute_keeps_the_references_function(megatron_single_rank, path, recompute):
+    """Selective ("layernorm": the stream norms', or the entry and boundary ops' outputs freed
+    and recomputed before their consumers' backward; "mlp") and full recompute, through
+    Megatron's schedule, on each path: the reference's logits and every gradient."""
+    case = dataclasses.replace(VARIANTS["layernorm-swiglu-rope-tied"], **PATHS[path])
+    model, reference = build_pair(case, **RECOMPUTE[recompute])
+    assert_matches_reference(model, reference, microbatches(case)[:1])
+
+
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_standard_variant_with_qk_layernorm_matches_reference(megatron_single_rank, normalization, path):

@@ -12,8 +12,10 @@ number 2 of 4 (so SiameseNorm gets packed [s, b, 2h] streams, as every layer but
 does); the stock layer gets [s, b, h]. A row builds its layers once and times them in turn,
 REPEATS times over (so the spread shows); each time is the median of ITERS CUDA-event-timed
 forward + backward iterations after WARMUP. A row's variants: ``stock``, ``siamese_fused``
-(the verified kernels), ``siamese_fused_tiled`` (the same layer, tiled kernels) and, local
-only, ``siamese_unfused``; each records ``ms`` (mean of the repeats), ``ms_repeats`` and, for
+(the verified kernels, a dual_norm and a dual_residual per sublayer), ``siamese_fused_tiled``
+(the same layer, tiled kernels), ``siamese_joined`` (the two sublayers joined by the boundary
+ops, ``siamese_boundary_ops=True``: their CUDA kernels' first run) and, local only,
+``siamese_unfused``; each records ``ms`` (mean of the repeats), ``ms_repeats`` and, for
 SiameseNorm, ``ratios`` per repeat and ``ratio_to_stock`` (the larger), ``kernels``.
 
     python bench/gpu/layers.py layer-bench --result out.json [--rehearse]
@@ -47,13 +49,20 @@ class Variant:
     norm: str  # "pre" (stock) or "siamese"
     fused_ops: Optional[bool] = None
     kernels: Optional[str] = None  # the CUDA kernel generation it runs
+    boundary_ops: Optional[bool] = False  # the boundary ops join the sublayers (opt-in on CUDA)
+
+    @property
+    def layer(self) -> tuple:
+        """What tells its layer apart (variants differing only in kernels share one)."""
+        return self.norm, self.fused_ops, self.boundary_ops
 
 
 SHAPES = (Shape(2048, 16, 5632), Shape(4096, 32, 11008))
 REHEARSAL_SHAPE = Shape(64, 4, 128, seq=32)
 STOCK = Variant("pre")
 FUSED = {"siamese_fused": Variant("siamese", True, "verified"),
-         "siamese_fused_tiled": Variant("siamese", True, "tiled")}
+         "siamese_fused_tiled": Variant("siamese", True, "tiled"),
+         "siamese_joined": Variant("siamese", True, "verified", boundary_ops=True)}
 LOCAL_VARIANTS = {"stock": STOCK, **FUSED, "siamese_unfused": Variant("siamese", False)}
 TE_VARIANTS = {"stock": STOCK, **FUSED}
 
@@ -64,7 +73,8 @@ def settings(shape: Shape, variant: Variant, impl: str, precision: str = "bf16")
     return ModelSettings(norm=variant.norm, num_layers=NUM_LAYERS, hidden_size=shape.hidden,
                          num_attention_heads=shape.heads, ffn_hidden_size=shape.ffn, seq_length=shape.seq,
                          normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False, dtype="bf16",
-                         fused_ops=variant.fused_ops, transformer_impl=impl, **PRECISIONS[precision])
+                         fused_ops=variant.fused_ops, boundary_ops=variant.boundary_ops, transformer_impl=impl,
+                         **PRECISIONS[precision])
 
 
 def layer_spec(norm: str, impl: str, config):
@@ -116,6 +126,7 @@ def build_layer(model, rehearse: bool) -> tuple:
     record = {}
     if hasattr(layer, "stream_arithmetic"):  # which path SiameseNorm's stream arithmetic took
         record["stream_arithmetic"] = type(layer.stream_arithmetic.on(x.device)).__name__
+        record["joined"] = bool(layer.may_join_sublayers and layer.stream_arithmetic.joins(x.device))
     return forward_backward, record
 
 
@@ -142,7 +153,7 @@ def measure_row(shape: Shape, impl: str, precision: str, variants: dict, rehears
            "precision": precision}
     built, errors, times = {}, {}, {label: [] for label in variants}
     for label, variant in variants.items():
-        key = (variant.norm, variant.fused_ops)
+        key = variant.layer
         if key not in built:
             try:
                 built[key] = build_layer(settings(shape, variant, impl, precision), rehearse)
@@ -159,7 +170,7 @@ def measure_row(shape: Shape, impl: str, precision: str, variants: dict, rehears
                 continue
             try:
                 with cuda_kernels(variant.kernels):
-                    times[label].append(time_ms(built[(variant.norm, variant.fused_ops)][0], iters, warmup))
+                    times[label].append(time_ms(built[variant.layer][0], iters, warmup))
             except Exception as error:  # noqa: BLE001
                 errors[label] = error_text(error)
     for label, variant in variants.items():
@@ -168,7 +179,7 @@ def measure_row(shape: Shape, impl: str, precision: str, variants: dict, rehears
             continue
         stock = times["stock"] if label != "stock" and "stock" not in errors else None
         row[label] = repeated(times[label], stock)
-        row[label].update(built[(variant.norm, variant.fused_ops)][1])
+        row[label].update(built[variant.layer][1])
         if variant.kernels:
             row[label]["kernels"] = variant.kernels
     del built

@@ -8,12 +8,14 @@
                   memory (torch.cuda.max_memory_allocated) reported as a ratio
 
 A row is one (precision, recompute): the stock model is built, warmed up and timed REPEATS
-times; then the SiameseNorm model (fused ops), timed with the verified and the tiled CUDA
-kernels in turn, REPEATS times over; each time the median of ITERS CUDA-event-timed steps.
+times; then the SiameseNorm model (fused ops, a dual_norm and a dual_residual per sublayer),
+timed with the verified and the tiled CUDA kernels in turn, REPEATS times over; then the
+SiameseNorm model with its sublayers joined by the boundary ops (``siamese_joined``,
+``siamese_boundary_ops=True``); each time the median of ITERS CUDA-event-timed steps.
 Peak memory per variant is the largest of its timed steps' peaks (weights, gradients and
 optimizer state included: they are allocated by then). Rows are shaped like the layer benches':
 {precision, recompute, stock: {ms, ms_repeats, peak_mib}, siamese_fused: {..., ratio_to_stock,
-memory_ratio_to_stock, kernels}, siamese_fused_tiled: {...}}.
+memory_ratio_to_stock, kernels}, siamese_fused_tiled: {...}, siamese_joined: {...}}.
 
 The stock baseline is Megatron's own TE GPT block (get_gpt_decoder_block_spec): the package's
 "pre" scheme is the local-module baseline, so this step registers it as scheme "pre-te" in
@@ -36,7 +38,7 @@ from common import (PRECISIONS, NeedsGPU, cuda_kernels, one_rank, repeated, requ
                     time_ms)
 
 ITERS, WARMUP, REPEATS = 20, 4, 2
-ROW_MARGIN_S = 45  # one row: two 1.3B builds and ~140 steps
+ROW_MARGIN_S = 60  # one row: three 1.3B builds and ~200 steps
 SEED = 1234
 OPTIMIZER = dict(lr=1e-4, min_lr=1e-5, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, clip_grad=1.0)
 RECOMPUTE = {"none": {}, "layernorm": dict(recompute_granularity="selective", recompute_modules=["layernorm"])}
@@ -67,21 +69,25 @@ class Variant:
     norm: str
     kernels: tuple = (None,)  # the CUDA kernel generations it is timed with, and their labels
     labels: tuple = ("stock",)
+    boundary_ops: bool = False  # the boundary ops join each layer's sublayers (opt-in on CUDA)
 
 
 STOCK_VARIANT = Variant("pre")
 SIAMESE_VARIANT = Variant("siamese", ("verified", "tiled"), ("siamese_fused", "siamese_fused_tiled"))
+SIAMESE_JOINED_VARIANT = Variant("siamese", ("verified",), ("siamese_joined",), boundary_ops=True)
+SIAMESE_VARIANTS = (SIAMESE_VARIANT, SIAMESE_JOINED_VARIANT)
 
 
-def settings(size: Size, norm: str, impl: str, precision: str):
+def settings(size: Size, norm: str, impl: str, precision: str, boundary_ops: bool = False):
     from megatron_siamese.runtime.settings import ModelSettings
 
+    siamese = norm == "siamese"
     return ModelSettings(norm=norm, num_layers=size.num_layers, hidden_size=size.hidden_size,
                          num_attention_heads=size.num_attention_heads, ffn_hidden_size=size.ffn_hidden_size,
                          seq_length=size.seq_length, normalization="RMSNorm", gated_linear_unit=True,
                          position_embedding_type="rope", add_bias_linear=False, dtype="bf16",
-                         fused_ops=True if norm == "siamese" else None, transformer_impl=impl,
-                         **PRECISIONS[precision])
+                         fused_ops=True if siamese else None, boundary_ops=boundary_ops if siamese else None,
+                         transformer_impl=impl, **PRECISIONS[precision])
 
 
 def register_stock_te_scheme() -> None:
@@ -175,10 +181,10 @@ def measure_row(size: Size, impl: str, precision: str, recompute: str, rehearse:
            "hidden": size.hidden_size, "seq": size.seq_length, "micro_batch": size.micro_batch}
     stock_norm = STOCK_TE if impl == "transformer_engine" else "pre"
     measured = {}
-    for variant in (replace(STOCK_VARIANT, norm=stock_norm), SIAMESE_VARIANT):
+    for variant in (replace(STOCK_VARIANT, norm=stock_norm), *SIAMESE_VARIANTS):
         try:
-            measured.update(measure_model(settings(size, variant.norm, impl, precision), variant, size, recompute,
-                                          rehearse))
+            measured.update(measure_model(settings(size, variant.norm, impl, precision, variant.boundary_ops), variant,
+                                          size, recompute, rehearse))
         except NeedsGPU:
             raise
         except Exception as error:  # noqa: BLE001 - the error's text is the result
@@ -191,7 +197,8 @@ def measure_row(size: Size, impl: str, precision: str, recompute: str, rehearse:
         record = repeated(timing["ms"], stock.get("ms") if label != "stock" else None)
         record["peak_mib"] = timing["peak_mib"]
         if label != "stock":
-            record["kernels"] = SIAMESE_VARIANT.kernels[SIAMESE_VARIANT.labels.index(label)]
+            variant = next(v for v in SIAMESE_VARIANTS if label in v.labels)
+            record["kernels"] = variant.kernels[variant.labels.index(label)]
             if timing["peak_mib"] and stock.get("peak_mib"):
                 record["memory_ratio_to_stock"] = round(timing["peak_mib"] / stock["peak_mib"], 4)
         row[label] = record
