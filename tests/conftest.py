@@ -1,8 +1,23 @@
 """Shared fixtures. Multi-rank tests launch their own processes (megatron_siamese.runtime.launch);
-single-rank tests run Megatron in this process on CPU through the CPU harness."""
+single-rank tests run Megatron in this process on CPU through the CPU harness.
 
+Which stack a test runs on (docs/testing.md, "Two stacks"): every test runs on each stack of a
+run, unless it is marked ``stack_independent``, which it may be only if it touches no Megatron
+API: it builds no Megatron model in this process (no ``megatron_single_rank``), starts no ranks
+(``launch``) and no Python process of it imports megatron (recorded through
+``tests/megatron_guard``). A marked test that does any of these fails, naming what it did, so
+the mark cannot silently drop a version-dependent test from the second stack.
+
+Tests are independent of their order: ``megatron_single_rank`` sets up and tears down the CPU
+shim, torch.distributed and Megatron's process groups around each test that asks for them.
+MEGATRON_SIAMESE_TEST_ORDER=reverse or shuffle:SEED reorders the collected tests (to prove it).
+"""
+
+import contextlib
 import os
+import random
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,15 +25,25 @@ import torch
 # Set by scripts/test.sh: the stacks of this run, in order, and the one running now.
 RUN_STACKS = os.environ.get("MEGATRON_SIAMESE_TEST_STACKS", "").split()
 THIS_STACK = os.environ.get("MEGATRON_SIAMESE_TEST_STACK", "")
+ORDER_ENV = "MEGATRON_SIAMESE_TEST_ORDER"
+GUARD = Path(__file__).resolve().parent / "megatron_guard"
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "stack_independent: exercises nothing that differs between megatron-core versions (argument "
-        "parsing, help, signals, output); in a run over several stacks (scripts/test.sh) it runs on the first only")
+        "markers", "stack_independent: touches no Megatron API (no Megatron model, no ranks, no process importing "
+        "megatron; enforced in tests/conftest.py); in a run over several stacks (scripts/test.sh) it runs on the "
+        "first only")
 
 
 def pytest_collection_modifyitems(config, items):
+    order = os.environ.get(ORDER_ENV, "")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("shuffle:"):
+        random.Random(int(order.split(":", 1)[1])).shuffle(items)
+    elif order:
+        raise pytest.UsageError(f"{ORDER_ENV} must be 'reverse' or 'shuffle:SEED', got {order!r}")
     if len(RUN_STACKS) < 2 or THIS_STACK == RUN_STACKS[0]:
         return
     skip = pytest.mark.skip(reason=f"stack-independent: ran on {RUN_STACKS[0]}, the first stack of this run")
@@ -27,26 +52,131 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def megatron_single_rank():
-    """torch.distributed (gloo, world size 1) and Megatron's process groups at TP=PP=1."""
+@pytest.fixture(autouse=True)
+def stack_independent_touches_no_megatron(request, monkeypatch, tmp_path_factory):
+    """For a test marked ``stack_independent``: fails it if it used Megatron after all."""
+    if request.node.get_closest_marker("stack_independent") is None:
+        yield
+        return
+    in_process = {"megatron_single_rank", "megatron_module_rank"} & set(request.fixturenames)
+    if in_process:
+        pytest.fail(f"marked stack_independent but builds Megatron in this process ({in_process.pop()}): "
+                    "remove the mark, it runs on every stack")
+    log = tmp_path_factory.mktemp("megatron-imports") / "imports.log"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(GUARD), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("MEGATRON_SIAMESE_TEST_IMPORT_LOG", str(log))
+    from megatron_siamese.runtime import launch
+
+    launched = []
+    real_context = launch._context  # what every launch of ranks in this process asks for first
+    monkeypatch.setattr(launch, "_context", lambda backend: launched.append(backend) or real_context(backend))
+    yield
+    if launched:
+        pytest.fail("marked stack_independent but starts ranks in this process (launch): remove the mark")
+    if log.exists():
+        pytest.fail("marked stack_independent but a process it started imported megatron: remove the mark, it runs "
+                    "on every stack\n" + log.read_text())
+
+
+@contextlib.contextmanager
+def single_rank():
+    """torch.distributed (gloo, world size 1) and Megatron's process groups at TP=PP=1, with the
+    CPU shim on a CPU machine, for the duration; what it set up is undone after (nothing when an
+    enclosing one already set them up)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_siamese.runtime import cpu_shim
     from megatron_siamese.runtime.launch import free_port
 
-    if not torch.cuda.is_available():
+    if parallel_state.model_parallel_is_initialized():  # inside a module's megatron_module_rank
+        yield
+        return
+    shim = not torch.cuda.is_available() and not cpu_shim.is_installed()
+    if shim:
         cpu_shim.install()
-    if not torch.distributed.is_initialized():
+    owns_group = not torch.distributed.is_initialized()
+    if owns_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        if shim:
+            cpu_shim.uninstall()
+
+
+@pytest.fixture
+def megatron_single_rank():
+    """Megatron on one rank in this process for the test (``single_rank``)."""
+    with single_rank():
+        yield
+
+
+@pytest.fixture(scope="module")
+def megatron_module_rank():
+    """Megatron on one rank in this process for a module's fixtures that build models once."""
+    with single_rank():
+        yield
+
+
+# -- runs shared by the session --------------------------------------------------------------
+
+SMALL_RUN = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "100", "--no-progress",
+             "--log-interval", "1"]
+
+
+class Run(type(Path())):
+    """A finished run's output directory, with the losses it logged per step (``.losses``)."""
+
+
+def logged_losses(stdout: str) -> dict:
+    """Step -> training loss, from Megatron-LM's iteration lines (--log-interval 1: one per step)."""
+    import re
+
+    return {int(step): float(loss) for step, loss in
+            re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|", stdout)}
+
+
+@pytest.fixture(scope="session")
+def corpus_cache(tmp_path_factory):
+    """One cache directory for the session: the embedded corpus is tokenized once."""
+    return str(tmp_path_factory.mktemp("corpus-cache"))
+
+
+def _trained(tmp_path_factory, corpus_cache, name, *args) -> Run:
+    from cli_runs import cli_here
+
+    root = Run(tmp_path_factory.mktemp(name) / "run")
+    done = cli_here("train", *SMALL_RUN, "--cache-dir", corpus_cache, "--output-dir", root, "--steps", "4",
+                    "--save-interval", "2", *args)
+    assert done.returncode == 0, done.stderr
+    root.losses = logged_losses(done.stdout)
+    assert sorted(root.losses) == [1, 2, 3, 4], done.stdout
+    return root
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, corpus_cache) -> Run:
+    """A 4-step run on one rank (SMALL_RUN), checkpoints at steps 2 and 4, and its losses: for
+    the tests that resume, evaluate, analyze or break a checkpoint (a test that changes it works
+    on a copy: shutil.copytree)."""
+    return _trained(tmp_path_factory, corpus_cache, "trained", "--tp", "1")
+
+
+@pytest.fixture(scope="session")
+def distributed_run(tmp_path_factory, corpus_cache) -> Run:
+    """The same at TP1 x DP2 with the distributed optimizer (its state sharded over DP)."""
+    return _trained(tmp_path_factory, corpus_cache, "distributed", "--tp", "1", "--dp", "2",
+                    "--use-distributed-optimizer")
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.stack_independent
 
 
 @pytest.fixture(scope="module")
-def exported(megatron_single_rank, tmp_path_factory):
+def exported(megatron_module_rank, tmp_path_factory):
     """(a tiny SiameseNorm GPTModel, its exported Transformers directory: remote code, byte tokenizer)."""
     from megatron_siamese.check.case import ModelCase
     from megatron_siamese.check.step import build_seeded_chunks

@@ -68,7 +68,7 @@ def relative_error(actual, expected) -> float:
 
 
 @pytest.fixture(scope="module")
-def exported(megatron_single_rank, tmp_path_factory):
+def exported(megatron_module_rank, tmp_path_factory):
     """{case name: (Megatron model, exported directory)}, each exported once for the module."""
     out = {}
     for name, case in {**CASES, "llama": LLAMA_CASE}.items():

@@ -86,19 +86,19 @@ def test_greedy_with_the_kv_cache_is_greedy_without_it(checkpoint, uncached, lay
 
 def _generate_with_planted_bug(checkpoint, prompts, new_tokens):
     """Decode steps (one new position per sequence) leave the Y stream without its update."""
-    from megatron_siamese.siamese_sublayer import SiameseSublayerMixin
+    from megatron_siamese.layer import SiameseTransformerLayer
 
-    original = SiameseSublayerMixin._siamese_sublayer
+    original = SiameseTransformerLayer.forward
 
-    def dropped_y_update(self, hidden_states, *args):
-        packed = original(self, hidden_states, *args)
+    def dropped_y_update(self, hidden_states, *args, **kwargs):
+        packed, context = original(self, hidden_states, *args, **kwargs)
         h = self.config.hidden_size
         if hidden_states.shape[0] == 1 and hidden_states.shape[-1] == 2 * h:
             packed = packed.clone()
             packed[..., h:] = hidden_states[..., h:]
-        return packed
+        return packed, context
 
-    SiameseSublayerMixin._siamese_sublayer = dropped_y_update
+    SiameseTransformerLayer.forward = dropped_y_update
     session = open_session(checkpoint)
     try:
         return [r.tokens for r in generate_on_ranks(session, prompts, new_tokens, Sampling())]
@@ -132,8 +132,8 @@ def _generate_through_narrow_pipeline_buffers(checkpoint):
 
 def test_pipeline_stages_need_the_wide_receive_buffers(checkpoint):
     """What makes PP2 generation work: without the 2h-wide buffers the packed streams do not fit
-    (gloo aborts the receiving rank)."""
-    with pytest.raises(RankFailed):
+    (gloo aborts the receiving stage, rank 1, on the size mismatch: no timeout, no other error)."""
+    with pytest.raises(RankFailed, match=r"^rank 1 was killed by SIGABRT before reporting$"):
         launch(_generate_through_narrow_pipeline_buffers, 2, checkpoint, timeout_s=120)
 
 

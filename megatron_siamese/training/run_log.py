@@ -173,8 +173,10 @@ class RunLog:
     def _print(self, line: str) -> None:
         if self.bar is not None:
             self.bar.write(line)
-        else:
-            print(line, flush=True)
+        else:  # through the launcher that spawned the ranks (its stdout), or ours in a launched job
+            from megatron_siamese.runtime.launch import console
+
+            console(line)
 
     def _close_files(self) -> None:
         if self.metrics is not None:

@@ -1,0 +1,66 @@
+"""Running the command line in tests, two ways.
+
+``cli`` runs it as a user does: a new interpreter (``python -m megatron_siamese.cli``), its exit
+status, its output, its processes (the launcher, the fork server its ranks come from). Tests of
+signals, exit statuses, the launcher, lock files and what the process prints around its work
+(notices, the progress bar, log lines) use it.
+
+``cli_here`` runs the same ``main(argv)`` in this process: what the command decides and does
+(refusals before any rank starts, resumes, checkpoint contents) without an interpreter start,
+and with ranks forked from this process's fork server, which imported torch and Megatron once
+for the session instead of once per command. It returns what ``cli`` returns: the exit status
+``main`` gives ``sys.exit``, and what the command printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, Optional
+
+CLI = [sys.executable, "-m", "megatron_siamese.cli"]
+
+
+def cli(*args, env: Optional[Dict[str, str]] = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The command in its own process; ``.seconds`` is how long it took."""
+    start = time.monotonic()
+    done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    done.seconds = time.monotonic() - start
+    return done
+
+
+@contextlib.contextmanager
+def _environment(env: Dict[str, str]):
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def cli_here(*args, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """The command's ``main(argv)`` in this process: ``.returncode`` (what it would exit with),
+    ``.stdout``, ``.stderr`` and ``.seconds``, as ``cli`` gives them."""
+    from megatron_siamese.cli import main
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    with _environment(env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as stop:  # argparse's refusals
+            code = stop.code if isinstance(stop.code, int) else 1
+    done = subprocess.CompletedProcess(["megatron-siamese", *argv], code, out.getvalue(), err.getvalue())
+    done.seconds = time.monotonic() - start
+    return done
