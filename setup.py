@@ -43,9 +43,12 @@ def extension_modules():
 
 
 def build_ext_class():
+    import shutil
+
     from torch.utils.cpp_extension import BuildExtension
 
-    return BuildExtension.with_options(use_ninja=False)
+    # with ninja (scripts/setup.sh installs it) the sources compile in parallel; without, one by one
+    return BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
 
 
 setup(

@@ -31,14 +31,23 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 stamp=$venv/.megatron_siamese-installed
 want=$(cat "$requirements" setup.py csrc/* | sha256sum | cut -d' ' -f1)
+phase() {  # runs a phase of the setup and says how long it took (on stderr: stdout is the venv's path)
+  local name=$1 start=$SECONDS
+  shift
+  "$@"
+  echo "  $stack: $name $((SECONDS - start)) s" >&2
+}
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setting up $venv ($stack) ..." >&2
-  "$venv/bin/python" -m pip install -q --upgrade pip
+  # ninja: the extension's sources compile in parallel (torch's BuildExtension uses it when present)
+  phase "pip, ninja" "$venv/bin/python" -m pip install -q --upgrade pip ninja
   # torch first and pinned: an unpinned torch pulls a different (multi-GB) build
-  "$venv/bin/python" -m pip install -q "$torch_pin"
-  "$venv/bin/python" -m pip install -q -r "$requirements"
-  # no build isolation: the C++ extension builds against the torch installed above
-  env "${build_env[@]}" "$venv/bin/python" -m pip install -q --no-build-isolation -e .
+  phase "$torch_pin" "$venv/bin/python" -m pip install -q "$torch_pin"
+  phase "$requirements" "$venv/bin/python" -m pip install -q -r "$requirements"
+  # no build isolation: the C++ extension builds against the torch installed above; one stack at a
+  # time (scripts/test.sh sets the stacks up side by side, and both write the package's egg-info)
+  phase "the package and its extension" flock "$PWD/build.lock" env "${build_env[@]}" PATH="$PWD/$venv/bin:$PATH" \
+    "$venv/bin/python" -m pip install -q --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
 echo "$venv"

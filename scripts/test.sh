@@ -1,24 +1,58 @@
 #!/usr/bin/env bash
 # The whole test suite on CPU, on both tested Megatron-Core stacks (several gloo processes per
-# parallel test): megatron-core 0.16.1 / Python 3.11, then 0.19.2 / Python 3.12. Each stack
-# sets up its own virtual environment on first use (scripts/setup.sh).
+# parallel test): megatron-core 0.16.1 / Python 3.11 and 0.19.2 / Python 3.12. Each stack sets
+# up its own virtual environment on first use (scripts/setup.sh).
 #
-#   bash scripts/test.sh                      # both stacks (what CI runs)
-#   STACKS=mcore016 bash scripts/test.sh -k hybrid   # one stack; extra args go to pytest
+#   bash scripts/test.sh                               # both stacks (what CI runs)
+#   STACKS=mcore016 bash scripts/test.sh -k hybrid     # one stack, everything on it; extra args go to pytest
+#   TEST_PARALLEL=0 bash scripts/test.sh               # the stacks one after the other
+#
+# The stacks run side by side (TEST_PARALLEL=1, the default): each sets up and then tests in its
+# own process, into its own log (printed whole when it ends) and its own pytest temp directory.
+# A test marked stack_independent runs on the first stack only (tests/conftest.py says which
+# may be). Each stack's log ends with its 20 slowest tests (pytest's --durations=20, unless
+# PYTEST_ADDOPTS asks for other durations).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-status=0
-# tests marked stack_independent run on the first stack only; the standalone nvcc compile is
-# left to the mcore019 build when it is in the run (tests/conftest.py, test_cuda_compile.py)
-export MEGATRON_SIAMESE_TEST_STACKS=${STACKS:-mcore016 mcore019}
-for stack in $MEGATRON_SIAMESE_TEST_STACKS; do
+read -r -a stacks <<< "${STACKS:-mcore016 mcore019}"
+export MEGATRON_SIAMESE_TEST_STACKS="${stacks[*]}"
+parallel=${TEST_PARALLEL:-1}
+work=${TEST_WORK_DIR:-${TMPDIR:-/tmp}/megatron-siamese-tests}
+mkdir -p "$work"
+durations=(--durations=20)
+case " ${PYTEST_ADDOPTS:-} " in *" --durations"*) durations=() ;; esac
+
+stack_run() {  # one stack: its environment, then the suite; its exit status is pytest's
+  local stack=$1 start=$SECONDS venv
   export MEGATRON_SIAMESE_TEST_STACK=$stack
   venv=$(bash scripts/setup.sh "$stack")
+  echo "== $stack: environment ready after $((SECONDS - start)) s"
   "$venv/bin/python" - <<'PY'
 import sys
 from importlib.metadata import version
 print(f"== Python {sys.version.split()[0]}, torch {version('torch')}, megatron-core {version('megatron-core')}", flush=True)
 PY
-  "$venv/bin/python" -m pytest "$@" || status=$?
-done
+  "$venv/bin/python" -m pytest --basetemp="$work/$stack" "${durations[@]}" "${@:2}"
+}
+
+status=0
+if [ "$parallel" = 1 ] && [ "${#stacks[@]}" -gt 1 ]; then
+  pids=()
+  for stack in "${stacks[@]}"; do
+    stack_run "$stack" "$@" > "$work/$stack.log" 2>&1 &
+    pids+=($!)
+    echo "== $stack: setting up and testing in the background (log: $work/$stack.log)"
+  done
+  for i in "${!stacks[@]}"; do
+    code=0
+    wait "${pids[$i]}" || code=$?
+    echo "== ${stacks[$i]}: exit status $code after $SECONDS s; its log:"
+    cat "$work/${stacks[$i]}.log"
+    [ "$code" = 0 ] || status=$code
+  done
+else
+  for stack in "${stacks[@]}"; do
+    stack_run "$stack" "$@" || status=$?
+  done
+fi
 exit $status

@@ -145,27 +145,45 @@ def test_joined_sublayers_keep_one_activation_less_per_layer(megatron_single_ran
     assert apart - joined == CASE.num_layers * (SUBLAYER_BYTES - 8 * tokens)
 
 
-UNSUPPORTED = {
-    "multi-token prediction": dict(mtp_num_layers=1),
-    "fused TP inference": dict(inference_fuse_tp_communication=True),
-    "expert-parallel overlap": dict(num_moe_experts=2, overlap_moe_expert_parallel_comm=True),
-    "qk layernorm": dict(qk_layernorm=True),
-    "qk l2 norm": dict(qk_l2_norm=True),
-    "heterogeneous blocks": dict(heterogeneous_block_specs=True),
+UNSUPPORTED = {  # (settings, the refusal's one problem, as the error lists it)
+    "multi-token prediction": (dict(mtp_num_layers=1), "multi-token prediction (mtp_num_layers / "
+                               "--mtp-num-layers) is not supported: its MTP layers expect a single [s, b, h] stream. "
+                               "Set mtp_num_layers=None."),
+    "fused TP inference": (dict(inference_fuse_tp_communication=True), "inference_fuse_tp_communication fuses the "
+                           "residual add and the next layer's norm into the TP reduce-scatter, which has no SiameseNorm "
+                           "form. Set it to False."),
+    "expert-parallel overlap": (dict(num_moe_experts=2, overlap_moe_expert_parallel_comm=True),
+                                "overlap_moe_expert_parallel_comm runs each layer's submodules from Megatron's own "
+                                "schedule plan, around the layer's forward that carries the two streams. Set it to "
+                                "False."),
+    "qk layernorm": (dict(qk_layernorm=True), "qk_layernorm is set but this SiameseNorm layer spec has no QK-norm."),
+    "qk l2 norm": (dict(qk_l2_norm=True), "qk_l2_norm (Llama 4's parameter-free L2 QK-norm) is not supported: "
+                   "SiameseNorm's specs put a learned norm in the QK-norm slots. Set qk_l2_norm=False "
+                   "(qk_layernorm=True for QK-norm)."),
+    "heterogeneous blocks": (dict(heterogeneous_block_specs=True), "heterogeneous_block_specs is not supported: every "
+                             "SiameseNorm layer must have the same structure. Set it to False."),
     # Megatron main's hyper-connections flag (absent from 0.16.1) is refused whenever set
-    "hyper-connections": dict(enable_mhc_connections=True),
-    "fp32 residual": dict(fp32_residual_connection=True),
+    "hyper-connections": (dict(enable_mhc_connections=True), "Megatron's hyper-connections (enable_mhc_connections / "
+                          "--enable-mhc-connections) replace the residual stream that SiameseNorm splits in two. "
+                          "Disable them."),
+    "fp32 residual": (dict(fp32_residual_connection=True), "fp32_residual_connection keeps Megatron's single residual "
+                      "stream in fp32; SiameseNorm's two streams stay in the activation dtype. Set it to False."),
     # megatron-core >= 0.19's chunked MLP (absent from 0.16.1) is refused whenever set
-    "chunked mlp": dict(mlp_chunks_for_training=2),
+    "chunked mlp": (dict(mlp_chunks_for_training=2), "mlp_chunks_for_training / mlp_chunks_for_prefill (chunked MLP) "
+                    "are not implemented by SiameseNorm layers yet. Set them to 1."),
 }
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))
 def test_unsupported_configuration_is_refused_at_construction(megatron_single_rank, name):
     config = config_with()
-    for key, value in UNSUPPORTED[name].items():
+    settings, problem = UNSUPPORTED[name]
+    for key, value in settings.items():
         # set after construction: TransformerConfig's own checks would need TE for some
         setattr(config, key, value)
-    with pytest.raises(UnsupportedConfigError, match="Set|Use|Disable") as refused:
+    with pytest.raises(UnsupportedConfigError) as refused:
         build_layer(config)
-    assert key.split("_")[0] in str(refused.value).replace("-", "_")
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "SiameseNorm cannot build this layer:"
+    assert [line.startswith("- ") for line in lines[1:]] == [True], lines  # this one problem, and only it
+    assert lines[1].startswith(f"- {problem}"), lines[1]

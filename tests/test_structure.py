@@ -7,6 +7,7 @@ launcher and the Megatron-LM runner only (and the tests).
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -94,5 +95,6 @@ def test_only_the_launchers_install_the_cpu_shim():
 def test_long_modules_say_why():
     long = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()
             if len(path.read_text().splitlines()) > MAX_LINES}
-    unexplained = [name for name in long if "long" not in (ast.get_docstring(ast.parse(MODULES[name].read_text())) or "")]
+    unexplained = [name for name in long
+                   if not re.search(r"\bis long because\b", ast.get_docstring(ast.parse(MODULES[name].read_text())) or "")]
     assert unexplained == [], f"modules over {MAX_LINES} lines whose docstring does not say why: {long}"

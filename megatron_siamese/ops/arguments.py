@@ -1,0 +1,68 @@
+"""What the fused ops' fake (meta) implementations check of their arguments, shared by the
+norm ops' registrations (``fused.py``) and the boundary ops' (``boundary.py``): the checks the
+C++ host layer (csrc/ops.cpp) makes, so torch.compile and meta tensors refuse a wrong call at
+trace time with the kernels' message. Importing it loads the extension."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from megatron_siamese import _C  # noqa: F401  (defines torch.ops.megatron_siamese.*)
+
+ops = torch.ops.megatron_siamese
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def accumulation(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def check_streams(streams: Tensor, hidden: int, op: str = "dual_norm") -> None:
+    torch._check(streams.dim() == 2, lambda: f"{op}: streams must be 2-D [rows, width], got {tuple(streams.shape)}")
+    torch._check(hidden > 0, lambda: f"{op}: hidden must be positive, got {hidden}")
+    torch._check(streams.shape[1] in (hidden, 2 * hidden),
+                 lambda: f"{op}: streams width must be hidden (first layer) or 2 * hidden (packed "
+                         f"[x | y]); got width {streams.shape[1]} for hidden {hidden}")
+    torch._check(streams.dtype in FLOATS,
+                 lambda: f"{op}: streams must be float32, bfloat16, float16 or float64, got {streams.dtype}")
+
+
+def check_vectors(streams: Tensor, hidden: int, op: str, weights: Dict[str, Optional[Tensor]]) -> None:
+    for name, w in weights.items():
+        if w is not None:
+            torch._check(w.dim() == 1 and w.shape[0] == hidden,
+                         lambda: f"{op}: {name} must have shape [{hidden}], got {tuple(w.shape)}")
+            torch._check(w.device == streams.device, lambda: f"{op}: {name} is not on the streams' device")
+            torch._check(w.dtype in (streams.dtype, torch.float32),
+                         lambda: f"{op}: {name} must be in the streams' dtype ({streams.dtype}) or float32, "
+                                 f"got {w.dtype}")
+
+
+def check_weights(streams: Tensor, hidden: int, rms: bool, **weights: Optional[Tensor]) -> None:
+    check_vectors(streams, hidden, "dual_norm", weights)
+    biased = weights["x_bias"] is not None
+    torch._check(biased == (weights["y_bias"] is not None)
+                 and (weights["in_weight"] is None or biased == (weights["in_bias"] is not None)),
+                 lambda: "dual_norm: give biases for all norms or for none")
+    torch._check(not (rms and biased), lambda: "dual_norm: RMSNorm has no bias")
+    torch._check(weights["in_weight"] is not None or weights["in_bias"] is None,
+                 lambda: "dual_norm: in_bias without in_weight")
+
+
+def norm_outputs(streams: Tensor, hidden: int):
+    """(base, normed, stats) as both norm ops return them."""
+    rows = streams.shape[0]
+    return (
+        streams.new_empty((rows, 2 * hidden)),
+        streams.new_empty((rows, hidden)),
+        streams.new_empty((rows, 6), dtype=accumulation(streams)),
+    )
+
+
+def check_hybrid_weights(streams: Tensor, hidden: int, x_scale, y_weight, y_bias, rms: bool) -> None:
+    check_vectors(streams, hidden, "hybrid_dual_norm", dict(x_scale=x_scale, y_weight=y_weight, y_bias=y_bias))
+    torch._check(not (rms and y_bias is not None), lambda: "hybrid_dual_norm: RMSNorm has no bias")
