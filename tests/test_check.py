@@ -28,10 +28,19 @@ def test_bf16_matrix_passes_against_its_own_noise():
     assert set(statuses(rows).values()) == {"PASS"}
 
 
-def test_hybrid_variant_matrix_passes():
+def test_bf16_rule_fails_a_planted_bug():
+    """The bf16 rule (each quantity within twice bf16's own single-rank noise) is what the README
+    recommends on clusters: norm gradients left partial under SP land far outside that noise."""
+    rows = run_check(ModelCase(dtype="bf16"), ["tp2-sp"], "siamese", fault="no-sp-flag")
+    assert statuses(rows) == {"tp2-sp": "FAIL"} and "norm" in rows[0].detail
+
+
+def test_hybrid_variant_matrix_passes_and_fails_a_planted_bug():
     rows = run_check(ModelCase(norm="siamese-hybrid"),
                      ["tp2", "tp2-sp", "pp2-vpp2", "dp2-do", "sel", "tp2-pp2-sp"], "siamese-hybrid")
     assert set(statuses(rows).values()) == {"PASS"}
+    rows = run_check(ModelCase(norm="siamese-hybrid"), ["tp2-sp", "pp2"], "siamese-hybrid", fault="no-sp-flag")
+    assert statuses(rows) == {"tp2-sp": "FAIL", "pp2": "PASS"} and "norm" in rows[0].detail
 
 
 def test_qk_norm_through_the_megatron_lm_spec_object_passes_and_its_tp_reduction_is_checked():
@@ -116,3 +125,6 @@ def test_hybrid_model_matrix_passes():
     rows = run_check(ModelCase(model="hybrid"), ["tp2-sp", "pp2", "pp2-vpp2", "dp2-do", "full", "sel", "tp2-pp2-sp"],
                      "siamese")
     assert set(statuses(rows).values()) == {"PASS"}
+    # and it fails what it should: the stack's norms without the SP flag, on the SP layout only
+    rows = run_check(ModelCase(model="hybrid"), ["tp2-sp", "pp2"], "siamese", fault="no-sp-flag")
+    assert statuses(rows) == {"tp2-sp": "FAIL", "pp2": "PASS"} and "norm" in rows[0].detail

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cli_refusals import assert_one_line_refusal
+from cli_runs import cli_here
 
 from megatron_siamese.training.args import ConfigError, TrainArgs
 from megatron_siamese.training.checkpoint_settings import (
@@ -34,11 +35,18 @@ ROUTER = ("load_balancing_loss", "z_loss", "busiest_expert_load")
 
 
 def train(output, cache, *args, timeout=600):
+    """The command in its own process (the bar on its stderr is rank 0's own output)."""
     start = time.monotonic()
     done = subprocess.run([*CLI, "train", *SMALL, "--cache-dir", cache, "--output-dir", output, *map(str, args)],
                           capture_output=True, text=True, timeout=timeout)
     done.seconds = time.monotonic() - start
     return done
+
+
+def train_here(output, cache, *args):
+    """The command's main() in this process: its losses and router statistics (lines through the
+    launcher), with ranks from this session's fork server."""
+    return cli_here("train", *SMALL, "--cache-dir", cache, "--output-dir", output, *args)
 
 
 def logged(done) -> dict:
@@ -156,12 +164,20 @@ def test_an_expert_parallel_run_learns_and_reports_its_routers_everywhere(ep2):
 def test_a_checkpoint_continues_under_another_tp_and_expert_layout(tmp_path, cache, ep2):
     """DP2 x EP2 -> TP2 with SP and EP2 over the same two ranks, experts unsplit (--etp 1): the
     attention weights split anew, the experts move, the optimizer state follows."""
-    done = train(tmp_path, cache, "--tp", "2", "--sp", "--ep", "2", "--etp", "1", "--steps", "4",
-                 "--load", ep2.root / "checkpoints" / "iter_0000002")
+    resume = ("--tp", "2", "--sp", "--ep", "2", "--etp", "1", "--steps", "4", "--load",
+              ep2.root / "checkpoints" / "iter_0000002")
+    done = train_here(tmp_path / "a", cache, *resume)
     assert done.returncode == 0, done.stderr
     resumed = logged(done)
     assert sorted(resumed) == [3, 4]
     assert_same_steps(resumed, ep2.steps, (3, 4))
+    # step 4 follows the update that step 3 made with the resharded optimizer state: with a fresh
+    # optimizer instead, step 3 (the loaded weights) is the same and step 4 is not
+    fresh = train_here(tmp_path / "b", cache, *resume, "--no-load-optim")
+    assert fresh.returncode == 0, fresh.stderr
+    fresh_steps = logged(fresh)
+    assert_same_steps(fresh_steps, ep2.steps, (3,))
+    assert abs(fresh_steps[4]["loss"] - ep2.steps[4]["loss"]) > 1e-3
 
 
 def test_expert_parallel_weights_load_into_a_pipeline_without_expert_parallelism(tmp_path, cache, ep2):
@@ -169,11 +185,11 @@ def test_expert_parallel_weights_load_into_a_pipeline_without_expert_parallelism
     the state is refused with what loads it; the weights load (the next step's forward, losses
     and routing included, is the uninterrupted run's), with a fresh optimizer."""
     checkpoint = ep2.root / "checkpoints" / "iter_0000002"
-    refused = train(tmp_path / "a", cache, "--tp", "1", "--pp", "2", "--steps", "4", "--load", checkpoint)
+    refused = train_here(tmp_path / "a", cache, "--tp", "1", "--pp", "2", "--steps", "4", "--load", checkpoint)
     assert_one_line_refusal(refused, f"--load {checkpoint} holds the expert parameters' optimizer state apart",
                    "resume with expert parallelism (--ep 2 or more), or pass --no-load-optim")
-    done = train(tmp_path / "b", cache, "--tp", "1", "--pp", "2", "--steps", "4", "--load", checkpoint,
-                 "--no-load-optim")
+    done = train_here(tmp_path / "b", cache, "--tp", "1", "--pp", "2", "--steps", "4", "--load", checkpoint,
+                      "--no-load-optim")
     assert done.returncode == 0, done.stderr
     resumed = logged(done)
     assert sorted(resumed) == [3, 4]
@@ -181,10 +197,8 @@ def test_expert_parallel_weights_load_into_a_pipeline_without_expert_parallelism
 
 
 def test_a_resume_into_other_experts_is_refused_before_any_rank_starts(tmp_path, cache, ep2):
-    done = subprocess.run([*CLI, "train", *SMALL, "--cache-dir", cache, "--output-dir", str(tmp_path),
-                           "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "6", "--num-experts", "8",
-                           "--moe-router-topk", "3", "--load", str(ep2.root / "checkpoints")],
-                          capture_output=True, text=True)
+    done = train_here(tmp_path, cache, "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "6", "--num-experts", "8",
+                      "--moe-router-topk", "3", "--load", ep2.root / "checkpoints")
     assert_one_line_refusal(done, "holds another model", "--num-experts 4 -> 8, --moe-router-topk 2 -> 3")
     assert not os.path.exists(Path(tmp_path) / "checkpoints")
 

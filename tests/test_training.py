@@ -89,11 +89,37 @@ def test_unigram_entropy_counts_every_document(tmp_path):
     assert unigram_entropy(prefix) == pytest.approx(float(-(p * numpy.log(p)).sum()), rel=1e-12)
 
 
-def test_compare_runs_every_scheme_on_identical_data(tmp_path, cache):
-    from megatron_siamese.training.compare import compare
+def _batches_digest(args) -> str:
+    """On a rank: a digest of every training and validation microbatch ``args``' run reads, read
+    as the trainer reads them (its data readers over the same datasets)."""
+    import hashlib
 
+    from megatron_siamese.runtime.gpt import MegatronGPT, initialize_model_parallel
+    from megatron_siamese.training.trainer import data_readers
+
+    initialize_model_parallel(args.layout, args.seed)
+    try:
+        train_data, valid_data = data_readers(args, ByteTokenizer())
+        digest = hashlib.sha256()
+        for reader, steps in ((train_data, args.steps), (valid_data, args.eval_iters)):
+            for step in range(steps):
+                for batch in reader.step(step):
+                    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                        digest.update(batch[key].numpy().tobytes())
+        return digest.hexdigest()
+    finally:
+        MegatronGPT.close()
+
+
+def test_compare_runs_every_scheme_on_identical_data(tmp_path, cache, monkeypatch):
+    from megatron_siamese.runtime.launch import launch
+    from megatron_siamese.training import compare as compare_module, trainer
+
+    runs_args = []
+    real_train = trainer.train
+    monkeypatch.setattr(trainer, "train", lambda args: runs_args.append(args) or real_train(args))
     args = TrainArgs(**{**TINY, "tp": 1, "steps": 4, "cache_dir": cache, "output_dir": str(tmp_path)})
-    table = compare(args, ["pre", "post", "siamese"])
+    table = compare_module.compare(args, ["pre", "post", "siamese"])
     assert [line.split()[0] for line in table.splitlines()[1:4]] == ["pre", "post", "siamese"]
     assert (tmp_path / "compare.png").stat().st_size > 10_000
     import json
@@ -103,6 +129,14 @@ def test_compare_runs_every_scheme_on_identical_data(tmp_path, cache):
     # one data stream, three different models: different first-step losses near ln(320)
     assert len(set(first_losses.values())) == 3
     assert all(abs(v - math.log(320)) < 0.5 for v in first_losses.values())
+    # the data itself: each scheme's run reads the same batches, microbatch for microbatch (and the
+    # digest tells data apart: another seed reads others)
+    assert [a.norm for a in runs_args] == ["pre", "post", "siamese"]
+    digests = [launch(_batches_digest, 1, a)[0] for a in runs_args]
+    assert len(set(digests)) == 1
+    import dataclasses
+
+    assert launch(_batches_digest, 1, dataclasses.replace(runs_args[0], seed=args.seed + 1))[0] != digests[0]
 
 
 SCHEDULE = {"max_lr": 0.5, "min_lr": 0.05, "start_wd": 0.3}
