@@ -5,7 +5,6 @@ Megatron through the shim)."""
 import subprocess
 import sys
 
-import pytest
 
 # the first device context of a fresh process opened while the shim is installed: torch then
 # builds its set of factory functions, which must hold the real factories, not the shim's wrappers
@@ -22,7 +21,6 @@ print(during, after)
 """
 
 
-@pytest.mark.stack_independent
 def test_device_context_applies_while_and_after_the_shim_is_installed():
     result = subprocess.run([sys.executable, "-c", FIRST_CONTEXT_UNDER_THE_SHIM], capture_output=True, text=True,
                             timeout=300)

@@ -150,7 +150,6 @@ def test_generate_with_kv_cache_equals_greedy_without(exported):
     assert torch.equal(cached, sequence)
 
 
-@pytest.mark.stack_independent
 def test_tokenizer_round_trips_byte_tokenizer_ids(exported):
     from transformers import AutoTokenizer
 

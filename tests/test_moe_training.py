@@ -1,5 +1,6 @@
-"""Training a mixture-of-experts SiameseNorm GPT as a user does (the CLI in subprocesses): the MoE
-and expert-parallel flags, the router statistics in every log, and checkpoints that resume
+"""Training a mixture-of-experts SiameseNorm GPT as a user does (the CLI: in a subprocess where its
+own output is the point, else its main() in this process, tests/cli_runs.py): the MoE and
+expert-parallel flags, the router statistics in every log, and checkpoints that resume
 under another EP/TP/PP layout with the losses of the uninterrupted run."""
 
 import json
