@@ -1,40 +1,43 @@
-"""The command line as a user drives it (subprocesses): exit codes, what is printed, and the
-files left on disk after bad input, reruns, broken checkpoints, killed ranks and Ctrl-C."""
+"""The command line as a user drives it: exit codes, what is printed, and the files left on disk
+after bad input, reruns, broken checkpoints, killed ranks and Ctrl-C. Subprocesses (``cli``,
+``running``) where the process is what is tested (its exit status and output, signals, killed
+ranks, the progress bar, imports); the command's ``main`` in this process (``cli_here``) for what
+it decides and does with checkpoints (refusals, resumes), on the session's ``trained_run``."""
 
+import contextlib
 import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
+from cli_refusals import record_rank_starts, running
+from cli_runs import cli, cli_here
+from conftest import SMALL_RUN
 
 from megatron_siamese.cli import build_parser
 from megatron_siamese.training.args import TrainArgs
 from megatron_siamese.training.checkpoint_files import TRACKER
 
-CLI = [sys.executable, "-m", "megatron_siamese.cli"]
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "100"]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
-
-
-def cli(*args, timeout=300):
-    start = time.monotonic()
-    done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout)
-    done.seconds = time.monotonic() - start
-    return done
+ONE_RANK = [*SMALL_RUN, "--tp", "1"]  # trained_run's settings: a resume of it changes nothing else
 
 
 def train(tmp_path, cache, name, *args):
     return cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / name, *args)
+
+
+def train_here(cache, output, *args):
+    """``train`` with trained_run's settings, in this process."""
+    return cli_here("train", *ONE_RANK, "--cache-dir", cache, "--output-dir", output, *args)
+
+
+@pytest.fixture
+def rank_starts(monkeypatch):
+    return record_rank_starts(monkeypatch)
 
 
 def final_val_loss(done) -> float:
@@ -68,13 +71,29 @@ BAD_INPUT = {
 }
 
 
+def cli_recording_imports(*argv):
+    """``cli(*argv)`` with Python's import log (-X importtime, on stderr): ``.imported`` holds the
+    top-level name of every module the process imported; ``.stderr`` is what the command printed."""
+    done = cli(*argv, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    log = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    done.stderr = "".join(line + "\n" for line in done.stderr.splitlines() if not line.startswith("import time:"))
+    done.imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in log[1:]}  # log[0]: the header
+    assert "megatron_siamese" in done.imported, log[:5]  # the log is there: the check below can fail
+    return done
+
+
+def assert_decided_before_torch_and_megatron(done):
+    heavy = {"torch", "megatron"} & done.imported
+    assert not heavy, f"imported {sorted(heavy)} before refusing"
+
+
 @pytest.mark.stack_independent
 @pytest.mark.parametrize("name", sorted(BAD_INPUT))
 def test_bad_input_is_one_line_per_problem_exit_2_and_fast(name):
     argv, message = BAD_INPUT[name]
-    done = cli(*argv)
+    done = cli_recording_imports(*argv)
     assert_refused(done, message)
-    assert done.seconds < 2.0  # validated before torch or Megatron is imported
+    assert_decided_before_torch_and_megatron(done)  # fast: validated before torch or Megatron is imported
 
 
 @pytest.mark.stack_independent
@@ -90,9 +109,9 @@ def test_hybrid_model_on_megatron_core_before_0_19_is_refused_by_both_commands(c
 
     if release(installed_megatron_core()) >= (0, 19, 0):
         pytest.skip("this megatron-core builds HybridModel (test_hybrid.py runs it)")
-    done = cli(command, "--model", "hybrid")
+    done = cli_recording_imports(command, "--model", "hybrid")
     assert_refused(done, "--model hybrid needs megatron-core >= 0.19")
-    assert done.seconds < 2.0
+    assert_decided_before_torch_and_megatron(done)
 
 
 @pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
@@ -150,63 +169,54 @@ def test_warm_up_defaults_to_a_tenth_of_the_run():
 
 
 # -- checkpoints: never overwritten, resumed as they were, broken ones named ----------------
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, cache):
-    """A 4-step TP2 run with checkpoints at steps 2 and 4."""
-    root = tmp_path_factory.mktemp("finished")
-    done = train(root, cache, "run", "--steps", "4", "--save-interval", "2")
-    assert done.returncode == 0, done.stderr
-    return root / "run"
-
+# On the session's trained_run (TP1, checkpoints at steps 2 and 4), in this process: what is
+# tested is what the command decides and what it does with a checkpoint, not the process.
 
 def snapshot(directory):
     return {path: os.stat(os.path.join(directory, path)).st_mtime_ns
             for path in sorted(os.listdir(directory))} | {"tracker:": open(os.path.join(directory, TRACKER)).read()}
 
 
-@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
-def test_a_rerun_into_a_used_output_dir_is_refused_and_touches_nothing(tmp_path, cache, finished_run):
+def test_a_rerun_into_a_used_output_dir_is_refused_and_touches_nothing(tmp_path, corpus_cache, trained_run,
+                                                                       rank_starts):
     output = tmp_path / "reused"
-    shutil.copytree(finished_run, output)
+    shutil.copytree(trained_run, output)
     before = snapshot(output / "checkpoints")
-    done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", output, "--steps", "2", "--save-interval", "2")
+    done = train_here(corpus_cache, output, "--steps", "2", "--save-interval", "2")
     assert_refused(done, "already holds another run's checkpoints (iter_0000002, iter_0000004)", "--overwrite")
     assert snapshot(output / "checkpoints") == before
+    assert rank_starts == []  # refused before any rank started
     # --overwrite replaces them: nothing of the old run is left to mix with the new one
-    done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", output, "--steps", "2", "--save-interval", "2",
-               "--overwrite")
+    done = train_here(corpus_cache, output, "--steps", "2", "--save-interval", "2", "--overwrite")
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(output / "checkpoints")) == ["iter_0000002", TRACKER]
     assert (output / "checkpoints" / "iter_0000002").stat().st_mtime_ns != before["iter_0000002"]
+    assert rank_starts == [1]  # the run's one rank: what the refusal above did not start
 
 
-def test_evaluating_a_checkpoint_as_saved_needs_no_other_flag(tmp_path, cache, finished_run):
-    done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path, "--steps", "4",
-               "--load", finished_run / "checkpoints")
+def test_evaluating_a_checkpoint_as_saved_needs_no_other_flag(tmp_path, corpus_cache, trained_run):
+    done = train_here(corpus_cache, tmp_path, "--steps", "4", "--load", trained_run / "checkpoints")
     assert done.returncode == 0, done.stderr
-    assert f"resumed from {finished_run / 'checkpoints'} at step 4" in done.stdout
+    assert f"resumed from {trained_run / 'checkpoints'} at step 4" in done.stdout
     assert "evaluated the checkpoint at step 4 (no steps left to train): val loss" in done.stdout
 
 
-@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
-def test_resuming_with_another_schedule_is_refused_unless_a_flag_says_which_wins(tmp_path, cache, finished_run):
-    checkpoints = finished_run / "checkpoints"
-    refused = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "a", "--steps", "6",
-                  "--load", checkpoints / "iter_0000002", "--lr", "0", "--min-lr", "0")
+def test_resuming_with_another_schedule_is_refused_unless_a_flag_says_which_wins(tmp_path, corpus_cache, trained_run):
+    checkpoints = trained_run / "checkpoints"
+    refused = train_here(corpus_cache, tmp_path / "a", "--steps", "6", "--load", checkpoints / "iter_0000002",
+                         "--lr", "0", "--min-lr", "0")
     assert_refused(refused, "another schedule", "--lr 0 (checkpoint: 0.002)", "--train-iters 6 (checkpoint: 4)",
                    "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
     # these settings win: a zero learning rate leaves the weights where step 2 left them
-    frozen = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "b", "--steps", "6",
-                 "--load", checkpoints / "iter_0000002", "--lr", "0", "--min-lr", "0", "--override-opt_param-scheduler")
-    as_saved = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "c", "--steps", "2",
-                   "--load", checkpoints / "iter_0000002")
+    frozen = train_here(corpus_cache, tmp_path / "b", "--steps", "6", "--load", checkpoints / "iter_0000002",
+                        "--lr", "0", "--min-lr", "0", "--override-opt_param-scheduler")
+    as_saved = train_here(corpus_cache, tmp_path / "c", "--steps", "2", "--load", checkpoints / "iter_0000002")
     assert frozen.returncode == 0 and as_saved.returncode == 0, frozen.stderr + as_saved.stderr
     assert "resumed from" in frozen.stdout and "at step 2" in frozen.stdout
     assert final_val_loss(frozen) == final_val_loss(as_saved)
     # the checkpoint's win: it trains on (the weights move)
-    kept = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "d", "--steps", "6",
-               "--load", checkpoints / "iter_0000002", "--lr", "0", "--min-lr", "0", "--use-checkpoint-opt_param-scheduler")
+    kept = train_here(corpus_cache, tmp_path / "d", "--steps", "6", "--load", checkpoints / "iter_0000002",
+                      "--lr", "0", "--min-lr", "0", "--use-checkpoint-opt_param-scheduler")
     assert kept.returncode == 0, kept.stderr
     assert final_val_loss(kept) != final_val_loss(as_saved)
 
@@ -219,81 +229,87 @@ CORRUPTIONS = {
 }
 
 
-@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
 @pytest.mark.parametrize("name", sorted(CORRUPTIONS))
-def test_a_broken_checkpoint_is_named_with_the_steps_to_load_instead(tmp_path, cache, finished_run, name):
+def test_a_broken_checkpoint_is_named_with_the_steps_to_load_instead(tmp_path, corpus_cache, trained_run, name,
+                                                                     rank_starts):
     filename, corrupt, what = CORRUPTIONS[name]
-    if not (finished_run / "checkpoints" / "iter_0000004" / filename).exists():
+    if not (trained_run / "checkpoints" / "iter_0000004" / filename).exists():
         pytest.skip(f"this megatron-core writes no {filename} (from 0.19 the common state is one of the shards)")
-    shutil.copytree(finished_run, tmp_path / "run")
+    shutil.copytree(trained_run, tmp_path / "run")
     checkpoints = tmp_path / "run" / "checkpoints"
     corrupt(checkpoints / "iter_0000004" / filename)
     for load in (checkpoints, checkpoints / "iter_0000004"):  # through the tracker, and named directly
-        done = cli("train", *SMALL, "--cache-dir", cache, "--output-dir", tmp_path / "run", "--steps", "4",
-                   "--load", load)
+        done = train_here(corpus_cache, tmp_path / "run", "--steps", "4", "--load", load)
         assert_refused(done, f"{checkpoints / 'iter_0000004' / filename}", what,
                        f"complete checkpoints in {checkpoints}: iter_0000002 (pass one to --load)")
+    assert rank_starts == []
 
 
-def ranks_of(process: subprocess.Popen):
+def ranks_of(pid: int):
     """The rank processes of a running command (children of its fork server)."""
-    servers = [c for c in psutil.Process(process.pid).children() if "forkserver" in " ".join(c.cmdline())]
+    servers = [c for c in psutil.Process(pid).children() if "forkserver" in " ".join(c.cmdline())]
     return [rank for server in servers for rank in server.children()]
 
 
-def test_a_rank_killed_mid_save_leaves_the_tracker_on_the_last_complete_checkpoint(tmp_path, cache):
+KILLED_RUN = ["--num-layers", "4", "--hidden-size", "256", "--seq-length", "32", "--micro-batch-size", "2",
+              "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "100"]
+
+
+def test_a_rank_killed_mid_save_leaves_the_tracker_on_the_last_complete_checkpoint(tmp_path, corpus_cache):
     output = tmp_path / "killed"
     checkpoints = output / "checkpoints"
-    process = subprocess.Popen([*CLI, "train", "--num-layers", "4", "--hidden-size", "256", "--seq-length", "32",
-                                "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "1",
-                                "--eval-interval", "100", "--cache-dir", cache, "--output-dir", output,
-                                "--steps", "40", "--save-interval", "2", "--no-progress"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed = None
-    deadline = time.monotonic() + 240
-    while killed is None and time.monotonic() < deadline and process.poll() is None:
-        saving = [p for p in checkpoints.glob("iter_*") if not (p / ".metadata").exists()]
-        if saving and (checkpoints / TRACKER).exists():
-            victim = ranks_of(process)[-1]
-            victim.kill()
-            killed = saving[0].name
-        time.sleep(0.002)
-    out, err = process.communicate(timeout=120)
-    assert killed is not None, f"no save was caught in progress: {err[-2000:]}"
-    assert process.returncode == 1 and "Traceback" not in err
+    with running("train", *KILLED_RUN, "--cache-dir", corpus_cache, "--output-dir", output, "--steps", "40",
+                 "--save-interval", "2", "--no-progress") as run:
+        deadline = time.monotonic() + 240
+        # the event: a checkpoint directory appearing without torch's index, after one complete
+        # save (the tracker); file systems notify no one, so it is looked for every 2 ms
+        while killed is None and time.monotonic() < deadline and run.process.poll() is None:
+            saving = [p for p in checkpoints.glob("iter_*") if not (p / ".metadata").exists()]
+            if saving and (checkpoints / TRACKER).exists():
+                victim = ranks_of(run.pid)[-1]
+                victim.kill()
+                killed = saving[0].name
+            time.sleep(0.002)
+        assert killed is not None, f"no save was caught in progress: {run.output('stderr')[-2000:]}"
+        code, out, err = run.finish(timeout=120)
+    assert code == 1 and "Traceback" not in err
     assert re.search(r"error: rank \d was killed by SIGKILL", err), err
     latest = int((checkpoints / TRACKER).read_text())
     assert f"iter_{latest:07d}" != killed and not list((checkpoints / f"iter_{latest:07d}").glob("*.distcp")) == []
     assert (checkpoints / f"iter_{latest:07d}" / ".metadata").exists()
-    resumed = cli("train", "--num-layers", "4", "--hidden-size", "256", "--seq-length", "32", "--micro-batch-size", "2",
-                  "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "100", "--cache-dir", cache,
-                  "--output-dir", output, "--steps", "40", "--stop-step", str(latest + 2),
-                  "--load", checkpoints)
+    # what the checkpoint holds resumes (in this process: the resume, not the process, is tested)
+    resumed = cli_here("train", *KILLED_RUN, "--cache-dir", corpus_cache, "--output-dir", output, "--steps", "40",
+                       "--stop-step", str(latest + 2), "--load", checkpoints)
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {latest}" in resumed.stdout
 
 
 # -- signals -----------------------------------------------------------------------------
 
-def start_long_run(output, cache, **popen):
-    process = subprocess.Popen([*CLI, "train", *SMALL, "--cache-dir", cache, "--output-dir", output,
-                                "--steps", "100000"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-    assert process.stdout.readline().startswith("checkpoints: none")  # the ranks are up
-    time.sleep(2.0)  # a few steps in
-    return process
+ITERATION_LINE = r"\] iteration +\d+/ *\d+ \|"  # Megatron-LM's line for a step (--log-interval 1: each)
 
 
-@pytest.mark.stack_independent
+@contextlib.contextmanager
+def long_run(output, cache):
+    """A run of 100000 steps (to be stopped), from the moment it is a step in (it printed the
+    step's line) until the block ends (then killed, whatever happened)."""
+    with running("train", *SMALL, "--cache-dir", cache, "--output-dir", output, "--steps", "100000",
+                 "--log-interval", "1") as run:
+        assert run.wait_for("stdout", r".").startswith("checkpoints: none")  # the ranks are up
+        run.wait_for("stdout", ITERATION_LINE)  # a step in
+        yield run
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-the-launcher"])
-def test_a_stop_signal_finishes_the_step_saves_and_exits_0(tmp_path, cache, how):
-    process = start_long_run(tmp_path, cache, start_new_session=True)
-    if how == "ctrl-c":
-        os.killpg(process.pid, signal.SIGINT)  # what a terminal sends: every process of the group
-    else:
-        process.send_signal(signal.SIGTERM)  # what a scheduler sends the job's process
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err[-3000:]
+def test_a_stop_signal_finishes_the_step_saves_and_exits_0(tmp_path, corpus_cache, how):
+    with long_run(tmp_path, corpus_cache) as run:
+        if how == "ctrl-c":
+            os.killpg(run.pid, signal.SIGINT)  # what a terminal sends: every process of the group
+        else:
+            run.process.send_signal(signal.SIGTERM)  # what a scheduler sends the job's process
+        code, out, err = run.finish(timeout=120)
+    assert code == 0, err[-3000:]
     assert "Traceback" not in err
     stopped = [line for line in err.splitlines() if line.startswith("stopped at step")]
     assert len(stopped) == 1, err[-3000:]
@@ -304,20 +320,20 @@ def test_a_stop_signal_finishes_the_step_saves_and_exits_0(tmp_path, cache, how)
     assert (checkpoints / f"iter_{step:07d}" / ".metadata").exists()
 
 
-@pytest.mark.stack_independent
-def test_a_second_ctrl_c_stops_at_once(tmp_path, cache):
-    process = start_long_run(tmp_path, cache, start_new_session=True)
-    os.killpg(process.pid, signal.SIGINT)
-    time.sleep(0.3)  # a second press (signals sent closer together arrive as one)
-    os.kill(process.pid, signal.SIGINT)
-    out, err = process.communicate(timeout=60)
-    assert process.returncode == 130 and "Traceback" not in err
+def test_a_second_ctrl_c_stops_at_once(tmp_path, corpus_cache):
+    with long_run(tmp_path, corpus_cache) as run:
+        os.killpg(run.pid, signal.SIGINT)
+        # a second press once the launcher took the first (two signals sent before it handles
+        # the first would arrive as one)
+        run.wait_for("stderr", r"^SIGINT: finishing this step, then stopping \(Ctrl-C again to stop at once\)")
+        os.kill(run.pid, signal.SIGINT)
+        code, out, err = run.finish(timeout=60)
+    assert code == 130 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "megatron-siamese train: interrupted"
 
 
 # -- output ------------------------------------------------------------------------------
 
-@pytest.mark.stack_independent
 def test_check_prints_its_table_and_little_else():
     done = cli("check", "--layouts", "tp2,pp2", "--num-layers", "2")
     assert done.returncode == 0, done.stderr
@@ -325,21 +341,21 @@ def test_check_prints_its_table_and_little_else():
     assert done.stderr == ""
 
 
-def test_a_run_with_every_parallelism_and_a_save_prints_no_warnings(tmp_path, cache):
+def test_a_run_with_every_parallelism_and_a_save_prints_no_warnings(tmp_path, corpus_cache):
     """Megatron's and torch's known notices (DP collectives, SP, the distributed optimizer, the
     checkpoint writer) are hidden on each stack; anything else would show here."""
-    done = train(tmp_path, cache, "quiet", "--steps", "2", "--tp", "2", "--sp", "--dp", "2",
+    done = train(tmp_path, corpus_cache, "quiet", "--steps", "2", "--tp", "2", "--sp", "--dp", "2",
                  "--distributed-optimizer", "--save-interval", "1", "--no-progress")
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
 
 
-@pytest.mark.stack_independent
-def test_one_progress_bar_and_where_checkpoints_go(tmp_path, cache):
+def test_one_progress_bar_and_where_checkpoints_go(tmp_path, corpus_cache):
     # --progress: the bar even though stdout is a pipe here (without it: Megatron-LM's log lines, test_run_log.py)
-    done = train(tmp_path, cache, "bar", "--steps", "3", "--save-interval", "3", "--tp", "2", "--progress")
+    done = train(tmp_path, corpus_cache, "bar", "--steps", "3", "--save-interval", "3", "--tp", "2", "--progress")
     assert done.returncode == 0, done.stderr
     assert len(re.findall(r"\s0%\|", done.stderr)) == 1  # rank 0's bar only, not one per TP rank
     assert f"checkpoints: every 3 steps and at step 3, in {tmp_path / 'bar' / 'checkpoints'}" in done.stdout
-    quiet = train(tmp_path, cache, "quiet", "--steps", "2")
+    # what the run says of its checkpoints (rank 0's status line), in this process
+    quiet = cli_here("train", *SMALL, "--cache-dir", corpus_cache, "--output-dir", tmp_path / "quiet", "--steps", "2")
     assert "checkpoints: none (--save-interval N or --stop-step N saves them; Ctrl-C saves one and stops)" in quiet.stdout
