@@ -1,21 +1,22 @@
 """A user's --data-prefix checked as the issue asks: broken files, a corpus too small for the
 split, and out-of-range token ids are one line and exit 2 (never a hang, a traceback or a run
-that trains on them). Corpora are written with Megatron's IndexedDatasetBuilder; the CLI runs as
-a user runs it (subprocesses with a timeout)."""
+that trains on them). Corpora are written with Megatron's IndexedDatasetBuilder. The command's
+refusals are driven in this process (``cli_here``: what it decides, and that it decides it before
+any rank starts); the stats command runs as the docs give it, in an interpreter of its own."""
 
 import json
 import os
 import re
 import subprocess
 import sys
-import time
 
 import numpy
 import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from cli_refusals import assert_one_line_refusal
+from cli_refusals import assert_one_line_refusal, record_rank_starts
+from cli_runs import cli_here
 
 from megatron_siamese.training import data_checks
 from megatron_siamese.training.data_checks import (
@@ -31,7 +32,6 @@ from megatron_siamese.training.data_checks import (
 VOCAB = 258  # the byte tokenizer's (the model pads it to 320; those rows are no tokens)
 TINY = ["--tp", "1", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--eval-iters", "1", "--no-progress"]
-REFUSED_WITHIN_S = 150  # the refusal needs torch and Megatron imported (seconds; generous for a loaded machine)
 
 
 def build(prefix, documents, dtype=numpy.int32) -> str:
@@ -52,13 +52,16 @@ def problems(prefix, seq_length=32, train_samples=40, valid_samples=4, split="98
     return corpus_problems(prefix, VOCAB, seq_length, train_samples, valid_samples, split)
 
 
-def train(tmp_path, prefix, *args, timeout=600):
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "megatron_siamese.cli", "train", "--data-path", prefix, *TINY,
-                           "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out"), *args],
-                          capture_output=True, text=True, timeout=timeout)
-    done.seconds = time.monotonic() - start
-    return done
+def train(tmp_path, prefix, *args):
+    """``megatron-siamese train`` on ``prefix``, in this process (``cli_here``)."""
+    return cli_here("train", "--data-path", prefix, *TINY, "--cache-dir", tmp_path / "cache",
+                    "--output-dir", tmp_path / "out", *args)
+
+
+@pytest.fixture
+def rank_starts(monkeypatch):
+    """Every start of ranks in this process during the test (``record_rank_starts``)."""
+    return record_rank_starts(monkeypatch)
 
 
 # -- the files ----------------------------------------------------------------------------
@@ -219,20 +222,18 @@ def test_the_addition_corpus_passes(tmp_path):
 # -- the command line ---------------------------------------------------------------------
 
 
-@pytest.mark.stack_independent  # the CLI's refusal; the checks themselves run on both stacks above
 @pytest.mark.parametrize("documents", [1, 17])
-def test_a_small_corpus_is_refused_in_seconds_not_a_hang(tmp_path, documents):
+def test_a_small_corpus_is_refused_in_seconds_not_a_hang(tmp_path, documents, rank_starts):
     prefix = build(str(tmp_path / "small"), byte_documents(documents))
-    done = train(tmp_path, prefix, timeout=300)
+    done = train(tmp_path, prefix)
     assert_one_line_refusal(done, f"holds {documents} document", "the validation split gets none",
                             "4 validation samples (--eval-iters 1 x --global-batch-size 4)")
-    assert done.seconds < REFUSED_WITHIN_S
+    assert rank_starts == []  # in seconds, not a hang: refused before any rank started (to wait on)
     assert not os.path.exists(tmp_path / "out" / "checkpoints")
 
 
-@pytest.mark.stack_independent  # the CLI's refusal; the checks themselves run on both stacks above
 @pytest.mark.parametrize("kind", ["empty .bin and .idx", "index arrays cut"])
-def test_a_broken_corpus_is_refused_naming_the_file(tmp_path, kind):
+def test_a_broken_corpus_is_refused_naming_the_file(tmp_path, kind, rank_starts):
     prefix = build(str(tmp_path / "broken"), byte_documents(40))
     if kind == "empty .bin and .idx":
         for suffix in (".bin", ".idx"):
@@ -241,22 +242,26 @@ def test_a_broken_corpus_is_refused_naming_the_file(tmp_path, kind):
     else:
         _damage(prefix, kind)
         message = f"{prefix}.idx is truncated"
-    done = train(tmp_path, prefix, timeout=300)
+    done = train(tmp_path, prefix)
     assert_one_line_refusal(done, message)
-    assert done.seconds < REFUSED_WITHIN_S
+    assert rank_starts == []  # refused before any rank started
 
 
-@pytest.mark.stack_independent  # the CLI's refusal; the checks themselves run on both stacks above
-def test_out_of_range_ids_with_a_stats_file_are_refused_before_training(tmp_path):
+def test_out_of_range_ids_with_a_stats_file_are_refused_before_training(tmp_path, rank_starts, capsys):
     rng = numpy.random.default_rng(0)
     prefix = build(str(tmp_path / "int32"), [rng.integers(0, 50_001, 200).tolist() for _ in range(60)])
-    command = subprocess.run([sys.executable, "-m", "megatron_siamese.training.data_checks", prefix],
-                             capture_output=True, text=True, timeout=300)
-    assert command.returncode == 0, command.stderr
-    assert f"{prefix}: 60 documents, 12,000 tokens, ids 0-" in command.stdout
-    done = train(tmp_path, prefix, timeout=300)
+    # the stats command (`python -m megatron_siamese.training.data_checks PREFIX`, docs/training.md):
+    # its module runs main as the command, with main's exit status (usage: 2, before any import of
+    # torch), and main writes the stats file
+    usage = subprocess.run([sys.executable, "-m", "megatron_siamese.training.data_checks"], capture_output=True,
+                           text=True, timeout=300)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: python -m megatron_siamese.training.data_checks")
+    assert data_checks.main([prefix]) == 0, capsys.readouterr().err
+    assert f"{prefix}: 60 documents, 12,000 tokens, ids 0-" in capsys.readouterr().out
+    done = train(tmp_path, prefix)
     assert_one_line_refusal(done, f"--data-prefix {prefix}: token id ", f"from {prefix}{STATS_SUFFIX}",
                             "outside the byte tokenizer's vocabulary of 258 ids (0-257)")
+    assert rank_starts == []  # before training: before any rank started
     assert not os.path.exists(tmp_path / "out" / "summary.json")
 
 
@@ -265,8 +270,7 @@ def test_an_out_of_range_id_deep_inside_stops_the_run_before_it_trains_on_it(tmp
     documents = byte_documents(60)
     documents[30][100] = 50_000
     prefix = build(str(tmp_path / "deep"), documents)
-    done = train(tmp_path, prefix, "--train-iters", "200", "--eval-interval", "1000", "--log-interval", "1",
-                 timeout=600)
+    done = train(tmp_path, prefix, "--train-iters", "200", "--eval-interval", "1000", "--log-interval", "1")
     assert_one_line_refusal(done, f"--data-prefix {prefix}: token id 50,000 in document 30 (train sample ",
                             "outside the byte tokenizer's vocabulary of 258 ids (0-257)", "stopped before training on it")
     sample = int(re.search(r"train sample ([0-9,]+)\)", done.stderr).group(1).replace(",", ""))
