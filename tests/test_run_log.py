@@ -1,8 +1,10 @@
-"""What a run leaves for a cluster job's log and on disk, driven as a user does (subprocesses
-of the command line and of scripts/run.sh): Megatron-LM's iteration and validation lines when
-stdout is not a terminal (the bar when it is), metrics.jsonl, settings.json, loss.png,
-TensorBoard events and wandb calls (a fake wandb package that records them)."""
+"""What a run leaves for a cluster job's log and on disk: Megatron-LM's iteration and validation
+lines when stdout is not a terminal (the bar when it is), metrics.jsonl, settings.json, loss.png,
+TensorBoard events and wandb calls (a fake wandb package that records them). What a process
+prints (its log, its terminal) and scripts/run.sh are driven as a user does (subprocesses); a
+resume, whose point is the files it continues, runs in this process (``cli_here``)."""
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -11,11 +13,14 @@ import os
 import pty
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_refusals import record_rank_starts
+from cli_runs import cli_here
 
 from megatron_siamese.training import run_settings
 from megatron_siamese.training.args import TrainArgs
@@ -50,14 +55,16 @@ def finish():
 '''
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
-
-
 def cli(*args, env=None, timeout=300):
     done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    return done
+
+
+def train_here(*args):
+    """``train`` in this process (``cli_here``), with the same check as ``cli``."""
+    done = cli_here("train", *args)
     assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
     return done
 
@@ -100,7 +107,7 @@ def summary_of(directory):
 # -- a run in a batch job's log: Megatron-LM's lines, the files, TensorBoard, wandb ------
 
 @pytest.fixture(scope="module")
-def logged_run(tmp_path_factory, cache):
+def logged_run(tmp_path_factory, corpus_cache):
     """A 6-step run with stdout a pipe, no console flag, --tensorboard-dir (when the package is
     here) and --wandb-project on a fake wandb that records its calls."""
     root = tmp_path_factory.mktemp("logged")
@@ -111,13 +118,12 @@ def logged_run(tmp_path_factory, cache):
     tensorboard = ["--tensorboard-dir", root / "tb"] if HAS_TENSORBOARD else []
     env = {"PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]),
            "FAKE_WANDB_LOG": str(wandb_log)}
-    done = cli("train", *TINY, "--steps", "6", "--cache-dir", cache, "--output-dir", root / "run", *tensorboard,
+    done = cli("train", *TINY, "--steps", "6", "--cache-dir", corpus_cache, "--output-dir", root / "run", *tensorboard,
                "--wandb-project", "siamese", "--wandb-exp-name", "tiny", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(root=root, out=root / "run", done=done, wandb=wandb_log)
 
 
-@pytest.mark.stack_independent
 def test_megatron_lm_lines_in_a_log_file(logged_run):
     done, out = logged_run["done"], logged_run["out"]
     train, val, _ = summary_of(out)
@@ -139,7 +145,6 @@ def test_megatron_lm_lines_in_a_log_file(logged_run):
     assert f"results in {out}: settings.json, metrics.jsonl, loss.png, summary.json" in done.stdout
 
 
-@pytest.mark.stack_independent
 def test_metrics_jsonl_holds_every_step_and_evaluation(logged_run):
     out = logged_run["out"]
     train, val, _ = summary_of(out)
@@ -154,7 +159,6 @@ def test_metrics_jsonl_holds_every_step_and_evaluation(logged_run):
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.stack_independent
 def test_settings_json_round_trips_to_the_run_settings(logged_run):
     out = logged_run["out"]
     args = run_settings.read(out / "settings.json")
@@ -165,7 +169,6 @@ def test_settings_json_round_trips_to_the_run_settings(logged_run):
     assert json.loads(json.dumps(summary["args"])) == json.load(open(out / "settings.json"))
 
 
-@pytest.mark.stack_independent
 def test_wandb_gets_megatron_lm_scalars(logged_run):
     out = logged_run["out"]
     train, val, _ = summary_of(out)
@@ -180,7 +183,6 @@ def test_wandb_gets_megatron_lm_scalars(logged_run):
     assert all({"learning-rate", "grad-norm", "batch-size"} <= set(c["data"]) for c in logs if "lm loss" in c["data"])
 
 
-@pytest.mark.stack_independent
 @pytest.mark.skipif(not HAS_TENSORBOARD, reason="the tensorboard package is not installed")
 def test_tensorboard_events_hold_megatron_lm_scalars(logged_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -195,33 +197,34 @@ def test_tensorboard_events_hold_megatron_lm_scalars(logged_run):
     assert {e.step: e.value for e in events.Scalars("lm loss validation")} == pytest.approx(val, rel=1e-6)
 
 
-@pytest.mark.stack_independent
-def test_a_missing_wandb_is_named_before_training(tmp_path):
+# refused by the checks before any rank starts: in this process
+
+def test_a_missing_wandb_is_named_before_training(tmp_path, monkeypatch):
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
-    done = cli("train", *TINY, "--steps", "2", "--output-dir", tmp_path / "run", "--wandb-project", "p")
+    started = record_rank_starts(monkeypatch)
+    done = train_here(*TINY, "--steps", "2", "--output-dir", tmp_path / "run", "--wandb-project", "p")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "megatron-siamese train: error: --wandb-project p needs the wandb package, which is not installed: "
         "pip install wandb (or leave the flag out)"]
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists() and started == []  # before training: before any rank started
 
 
-@pytest.mark.stack_independent
 @pytest.mark.skipif(HAS_TENSORBOARD, reason="the tensorboard package is installed here")
-def test_a_missing_tensorboard_is_named_before_training(tmp_path):
-    done = cli("train", *TINY, "--steps", "2", "--output-dir", tmp_path / "run", "--tensorboard-dir", tmp_path / "tb")
+def test_a_missing_tensorboard_is_named_before_training(tmp_path, monkeypatch):
+    started = record_rank_starts(monkeypatch)
+    done = train_here(*TINY, "--steps", "2", "--output-dir", tmp_path / "run", "--tensorboard-dir", tmp_path / "tb")
     assert done.returncode == 2 and "pip install tensorboard" in done.stderr
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists() and started == []
 
 
 # -- resume: the metrics file goes on, every step once -----------------------------------
 
-@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
-def test_a_resume_appends_to_the_metrics_and_drops_the_steps_it_runs_again(tmp_path, cache):
+def test_a_resume_appends_to_the_metrics_and_drops_the_steps_it_runs_again(tmp_path, corpus_cache):
     out = tmp_path / "run"
-    first = cli("train", *TINY, "--steps", "6", "--stop-step", "5", "--save-interval", "2", "--log-interval", "2",
-                "--cache-dir", cache, "--output-dir", out)
+    first = train_here(*TINY, "--steps", "6", "--stop-step", "5", "--save-interval", "2", "--log-interval", "2",
+                       "--cache-dir", corpus_cache, "--output-dir", out)
     assert first.returncode == 0, first.stderr[-3000:]
     first_train, first_val, _ = summary_of(out)
     lines = iteration_lines(first.stdout)
@@ -229,8 +232,8 @@ def test_a_resume_appends_to_the_metrics_and_drops_the_steps_it_runs_again(tmp_p
     assert float(lines[4]["lm loss"]) == pytest.approx((first_train[3] + first_train[4]) / 2, rel=1e-6)
     assert sorted(first_val) == [3, 5]
     # resumed from step 4: steps 5 and on run again and replace what the first run logged of them
-    second = cli("train", *TINY, "--steps", "6", "--load", out / "checkpoints" / "iter_0000004", "--log-interval", "2",
-                 "--cache-dir", cache, "--output-dir", out)
+    second = train_here(*TINY, "--steps", "6", "--load", out / "checkpoints" / "iter_0000004", "--log-interval", "2",
+                        "--cache-dir", corpus_cache, "--output-dir", out)
     assert second.returncode == 0, second.stderr[-3000:]
     second_train, second_val, _ = summary_of(out)
     assert sorted(second_train) == [5, 6]
@@ -258,23 +261,28 @@ def test_the_console_flags():
     assert shown(False, progress=False, log_interval=7) == (False, 7)
 
 
-@pytest.mark.stack_independent
-def test_a_terminal_gets_the_bar_and_no_lines(tmp_path, cache):
+def test_a_terminal_gets_the_bar_and_no_lines(tmp_path, corpus_cache):
     leader, follower = pty.openpty()
-    process = subprocess.Popen([*CLI, "train", *TINY, "--steps", "3", "--cache-dir", cache, "--output-dir",
-                                tmp_path / "run"], stdout=follower, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([*CLI, "train", *TINY, "--steps", "3", "--cache-dir", corpus_cache, "--output-dir",
+                                tmp_path / "run"], stdout=follower, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
     os.close(follower)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the terminal closed: the run is done
-            break
-        if not chunk:
-            break
-        shown += chunk
-    err = process.communicate(timeout=300)[1]
-    os.close(leader)
+    try:
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed: the run is done
+                break
+            if not chunk:
+                break
+            shown += chunk
+        err = process.communicate(timeout=300)[1]
+    finally:  # whatever happened: nothing of the run is left (its launcher's session: the fork server too)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        os.close(leader)
     assert process.returncode == 0 and "Traceback" not in err, err[-3000:]
     assert len(re.findall(r"\s0%\|", err)) == 1 and "100%|" in err  # one bar, on stderr
     assert b" iteration " not in shown and b"validation loss" not in shown
@@ -283,8 +291,7 @@ def test_a_terminal_gets_the_bar_and_no_lines(tmp_path, cache):
 
 # -- scripts/run.sh: a new run directory each time ---------------------------------------
 
-@pytest.mark.stack_independent  # our own checks around Megatron: one stack is enough
-def test_run_sh_leaves_each_run_in_a_new_directory(tmp_path, cache):
+def test_run_sh_leaves_each_run_in_a_new_directory(tmp_path, corpus_cache):
     """The README's main job, twice, with tiny flags: two run directories with everything in
     them. In a copy of the repository's scripts whose setup step is already done (the venv's
     command runs this interpreter on this tree)."""
@@ -299,7 +306,7 @@ def test_run_sh_leaves_each_run_in_a_new_directory(tmp_path, cache):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     directories = []
     for _ in range(2):
-        done = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), *TINY, "--steps", "2", "--cache-dir", cache],
+        done = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), *TINY, "--steps", "2", "--cache-dir", corpus_cache],
                               capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
         where = re.search(r"^run directory: (runs/\S+)$", done.stdout, re.M).group(1)
@@ -312,7 +319,7 @@ def test_run_sh_leaves_each_run_in_a_new_directory(tmp_path, cache):
         assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
         assert [e["step"] for e in read_jsonl(run / "metrics.jsonl") if "loss" in e] == [1, 2]
     # an --output-dir given to run.sh is used as it is (and then a rerun is refused as `train` refuses it)
-    done = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), *TINY, "--steps", "2", "--cache-dir", cache,
+    done = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), *TINY, "--steps", "2", "--cache-dir", corpus_cache,
                            "--output-dir", str(directories[0])], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2 and "already holds another run's checkpoints (iter_0000002)" in done.stderr
     assert "run directory:" not in done.stdout and len(os.listdir(repo / "runs")) == 2
