@@ -72,5 +72,6 @@ def stood_in(plain_linear=ColumnParallelLinear):
                                               te_shaped_layer_spec))
         stack.enter_context(mock.patch.object(gpt_layer_specs, "TENorm", TorchNorm, create=True))
         stack.enter_context(mock.patch.object(te_extension, "TEColumnParallelLinear", plain_linear))
+        stack.enter_context(mock.patch.object(te_extension, "TENorm", TorchNorm))
         stack.enter_context(mock.patch.object(te, "unavailable_reason", lambda: None))
         yield te_extension

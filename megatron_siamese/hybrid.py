@@ -168,6 +168,11 @@ class SiameseMambaLayer(SiameseSublayerMixin, MegatronModule):
                                   pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
         self._init_siamese((self.x_norm, self.y_norm), sublayers_per_layer=1)
 
+    def mamba_state_shapes_per_request(self):
+        """The mixer's conv and SSM state shapes per request (what Megatron's dynamic inference
+        engine sizes its Mamba state cache by, as from MambaLayer)."""
+        return self.mixer.mamba_state_shapes_per_request()
+
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None, inference_context=None,
                 rotary_pos_emb: Optional[Tensor] = None, *, inference_params=None, packed_seq_params=None):
         def mixer(normed: Tensor):
@@ -234,7 +239,7 @@ def _te_layer(stock: ModuleSpec, **sublayers) -> ModuleSpec:
     """A TE stack layer as a SiameseNorm layer, its InputNorm ours feeding TE's plain linear."""
     from megatron_siamese.specs import te_input_norm_slots
 
-    return siamese_layer_from(stock, False, **sublayers, **te_input_norm_slots(stock))
+    return siamese_layer_from(stock, False, **sublayers, built_for="transformer_engine", **te_input_norm_slots(stock))
 
 
 def get_siamese_hybrid_te_stack_spec() -> ModuleSpec:
@@ -251,7 +256,7 @@ def get_siamese_hybrid_te_stack_spec() -> ModuleSpec:
         submodules=HybridStackSubmodules(
             attention_layer=_te_layer(_without_qk_norm(stock.attention_layer), with_mlp=False),
             mlp_layer=_te_layer(stock.mlp_layer, with_attention=False),
-            gdn_layer=siamese_layer_from(stock.gdn_layer, False, with_mlp=False),
+            gdn_layer=siamese_layer_from(stock.gdn_layer, False, with_mlp=False, built_for="transformer_engine"),
             mamba_layer=ModuleSpec(
                 module=SiameseMambaLayer,
                 submodules=SiameseMambaLayerSubmodules(

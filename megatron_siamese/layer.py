@@ -70,10 +70,11 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
         config: TransformerConfig,
         submodules: SiameseTransformerLayerSubmodules,
         layer_number: int = 1,
+        built_for: Optional[str] = None,
         **kwargs: Any,
     ):
         submodules = QKNormPerConfig.resolved(submodules, config)  # the --spec objects' QK-norm
-        check_supported(config, submodules)
+        check_supported(config, submodules, built_for)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
 
         def build_norm(spec):
@@ -146,17 +147,28 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
         return self._siamese_sublayer(hidden_states, *attention_norms, attention), context
 
     def _forward_mlp(self, hidden_states: Union[Tensor, JoinedSublayers], inference_context=None, padding_mask=None,
-                     **unused: Any):
+                     packed_seq_params=None, **unused: Any):
         """MLP sublayer; returns packed streams, or the merged ``[s, b, h]`` if this layer merges.
 
         ``hidden_states``: the packed streams, or what ``_forward_attention`` joined to this sublayer.
-        Newer Megatron passes more keywords (``packed_seq_params``, ...) that the MLP does not use.
+        ``packed_seq_params``: as the stock layer (megatron-core >= 0.19) does, an MoE layer gets a
+        flattened packed (THD) batch back as ``[s, b, h]`` per sample, so that its per-sequence
+        aux loss sees sequences. Newer Megatron passes more keywords that the MLP does not use.
         """
 
         def mlp(normed: Tensor):
+            unflatten = getattr(self, "_maybe_unflatten_for_moe", None)  # megatron-core >= 0.19
+            per_sample = None
+            mask = padding_mask
+            if unflatten is not None:
+                normed, mask, per_sample = unflatten(normed, padding_mask, packed_seq_params)
             if self.recompute_mlp:
-                return self._checkpointed_mlp(normed, padding_mask)
-            return self.mlp(normed, padding_mask=padding_mask)
+                output, bias = self._checkpointed_mlp(normed, mask)
+            else:
+                output, bias = self.mlp(normed, padding_mask=mask)
+            if per_sample is not None:
+                output = self._maybe_reflatten_from_moe(output, packed_seq_params, per_sample)
+            return output, bias
 
         if isinstance(hidden_states, JoinedSublayers):
             output = self._siamese_second_of_two(hidden_states, mlp)
@@ -203,6 +215,19 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
         return output, biases[0]
 
     # -- Megatron integration --------------------------------------------------------------
+
+    def _get_submodules_under_cudagraphs(self):
+        """As the base layer's (whose parameter all-gather waits the distributed optimizer's
+        ``overlap_param_gather`` re-runs at a graph's replay), with each captured sublayer's
+        stream norms, and the output merge with the MLP: parameters a partial graph reads."""
+        submodules = list(super()._get_submodules_under_cudagraphs())
+        captured = lambda *modules: any(m is s for m in modules for s in submodules)  # noqa: E731
+        ours = []
+        if captured(self.input_layernorm, self.self_attention):
+            ours += [self.attn_x_norm, self.attn_y_norm]
+        if captured(self.pre_mlp_layernorm, self.mlp):
+            ours += [self.mlp_x_norm, self.mlp_y_norm] + ([self.output_merge] if self.output_merge is not None else [])
+        return submodules + [m for m in ours if not captured(m)]
 
     def get_layer_static_inputs(self, seq_length, micro_batch_size):
         """CUDA-graph static inputs: every layer but the first receives packed ``2h`` streams."""

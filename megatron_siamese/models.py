@@ -8,10 +8,12 @@ build models from:
   (the last layer merges the streams, the final norm is single-stream): ``siamese_layer_spec``,
   or ``siamese_moe_layer_spec`` for a config with experts;
 * ``siamese-hybrid``: the authors' hybrid variant (Python API, local modules, QK-norm);
-* ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from its GPT decoder block spec,
-  with its norms built as ``TorchNorm`` (the same math as torch's LayerNorm/RMSNorm, but
-  usable under sequence parallelism without apex);
-* ``post``: Post-Norm on Megatron's ``TransformerLayer`` (``post_norm.py``).
+* ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from its GPT decoder block spec, on
+  Transformer Engine when ``transformer_impl`` says so (as Megatron builds it), else local with
+  its norms built as ``TorchNorm`` (the same math as torch's LayerNorm/RMSNorm, but usable
+  under sequence parallelism without apex);
+* ``post``: Post-Norm on Megatron's ``TransformerLayer`` (``post_norm.py``; local modules only,
+  refused with ``transformer_impl='transformer_engine'``).
 
 ``build_model_chunks`` builds a ``GPTModel`` (any scheme) or a ``HybridModel`` (SiameseNorm,
 ``hybrid.py``, megatron-core >= 0.19) for this rank's pipeline and virtual stages.
@@ -37,12 +39,20 @@ from megatron_siamese.specs import (
     siamese_layer_spec,
     siamese_moe_layer_spec,
     stock_decoder_layers,
+    uses_transformer_engine,
 )
 
 
 def get_pre_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
-    """Megatron's stock Pre-Norm decoder block (local modules; MoE and QK-norm as the config says)
-    with SP-capable norms."""
+    """Megatron's stock Pre-Norm decoder block as Megatron builds it for ``config``: Transformer
+    Engine's modules (FP8 and all) when ``transformer_impl`` asks for them, else the local ones
+    with SP-capable norms; MoE and QK-norm as the config says."""
+    use_te = uses_transformer_engine(config, None)
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=stock_decoder_layers(config, True, vp_stage=vp_stage),
+                                          layer_norm=TENorm)
     return TransformerBlockSubmodules(layer_specs=stock_decoder_layers(config, False, vp_stage=vp_stage),
                                       layer_norm=TorchNorm)
 

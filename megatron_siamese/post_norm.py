@@ -57,5 +57,12 @@ def post_norm_layer_from(stock: ModuleSpec) -> ModuleSpec:
 
 
 def get_post_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
+    if config.transformer_impl != "local":
+        from megatron_siamese.support import UnsupportedConfigError
+
+        raise UnsupportedConfigError(
+            f"the Post-Norm baseline is built of Megatron's local modules, but transformer_impl="
+            f"{config.transformer_impl!r}: a comparison with it would run the schemes on different kernels. "
+            "Set transformer_impl='local' (--transformer-impl local) for every scheme compared.")
     layers = [post_norm_layer_from(stock) for stock in stock_decoder_layers(config, False, vp_stage=vp_stage)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=IdentityOp)

@@ -51,12 +51,15 @@ VARIANTS = ("standard", "hybrid")
 
 
 def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=TorchNorm, with_attention: bool = True,
-                       with_mlp: bool = True, **slots) -> ModuleSpec:
+                       with_mlp: bool = True, built_for: str = "local", **slots) -> ModuleSpec:
     """Megatron's layer spec ``stock`` as a SiameseNorm layer: its submodules, ``slots`` replaced,
     plus the stream norms (and the output merge for single-stream final norms).
 
     ``with_attention=False`` / ``with_mlp=False`` drop that sublayer (a HybridModel ``-`` / ``*``
-    layer): its module, InputNorm and stream norms become IdentityOp.
+    layer): its module, InputNorm and stream norms become IdentityOp. ``built_for``: the
+    ``transformer_impl`` whose modules the spec builds ("local" or "transformer_engine"): the
+    layer refuses a config that asks for the other (a spec object made before any config, e.g.
+    Megatron-LM's ``--spec``, cannot follow it).
     """
     stream_norms = dict(attn_x_norm=attn_x_norm, attn_y_norm=TorchNorm, mlp_x_norm=TorchNorm, mlp_y_norm=TorchNorm)
     if not with_attention:
@@ -67,7 +70,7 @@ def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=Tor
         stream_norms.update(mlp_x_norm=IdentityOp, mlp_y_norm=IdentityOp)
     return ModuleSpec(
         module=SiameseTransformerLayer,
-        params=dict(stock.params),
+        params=dict(stock.params, built_for=built_for),
         submodules=SiameseTransformerLayerSubmodules(
             **{**vars(stock.submodules), **slots},
             **stream_norms,
@@ -189,7 +192,7 @@ def siamese_te_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str
     if hybrid and not _has_qk_norm(stock.submodules.self_attention):
         raise ValueError("the hybrid variant's stock spec needs QK-norm: build it with qk_layernorm=True")
     return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale if hybrid else TorchNorm,
-                              **te_input_norm_slots(stock, attention_input_norm=not hybrid))
+                              built_for="transformer_engine", **te_input_norm_slots(stock, attention_input_norm=not hybrid))
 
 
 def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "standard",

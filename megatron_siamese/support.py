@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import List
+from enum import Enum
+from typing import List, Optional
 
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -12,8 +13,48 @@ class UnsupportedConfigError(ValueError):
     """A configuration SiameseNorm cannot honour; the message says what to change."""
 
 
+def cuda_graph_scopes(config: TransformerConfig) -> set:
+    """The parts of a layer CUDA graphs capture, by name ("attn", "mlp", "moe", "moe_router", ...;
+    empty: the whole layer), from ``cuda_graph_scope`` (megatron-core <= 0.17) or, from 0.18 on,
+    ``cuda_graph_modules``, where ``__post_init__`` moves the old field (and sets it to None)."""
+    found = set()
+    for field_name in ("cuda_graph_scope", "cuda_graph_modules"):
+        value = getattr(config, field_name, None)
+        for scope in ([value] if isinstance(value, (str, Enum)) else (value or ())):
+            name = str(getattr(scope, "name", scope))
+            if name not in ("full", "full_iteration", ""):
+                found.add(name)
+    return found
+
+
 def _problems(config: TransformerConfig) -> List[str]:
     problems = []
+    impl = config.transformer_impl
+    if impl not in ("local", "transformer_engine"):
+        problems.append(
+            f"transformer_impl={impl!r} builds Megatron's {impl} layers, whose InputNorm sits inside the linears "
+            "that SiameseNorm feeds its own normalized input: set transformer_impl='local' or 'transformer_engine'."
+        )
+    precision = [name for name in ("fp8", "fp4") if getattr(config, name, None)]
+    if precision and impl == "local":
+        problems.append(
+            f"{precision[0]}={getattr(config, precision[0])!r} needs Transformer Engine's modules, but transformer_impl="
+            "'local' builds Megatron's own, which would train in the activation dtype: set "
+            "transformer_impl='transformer_engine' (Megatron-LM: --transformer-impl transformer_engine and --spec "
+            f"megatron_siamese.specs siamese_te_layer_spec), or leave {precision[0]} unset."
+        )
+    if getattr(config, "fused_residual_rmsnorm", False):
+        problems.append(
+            "fused_residual_rmsnorm fuses stock Megatron's single-stream residual add into the next RMSNorm; "
+            "SiameseNorm's fused ops already join its two streams' residual and norms. Set it to False."
+        )
+    scopes = cuda_graph_scopes(config)
+    if getattr(config, "cuda_graph_impl", "none") == "transformer_engine" and "mlp" in scopes and "attn" not in scopes:
+        problems.append(
+            "Transformer Engine CUDA graphs of the MLP without attention (cuda_graph_scope/cuda_graph_modules "
+            "['mlp']) capture the first layer's MLP with a [s, b, hidden_size] static input, but it receives the "
+            "packed [s, b, 2 * hidden_size] streams: capture ['attn', 'mlp'] (or the whole layer) instead."
+        )
     if config.mtp_num_layers:
         problems.append(
             "multi-token prediction (mtp_num_layers / --mtp-num-layers) is not supported: "
@@ -85,9 +126,7 @@ def _moe_problems(config: TransformerConfig) -> List[str]:
             "Transformer Engine: set transformer_impl='transformer_engine', or moe_grouped_gemm=False "
             "for SequentialMLP experts."
         )
-    scopes = config.cuda_graph_scope or ()
-    scopes = {str(getattr(scope, "name", scope)) for scope in ([scopes] if isinstance(scopes, str) else scopes)}
-    if scopes & {"moe_router", "moe_preprocess"}:
+    if cuda_graph_scopes(config) & {"moe_router", "moe_preprocess"}:
         problems.append(
             "cuda_graph_scope moe_router / moe_preprocess capture half an MoE layer and hand the "
             "rest to the stock single-stream residual. Capture 'attn' (or the whole layer) instead."
@@ -160,9 +199,25 @@ def _spec_problems(config: TransformerConfig, submodules) -> List[str]:
     return problems
 
 
-def check_supported(config: TransformerConfig, submodules=None) -> None:
-    """Raise UnsupportedConfigError listing every unsupported setting in ``config``."""
-    problems = _problems(config)
+# The spec objects Megatron-LM's --spec names, by the modules they build (for the refusal's advice).
+SPEC_OBJECTS = {"local": "siamese_layer_spec (siamese_moe_layer_spec, siamese_hybrid_layer_spec)",
+                "transformer_engine": "siamese_te_layer_spec (siamese_hybrid_te_layer_spec)"}
+
+
+def _built_for_problems(config: TransformerConfig, built_for: Optional[str]) -> List[str]:
+    """A spec built for one ``transformer_impl`` given a config that asks for the other."""
+    if built_for is None or built_for == config.transformer_impl or config.transformer_impl not in SPEC_OBJECTS:
+        return []
+    return [f"this layer spec builds Megatron's {built_for} modules, but the config asks for transformer_impl="
+            f"{config.transformer_impl!r}, whose GEMMs and precision settings it would ignore: use "
+            f"{SPEC_OBJECTS[config.transformer_impl]} (Megatron-LM: --spec megatron_siamese.specs NAME), "
+            "get_siamese_block_spec (it follows the config), or set transformer_impl to match."]
+
+
+def check_supported(config: TransformerConfig, submodules=None, built_for: Optional[str] = None) -> None:
+    """Raise UnsupportedConfigError listing every unsupported setting in ``config`` (for a layer built
+    from ``submodules`` with the modules of ``built_for``, when given)."""
+    problems = _problems(config) + _built_for_problems(config, built_for)
     if submodules is not None:
         problems += _spec_problems(config, submodules)
     if problems:

@@ -190,10 +190,11 @@ def fresh_moe_state():
     if moe_utils is None:
         return
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    moe_utils.clear_aux_losses_tracker()
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()  # 0.16 only zeroes it, sized by its first model
     try:
         from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker  # megatron-core >= 0.19
-    except ImportError:
+    except ImportError:  # 0.16
+        moe_utils.clear_aux_losses_tracker()
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()  # 0.16 only zeroes it, sized by its first model
         return
+    moe_utils.get_moe_metrics_tracker().clear()
     destroy_moe_metrics_tracker()

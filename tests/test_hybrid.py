@@ -188,3 +188,26 @@ def test_trainer_loads_a_gpt_checkpoint_into_the_hybrid_model_and_trains_it_unde
                                 output_dir=str(tmp_path / "continued")))
     assert sorted(continued.train_losses) == [5, 6, 7, 8]
     assert continued.val_losses[8] < gpt.val_losses[4]
+
+
+@needs_hybrid
+def test_a_mamba_layer_gives_the_inference_engine_its_state_shapes(megatron_single_rank):
+    """Megatron's dynamic inference engine sizes its Mamba state cache by asking the stack's
+    first Mamba layer (HybridStack.mamba_state_shapes_per_request): a SiameseNorm Mamba layer
+    answers with its mixer's shapes, as MambaLayer does (the mixer stood in: MambaSSM needs a GPU)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from megatron_siamese.hybrid import SiameseMambaLayer, SiameseMambaLayerSubmodules
+
+    class Mixer(torch.nn.Module):
+        def __init__(self, config, d_model, **kwargs):
+            super().__init__()
+            self.shapes = ((2 * d_model, 4), (2, 16, d_model))
+
+        def mamba_state_shapes_per_request(self):
+            return self.shapes
+
+    config = case_config(HYBRID, Layout())
+    layer = build_module(ModuleSpec(module=SiameseMambaLayer, submodules=SiameseMambaLayerSubmodules(mixer=Mixer)),
+                         config, layer_number=1)
+    assert layer.mamba_state_shapes_per_request() == ((2 * config.hidden_size, 4), (2, 16, config.hidden_size))

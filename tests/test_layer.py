@@ -145,14 +145,15 @@ def test_joined_sublayers_keep_one_activation_less_per_layer(megatron_single_ran
     assert apart - joined == CASE.num_layers * (SUBLAYER_BYTES - 8 * tokens)
 
 
-UNSUPPORTED = {  # (settings, the refusal's one problem, as the error lists it)
+# (TransformerConfig settings, as the constructor takes them, the refusal's one problem as the error
+# lists it); a setting this stack's TransformerConfig lacks is refused whenever a newer one sets it
+UNSUPPORTED = {
     "multi-token prediction": (dict(mtp_num_layers=1), "multi-token prediction (mtp_num_layers / "
                                "--mtp-num-layers) is not supported: its MTP layers expect a single [s, b, h] stream. "
                                "Set mtp_num_layers=None."),
-    "fused TP inference": (dict(inference_fuse_tp_communication=True), "inference_fuse_tp_communication fuses the "
-                           "residual add and the next layer's norm into the TP reduce-scatter, which has no SiameseNorm "
-                           "form. Set it to False."),
-    "expert-parallel overlap": (dict(num_moe_experts=2, overlap_moe_expert_parallel_comm=True),
+    "expert-parallel overlap": (dict(num_moe_experts=2, overlap_moe_expert_parallel_comm=True, bf16=True,
+                                     params_dtype=torch.bfloat16, moe_token_dispatcher_type="alltoall",
+                                     expert_model_parallel_size=2),
                                 "overlap_moe_expert_parallel_comm runs each layer's submodules from Megatron's own "
                                 "schedule plan, around the layer's forward that carries the two streams. Set it to "
                                 "False."),
@@ -162,28 +163,131 @@ UNSUPPORTED = {  # (settings, the refusal's one problem, as the error lists it)
                    "(qk_layernorm=True for QK-norm)."),
     "heterogeneous blocks": (dict(heterogeneous_block_specs=True), "heterogeneous_block_specs is not supported: every "
                              "SiameseNorm layer must have the same structure. Set it to False."),
-    # Megatron main's hyper-connections flag (absent from 0.16.1) is refused whenever set
+    "activation offloading": (dict(fine_grained_activation_offloading=True, offload_modules=["core_attn"]),
+                              "fine_grained_activation_offloading offloads the single-stream norm inputs."),
+    "multi-latent attention": (dict(multi_latent_attention=True), "only standard self-attention is supported"),
+    # Megatron main's hyper-connections flag (absent from 0.16.1 and 0.19.2) is refused whenever set
     "hyper-connections": (dict(enable_mhc_connections=True), "Megatron's hyper-connections (enable_mhc_connections / "
                           "--enable-mhc-connections) replace the residual stream that SiameseNorm splits in two. "
                           "Disable them."),
     "fp32 residual": (dict(fp32_residual_connection=True), "fp32_residual_connection keeps Megatron's single residual "
                       "stream in fp32; SiameseNorm's two streams stay in the activation dtype. Set it to False."),
+    "post-layernorm residual": (dict(apply_residual_connection_post_layernorm=True),
+                                "apply_residual_connection_post_layernorm conflicts with SiameseNorm's own residual"),
     # megatron-core >= 0.19's chunked MLP (absent from 0.16.1) is refused whenever set
     "chunked mlp": (dict(mlp_chunks_for_training=2), "mlp_chunks_for_training / mlp_chunks_for_prefill (chunked MLP) "
                     "are not implemented by SiameseNorm layers yet. Set them to 1."),
+    "FP8 on local modules": (dict(fp8="hybrid"), "fp8='hybrid' needs Transformer Engine's modules, but "
+                             "transformer_impl='local' builds Megatron's own"),
+    "inference-optimized layers": (dict(transformer_impl="inference_optimized", normalization="RMSNorm",
+                                        add_bias_linear=False),
+                                   "transformer_impl='inference_optimized' builds Megatron's inference_optimized layers"),
+    "fused TP inference": (dict(transformer_impl="inference_optimized", normalization="RMSNorm", add_bias_linear=False,
+                                inference_fuse_tp_communication=True),
+                           "inference_fuse_tp_communication fuses the residual add and the next layer's norm into the "
+                           "TP reduce-scatter, which has no SiameseNorm form. Set it to False."),
+    "fused residual RMSNorm": (dict(fused_residual_rmsnorm=True, normalization="RMSNorm"),
+                               "fused_residual_rmsnorm fuses stock Megatron's single-stream residual add"),
+    "MoE router graphs (scope)": (dict(num_moe_experts=2, cuda_graph_impl="local", cuda_graph_scope=["moe_router"]),
+                                  "cuda_graph_scope moe_router / moe_preprocess capture half an MoE layer"),
+    "MoE router graphs (modules)": (dict(num_moe_experts=2, cuda_graph_impl="local", cuda_graph_modules=["moe_router"]),
+                                    "cuda_graph_scope moe_router / moe_preprocess capture half an MoE layer"),
+    "TE graphs of the MLP alone": (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["mlp"]),
+                                   "Transformer Engine CUDA graphs of the MLP without attention"),
 }
+# a refusal may come with the one for the setting a case needs besides (inference_fuse_tp_communication
+# needs the inference-optimized layers, which are refused too)
+ALSO = {"fused TP inference": "transformer_impl='inference_optimized' builds"}
 
 
+@pytest.mark.filterwarnings("ignore:cuda_graph_scope is deprecated:DeprecationWarning")  # its 0.16 name, on purpose
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))
 def test_unsupported_configuration_is_refused_at_construction(megatron_single_rank, name):
-    config = config_with()
+    """Each refused setting through TransformerConfig(...) itself (its __post_init__ may move or
+    rewrite a field: megatron-core 0.19 moves cuda_graph_scope into cuda_graph_modules), on the
+    spec the trainer builds: the refusal lists that one problem."""
+    import dataclasses as dc
+
+    from megatron_siamese.check.step import config_overrides
+    from megatron_siamese.config import SiameseTransformerConfig
+    from megatron_siamese.runtime.gpt import transformer_config
+
     settings, problem = UNSUPPORTED[name]
-    for key, value in settings.items():
-        # set after construction: TransformerConfig's own checks would need TE for some
-        setattr(config, key, value)
+    known = {f.name for f in dc.fields(SiameseTransformerConfig)}
+    config = transformer_config(CASE, Layout(), **config_overrides(CASE),
+                                **{k: v for k, v in settings.items() if k in known})  # the constructor's own checks
+    for key in set(settings) - known:  # not a setting of this megatron-core: refused whenever a newer one sets it
+        setattr(config, key, settings[key])
+    spec = get_siamese_layer_local_spec(num_experts=config.num_moe_experts or None,
+                                        qk_layernorm=config.qk_layernorm and name != "qk layernorm")
     with pytest.raises(UnsupportedConfigError) as refused:
-        build_layer(config)
+        build_module(spec, config=config, layer_number=1)
     lines = str(refused.value).splitlines()
     assert lines[0] == "SiameseNorm cannot build this layer:"
-    assert [line.startswith("- ") for line in lines[1:]] == [True], lines  # this one problem, and only it
-    assert lines[1].startswith(f"- {problem}"), lines[1]
+    problems = [line[2:] for line in lines[1:] if line.startswith("- ")]
+    expected = [problem] + ([ALSO[name]] if name in ALSO else [])
+    assert len(problems) == len(expected), lines  # these problems, and only them
+    for want in expected:
+        assert any(found.startswith(want) for found in problems), (want, problems)
+
+
+@pytest.mark.filterwarnings("ignore:cuda_graph_scope is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("scope, attention, mlp", [(["attn"], True, False), (["attn", "mlp"], True, True)])
+def test_a_partial_cuda_graph_covers_the_stream_norms_of_what_it_captures(megatron_single_rank, scope, attention, mlp):
+    """With the distributed optimizer's overlap_param_gather, Megatron re-runs the parameter
+    all-gather waits of the modules a partial CUDA graph covers at each replay: the captured
+    sublayers' stream norms (and the merge, with the MLP) read parameters too."""
+    from megatron_siamese.check.step import config_overrides
+    from megatron_siamese.runtime.gpt import transformer_config
+    from megatron_siamese.specs import get_siamese_layer_local_spec as local_spec
+
+    config = transformer_config(CASE, Layout(), **config_overrides(CASE), cuda_graph_impl="transformer_engine",
+                                cuda_graph_scope=scope)
+    layer = build_module(local_spec(merge_at_output=True), config=config, layer_number=CASE.num_layers)
+    covered = layer._get_submodules_under_cudagraphs()
+
+    def has(module):
+        return any(module is c for c in covered)
+
+    assert has(layer.self_attention) and has(layer.input_layernorm)  # the stock layer's own list
+    assert has(layer.attn_x_norm) and has(layer.attn_y_norm)
+    assert (has(layer.mlp_x_norm), has(layer.mlp_y_norm), has(layer.output_merge)) == (mlp, mlp, mlp)
+    whole = build_module(local_spec(), config=config_with(), layer_number=1)  # no scope: the layer itself
+    assert whole._get_submodules_under_cudagraphs() == [whole]
+
+
+def test_a_packed_batch_reaches_an_moe_layer_per_sample(megatron_single_rank):
+    """A packed (THD) batch flattened to [mbs * s, 1, 2h]: as the stock layer of megatron-core
+    >= 0.19 does, the MoE MLP sees it as [s, mbs, h], so its per-sequence aux loss counts each
+    sample's sequence (megatron-core 0.16 had no such step: there, as stock, nothing changes)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_siamese.specs import get_siamese_layer_local_spec as local_spec
+
+    config = config_with(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, add_bias_linear=False,
+                         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2,
+                         moe_token_dispatcher_type="allgather")
+    layer = build_module(local_spec(num_experts=4), config=config, layer_number=2)
+    assert isinstance(layer.mlp, MoELayer)
+    samples, seq, h = 2, 8, CASE.hidden_size
+    streams = torch.randn(seq, samples, 2 * h)
+    seen = []
+    original = layer.mlp.forward
+
+    def recording(hidden_states, *args, **kwargs):
+        seen.append(tuple(hidden_states.shape))
+        return original(hidden_states, *args, **kwargs)
+
+    layer.mlp.forward = recording
+    flat = streams.transpose(0, 1).reshape(samples * seq, 1, 2 * h)  # sample 0's tokens, then sample 1's
+    cu = torch.tensor([0, seq, 2 * seq], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=seq, max_seqlen_kv=seq)
+    packed.tokens_per_sample = seq
+    out_flat = layer._forward_mlp(flat, packed_seq_params=packed)
+    out = layer._forward_mlp(streams)
+    stock_unflattens = hasattr(layer, "_maybe_unflatten_for_moe")
+    assert seen[0] == ((seq, samples, h) if stock_unflattens else (samples * seq, 1, h))
+    assert seen[1] == (seq, samples, h)
+    if stock_unflattens:  # the same routing and experts as the unflattened batch, flattened back
+        torch.testing.assert_close(out_flat, out.transpose(0, 1).reshape(samples * seq, 1, 2 * h))

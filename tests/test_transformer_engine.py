@@ -220,3 +220,43 @@ def test_qk_norm_checkpoints_interchange_between_the_gpt_entry_points(megatron_s
         assert not torch.allclose(api_model(*args), expected)  # differently seeded until it loads
         api_model.load_state_dict(dist_checkpointing.load(api_model.sharded_state_dict(), str(tmp_path)))
         torch.testing.assert_close(api_model(*args), expected, rtol=1e-6, atol=1e-6)
+
+
+# -- every scheme follows transformer_impl, or refuses it ---------------------------------------
+
+
+@pytest.mark.parametrize("spec_object", ["siamese_layer_spec", "siamese_moe_layer_spec", "siamese_hybrid_layer_spec"])
+def test_a_local_spec_object_refuses_a_transformer_engine_config(megatron_single_rank, spec_object):
+    """Megatron-LM's --spec objects exist before any config: one of local modules given a config
+    that asks for Transformer Engine (whose FP8 and GEMMs it would ignore) names the TE object."""
+    config = case_config(ModelCase(), Layout())
+    te_config = dataclasses.replace(config, transformer_impl="transformer_engine",
+                                    qk_layernorm=spec_object == "siamese_hybrid_layer_spec",
+                                    num_moe_experts=4 if spec_object == "siamese_moe_layer_spec" else None)
+    with pytest.raises(UnsupportedConfigError, match=r"this layer spec builds Megatron's local modules, but the config "
+                                                     r"asks for transformer_impl='transformer_engine'.*siamese_te_layer_spec"):
+        build_module(getattr(specs, spec_object), config=te_config, layer_number=1)
+
+
+def test_the_te_spec_object_refuses_a_local_config(megatron_single_rank, te_stand_ins):
+    config = case_config(ModelCase(), Layout())
+    with pytest.raises(UnsupportedConfigError, match=r"builds Megatron's transformer_engine modules, but the config "
+                                                     r"asks for transformer_impl='local'.*siamese_layer_spec"):
+        build_module(specs.get_siamese_layer_te_spec(merge_at_output=True), config=config, layer_number=1)
+
+
+def test_the_pre_norm_baseline_follows_transformer_impl_and_post_norm_refuses_it(megatron_single_rank, te_stand_ins):
+    """--norm pre builds Megatron's own TE block when the config asks for TE (so --compare runs
+    every scheme on the same kernels and precision); the Post-Norm baseline, local only, refuses."""
+    from megatron_siamese.models import get_pre_norm_block_spec
+    from megatron_siamese.post_norm import get_post_norm_block_spec
+
+    te_config = dataclasses.replace(case_config(ModelCase(norm="pre"), Layout()), transformer_impl="transformer_engine")
+    block = get_pre_norm_block_spec(te_config)
+    assert block.layer_specs[0].submodules.self_attention.submodules.linear_qkv is LayerNormColumnParallelLinear
+    assert block.layer_norm is te_stand_ins.TENorm
+    local = get_pre_norm_block_spec(case_config(ModelCase(norm="pre"), Layout()))
+    assert local.layer_norm is TorchNorm and local.layer_specs[0].submodules.input_layernorm is TorchNorm
+    with pytest.raises(UnsupportedConfigError, match="the Post-Norm baseline is built of Megatron's local modules, but "
+                                                     "transformer_impl='transformer_engine'"):
+        get_post_norm_block_spec(te_config)
