@@ -62,7 +62,8 @@ BAD_INPUT = {
     "megatron's name": (["train", "--tensor-model-parallel-size", "3"], "does not split over --tp 3"),
     "pp3 over 4 layers": (["train", "--pp", "3"], "--num-layers 4 does not split over 3 pipeline stages"),
     "unknown scheme": (["train", "--norm", "foo"], "invalid choice: 'foo'"),
-    "no prefix matching (--save is not --save-interval)": (["train", "--save", "5"], "unrecognized arguments: --save 5"),
+    "no prefix matching (--save-int is not --save-interval)": (["train", "--save-int", "5"],
+                                                               "unrecognized arguments: --save-int 5"),
     "a dataset file for its prefix": (["train", "--data-path", "corpus.bin"],
                                       "give the prefix its .bin and .idx share (--data-path corpus)"),
     "unknown layout": (["check", "--layouts", "tp3-foo"], "unknown part 'foo'"),
@@ -99,8 +100,13 @@ def test_bad_input_is_one_line_per_problem_exit_2_and_fast(name):
 @pytest.mark.stack_independent
 def test_every_problem_is_listed_at_once():
     done = cli("train", "--steps", "0", "--tp", "3", "--dtype", "fp16")
-    assert_refused(done, "--steps must be at least 1", "does not split over --tp 3", "fp16 is not supported")
-    assert len(done.stderr.strip().splitlines()) >= 3
+    problems = ["--steps must be at least 1", "--num-attention-heads 4 does not split over --tp 3",
+                "the MLP width 512 (--ffn-hidden-size) does not split over --tp 3",
+                "the vocabulary (320) does not split over --tp 3", "--dtype fp16 is not supported"]
+    assert_refused(done, *problems)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == len(problems) and all(line.startswith("megatron-siamese train: error: ") for line in lines)
+    assert all(sum(problem in line for line in lines) == 1 for problem in problems)  # one line per problem
 
 
 @pytest.mark.parametrize("command", ["train", "check"])
@@ -199,6 +205,30 @@ def test_evaluating_a_checkpoint_as_saved_needs_no_other_flag(tmp_path, corpus_c
     assert done.returncode == 0, done.stderr
     assert f"resumed from {trained_run / 'checkpoints'} at step 4" in done.stdout
     assert "evaluated the checkpoint at step 4 (no steps left to train): val loss" in done.stdout
+
+
+def test_load_takes_a_runs_directory_and_a_requeued_job_starts_from_its_empty_save_directory(tmp_path, corpus_cache,
+                                                                                              trained_run):
+    """Megatron-LM users write --save X --load X in a requeue script: until X holds a checkpoint the
+    job starts from step 0 (one line says so), then it resumes from X. --load also takes a run's
+    directory (what --output-dir made), and any other --load without a checkpoint stays an error."""
+    done = train_here(corpus_cache, tmp_path / "from-run-dir", "--steps", "4", "--load", trained_run)
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {trained_run} at step 4" in done.stdout
+    save = tmp_path / "job" / "saved"
+    requeue = ("--steps", "4", "--stop-step", "2", "--save", save, "--load", save)
+    first = train_here(corpus_cache, tmp_path / "job", *requeue)
+    assert first.returncode == 0, first.stderr
+    assert f"--load {save} holds no checkpoint yet (it is the --save directory): starting from step 0" in first.stdout
+    assert sorted(os.listdir(save)) == ["iter_0000002", TRACKER]  # --save, not OUTPUT_DIR/checkpoints
+    assert not (tmp_path / "job" / "checkpoints").exists()
+    second = train_here(corpus_cache, tmp_path / "job", "--steps", "4", "--save", save, "--load", save)
+    assert second.returncode == 0, second.stderr
+    assert f"resumed from {save} at step 2" in second.stdout and "starting from step 0" not in second.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = train_here(corpus_cache, tmp_path / "other", "--steps", "4", "--load", empty)
+    assert_refused(refused, f"--load {empty} is not a checkpoint")
 
 
 def test_resuming_with_another_schedule_is_refused_unless_a_flag_says_which_wins(tmp_path, corpus_cache, trained_run):

@@ -230,3 +230,22 @@ def test_a_failure_midway_leaves_nothing(tmp_path):
     with written_atomically(str(target)) as partial:
         open(os.path.join(partial, "config.json"), "w").close()
     assert os.listdir(tmp_path) == ["out"] and os.listdir(target) == ["config.json"]
+
+
+def test_every_load_takes_a_runs_directory(trained_run, tmp_path, corpus_cache):
+    """What --output-dir made (runs/x) is what a user passes to --load: export, generate, analyze
+    and upcycle read its checkpoints (train's --load: test_cli.py; eval --load goes through export)."""
+    from cli_runs import cli_here
+
+    exported = cli_here("export", "--load", trained_run, "--output-dir", tmp_path / "hf")
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "hf" / "config.json").exists()
+    generated = cli_here("generate", "--load", trained_run, "--prompt", "In the", "--max-new-tokens", "2")
+    assert generated.returncode == 0 and "\nIn the" in generated.stdout, generated.stdout + generated.stderr
+    analyzed = cli_here("analyze", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--load",
+                        trained_run, "--cache-dir", corpus_cache, "--output-dir", tmp_path / "analysis")
+    assert analyzed.returncode == 0 and "effective depth" in analyzed.stdout, analyzed.stderr
+    # upcycle reads it too, and then says it is no Pre-Norm checkpoint (the run's is SiameseNorm)
+    refused = cli_here("upcycle", "--load", trained_run, "--output-dir", tmp_path / "up")
+    assert refused.returncode != 0, refused.stdout
+    assert f"--load {trained_run / 'checkpoints' / 'iter_0000004'} holds another model" in refused.stderr

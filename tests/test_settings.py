@@ -138,7 +138,8 @@ def test_every_setting_naming_a_transformer_config_field_reaches_it(monkeypatch)
     assert tuple(SCHEMES) == SCHEME_NAMES
     changed = dict(hidden_size=64, num_attention_heads=8, num_query_groups=4, normalization="LayerNorm",
                    gated_linear_unit=False, add_bias_linear=True, zero_centered_gamma=True, init_method_std=0.01,
-                   fused_ops=False, transformer_impl="transformer_engine", fp8="e4m3", fp8_recipe="tensorwise",
+                   fused_ops=False, boundary_ops=False, transformer_impl="transformer_engine", fp8="e4m3",
+                   fp8_recipe="tensorwise",
                    tp=4, pp=2, vpp=2, num_layers=4, sp=True,
                    num_moe_experts=8, moe_router_topk=3, moe_ffn_hidden_size=96, moe_shared_expert_intermediate_size=32,
                    moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.001, moe_router_load_balancing_type="seq_aux_loss", moe_router_pre_softmax=True, qk_layernorm=True,

@@ -17,7 +17,7 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
                     "checkpoint saved at any layout, run at the layout given here (docs/inference.md).",
         formatter_class=flags.HelpFormatter)
     parser.add_argument("--load", required=True, metavar="CHECKPOINT",
-                        help="a checkpoints directory (its latest_checkpointed_iteration.txt) or one iter_<N> in it; "
+                        help="a run's directory (train --output-dir), its checkpoints directory or one iter_<N> in it; "
                              "the model settings are the checkpoint's")
     parser.add_argument("--prompt", required=True, action="append", metavar="TEXT",
                         help="a prompt (repeat the flag for several: they are generated as one batch)")

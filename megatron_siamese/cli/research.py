@@ -76,7 +76,8 @@ study = SimpleNamespace(add_parser=_study_parser, run=_run_study)
 def _single_rank_parser(commands, name: str, help: str, description: str, output_required: bool):
     parser = commands.add_parser(name, help=help, description=description, formatter_class=flags.HelpFormatter)
     parser.add_argument("--load", required=True, metavar="CHECKPOINT",
-                        help="the checkpoint to read (a checkpoints directory or one iter_<N> in it, Megatron-LM's or ours; any TP/PP layout)")
+                        help="the checkpoint to read (a run's directory, its checkpoints directory or one iter_<N> in it, "
+                             "Megatron-LM's or ours; any TP/PP layout)")
     parser.add_argument("--output-dir", required=output_required, default=None if output_required else "runs/analysis",
                         help="where to write")
     flags.add_model_flags(parser, schemes=False)  # the scheme is the command's (Pre-Norm in, SiameseNorm out)

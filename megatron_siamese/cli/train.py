@@ -38,6 +38,14 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
 
 def run(options: argparse.Namespace) -> int:
     args = flags.train_args(options)  # ConfigError: every problem, before anything starts
+    from megatron_siamese.training.preflight import loads_its_empty_save_directory
+
+    if loads_its_empty_save_directory(args):  # a requeued job's first attempt, as Megatron-LM starts it
+        import dataclasses
+
+        print(f"--load {args.load} holds no checkpoint yet (it is the --save directory): starting from step 0",
+              flush=True)
+        args = dataclasses.replace(args, load=None)
     if options.compare:
         from megatron_siamese.training.args import ConfigError
         from megatron_siamese.training.compare import compare

@@ -72,6 +72,8 @@ def initialize_model_parallel(layout: Layout, seed: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_siamese.runtime.launch import group_timeout_minutes
+
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -79,6 +81,9 @@ def initialize_model_parallel(layout: Layout, seed: int) -> None:
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        # the job's --distributed-timeout-minutes, not Megatron's 30: a rank that dies or hangs
+        # while the others form or use these groups ends the job in that time (launch.py)
+        distributed_timeout_minutes=group_timeout_minutes(),
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

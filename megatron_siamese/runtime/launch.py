@@ -135,6 +135,18 @@ def join(launch: Launch, timeout_s: float) -> None:
     _init_group(launch.world_size, "world/0")
 
 
+def group_timeout_minutes() -> float:
+    """How long, in minutes, a rank waits for the others in the process groups Megatron forms over
+    the joined job (``gpt.initialize_model_parallel``): the job's own timeout, as in the groups
+    ``join`` forms (--distributed-timeout-minutes), not Megatron's default of 30 minutes, during
+    which a rank whose peer died or hung while it formed or used those groups would sit in C code,
+    deaf to SIGTERM. Megatron's default outside a joined job."""
+    return _job["timeout_s"] / 60.0 if _job else MEGATRON_GROUP_TIMEOUT_MINUTES
+
+
+MEGATRON_GROUP_TIMEOUT_MINUTES = 30  # parallel_state.initialize_model_parallel's default
+
+
 def leave() -> None:
     """Leave the joined job (tear down torch.distributed)."""
     if torch.distributed.is_initialized():
@@ -210,8 +222,9 @@ def shared_by_all_ranks(directory: str) -> bool:
 
 def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher_pid):
     os.setpgrp()  # a group of its own: the launcher can stop it with whatever it started (writer processes)
-    orphans.die_with_parent(signal.SIGKILL, launcher_pid)  # parent: the fork server (or the launcher)
-    orphans.watch(launcher_pid)  # the fork server outlives a killed launcher while ranks run
+    # the launcher's death ends this rank's group, what it started too (no parent-death signal: it
+    # would end the rank alone, orphaning its helpers; the fork server outlives a killed launcher)
+    orphans.watch(launcher_pid)
     stop_signals.share(stop_value)
     stop_signals.handle_in_this_rank()
     _console["queue"] = results

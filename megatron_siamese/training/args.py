@@ -101,6 +101,9 @@ class TrainArgs(ModelSettings):
     output_dir: str = setting("runs/default", group=CHECKPOINTS, flag="--output-dir",
                               help="the run's directory: checkpoints (OUTPUT_DIR/checkpoints), settings.json, "
                                    "metrics.jsonl, summary.json and loss.png")
+    save: Optional[str] = setting(None, group=CHECKPOINTS, flag="--save", metavar="DIR",
+                                  help="where checkpoints are saved (Megatron-LM's --save); unset: OUTPUT_DIR/checkpoints. "
+                                       "A job requeued with --save DIR --load DIR starts from step 0 until DIR holds one")
     save_interval: Optional[int] = setting(None, group=CHECKPOINTS, flag="--save-interval", minimum=1,
                                            help="save a distributed checkpoint every N steps and at the end "
                                                 "(unset: none but --stop-step's and a signal's)")
@@ -118,8 +121,8 @@ class TrainArgs(ModelSettings):
              "checkpoint and exit 0: leave a scheduler's time limit enough margin for the save")
     # a checkpoint directory, or a directory with a tracker file (Megatron-LM's, or an earlier release's `latest`)
     load: Optional[str] = setting(None, group=CHECKPOINTS, flag="--load", metavar="DIR",
-                                  help="resume from a checkpoints directory (its latest_checkpointed_iteration.txt) "
-                                       "or one iter_<N> in it, ours or Megatron-LM's, "
+                                  help="resume from a run's directory (its checkpoints), a checkpoints directory (its "
+                                       "latest_checkpointed_iteration.txt) or one iter_<N> in it, ours or Megatron-LM's, "
                                        "at any TP/PP layout; --train-iters equal to its step only evaluates it")
     no_load_optim: bool = setting(False, group=CHECKPOINTS, flag="--no-load-optim", action="store_true",
                                   help="with --load: the weights and step only, a fresh optimizer (e.g. where the "

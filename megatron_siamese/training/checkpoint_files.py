@@ -119,10 +119,17 @@ def _tracked(path: str) -> Optional[str]:
     return None
 
 
+RUN_CHECKPOINTS = "checkpoints"  # where a run's directory (train --output-dir) keeps its checkpoints
+
+
 def resolve(path: str) -> str:
-    """The checkpoint ``path`` names: itself, or the one its tracker file names."""
+    """The checkpoint ``path`` names: itself, the one its tracker file names, or, for a run's
+    directory (what ``--output-dir`` made), the one its checkpoints' tracker names."""
     if not os.path.exists(path):
         raise CheckpointError(f"--load {path}: no such file or directory")
+    run_checkpoints = os.path.join(path, RUN_CHECKPOINTS)
+    if not os.path.isfile(os.path.join(path, TRACKER)) and os.path.isdir(run_checkpoints):
+        return resolve(run_checkpoints)
     tracked = _tracked(path)
     if tracked:
         return tracked
@@ -133,7 +140,7 @@ def resolve(path: str) -> str:
         raise CheckpointError(f"--load {path} has no complete checkpoint ({incomplete}: a save that did not finish) "
                               f"and no `{TRACKER}`; {_instead(path)}: start without --load")
     raise CheckpointError(f"--load {path} is not a checkpoint: it has neither a `{TRACKER}` file nor metadata.json "
-                          "(give a checkpoints directory or one iter_<N> inside it)")
+                          "(give a run's directory, its checkpoints directory or one iter_<N> inside it)")
 
 
 def problems(checkpoint: str) -> List[str]:
@@ -256,6 +263,16 @@ def damaged_shards(checkpoint: str) -> List[str]:
 def instead(checkpoint: str) -> str:
     """What to load instead of the broken ``checkpoint``: the other complete steps beside it."""
     return _instead(os.path.dirname(os.path.normpath(checkpoint)), exclude=checkpoint)
+
+
+def holds_no_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds no complete checkpoint (it may not exist yet): what a job's
+    ``--save`` directory holds before its first save (a requeued job's ``--load`` of it starts
+    from step 0, as Megatron-LM's does)."""
+    if not os.path.isdir(directory):
+        return True
+    tracker = os.path.isfile(os.path.join(directory, TRACKER)) or os.path.isfile(os.path.join(directory, LATEST))
+    return not tracker and all(missing_files(path) for _, path in step_dirs(directory))
 
 
 def checked(path: str) -> str:

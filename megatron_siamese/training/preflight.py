@@ -27,7 +27,16 @@ _SCHEDULE = (("max_lr", lambda a: a.lr, "--lr", lambda a: 1), ("min_lr", lambda 
 
 
 def checkpoint_dir(args: TrainArgs) -> str:
-    return os.path.join(args.output_dir, "checkpoints")
+    """Where the run saves: --save, else OUTPUT_DIR/checkpoints."""
+    return args.save or os.path.join(args.output_dir, checkpoint_files.RUN_CHECKPOINTS)
+
+
+def loads_its_empty_save_directory(args: TrainArgs) -> bool:
+    """``--load X --save X`` (a requeued job's flags) before the job's first save: X holds no
+    checkpoint yet, so the run starts from step 0 (any other --load without a checkpoint is an error)."""
+    return (args.load is not None and args.save is not None
+            and os.path.realpath(args.load) == os.path.realpath(args.save)
+            and checkpoint_files.holds_no_checkpoint(args.load))
 
 
 def _resume_problems(args: TrainArgs, checkpoint: str) -> List[str]:
@@ -92,9 +101,10 @@ def _output_problems(args: TrainArgs) -> List[str]:
     existing = foreign_checkpoints(args)
     if not existing or not may_save(args):
         return []
-    return [f"--output-dir {args.output_dir} already holds another run's checkpoints ({', '.join(existing)}): resume "
-            f"it with --load {checkpoint_dir(args)}, choose another --output-dir, or pass --overwrite to replace them "
-            "(at this run's first save)"]
+    where = f"--save {args.save}" if args.save else f"--output-dir {args.output_dir}"
+    return [f"{where} already holds another run's checkpoints ({', '.join(existing)}): resume "
+            f"it with --load {checkpoint_dir(args)}, choose another {where.split()[0]}, or pass --overwrite to replace "
+            "them (at this run's first save)"]
 
 
 def preflight(args: TrainArgs) -> List[str]:
