@@ -158,6 +158,9 @@ class StreamArithmetic:
         self.refusal: Optional[str] = None
         if self.requested is not False:
             self.refusal = ops.load_error()
+            if self.refusal is None and getattr(config, "enable_autocast", False):
+                self.refusal = ("enable_autocast runs the sublayers in autocast's dtype while the streams stay in "
+                                "params_dtype, and the fused ops take one dtype for both")
             if self.refusal is None and not FusedStreamArithmetic.implements(stream_norms):
                 self.refusal = (
                     "the layer's stream norms are not megatron_siamese.norms.TorchNorm (or, on the X side, "

@@ -49,11 +49,18 @@ def _problems(config: TransformerConfig) -> List[str]:
             "SiameseNorm's fused ops already join its two streams' residual and norms. Set it to False."
         )
     scopes = cuda_graph_scopes(config)
-    if getattr(config, "cuda_graph_impl", "none") == "transformer_engine" and "mlp" in scopes and "attn" not in scopes:
+    if (getattr(config, "cuda_graph_impl", "none") == "transformer_engine" and scopes & {"mlp", "moe"}
+            and "attn" not in scopes):
         problems.append(
             "Transformer Engine CUDA graphs of the MLP without attention (cuda_graph_scope/cuda_graph_modules "
-            "['mlp']) capture the first layer's MLP with a [s, b, hidden_size] static input, but it receives the "
-            "packed [s, b, 2 * hidden_size] streams: capture ['attn', 'mlp'] (or the whole layer) instead."
+            "['mlp'] or ['moe']) capture the first layer's MLP with a [s, b, hidden_size] static input, but it "
+            "receives the packed [s, b, 2 * hidden_size] streams: capture 'attn' with it (or the whole layer) instead."
+        )
+    if getattr(config, "use_kitchen", False) and impl == "transformer_engine":
+        problems.append(
+            "use_kitchen builds Kitchen's LayerNorm-fused linears for linear_qkv and linear_fc1, which the SiameseNorm "
+            "Transformer Engine spec replaces by TE's plain linears fed its own InputNorm: their Kitchen quantization "
+            "would be lost. Set use_kitchen=False, or transformer_impl='local' (its spec keeps Kitchen's linears)."
         )
     if config.mtp_num_layers:
         problems.append(

@@ -194,10 +194,18 @@ UNSUPPORTED = {
                                     "cuda_graph_scope moe_router / moe_preprocess capture half an MoE layer"),
     "TE graphs of the MLP alone": (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["mlp"]),
                                    "Transformer Engine CUDA graphs of the MLP without attention"),
+    "TE graphs of the MoE MLP alone": (dict(num_moe_experts=2, cuda_graph_impl="transformer_engine",
+                                            cuda_graph_scope=["moe"], moe_expert_capacity_factor=1.0,
+                                            moe_pad_expert_input_to_capacity=True),
+                                       "Transformer Engine CUDA graphs of the MLP without attention"),
+    "Kitchen on the TE spec": (dict(use_kitchen=True, transformer_impl="transformer_engine"),
+                               "use_kitchen builds Kitchen's LayerNorm-fused linears"),
 }
 # a refusal may come with the one for the setting a case needs besides (inference_fuse_tp_communication
 # needs the inference-optimized layers, which are refused too)
-ALSO = {"fused TP inference": "transformer_impl='inference_optimized' builds"}
+ALSO = {"fused TP inference": "transformer_impl='inference_optimized' builds",
+        # the local spec this test builds, given a Transformer Engine config, says so too
+        "Kitchen on the TE spec": "this layer spec builds Megatron's local modules"}
 
 
 @pytest.mark.filterwarnings("ignore:cuda_graph_scope is deprecated:DeprecationWarning")  # its 0.16 name, on purpose
@@ -291,3 +299,19 @@ def test_a_packed_batch_reaches_an_moe_layer_per_sample(megatron_single_rank):
     assert seen[1] == (seq, samples, h)
     if stock_unflattens:  # the same routing and experts as the unflattened batch, flattened back
         torch.testing.assert_close(out_flat, out.transpose(0, 1).reshape(samples * seq, 1, 2 * h))
+
+
+def test_autocast_runs_the_pytorch_path_and_refuses_the_fused_ops_when_insisted(megatron_single_rank):
+    """enable_autocast: the sublayers run in autocast's dtype and the streams in params_dtype; the
+    fused ops take one dtype, so the layer takes the PyTorch path (the same function), and
+    insisting on the fused ops is refused at construction with the reason."""
+    from megatron_siamese.stream_arithmetic import TorchStreamArithmetic
+
+    layer = build_layer(config_with(enable_autocast=True, siamese_fused_ops=None), layer_number=2)
+    assert isinstance(layer.stream_arithmetic.on(torch.device("cpu")), TorchStreamArithmetic)
+    streams = torch.randn(CASE.seq_length, 2, 2 * CASE.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output, _ = layer(hidden_states=streams, attention_mask=attention_mask())
+    assert output.shape == streams.shape
+    with pytest.raises(RuntimeError, match="enable_autocast runs the sublayers in autocast's dtype"):
+        build_layer(config_with(enable_autocast=True, siamese_fused_ops=True))
