@@ -9,7 +9,9 @@ signals, exit statuses, the launcher, lock files and what the process prints aro
 (refusals before any rank starts, resumes, checkpoint contents) without an interpreter start,
 and with ranks forked from this process's fork server, which imported torch and Megatron once
 for the session instead of once per command. It returns what ``cli`` returns: the exit status
-``main`` gives ``sys.exit``, and what the command printed.
+``main`` gives ``sys.exit``, and what the command printed. Its ``env`` reaches the command but
+not its ranks: they are forked from the fork server, which keeps the environment it started
+with, so a test whose ranks must see a variable uses ``cli``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Tier 1: the fused dual-norm kernels on the GPU, tested, checked by compute-sanitizer, and timed.
 
-    kernel-tests        tests/test_kernels.py (it adds a "cuda" parameter to its value tests
-                        when the CUDA kernels are present), once per CUDA kernel generation
+    kernel-tests        KERNEL_TESTS (each adds a "cuda" parameter to its value tests when the
+                        CUDA kernels are present: the dual-norm ops and the boundary ops of
+                        docs/kernels.md, which have no tiled generation yet and so run their
+                        general kernels twice), once per CUDA kernel generation
                         (tiled first: it is the one not yet run on a GPU): per-test outcomes
                         from pytest's JUnit XML
     compute-sanitizer   memcheck and racecheck over the CUDA tests of SANITIZER_SELECTION with
@@ -35,7 +37,7 @@ from common import GENERATIONS, KERNELS_ENV, ROOT, cuda_kernels, require_gpu, se
 REHEARSAL_CASES = ((64, 256, "bf16"),)
 REPEATS = 2
 CASE_MARGIN_S = 25  # the longest case (torch.compile's two graphs, four columns) fits in this
-KERNEL_TESTS = "tests/test_kernels.py"
+KERNEL_TESTS = ("tests/test_kernels.py", "tests/test_boundary_ops.py")
 SANITIZER_SELECTION = "matches_reference_fp32 or wide_rows or zero_and_one"  # and "cuda" on a GPU
 SANITIZER_TOOLS = ("memcheck", "racecheck")
 SANITIZER_TOOL_TIMEOUT_S = 110
@@ -91,10 +93,10 @@ def pytest_run(arguments, env: dict, timeout: float, prefix=()) -> dict:
 
 
 def kernel_tests_of(generation: str, rehearse: bool) -> dict:
-    """tests/test_kernels.py with the CUDA kernels of ``generation``: today's record shape."""
+    """KERNEL_TESTS with the CUDA kernels of ``generation``: today's record shape."""
     env = dict(os.environ, **{KERNELS_ENV: generation})
-    run = pytest_run([KERNEL_TESTS], env, timeout=seconds_left() - 10)
-    print(f"----- {KERNEL_TESTS} with {KERNELS_ENV}={generation}\n{run['output'][-8000:]}", flush=True)
+    run = pytest_run(list(KERNEL_TESTS), env, timeout=seconds_left() - 10)
+    print(f"----- {' '.join(KERNEL_TESTS)} with {KERNELS_ENV}={generation}\n{run['output'][-8000:]}", flush=True)
     outcomes = run["outcomes"]
     cuda = [t for t in outcomes if "cuda" in t]
     record = {
@@ -164,7 +166,7 @@ def sanitizer_tool(sanitizer: str, tool: str) -> dict:
     # memory accesses and races are what only the sanitizer sees
     prefix = [sanitizer, "--tool", tool, "--error-exitcode", "86", "--target-processes", "all",
               "--report-api-errors", "no", "--print-limit", "40"]
-    run = pytest_run(["-k", f"cuda and ({SANITIZER_SELECTION})", KERNEL_TESTS], env,
+    run = pytest_run(["-k", f"cuda and ({SANITIZER_SELECTION})", *KERNEL_TESTS], env,
                      timeout=min(SANITIZER_TOOL_TIMEOUT_S, seconds_left() - 10), prefix=prefix)
     print(f"----- compute-sanitizer --tool {tool}\n{run['output'][-6000:]}", flush=True)
     summaries, errors = sanitizer_lines(run["output"])
@@ -183,7 +185,7 @@ def sanitizer_tool(sanitizer: str, tool: str) -> dict:
 def compute_sanitizer(rehearse: bool) -> dict:
     sanitizer = find_compute_sanitizer()
     command = (f"{sanitizer or 'compute-sanitizer'} --tool TOOL python -m pytest -k 'cuda and "
-               f"({SANITIZER_SELECTION})' {KERNEL_TESTS}  with {KERNELS_ENV}={SANITIZER_GENERATION}, "
+               f"({SANITIZER_SELECTION})' {' '.join(KERNEL_TESTS)}  with {KERNELS_ENV}={SANITIZER_GENERATION}, "
                f"PYTORCH_NO_CUDA_MEMORY_CACHING=1")
     record = {"compute_sanitizer": sanitizer, "kernels": SANITIZER_GENERATION, "command": command,
               "tools": {}}
@@ -191,7 +193,7 @@ def compute_sanitizer(rehearse: bool) -> dict:
         import torch
 
         # which tests the selection names, on this machine (the "cuda" parameter exists on a GPU)
-        run = pytest_run(["--collect-only", "-k", SANITIZER_SELECTION, KERNEL_TESTS], dict(os.environ), timeout=120)
+        run = pytest_run(["--collect-only", "-k", SANITIZER_SELECTION, *KERNEL_TESTS], dict(os.environ), timeout=120)
         record["selected_by_name"] = sum(1 for line in run["output"].splitlines() if "::" in line)
         if not torch.cuda.is_available():
             return dict(record, ran=False, passed=None,
