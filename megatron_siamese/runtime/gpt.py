@@ -75,12 +75,7 @@ def initialize_model_parallel(layout: Layout, seed: int) -> None:
     from megatron_siamese.runtime.launch import group_timeout_minutes
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
+        **layout.model_parallel_sizes(),
         # the job's --distributed-timeout-minutes, not Megatron's 30: a rank that dies or hangs
         # while the others form or use these groups ends the job in that time (launch.py)
         distributed_timeout_minutes=group_timeout_minutes(),

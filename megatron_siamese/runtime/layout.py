@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from megatron_siamese.runtime.registry import setting
+from megatron_siamese.runtime.registry import config_kwargs, setting
 
 # the activation-recompute presets, as TransformerConfig fields
 RECOMPUTE_PRESETS = {
@@ -74,6 +74,13 @@ class Layout:
         while (self.tp * self.cp * dp) % (ep * expert_tp):
             dp += 1
         return dp
+
+    def model_parallel_sizes(self) -> dict:
+        """The model-parallel sizes under Megatron's names: ``parallel_state.initialize_model_parallel``'s
+        keywords, and Megatron-LM's arguments (a checkpoint's ``args``); expert TP spelled out."""
+        sizes = config_kwargs(self, Layout)
+        del sizes["sequence_parallel"]
+        return dict(sizes, expert_tensor_parallel_size=self.expert_tp)
 
     def recompute_options(self) -> dict:
         """This layout's recompute preset as TransformerConfig keyword arguments."""

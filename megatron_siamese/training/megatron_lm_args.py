@@ -92,13 +92,8 @@ def checkpoint_args(args, step: int, vocab_size: int, vocab_multiple: int, model
     """The Namespace a checkpoint of ``args`` (a TrainArgs) saved at ``step`` carries."""
     return Namespace(
         **model_args(args, vocab_size, vocab_multiple),
-        tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        virtual_pipeline_model_parallel_size=args.vpp,
-        context_parallel_size=1,
+        **args.layout.model_parallel_sizes(),
         data_parallel_size=args.dp,
-        expert_model_parallel_size=args.ep,
-        expert_tensor_parallel_size=args.etp or args.tp,
         world_size=args.world_size,
         sequence_parallel=args.sp,
         use_distributed_optimizer=args.distributed_optimizer,
