@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from enum import Enum
 from typing import List, Optional
 
@@ -27,8 +28,109 @@ def cuda_graph_scopes(config: TransformerConfig) -> set:
     return found
 
 
-def _problems(config: TransformerConfig) -> List[str]:
+def _set(name: str):
+    """A refusal's condition: the field is set (False where this megatron-core lacks it)."""
+    return lambda config: bool(getattr(config, name, False))
+
+
+# Settings refused whatever else is set: (condition, what it does and what to change).
+_REFUSALS = (
+    (_set("fused_residual_rmsnorm"),
+     "fused_residual_rmsnorm fuses stock Megatron's single-stream residual add into the next RMSNorm; "
+     "SiameseNorm's fused ops already join its two streams' residual and norms. Set it to False."),
+    (lambda c: getattr(c, "cuda_graph_impl", "none") == "transformer_engine"
+     and bool(cuda_graph_scopes(c) & {"mlp", "moe"}) and "attn" not in cuda_graph_scopes(c),
+     "Transformer Engine CUDA graphs of the MLP without attention (cuda_graph_scope/cuda_graph_modules "
+     "['mlp'] or ['moe']) capture the first layer's MLP with a [s, b, hidden_size] static input, but it "
+     "receives the packed [s, b, 2 * hidden_size] streams: capture 'attn' with it (or the whole layer) instead."),
+    (lambda c: getattr(c, "use_kitchen", False) and c.transformer_impl == "transformer_engine",
+     "use_kitchen builds Kitchen's LayerNorm-fused linears for linear_qkv and linear_fc1, which the SiameseNorm "
+     "Transformer Engine spec replaces by TE's plain linears fed its own InputNorm: their Kitchen quantization "
+     "would be lost. Set use_kitchen=False, or transformer_impl='local' (its spec keeps Kitchen's linears)."),
+    (_set("mtp_num_layers"),
+     "multi-token prediction (mtp_num_layers / --mtp-num-layers) is not supported: "
+     "its MTP layers expect a single [s, b, h] stream. Set mtp_num_layers=None."),
+    (_set("enable_mhc_connections"),
+     "Megatron's hyper-connections (enable_mhc_connections / --enable-mhc-connections) "
+     "replace the residual stream that SiameseNorm splits in two. Disable them."),
+    (_set("inference_fuse_tp_communication"),
+     "inference_fuse_tp_communication fuses the residual add and the next layer's norm "
+     "into the TP reduce-scatter, which has no SiameseNorm form. Set it to False."),
+    (_set("heterogeneous_block_specs"),
+     "heterogeneous_block_specs is not supported: every SiameseNorm layer must have the "
+     "same structure. Set it to False."),
+    (_set("fine_grained_activation_offloading"),
+     "fine_grained_activation_offloading offloads the single-stream norm inputs. Set it to False."),
+    (lambda c: c.multi_latent_attention or c.experimental_attention_variant is not None,
+     "only standard self-attention is supported: set multi_latent_attention=False and "
+     "experimental_attention_variant=None."),
+    (_set("qk_l2_norm"),
+     "qk_l2_norm (Llama 4's parameter-free L2 QK-norm) is not supported: SiameseNorm's specs "
+     "put a learned norm in the QK-norm slots. Set qk_l2_norm=False (qk_layernorm=True for QK-norm)."),
+    (_set("fp32_residual_connection"),
+     "fp32_residual_connection keeps Megatron's single residual stream in fp32; SiameseNorm's "
+     "two streams stay in the activation dtype. Set it to False."),
+    (lambda c: getattr(c, "mlp_chunks_for_training", 1) > 1 or getattr(c, "mlp_chunks_for_prefill", 1) > 1,
+     "mlp_chunks_for_training / mlp_chunks_for_prefill (chunked MLP) are not implemented by "
+     "SiameseNorm layers yet. Set them to 1."),
+    (_set("apply_residual_connection_post_layernorm"),
+     "apply_residual_connection_post_layernorm conflicts with SiameseNorm's own residual "
+     "streams. Set it to False."),
+)
+
+# ... and in an MoE layer
+_MOE_REFUSALS = (
+    (_set("overlap_moe_expert_parallel_comm"),
+     "overlap_moe_expert_parallel_comm runs each layer's submodules from Megatron's own "
+     "schedule plan, around the layer's forward that carries the two streams. Set it to False."),
+    (lambda c: c.moe_grouped_gemm and c.transformer_impl != "transformer_engine",
+     "moe_grouped_gemm (--moe-grouped-gemm) builds grouped-GEMM experts (TEGroupedMLP) with "
+     "Transformer Engine: set transformer_impl='transformer_engine', or moe_grouped_gemm=False "
+     "for SequentialMLP experts."),
+    (lambda c: bool(cuda_graph_scopes(c) & {"moe_router", "moe_preprocess"}),
+     "cuda_graph_scope moe_router / moe_preprocess capture half an MoE layer and hand the "
+     "rest to the stock single-stream residual. Capture 'attn' (or the whole layer) instead."),
+)
+
+
+def _refused(config: TransformerConfig, refusals) -> List[str]:
+    return [message for refused, message in refusals if refused(config)]
+
+
+def _field_default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def _unreviewed_problems(config: TransformerConfig) -> List[str]:
+    """Fields of a newer megatron-core than docs/settings.md covers, set to other than their default."""
+    from megatron_siamese.reviewed_settings import REVIEWED
+    from megatron_siamese.versions import SUPPORTED_TEXT, installed_megatron_core
+
     problems = []
+    for field in dataclasses.fields(TransformerConfig):
+        default = _field_default(field)
+        if field.name in REVIEWED or default is dataclasses.MISSING:
+            continue
+        value = getattr(config, field.name, default)
+        try:
+            changed = bool(value != default)
+        except Exception:  # a value without a plain comparison (a tensor, a module): set by the user
+            changed = value is not default
+        if changed:
+            problems.append(
+                f"{field.name}={value!r}: megatron-core {installed_megatron_core()} added this TransformerConfig "
+                f"field, and SiameseNorm has not been checked against it (docs/settings.md lists the fields it has): "
+                f"leave it at its default {default!r}, or use a tested release ({SUPPORTED_TEXT})."
+            )
+    return problems
+
+
+def _problems(config: TransformerConfig) -> List[str]:
+    problems = _unreviewed_problems(config)
     impl = config.transformer_impl
     if impl not in ("local", "transformer_engine"):
         problems.append(
@@ -43,77 +145,9 @@ def _problems(config: TransformerConfig) -> List[str]:
             "transformer_impl='transformer_engine' (Megatron-LM: --transformer-impl transformer_engine and --spec "
             f"megatron_siamese.specs siamese_te_layer_spec), or leave {precision[0]} unset."
         )
-    if getattr(config, "fused_residual_rmsnorm", False):
-        problems.append(
-            "fused_residual_rmsnorm fuses stock Megatron's single-stream residual add into the next RMSNorm; "
-            "SiameseNorm's fused ops already join its two streams' residual and norms. Set it to False."
-        )
-    scopes = cuda_graph_scopes(config)
-    if (getattr(config, "cuda_graph_impl", "none") == "transformer_engine" and scopes & {"mlp", "moe"}
-            and "attn" not in scopes):
-        problems.append(
-            "Transformer Engine CUDA graphs of the MLP without attention (cuda_graph_scope/cuda_graph_modules "
-            "['mlp'] or ['moe']) capture the first layer's MLP with a [s, b, hidden_size] static input, but it "
-            "receives the packed [s, b, 2 * hidden_size] streams: capture 'attn' with it (or the whole layer) instead."
-        )
-    if getattr(config, "use_kitchen", False) and impl == "transformer_engine":
-        problems.append(
-            "use_kitchen builds Kitchen's LayerNorm-fused linears for linear_qkv and linear_fc1, which the SiameseNorm "
-            "Transformer Engine spec replaces by TE's plain linears fed its own InputNorm: their Kitchen quantization "
-            "would be lost. Set use_kitchen=False, or transformer_impl='local' (its spec keeps Kitchen's linears)."
-        )
-    if config.mtp_num_layers:
-        problems.append(
-            "multi-token prediction (mtp_num_layers / --mtp-num-layers) is not supported: "
-            "its MTP layers expect a single [s, b, h] stream. Set mtp_num_layers=None."
-        )
-    if getattr(config, "enable_mhc_connections", False):
-        problems.append(
-            "Megatron's hyper-connections (enable_mhc_connections / --enable-mhc-connections) "
-            "replace the residual stream that SiameseNorm splits in two. Disable them."
-        )
-    if config.inference_fuse_tp_communication:
-        problems.append(
-            "inference_fuse_tp_communication fuses the residual add and the next layer's norm "
-            "into the TP reduce-scatter, which has no SiameseNorm form. Set it to False."
-        )
+    problems += _refused(config, _REFUSALS)
     if config.num_moe_experts:
         problems += _moe_problems(config)
-    if config.heterogeneous_block_specs:
-        problems.append(
-            "heterogeneous_block_specs is not supported: every SiameseNorm layer must have the "
-            "same structure. Set it to False."
-        )
-    if config.fine_grained_activation_offloading:
-        problems.append(
-            "fine_grained_activation_offloading offloads the single-stream norm inputs. "
-            "Set it to False."
-        )
-    if config.multi_latent_attention or config.experimental_attention_variant is not None:
-        problems.append(
-            "only standard self-attention is supported: set multi_latent_attention=False and "
-            "experimental_attention_variant=None."
-        )
-    if getattr(config, "qk_l2_norm", False):
-        problems.append(
-            "qk_l2_norm (Llama 4's parameter-free L2 QK-norm) is not supported: SiameseNorm's specs "
-            "put a learned norm in the QK-norm slots. Set qk_l2_norm=False (qk_layernorm=True for QK-norm)."
-        )
-    if config.fp32_residual_connection:
-        problems.append(
-            "fp32_residual_connection keeps Megatron's single residual stream in fp32; SiameseNorm's "
-            "two streams stay in the activation dtype. Set it to False."
-        )
-    if getattr(config, "mlp_chunks_for_training", 1) > 1 or getattr(config, "mlp_chunks_for_prefill", 1) > 1:
-        problems.append(
-            "mlp_chunks_for_training / mlp_chunks_for_prefill (chunked MLP) are not implemented by "
-            "SiameseNorm layers yet. Set them to 1."
-        )
-    if config.apply_residual_connection_post_layernorm:
-        problems.append(
-            "apply_residual_connection_post_layernorm conflicts with SiameseNorm's own residual "
-            "streams. Set it to False."
-        )
     return problems
 
 
@@ -121,23 +155,7 @@ def _moe_problems(config: TransformerConfig) -> List[str]:
     """MoE settings of Megatron's that these layers cannot honour (here, or on this device)."""
     from megatron_siamese import device
 
-    problems = []
-    if config.overlap_moe_expert_parallel_comm:
-        problems.append(
-            "overlap_moe_expert_parallel_comm runs each layer's submodules from Megatron's own "
-            "schedule plan, around the layer's forward that carries the two streams. Set it to False."
-        )
-    if config.moe_grouped_gemm and config.transformer_impl != "transformer_engine":
-        problems.append(
-            "moe_grouped_gemm (--moe-grouped-gemm) builds grouped-GEMM experts (TEGroupedMLP) with "
-            "Transformer Engine: set transformer_impl='transformer_engine', or moe_grouped_gemm=False "
-            "for SequentialMLP experts."
-        )
-    if cuda_graph_scopes(config) & {"moe_router", "moe_preprocess"}:
-        problems.append(
-            "cuda_graph_scope moe_router / moe_preprocess capture half an MoE layer and hand the "
-            "rest to the stock single-stream residual. Capture 'attn' (or the whole layer) instead."
-        )
+    problems = _refused(config, _MOE_REFUSALS)
     if not device.uses_cuda():
         gpu_only = [name for name, on in (
             ("moe_permute_fusion", config.moe_permute_fusion),

@@ -2,8 +2,14 @@
 
 Tested: 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12); the hooks it overrides are the same
 across that range (docs/design.md, "Megatron-Core versions"). HybridModel support needs 0.19.
-Outside the range the import fails naming it; MEGATRON_SIAMESE_UNTESTED_MEGATRON=1 turns
-that into a warning for whoever wants to try a newer Megatron (e.g. Megatron-LM main).
+
+- Older than 0.16.1: the import fails naming the range (the hooks differ there);
+  MEGATRON_SIAMESE_UNTESTED_MEGATRON=1 turns that into a warning.
+- Newer than the tested range (0.20 and Megatron-LM main): the import warns once, on rank 0,
+  naming the parallel check to run on that release; MEGATRON_SIAMESE_UNTESTED_MEGATRON=1
+  silences it. What keeps a newer release from changing the math unnoticed is not this warning
+  but ``support.py``: a TransformerConfig field docs/settings.md has no row for
+  (``reviewed_settings.REVIEWED``) and a value other than its default is refused by name.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ import re
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
-SUPPORTED = ((0, 16, 1), (0, 20, 0))  # [lowest, first unsupported)
+SUPPORTED = ((0, 16, 1), (0, 20, 0))  # [lowest, first untested)
 SUPPORTED_TEXT = "megatron-core >= 0.16.1, < 0.20 (tested: 0.16.1 and 0.19.2)"
 UNTESTED_ENV = "MEGATRON_SIAMESE_UNTESTED_MEGATRON"
+CHECK_COMMAND = "megatron-siamese check --layouts all"
 
 
 def installed_megatron_core() -> str:
@@ -36,18 +43,36 @@ def release(text: str) -> tuple:
 
 
 def unsupported_reason(found: str) -> str | None:
-    """Why ``found`` is outside the supported range, or None."""
-    low, high = SUPPORTED
-    if low <= release(found) < high:
+    """Why ``found`` is older than the supported range (refused), or None."""
+    if release(found) >= SUPPORTED[0]:
         return None
     return f"megatron_siamese supports {SUPPORTED_TEXT}; megatron-core {found} is installed. Install a supported release, e.g. pip install 'megatron-core==0.19.2'."
 
 
+def untested_notice(found: str) -> str | None:
+    """What a user of a release newer than the tested range is told, or None."""
+    if release(found) < SUPPORTED[1]:
+        return None
+    return (f"megatron-core {found} is newer than the releases megatron_siamese was tested with ({SUPPORTED_TEXT}). "
+            f"Run `{CHECK_COMMAND}` on your machines before training (it compares every parallel layout with one "
+            f"rank); settings this release added are refused if set (docs/settings.md lists those reviewed). "
+            f"{UNTESTED_ENV}=1 silences this.")
+
+
+def _rank_zero() -> bool:
+    """Not one of the job's other ranks (torchrun's and SLURM's variables; no launcher: rank 0)."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
 def check_megatron_core() -> None:
-    reason = unsupported_reason(installed_megatron_core())
-    if reason is None:
-        return
-    if os.environ.get(UNTESTED_ENV) == "1":
+    found = installed_megatron_core()
+    untested = os.environ.get(UNTESTED_ENV) == "1"
+    reason = unsupported_reason(found)
+    if reason is not None:
+        if not untested:
+            raise ImportError(f"{reason} (Set {UNTESTED_ENV}=1 to try it anyway.)")
         warnings.warn(f"{reason} Going on because {UNTESTED_ENV}=1.", stacklevel=3)
         return
-    raise ImportError(f"{reason} (Set {UNTESTED_ENV}=1 to try it anyway.)")
+    notice = untested_notice(found)
+    if notice is not None and not untested and _rank_zero():
+        warnings.warn(notice, stacklevel=3)

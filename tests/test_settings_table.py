@@ -109,3 +109,13 @@ def test_what_the_table_says_is_present_on_this_stack_exists(rows):
                 stale.append(f"line {number}: `{field}` is not a TransformerConfig field of megatron-core "
                              f"{installed_megatron_core()} (mark it absent in the {stack} column, or drop it)")
     assert not stale, "docs/settings.md is stale:\n" + "\n".join(stale)
+
+
+def test_the_packages_reviewed_fields_are_the_tables(rows):
+    """support.py refuses a field outside reviewed_settings.REVIEWED when it is set (a newer
+    release's): that set is the table's fields, no more, no fewer."""
+    from megatron_siamese.reviewed_settings import REVIEWED
+
+    listed = {field for _, fields, _ in rows for field in fields}
+    assert not listed - REVIEWED, f"in docs/settings.md, not in REVIEWED: {sorted(listed - REVIEWED)}"
+    assert not REVIEWED - listed, f"in REVIEWED, not in docs/settings.md: {sorted(REVIEWED - listed)}"
