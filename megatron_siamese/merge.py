@@ -41,8 +41,13 @@ class SiameseFinalNorm(TorchNorm):
         super().__init__(config=config, hidden_size=hidden_size, eps=eps, **unused)
         self.merge = StreamMerge(config=config, hidden_size=hidden_size, eps=eps)
 
+    def merged(self, packed: Tensor) -> Tensor:
+        """Packed streams -> NormX(x) + NormY(y): the ``[s, b, h]`` residual before FinalNorm (what
+        a layer's packed output stands for where stock Megatron hands out its residual stream)."""
+        return self.merge(*split_streams(packed, self.hidden_size))
+
     def forward(self, packed: Tensor) -> Tensor:
-        return super().forward(self.merge(*split_streams(packed, self.hidden_size)))
+        return super().forward(self.merged(packed))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         from megatron.core.dist_checkpointing.utils import apply_prefix_mapping

@@ -99,6 +99,11 @@ class ChannelScale(MegatronModule):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
+    def reset_parameters(self) -> None:
+        """Ones again: what Megatron's meta-device initialization calls once the storage is real."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
     def forward(self, x: Tensor) -> Tensor:
         return channel_scale(x, self.weight)
 

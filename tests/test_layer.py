@@ -76,6 +76,50 @@ def test_norm_contract(megatron_single_rank, normalization, zero_centered, seque
         torch.testing.assert_close(norm.to(dtype)(x.to(dtype)), expected, **tolerance)
 
 
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_stream_norms_initialize_again_after_a_meta_device_build(megatron_single_rank, zero_centered):
+    """Megatron's meta-device initialization builds modules without storage, then calls each one's
+    reset_parameters: every norm module of ours must give its init values back."""
+    from megatron_siamese.norms import ChannelScale
+
+    config = config_with(layernorm_zero_centered_gamma=zero_centered)
+    for norm_class in (TorchNorm, ChannelScale):
+        built = norm_class(config=config, hidden_size=16)
+        with torch.device("meta"):
+            deferred = norm_class(config=config, hidden_size=16)
+        deferred.to_empty(device="cpu")
+        deferred.reset_parameters()
+        for (name, expected), (_, got) in zip(built.named_parameters(), deferred.named_parameters()):
+            assert torch.equal(got, expected), f"{norm_class.__name__}.{name}"
+
+
+def test_a_blocks_extracted_layer_output_merges_to_what_the_final_norm_normalizes(megatron_single_rank):
+    """``TransformerBlock.forward(extract_layer_indices=...)`` (0.19) hands out the layers' packed
+    streams; ``final_layernorm.merged`` makes one the [s, b, h] residual: for the last layer,
+    FinalNorm of it is the block's output."""
+    import inspect
+
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
+    from megatron_siamese.norms import TorchNorm
+    from megatron_siamese.runtime.layout import Layout
+
+    if "extract_layer_indices" not in inspect.signature(TransformerBlock.forward).parameters:
+        pytest.skip("this megatron-core's TransformerBlock has no extract_layer_indices (0.19 has)")
+    case = ModelCase(num_layers=2)
+    (model,) = build_seeded_chunks(case, case_config(case, Layout()))
+    batch = microbatches(case)[0]
+    hidden = model.embedding(batch["tokens"], batch["position_ids"])
+    output, (first, last) = model.decoder(hidden, batch["attention_mask"], extract_layer_indices={0, 1})
+    h = model.config.hidden_size
+    assert first.shape[-1] == last.shape[-1] == 2 * h  # the packed streams, as the layers return them
+    final = model.decoder.final_layernorm
+    assert final.merged(last).shape == output.shape
+    torch.testing.assert_close(TorchNorm.forward(final, final.merged(last)), output, rtol=0, atol=0)
+    assert not torch.allclose(TorchNorm.forward(final, final.merged(first)), output)
+
+
 # the config asks for TP2 + SP while this process runs TP1: Megatron's linears say they drop SP
 @pytest.mark.filterwarnings("ignore:`sequence_parallel` is set to `True`:UserWarning")
 def test_every_norm_parameter_is_flagged_for_sequence_parallel(megatron_single_rank):
