@@ -45,27 +45,46 @@ struct Residual {
   double scale, inv_c;
 };
 
+// What the forward and the backward read of a row alike: the weights, and the residual update
+// recomputed from the streams and the sublayer's output.
+template <typename T, typename A>
+struct BoundaryRows {
+  const StreamRows& g;
+  const Residual& res;
+  const int64_t h, width;
+  const WeightPointers<A> w;
+  const A *gp, *bp;  // PostNorm_prev's gamma and beta (null: no PostNorm_prev)
+  const bool has_prev;
+  const NormKind k;
+
+  BoundaryRows(const StreamRows& g, const Residual& res, const NormWeights& weights)
+      : g(g), res(res), h(g.hidden), width(g.width()), w(pointers_of<A>(weights)),
+        gp(data_or_null<A>(weights.prev_gamma)), bp(data_or_null<A>(weights.prev_beta)),
+        has_prev(weights.prev_gamma.defined()), k{weights.has_input_norm(), weights.rms, false} {}
+
+  // Row r's x2 = u + z / c and y2 = y + z, its dropout factors in keep; u from x with PostNorm_prev's
+  // statistics (pm, pr).
+  void update(const T* x, const T* y, int64_t r, A pm, A pr, A* keep, A* x2, A* y2) const {
+    if (res.mask) dropout_factors(keep, res.mask + r * h, static_cast<A>(res.scale), h);
+    residual_row<A>(x, y, static_cast<const T*>(res.out) + r * h, static_cast<const A*>(res.bias),
+                    res.mask ? keep : nullptr, gp, bp, has_prev, pm, pr, static_cast<A>(res.inv_c), h, x2, y2);
+  }
+};
+
 template <typename T, typename A>
 void forward_rows(const T* streams, const StreamRows& g, const Residual& res, const NormWeights& weights, A eps,
                   T* base, T* normed, A* stats) {
-  const int64_t h = g.hidden, width = g.width();
-  const WeightPointers<A> w = pointers_of<A>(weights);
-  const A *gp = data_or_null<A>(weights.prev_gamma), *bp = data_or_null<A>(weights.prev_beta);
-  const bool has_prev = weights.prev_gamma.defined();
-  const NormKind k{weights.has_input_norm(), weights.rms, false};
-  const T* out = static_cast<const T*>(res.out);
-  const A* bias = static_cast<const A*>(res.bias);
+  const BoundaryRows<T, A> rows(g, res, weights);
+  const int64_t h = rows.h, width = rows.width;
   at::parallel_for(0, g.rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> scratch(5 * h);
     A *x2 = scratch.data(), *y2 = x2 + h, *u2 = y2 + h, *a = u2 + h, *keep = a + h;
     for (int64_t r = begin; r < end; ++r) {
       const T* x = streams + r * width;
       const T* y = g.packed ? x + h : x;
-      const auto [pm, pr] = has_prev ? moments<A>(x, h, weights.rms, eps) : std::pair<A, A>{A(0), A(1)};
-      if (res.mask) dropout_factors(keep, res.mask + r * h, static_cast<A>(res.scale), h);
-      residual_row<A>(x, y, out + r * h, bias, res.mask ? keep : nullptr, gp, bp, has_prev, pm, pr,
-                      static_cast<A>(res.inv_c), h, x2, y2);
-      const RowStats<A> s = norm_row<A>(x2, y2, h, w, k, eps, u2, a);
+      const auto [pm, pr] = rows.has_prev ? moments<A>(x, h, weights.rms, eps) : std::pair<A, A>{A(0), A(1)};
+      rows.update(x, y, r, pm, pr, keep, x2, y2);
+      const RowStats<A> s = norm_row<A>(x2, y2, h, rows.w, rows.k, eps, u2, a);
       A* row_stats = stats + r * kBoundaryStatsPerRow;
       row_stats[0] = pm, row_stats[1] = pr;
       store_stats(row_stats + 2, s);
@@ -84,13 +103,9 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
                    const Residual& res, const NormWeights& weights, T* grad_streams, T* grad_out, A* grad_bias,
                    A* weight_grads) {
   using Vec = at::vec::Vectorized<A>;
-  const int64_t h = g.hidden, width = g.width(), rows = g.rows;
-  const WeightPointers<A> w = pointers_of<A>(weights);
-  const A *gp = data_or_null<A>(weights.prev_gamma), *bp = data_or_null<A>(weights.prev_beta);
-  const bool has_prev = weights.prev_gamma.defined();
-  const NormKind k{weights.has_input_norm(), weights.rms, false};
-  const T* out = static_cast<const T*>(res.out);
-  const A* bias = static_cast<const A*>(res.bias);
+  const BoundaryRows<T, A> boundary(g, res, weights);
+  const int64_t h = boundary.h, width = boundary.width, rows = g.rows;
+  const A *gp = boundary.gp, *bp = boundary.bp, *bias = static_cast<const A*>(res.bias);
   const auto [blocks, rows_per_block] = row_blocks(rows);
   std::vector<A> partials(blocks * kPartRows * h, A(0));
   at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
@@ -108,13 +123,12 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
         const T* y = g.packed ? x + h : x;
         const A* row_stats = stats + r * kBoundaryStatsPerRow;
         const A pm = row_stats[0], pr = row_stats[1];
-        if (res.mask) dropout_factors(keep, res.mask + r * h, static_cast<A>(res.scale), h);
-        residual_row<A>(x, y, out + r * h, bias, res.mask ? keep : nullptr, gp, bp, has_prev, pm, pr,
-                        static_cast<A>(res.inv_c), h, x2, y2);
+        boundary.update(x, y, r, pm, pr, keep, x2, y2);
         const A* ga = as_acc(grad_normed + r * h, convert, h);
         const A* gbx = as_acc(grad_base == nullptr ? nullptr : grad_base + r * 2 * h, convert + h, h);
         const A* gby = as_acc(grad_base == nullptr ? nullptr : grad_base + r * 2 * h + h, convert + 2 * h, h);
-        norm_backward_row<A>(x2, y2, h, load_stats(row_stats + 2), ga, gbx, gby, false, w, k, d, work, gx2, gy2);
+        norm_backward_row<A>(x2, y2, h, load_stats(row_stats + 2), ga, gbx, gby, false, boundary.w, boundary.k, d, work,
+                             gx2, gy2);
         // dL/dz = dL/dx' / c + dL/dy' (through the dropout factor), which is also dL/dbias
         A* gz = x2;  // x2 is not read again
         vec_loop<A>(h, [&](int64_t i, int64_t cnt) {
@@ -125,7 +139,7 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
         });
         store_row(grad_out + r * h, gz, h);
         // dL/dx: through PostNorm_prev (u = x without it); dL/dy = dL/dy'
-        if (has_prev) single_norm_backward_row<A>(x, h, pm, pr, gp, weights.rms, gx2, dgp, dbp, work, gx);
+        if (boundary.has_prev) single_norm_backward_row<A>(x, h, pm, pr, gp, weights.rms, gx2, dgp, dbp, work, gx);
         else std::copy(gx2, gx2 + h, gx);
         T* grad_row = grad_streams + r * width;
         if (g.packed) {
