@@ -1,52 +1,70 @@
 """Commands as cluster jobs run them: two torchrun agents on this machine standing in for two
 nodes (c10d rendezvous on localhost), SLURM steps with their variables set by hand, and the
-launcher's variables read and refused as a cluster would give them."""
+launcher's variables read and refused as a cluster would give them.
+
+The jobs' ranks run Megatron (checks, training, resumes, a rank lost while the others wait on
+Megatron's process groups): those tests run on each stack. Reading the launcher's variables,
+the layouts that fit a job and the SLURM examples parsed against a stand-in srun touch no
+Megatron: ``stack_independent``. Every process a test starts ends with it (tests/job_runs.py)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+from cli_runs import cli_here
+from job_runs import jobs  # noqa: F401  (the fixture)
 
 from megatron_siamese.check.matrix import layouts_that_fit, whole_job_layouts
 from megatron_siamese.runtime.launch import free_port
 from megatron_siamese.runtime.launchers import LaunchError, detect, first_host, reporter
 from megatron_siamese.runtime.layout import parse_layout
 
-pytestmark = pytest.mark.stack_independent  # the launcher, not Megatron: one stack is enough
-
 CLI = ["-m", "megatron_siamese.cli"]
 TINY_TRAIN = ["train", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "2",
               "--global-batch-size", "8", "--steps", "6", "--eval-interval", "3", "--eval-iters", "1", "--no-progress"]
 
 
-def agents(nnodes, nproc, args, cwds=None, per_node=None, timeout=600):
+def agents(jobs, nnodes, nproc, args, cwds=None, per_node=None, timeout=600):
     """``nnodes`` torchrun agents of ``nproc`` ranks each, on one c10d rendezvous (``per_node``: more
     arguments for each agent's ranks); (rc, output) per agent."""
     endpoint = f"localhost:{free_port()}"
-    procs = []
+    started = []
     for node in range(nnodes):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
                    str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", endpoint,
                    *CLI, *map(str, args), *map(str, per_node[node] if per_node else ())]
-        procs.append(subprocess.Popen(command, cwd=cwds[node] if cwds else None, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    return [(proc.wait(timeout=timeout), proc.stdout.read()) for proc in procs]
+        started.append(jobs.start(command, cwd=cwds[node] if cwds else None, merge_output=True))
+    return [finished(job, timeout) for job in started]
 
 
-def srun_tasks(ntasks, args, env=None, started=None):
-    """The tasks of an srun step of ``ntasks`` on one node, started by hand (only those in ``started``)."""
-    base = dict(os.environ, SLURM_NTASKS=str(ntasks), SLURM_NNODES="1", SLURM_NODEID="0",
-                SLURM_NODELIST="localhost", SLURM_STEP_ID="0", SLURM_JOB_ID="1", MASTER_PORT=str(free_port()))
-    return [subprocess.Popen([sys.executable, *CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), **(env or {})})
+def finished(job, timeout):
+    """(rc, output) of a job, once it ended."""
+    out, _ = job.finish(timeout)
+    return job.returncode, out
+
+
+def srun_tasks(jobs, ntasks, args, env=None, started=None, python=None):
+    """The tasks of an srun step of ``ntasks`` on one node, started by hand (only those in
+    ``started``; ``python``: what a rank runs instead of ``-m megatron_siamese.cli``)."""
+    port = free_port()
+    return [jobs.start([sys.executable, *((python or {}).get(rank) or CLI), *map(str, args)], merge_output=True,
+                       env={**srun_environment(ntasks, rank, port), **(env or {})})
             for rank in (range(ntasks) if started is None else started)]
 
 
-def srun(ntasks, args, env=None, started=None, timeout=300):
+def srun_environment(ntasks, rank, port=None):
+    """What srun sets for task ``rank`` of a step of ``ntasks`` on one node."""
+    return dict(SLURM_NTASKS=str(ntasks), SLURM_NNODES="1", SLURM_NODEID="0", SLURM_NODELIST="localhost",
+                SLURM_STEP_ID="0", SLURM_JOB_ID="1", MASTER_PORT=str(port or free_port()), SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank))
+
+
+def srun(jobs, ntasks, args, env=None, started=None, timeout=300):
     """Such a step run to its end: (rc, output) per task."""
-    return [(proc.wait(timeout=timeout), proc.stdout.read()) for proc in srun_tasks(ntasks, args, env, started)]
+    return [finished(task, timeout) for task in srun_tasks(jobs, ntasks, args, env, started)]
 
 
 def losses(output_dir):
@@ -57,6 +75,7 @@ def losses(output_dir):
 # -- reading the launcher's variables ------------------------------------------------------
 
 
+@pytest.mark.stack_independent
 def test_torchrun_and_slurm_variables_are_read_as_one_job():
     torchrun = detect(dict(TORCHELASTIC_RUN_ID="x", RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4",
                            GROUP_RANK="1", MASTER_ADDR="head", MASTER_PORT="29400",
@@ -74,12 +93,14 @@ def test_torchrun_and_slurm_variables_are_read_as_one_job():
     assert detect({}) is None
 
 
+@pytest.mark.stack_independent
 @pytest.mark.parametrize("nodelist, first", [("node[003-010,12],gpu7", "node003"), ("a1,b2", "a1"),
                                              ("rack[2-3]-n[07,09]", "rack2-n07"), ("localhost", "localhost")])
 def test_first_host_of_a_slurm_node_list(nodelist, first):
     assert first_host(nodelist) == first
 
 
+@pytest.mark.stack_independent
 @pytest.mark.parametrize("env, message", [
     (dict(SLURM_PROCID="3", SLURM_NTASKS="2"), "SLURM_PROCID=3 is not below SLURM_NTASKS=2"),
     (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="1"), "SLURM_LOCALID=1 exceeds SLURM_PROCID=0"),
@@ -92,11 +113,13 @@ def test_slurm_variables_that_disagree_are_refused(env, message):
         detect({"SLURM_NODELIST": "n1", "SLURM_STEP_ID": "0", **env})
 
 
+@pytest.mark.stack_independent
 def test_an_env_launch_without_its_rendezvous_is_refused():
     with pytest.raises(LaunchError, match="MASTER_ADDR, MASTER_PORT not set"):
         detect(dict(RANK="0", WORLD_SIZE="2"))
 
 
+@pytest.mark.stack_independent
 def test_all_layouts_that_fit_a_job():
     sixteen = whole_job_layouts(16)
     assert {"tp8-pp2", "tp8-pp2-vpp2-sp", "tp4-pp2-dp2", "tp2-dp8", "tp2-dp8-sp-do", "pp4-vpp2-dp4-do"} <= set(sixteen)
@@ -108,9 +131,10 @@ def test_all_layouts_that_fit_a_job():
 # -- two nodes of two ranks ----------------------------------------------------------------
 
 
-def test_check_on_two_nodes(tmp_path):
+def test_check_on_two_nodes(tmp_path, jobs):
     report = tmp_path / "check.json"
-    runs = agents(2, 2, ["check", "--layouts", "tp2-pp2,dp2-tp2-sp,dp2-do", "--num-layers", "2", "--json", report])
+    runs = agents(jobs, 2, 2, ["check", "--layouts", "tp2-pp2,dp2-tp2-sp,dp2-do", "--num-layers", "2",
+                               "--json", report])
     assert [rc for rc, _ in runs] == [0, 0], runs
     table = "".join(out for _, out in runs)
     assert table.count("tolerance (fp32)") == 1 and "torchrun job of 4 ranks on 2 node(s)" in table
@@ -120,51 +144,57 @@ def test_check_on_two_nodes(tmp_path):
     assert written["launch"]["nnodes"] == 2 and all(row["status"] == "PASS" for row in written["rows"])
 
 
-def test_a_failing_layout_fails_every_rank_of_the_job():
-    runs = srun(2, ["check", "--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"])
+def test_a_failing_layout_fails_every_rank_of_the_job(jobs):
+    runs = srun(jobs, 2, ["check", "--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"])
     assert [rc for rc, _ in runs] == [1, 1], runs
     assert "FAIL" in runs[0][1] and "layout" not in runs[1][1]  # rank 0 speaks for the job
 
 
-def test_training_across_nodes_resumes_on_other_node_counts(tmp_path):
+def test_training_across_nodes_resumes_on_other_node_counts(tmp_path, corpus_cache, jobs):
     # each "node" has its own working directory, hence its own --cache-dir: the corpus is built once per node
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes:
         node.mkdir()
     first = tmp_path / "run"
-    runs = agents(2, 2, [*TINY_TRAIN, "--tp", "2", "--dp", "2", "--save-interval", "3", "--cache-dir", "cache",
-                         "--output-dir", first], cwds=nodes)
+    runs = agents(jobs, 2, 2, [*TINY_TRAIN, "--tp", "2", "--dp", "2", "--save-interval", "3", "--cache-dir", "cache",
+                               "--output-dir", first], cwds=nodes)
     assert [rc for rc, _ in runs] == [0, 0], runs
     assert all(any(name.startswith("kjv-bytes") for name in os.listdir(node / "cache")) for node in nodes)
     assert sorted(os.listdir(first / "checkpoints")) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
     uninterrupted = losses(first)
 
     one_node = tmp_path / "one-node"
-    runs = agents(1, 4, [*TINY_TRAIN, "--tp", "2", "--dp", "2", "--cache-dir", tmp_path / "cache",
-                         "--output-dir", one_node, "--load", first / "checkpoints" / "iter_0000003"])
+    runs = agents(jobs, 1, 4, [*TINY_TRAIN, "--tp", "2", "--dp", "2", "--cache-dir", corpus_cache,
+                               "--output-dir", one_node, "--load", first / "checkpoints" / "iter_0000003"])
     assert runs[0][0] == 0, runs
     assert losses(one_node) == {step: uninterrupted[step] for step in (4, 5, 6)}  # same layout: bit for bit
 
     two_small_nodes = tmp_path / "two-small-nodes"
-    runs = agents(2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", tmp_path / "cache", "--output-dir", two_small_nodes,
-                         "--load", first / "checkpoints" / "iter_0000003"])
+    runs = agents(jobs, 2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", corpus_cache, "--output-dir", two_small_nodes,
+                               "--load", first / "checkpoints" / "iter_0000003"])
     assert [rc for rc, _ in runs] == [0, 0], runs
     resumed = losses(two_small_nodes)
     assert sorted(resumed) == [4, 5, 6]
     assert all(abs(resumed[step] - uninterrupted[step]) < 1e-5 * uninterrupted[step] for step in resumed)
 
-    # a one-rank command under a larger job says how to launch it
-    runs = srun(2, ["analyze", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
-                    "--load", first / "checkpoints", "--output-dir", tmp_path / "analysis"])
+    # a one-rank command under a larger job says how to launch it: refused before it joins the job
+    # (in this process, as each task of the step; the message from rank 0)
+    runs = []
+    for rank in range(2):
+        done = cli_here("analyze", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
+                        "--load", first / "checkpoints", "--output-dir", tmp_path / "analysis",
+                        env=srun_environment(2, rank))
+        runs.append((done.returncode, done.stdout + done.stderr))
     assert [rc for rc, _ in runs] == [2, 2], runs
     assert "but analyze uses 1 rank: launch 1 rank (torchrun --nproc-per-node 1, srun --ntasks 1)" in runs[0][1], runs
 
 
-def test_checkpoints_need_a_directory_every_node_sees(tmp_path):
+def test_checkpoints_need_a_directory_every_node_sees(tmp_path, jobs):
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes:
         node.mkdir()
-    runs = agents(2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", tmp_path / "cache", "--output-dir", "out"], cwds=nodes)
+    runs = agents(jobs, 2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", tmp_path / "cache", "--output-dir", "out"],
+                  cwds=nodes)
     assert all(rc != 0 for rc, _ in runs), runs
     said = "".join(out for _, out in runs)
     assert said.count("--output-dir out is not the same directory on every node") == 1, said
@@ -174,29 +204,32 @@ def test_checkpoints_need_a_directory_every_node_sees(tmp_path):
 # -- jobs that cannot be this run ------------------------------------------------------------
 
 
-def test_a_slurm_step_runs_the_check():
-    runs = srun(2, ["check", "--layouts", "tp2,pp2", "--num-layers", "2"])
+def test_a_slurm_step_runs_the_check(jobs):
+    runs = srun(jobs, 2, ["check", "--layouts", "tp2,pp2", "--num-layers", "2"])
     assert [rc for rc, _ in runs] == [0, 0], runs
     assert "slurm job of 2 ranks" in runs[0][1] and "2 passed, 0 failed" in runs[0][1] and runs[1][1] == ""
 
 
-def test_a_job_of_the_wrong_size_is_refused_on_rank_0():
-    runs = srun(2, ["train", "--tp", "1"])
+def test_a_job_of_the_wrong_size_is_refused_on_rank_0(jobs):
+    runs = srun(jobs, 2, ["train", "--tp", "1"])
     assert [rc for rc, _ in runs] == [2, 2], runs
     assert runs[0][1].strip().splitlines() == [
         "megatron-siamese train: error: the slurm job has 2 ranks but --tp 1 x --pp 1 x --dp 1 uses 1 rank: launch "
         "1 rank, or change the layout to use 2"]
     assert runs[1][1] == ""
-    runs = srun(2, ["check", "--layouts", "tp2,tp2-pp2"])
+    runs = srun(jobs, 2, ["check", "--layouts", "tp2,tp2-pp2"])
     assert [rc for rc, _ in runs] == [2, 2] and "layout tp2-pp2 needs 4 ranks but the launched job has 2" in runs[0][1]
 
 
-def test_a_rank_that_never_joins_ends_the_job_with_a_timeout():
-    (rc, out), = srun(2, ["check", "--layouts", "tp2", "--distributed-timeout-minutes", "0.1"], started=[0], timeout=120)
+def test_a_rank_that_never_joins_ends_the_job_with_a_timeout(jobs):
+    # two steps at once (their own rendezvous each), one without its rank 1, one without its rank 0
+    check = ["check", "--layouts", "tp2", "--distributed-timeout-minutes", "0.1"]
+    without_1, without_0 = (srun_tasks(jobs, 2, check, started=[rank]) for rank in (0, 1))
+    (rc, out), = [finished(task, timeout=120) for task in without_1]
     assert rc == 2 and "did not meet the others within 6s" in out and "1/2 clients joined" in out, out
     assert "Traceback" not in out
     # the one missing may be rank 0: the others say so themselves
-    (rc, out), = srun(2, ["check", "--layouts", "tp2", "--distributed-timeout-minutes", "0.1"], started=[1], timeout=120)
+    (rc, out), = [finished(task, timeout=120) for task in without_0]
     assert rc == 2 and "megatron-siamese check: error: rank 1: rank 1 of the slurm job of 2 ranks" in out, out
 
 
@@ -220,20 +253,21 @@ def submitted(script, tmp_path, **env):
     return record.read_text().split("\0")[:-1]
 
 
-def test_directories_are_each_nodes_own_paths(tmp_path):
+def test_directories_are_each_nodes_own_paths(tmp_path, jobs):
     """Nodes given other absolute paths (a command line per node) do not share them: each node
     builds its corpus in its own cache; checkpoints in two places are refused."""
     caches = [tmp_path / "cache0", tmp_path / "cache1"]
-    runs = agents(2, 1, [*TINY_TRAIN, "--tp", "2", "--output-dir", tmp_path / "out"],
+    runs = agents(jobs, 2, 1, [*TINY_TRAIN, "--tp", "2", "--output-dir", tmp_path / "out"],
                   per_node=[["--cache-dir", cache] for cache in caches])
     assert [rc for rc, _ in runs] == [0, 0], runs
     assert all(any(name.startswith("kjv-bytes") for name in os.listdir(cache)) for cache in caches)
-    runs = agents(2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", caches[0]],
+    runs = agents(jobs, 2, 1, [*TINY_TRAIN, "--tp", "2", "--cache-dir", caches[0]],
                   per_node=[["--output-dir", tmp_path / f"out{node}"] for node in (0, 1)])
     said = "".join(out for _, out in runs)
     assert all(rc != 0 for rc, _ in runs) and said.count("is not the same directory on every node") == 1, said
 
 
+@pytest.mark.stack_independent
 def test_the_slurm_examples_hand_srun_commands_that_parse(tmp_path):
     from megatron_siamese.cli import build_parser, check as check_command
     from megatron_siamese.cli.flags import train_args
@@ -258,25 +292,50 @@ def test_the_slurm_examples_hand_srun_commands_that_parse(tmp_path):
     assert hasattr(importlib.import_module(module), name)
 
 
-def test_a_rank_that_dies_ends_the_job_instead_of_hanging_it(tmp_path):
-    import time
-
-    rank0, rank1 = srun_tasks(2, [*TINY_TRAIN, "--tp", "2", "--steps", "5000", "--cache-dir", tmp_path / "cache",
-                                  "--output-dir", tmp_path / "out", "--distributed-timeout-minutes", "0.5"])
-    time.sleep(15)  # joined (or still joining: then the timeout ends it)
+def test_a_rank_that_dies_ends_the_job_instead_of_hanging_it(tmp_path, corpus_cache, jobs):
+    rank0, rank1 = srun_tasks(jobs, 2, [*TINY_TRAIN, "--tp", "2", "--steps", "100000", "--eval-interval", "100000",
+                                        "--log-interval", "100000", "--cache-dir", corpus_cache,
+                                        "--output-dir", tmp_path / "out", "--distributed-timeout-minutes", "0.5"])
+    rank0.wait_for("^checkpoints: ")  # rank 0's first status line: the job joined, formed its groups and trains
     rank1.kill()
-    start = time.monotonic()
-    rc = rank0.wait(timeout=120)
-    said = rank0.stdout.read()
-    assert rc in (1, 2) and time.monotonic() - start < 60, (rc, said)
+    rc, said = finished(rank0, timeout=120)  # generous: its lost connection ends it at once (its timeout: 30 s)
+    assert rc == 1, (rc, said)
+    said = said.split("\n", 1)[1]  # after the status line it waited for
     assert said.startswith("megatron-siamese train: error: ") and "Traceback" not in said, said
+    # what happened: the dead rank's connection closed under a collective (not a timeout)
+    assert re.search(r"Connection (closed|reset) by peer", said.splitlines()[0]), said
 
 
-def test_an_output_directory_it_cannot_write_is_refused_before_the_first_step(tmp_path):
+# rank 1 of the next test: dies as the job forms Megatron's process groups, which rank 0 then
+# waits in for it (in C code, where no SIGTERM reaches Python's handler)
+DIES_FORMING_MEGATRONS_GROUPS = """import os, sys
+from megatron.core import parallel_state
+parallel_state.initialize_model_parallel = lambda *args, **kwargs: os._exit(9)
+from megatron_siamese.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_that_dies_while_the_job_forms_megatrons_groups_ends_it_within_its_timeout(tmp_path, corpus_cache,
+                                                                                        jobs):
+    """Megatron's process groups wait --distributed-timeout-minutes for a lost rank, as the job's
+    own do, not Megatron's default of 30 minutes (runtime/launch.py: group_timeout_minutes)."""
+    rank0, rank1 = srun_tasks(jobs, 2, [*TINY_TRAIN, "--tp", "2", "--cache-dir", corpus_cache,
+                                        "--output-dir", tmp_path / "out", "--distributed-timeout-minutes", "0.25"],
+                              python={1: ["-c", DIES_FORMING_MEGATRONS_GROUPS]})
+    assert finished(rank1, timeout=300)[0] == 9  # it died there: the others had joined
+    # 15 s after that at most, with room for a loaded machine; Megatron's default would be 30 minutes
+    rc, said = finished(rank0, timeout=150)
+    assert rc == 1 and "Traceback" not in said, (rc, said)
+    error = [line for line in said.splitlines() if line.startswith("megatron-siamese train: error: ")]
+    assert len(error) == 1 and "15000ms" in error[0], said  # the job's 15 s timeout ran out waiting for it
+
+
+def test_an_output_directory_it_cannot_write_is_refused_before_the_first_step(tmp_path, corpus_cache, jobs):
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("")
-    done = subprocess.run([sys.executable, *CLI, *TINY_TRAIN, "--tp", "2", "--cache-dir", tmp_path / "cache",
-                           "--output-dir", not_a_directory / "out"], capture_output=True, text=True, timeout=300)
+    done = jobs.run([sys.executable, *CLI, *TINY_TRAIN, "--tp", "2", "--cache-dir", corpus_cache,
+                     "--output-dir", not_a_directory / "out"])
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"megatron-siamese train: error: --output-dir {not_a_directory / 'out'}: cannot write in "
