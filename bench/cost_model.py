@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -302,17 +301,9 @@ def measured_extra_bytes(hidden, seq, batch, recompute, path):
 
 
 def print_memory_check():
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from sublayer_bytes import setup_single_rank  # bench/, beside this script
 
-    from megatron_siamese.runtime import cpu_shim
-    from megatron_siamese.runtime.launch import free_port
-
-    cpu_shim.install()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
+    setup_single_rank()
     print("\n4. Memory checked at small scale (fp32, one layer, measured with saved_tensors_hooks):")
     print(f"{'h':>5} {'s':>5} {'b':>3} {'path':>7} {'siamese rc':>10} {'measured':>10} {'predicted':>10}"
           "  (bytes, SiameseNorm minus stock without recompute)")
