@@ -22,10 +22,10 @@ def _raise_on_rank_one():
     return "ok"
 
 
-def _cuda_refused_here():
+def _report_cuda_refused(connection):
     import torch
 
-    return torch.cuda._is_in_bad_fork()
+    connection.send(torch.cuda._is_in_bad_fork())
 
 
 def _die_without_reporting():
@@ -72,8 +72,17 @@ def test_nccl_ranks_are_processes_that_may_start_cuda():
     import torch
 
     def refused(backend):
-        with _context(backend).Pool(1) as pool:
-            return pool.apply(_cuda_refused_here)
+        # a Process as the launcher starts ranks (not a Pool: the fork server ignores the stop
+        # signals, so its children ignore the SIGTERM a Pool's exit ends its workers with)
+        context = _context(backend)
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(target=_report_cuda_refused, args=(writer,))
+        process.start()
+        writer.close()
+        try:
+            return reader.recv()
+        finally:
+            process.join(timeout=60)
 
     assert refused("nccl") is False
     if torch.version.cuda:  # the trap is real where torch is a CUDA build (the 0.19 / Python 3.12 stack)
