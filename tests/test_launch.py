@@ -87,3 +87,22 @@ def test_nccl_ranks_are_processes_that_may_start_cuda():
     assert refused("nccl") is False
     if torch.version.cuda:  # the trap is real where torch is a CUDA build (the 0.19 / Python 3.12 stack)
         assert refused("gloo") is True
+
+
+def _close_then_raise_on_rank_one():
+    """Rank 1 leaves the job (its connections close) and fails a moment later: rank 0, waiting
+    on it, fails first, on the broken connection."""
+    import torch
+
+    if torch.distributed.get_rank() == 1:
+        torch.distributed.destroy_process_group()
+        time.sleep(3)
+        raise ValueError("the planted cause")
+    torch.distributed.barrier()
+    return "ok"
+
+
+def test_the_failure_reported_is_the_cause_not_a_peer_s_broken_connection():
+    with pytest.raises(RankFailed) as failure:
+        launch(_close_then_raise_on_rank_one, 2, timeout_s=120)
+    assert str(failure.value).startswith("rank 1 of 2 failed: ValueError: the planted cause"), failure.value

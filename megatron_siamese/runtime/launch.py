@@ -31,6 +31,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -299,11 +300,9 @@ def _next_result(results, procs, timeout_s: float, logs):
                 return message
             print(message[2], flush=True)
         except queue.Empty:
-            dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
-            if dead:
-                rank, code = dead[0]
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                raise RankFailed(f"rank {rank} {how} before reporting", _tail(logs[rank])) from None
+            dead = _dead_rank(procs, logs)
+            if dead is not None:
+                raise dead from None
     raise RankFailed(f"no result from some rank within {timeout_s:.0f}s")
 
 
@@ -319,19 +318,49 @@ def _kill_group(proc) -> None:
     proc.join()
 
 
-def _root_cause(procs, logs, wait_s: float = 1.0) -> Optional[RankFailed]:
-    """A rank that died without a report (killed by a signal, or exited non-zero: a crash),
-    if one did: the others then fail on their broken connections, and the one that died is
-    what to report. (A rank that reports its error still exits 0.)"""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        for rank, proc in enumerate(procs):
-            if proc.exitcode is not None and proc.exitcode != 0:
-                how = (f"was killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
-                       else f"exited with code {proc.exitcode}")
-                return RankFailed(f"rank {rank} {how} before reporting", _tail(logs[rank]))
-        time.sleep(0.05)
+def _dead_rank(procs, logs) -> Optional[RankFailed]:
+    """A rank that died without a report (killed by a signal, or exited non-zero: a crash), if
+    one did. (A rank that reports its error still exits 0.)"""
+    for rank, proc in enumerate(procs):
+        if proc.exitcode is not None and proc.exitcode != 0:
+            how = (f"was killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
+                   else f"exited with code {proc.exitcode}")
+            return RankFailed(f"rank {rank} {how} before reporting", _tail(logs[rank]))
     return None
+
+
+# How a rank fails when a peer went away first: on the broken connection (gloo's "Connection
+# closed by peer ... Check the logs of the remote worker", a reset, a refused connect).
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|[Cc]onnection refused|logs of the remote worker")
+PEER_REPORT_WAIT_S = 10.0  # how long a failure on a broken connection waits for the peer's own report
+
+
+def _cause(rank, report, results, procs, logs, pending: int, wait_s: float = PEER_REPORT_WAIT_S) -> RankFailed:
+    """What to report for a job in which ``rank`` reported ``report`` (a failure) and ``pending``
+    ranks have not reported yet: a rank that died without a report; else, when that failure is
+    a broken connection, the first other rank's failure that is not, if it comes within
+    ``wait_s`` (the peer's own error, not its consequence); else this one."""
+    world_size = len(procs)
+    deadline = time.monotonic() + (wait_s if _PEER_GONE.search(report[0]) else 1.0)
+    while time.monotonic() < deadline:
+        dead = _dead_rank(procs, logs)
+        if dead is not None:
+            return dead
+        if pending == 0 or not _PEER_GONE.search(report[0]):
+            time.sleep(0.05)  # a crashed rank's exit status takes a moment to show
+            continue
+        try:
+            other, ok, value = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if other == CONSOLE:
+            print(value, flush=True)
+            continue
+        pending -= 1
+        if not ok and value[0] != INTERRUPTED and not _PEER_GONE.search(value[0]):
+            rank, report = other, value
+    summary, trace, _ = report
+    return RankFailed(f"rank {rank} of {world_size} failed: {summary}", trace + _tail(logs[rank]))
 
 
 def _start_helpers(ctx) -> None:
@@ -388,13 +417,12 @@ def launch(
             for reported in range(1, world_size + 1):
                 rank, ok, value = _next_result(results, procs, timeout_s, logs)
                 if not ok:
-                    summary, trace, problems = value
+                    summary, _, problems = value
                     if summary == INTERRUPTED:
                         raise KeyboardInterrupt
                     if problems is not None:
                         raise ConfigError(problems)
-                    raise _root_cause(procs, logs) or RankFailed(f"rank {rank} of {world_size} failed: {summary}",
-                                                                 trace + _tail(logs[rank]))
+                    raise _cause(rank, value, results, procs, logs, pending=world_size - reported)
                 if rank == 0:
                     values = torch.load(io.BytesIO(value), weights_only=False)
         finally:
