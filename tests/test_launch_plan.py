@@ -5,15 +5,17 @@ sm_100 (A100, H100/H200, B200), and ptxas's figures (registers, stack, spills) a
 each. The plan (csrc/launch_plan.h, a pure function the extension exposes) is then asked for
 every row width from 64 to 16384 with those figures, and each plan is checked: the row is
 covered, no planned instantiation spills, and the CTAs it counts on are resident (the
-occupancy recomputed here, independently)."""
+occupancy recomputed here, independently). The boundary op's CUDA kernels (general ones, no
+tiled version yet: docs/kernels.md) are compiled for the same architectures and checked the
+same way: no stack frame, no spill, blocks that launch."""
 
 import functools
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from nvcc_build import nvcc, torch_cuda_command
 
 from megatron_siamese import ops
 
@@ -34,19 +36,13 @@ BACKWARD_COVERS = {"sm_80": 6944, "sm_90": 8192, "sm_100": 8192}
 pytestmark = pytest.mark.stack_independent
 
 
-@functools.lru_cache(maxsize=None)
-def ptxas_figures():
-    """{(arch, demangled kernel name): {"registers", "stack", "spill"}} for tiled_kernels.cu."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.fail("nvcc is not on PATH: the tiled kernels' resources are read from its ptxas")
-    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in ARCHES]
-    result = subprocess.run(
-        [nvcc, "-std=c++20", "-O3", *gencode, "--resource-usage", "-c", str(ROOT / "csrc" / "tiled_kernels.cu"),
-         "-o", "/dev/null"], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-4000:]
+GENCODE = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in ARCHES]
+
+
+def figures_of(stderr):
+    """{(arch, demangled kernel name): {"registers", "stack", "spill"}} from ptxas's report."""
     figures, current = {}, None
-    for line in result.stderr.splitlines():
+    for line in stderr.splitlines():
         if m := re.search(r"(?:Compiling entry function|Function properties for) '?(_Z\w+)'?(?: for '(sm_\d+)')?", line):
             current = (m.group(2) or (current[0] if current else None), m.group(1))
         elif current and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)):
@@ -57,6 +53,19 @@ def ptxas_figures():
     demangled = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
     readable = dict(zip(names, demangled))
     return {(arch, readable[name]): value for (arch, name), value in figures.items() if arch is not None}
+
+
+def compiled(command):
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return figures_of(result.stderr)
+
+
+@functools.lru_cache(maxsize=None)
+def ptxas_figures():
+    """ptxas's figures for tiled_kernels.cu (which needs no torch header) on every arch."""
+    return compiled([nvcc(), "-std=c++20", "-O3", *GENCODE, "--resource-usage", "-c",
+                     str(ROOT / "csrc" / "tiled_kernels.cu"), "-o", "/dev/null"])
 
 
 def instantiations(arch, kernel):
@@ -119,6 +128,27 @@ def test_every_instantiation_compiles_without_spills_on_every_arch():
         assert len(forward) == 9 and len(backward) == 48, (arch, len(forward), len(backward))
     spilling = {name: f for name, f in figures.items() if f.get("spill") or f.get("stack")}
     assert not spilling, spilling
+
+
+def test_the_boundary_ops_kernels_compile_without_spills_and_launch_on_every_arch(tmp_path):
+    """residual_norm_cuda.cu (the boundary op's general kernels, with torch's headers as the
+    package build compiles it): each kernel for every dtype on every arch, no stack frame, no
+    spill, and registers that let its block launch (256 threads a row; the weight-gradient
+    kernel's 32 x 8)."""
+    figures = compiled(torch_cuda_command("residual_norm_cuda.cu", Path("/dev/null"), tmp_path, *GENCODE,
+                                          "--resource-usage"))
+    kernels = ("boundary_forward_kernel", "boundary_backward_rows_kernel", "boundary_weight_grad_kernel")
+    for arch, device in ARCHES.items():
+        found = {}
+        for (a, name), figure in figures.items():
+            if a == arch and (m := re.search(r"general::(\w+)<([^,>]+)", name)):
+                found[m.group(1), m.group(2)] = figure
+        elements = ("c10::Half", "c10::BFloat16", "float", "double")
+        assert set(found) == {(kernel, element) for kernel in kernels for element in elements}, (arch, sorted(found))
+        for (kernel, element), figure in found.items():
+            what = f"{kernel}<{element}> on {arch}: {figure}"
+            assert figure["stack"] == 0 and figure["spill"] == 0, what
+            assert resident(figure["registers"], 256, 0, device) >= 1, what  # every block: 256 threads
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHES))
