@@ -96,6 +96,7 @@ def single_rank():
     if shim:
         cpu_shim.install()
     owns_group = not torch.distributed.is_initialized()
+    rendezvous = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}  # put back after
     if owns_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
@@ -109,6 +110,11 @@ def single_rank():
         parallel_state.destroy_model_parallel()
         if owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        for name, value in rendezvous.items():  # a later test's processes must not inherit them
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if shim:
             cpu_shim.uninstall()
 

@@ -247,7 +247,10 @@ def submitted(script, tmp_path, **env):
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     record = tmp_path / f"{script}.args"
-    variables = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_RECORD=str(record),
+    # a batch job starts without a rendezvous or step of its own (env.sh keeps a MASTER_ADDR it is given)
+    inherited = {name: value for name, value in os.environ.items()
+                 if name not in ("MASTER_ADDR", "MASTER_PORT") and not name.startswith("SLURM_")}
+    variables = dict(inherited, PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_RECORD=str(record),
                      SLURM_JOB_NODELIST="node[001-002]", SLURM_NNODES="2", SLURM_JOB_ID="77", **env)
     subprocess.run(["bash", os.path.join(EXAMPLES, script)], check=True, env=variables, cwd=tmp_path)
     return record.read_text().split("\0")[:-1]
