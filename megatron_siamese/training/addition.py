@@ -20,8 +20,7 @@ from typing import List, Tuple
 
 import torch
 
-from megatron_siamese.training.corpus import ByteTokenizer, build_indexed_dataset
-from megatron.core.datasets.indexed_dataset import get_bin_path
+from megatron_siamese.training.corpus import ByteTokenizer, cached_indexed_dataset
 
 
 def problems(count: int, digits: int, seed: int) -> List[Tuple[int, int]]:
@@ -61,13 +60,12 @@ def addition_corpus(cache_dir: str, reverse: bool = False, digits: int = 3, trai
     """
     train, _ = split(digits, train_count, 1000, seed)
     key = hashlib.sha256(f"{digits}-{train_count}-{seed}{'-reversed' if reverse else ''}".encode()).hexdigest()[:10]
-    prefix = os.path.join(cache_dir, f"addition-{key}")
-    if not os.path.exists(get_bin_path(prefix)):
-        os.makedirs(cache_dir, exist_ok=True)
+
+    def documents():
         lines = [line(a, b, reverse) for a, b in train]
-        documents = ["".join(lines[i : i + 64]) for i in range(0, len(lines), 64)]
-        build_indexed_dataset(documents, prefix, ByteTokenizer())
-    return prefix
+        return ["".join(lines[i : i + 64]) for i in range(0, len(lines), 64)]
+
+    return cached_indexed_dataset(os.path.join(cache_dir, f"addition-{key}"), documents)
 
 
 @torch.no_grad()

@@ -14,12 +14,15 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Iterable, List
+from typing import Callable, Iterable, List
 
 import numpy
 import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+from megatron_siamese.training.cache_lock import building
+from megatron_siamese.training.data_checks import STATS_SUFFIX
 
 
 class ByteTokenizer:
@@ -107,11 +110,22 @@ def embedded_corpus(cache_dir: str) -> str:
     """The indexed KJV corpus under ``cache_dir`` (built on first use); returns its prefix."""
     documents = kjv_chapters()
     digest = hashlib.sha256("".join(documents).encode()).hexdigest()[:12]
-    prefix = os.path.join(cache_dir, f"kjv-bytes-{digest}")
-    if not (os.path.exists(get_bin_path(prefix)) and os.path.exists(get_idx_path(prefix))):
-        os.makedirs(cache_dir, exist_ok=True)
-        build_indexed_dataset(documents, prefix, ByteTokenizer())
+    return cached_indexed_dataset(os.path.join(cache_dir, f"kjv-bytes-{digest}"), lambda: documents)
+
+
+def cached_indexed_dataset(prefix: str, documents: Callable[[], List[str]]) -> str:
+    """``prefix``'s indexed dataset, built from ``documents()`` unless it is there whole (its
+    statistics, written last, are): under the cache's build lock, so that a job building it
+    at the same time is waited for, not read half-written."""
+    if not _whole(prefix):
+        with building(os.path.dirname(prefix)):
+            if not _whole(prefix):
+                build_indexed_dataset(documents(), prefix, ByteTokenizer())
     return prefix
+
+
+def _whole(prefix: str) -> bool:
+    return all(os.path.exists(path) for path in (get_bin_path(prefix), get_idx_path(prefix), prefix + STATS_SUFFIX))
 
 
 def unigram_entropy(prefix: str) -> float:

@@ -11,6 +11,7 @@ give them. Every microbatch's token ids are checked against the vocabulary as it
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -19,6 +20,7 @@ from torch.utils.data import default_collate
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from megatron_siamese.training.cache_lock import building
 from megatron_siamese.training.data_checks import SPLIT, batch_id_problem, out_of_range_error
 
 
@@ -45,9 +47,12 @@ def build_gpt_datasets(
         eod_mask_loss=False,
         create_attention_mask=True,
     )
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, None], lambda: True, config
-    ).build()
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, None], lambda: True, config)
+    # Megatron writes the index caches where it builds: on global rank 0 (the others read them
+    # after it); that rank builds under the cache's lock (cache_lock.py), against other jobs
+    builds_here = cache_dir and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
+    with building(cache_dir) if builds_here else contextlib.nullcontext():
+        train, valid, _ = builder.build()
     return train, valid
 
 

@@ -1,0 +1,33 @@
+"""One builder at a time in a data cache directory that concurrent jobs share.
+
+Two runs started from one directory share ``.cache/megatron_siamese``, and a study's runs go
+side by side on one cache. Megatron saves a GPTDataset's index caches with ``numpy.save`` (not
+atomic) and another job maps them as soon as all four files exist: mid-write, that is "mmap
+length is greater than file size". So whatever builds in the cache (the corpora, the index
+caches) does it holding an exclusive ``flock`` on ``<cache_dir>/LOCK_FILE``, and looks again
+once it holds it: a second job waits for the first, then reads whole files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from typing import Iterator
+
+LOCK_FILE = ".megatron-siamese-build.lock"
+
+
+@contextlib.contextmanager
+def building(cache_dir: str) -> Iterator[None]:
+    """Hold ``cache_dir``'s build lock for the block (waiting for another job's build to end)."""
+    os.makedirs(cache_dir, exist_ok=True)
+    fd = os.open(os.path.join(cache_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock (ENOLCK): unguarded, as Megatron itself is
+            pass
+        yield
+    finally:
+        os.close(fd)  # drops the lock

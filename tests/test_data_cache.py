@@ -1,0 +1,87 @@
+"""Jobs that share a data cache directory (two runs from one directory, a study's runs side by
+side) build in it one at a time: a build waits while another job holds the cache's build lock,
+and then finds whole files instead of mapping Megatron's index caches mid-write."""
+
+import os
+import threading
+import time
+
+import numpy
+import pytest
+
+from megatron_siamese.training.cache_lock import building
+from megatron_siamese.training.corpus import ByteTokenizer, build_indexed_dataset
+
+WAIT_S = 2.0  # how long a build must stay blocked: an unguarded one writes within a fraction of it
+
+
+def built_files(directory):
+    return sorted(name for name in os.listdir(directory) if not name.startswith("."))
+
+
+def blocked_while_held(cache, build):
+    """Start ``build`` while this test holds ``cache``'s lock: what it wrote meanwhile, and what
+    it wrote once let go."""
+    done = threading.Event()
+    failure = []
+
+    def run():
+        try:
+            build()
+        except BaseException as error:  # re-raised in the test
+            failure.append(error)
+        finally:
+            done.set()
+
+    with building(cache):
+        before = built_files(cache)
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        finished_while_held = done.wait(WAIT_S)
+        during = built_files(cache)
+    assert done.wait(60), "the build did not finish once the lock was free"
+    if failure:
+        raise failure[0]
+    return finished_while_held, during != before, built_files(cache)
+
+
+@pytest.mark.stack_independent
+def test_megatrons_index_caches_are_built_only_while_no_other_job_builds(tmp_path):
+    from megatron_siamese.training.data import build_gpt_datasets
+
+    rng = numpy.random.default_rng(0)
+    prefix = build_indexed_dataset([bytes(rng.integers(97, 123, 300, dtype=numpy.uint8)).decode()
+                                    for _ in range(40)], str(tmp_path / "corpus"), ByteTokenizer())
+    cache = str(tmp_path / "indices")
+    finished, wrote, after = blocked_while_held(
+        cache, lambda: build_gpt_datasets(prefix, ByteTokenizer(), 32, 1, 16, 4, cache))
+    assert not finished and not wrote
+    assert sum(name.endswith("shuffle_index.npy") for name in after) == 2  # train and validation
+
+
+@pytest.mark.stack_independent
+def test_a_corpus_is_built_only_while_no_other_job_builds(tmp_path):
+    from megatron_siamese.training.addition import addition_corpus
+
+    cache = str(tmp_path / "cache")
+    finished, wrote, after = blocked_while_held(cache, lambda: addition_corpus(cache, train_count=500))
+    assert not finished and not wrote
+    assert {name.rsplit(".", 1)[-1] for name in after} == {"bin", "idx", "json"}
+
+
+@pytest.mark.stack_independent
+def test_a_corpus_another_job_built_while_this_one_waited_is_read_not_built_again(tmp_path):
+    """The waiting build looks again once it holds the lock, and reads the first job's files."""
+    from megatron_siamese.training.addition import addition_corpus
+
+    name = os.path.basename(addition_corpus(str(tmp_path / "elsewhere"), train_count=500))
+    cache = str(tmp_path / "cache")
+    second = []
+    with building(cache):
+        waiting = threading.Thread(target=lambda: second.append(addition_corpus(cache, train_count=500)))
+        waiting.start()
+        time.sleep(0.5)  # the second job is at the lock (or about to be): it finds no corpus yet
+        first = build_indexed_dataset(["1+1=2\n"], os.path.join(cache, name), ByteTokenizer())  # the first job's
+        written = os.stat(first + ".bin").st_mtime_ns
+    waiting.join(60)
+    assert second == [first] and os.stat(first + ".bin").st_mtime_ns == written
