@@ -36,6 +36,15 @@ def pytest_configure(config):
         "first only")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure of a launched job (RankFailed, one line) shows every rank's traceback and output."""
+    outcome = yield
+    details = getattr(call.excinfo.value, "details", "") if call.excinfo is not None else ""
+    if details:
+        outcome.get_result().sections.append(("every rank (RankFailed.details)", details))
+
+
 def pytest_collection_modifyitems(config, items):
     order = os.environ.get(ORDER_ENV, "")
     if order == "reverse":

@@ -45,7 +45,6 @@ def blocked_while_held(cache, build):
     return finished_while_held, during != before, built_files(cache)
 
 
-@pytest.mark.stack_independent
 def test_megatrons_index_caches_are_built_only_while_no_other_job_builds(tmp_path):
     from megatron_siamese.training.data import build_gpt_datasets
 
@@ -59,7 +58,6 @@ def test_megatrons_index_caches_are_built_only_while_no_other_job_builds(tmp_pat
     assert sum(name.endswith("shuffle_index.npy") for name in after) == 2  # train and validation
 
 
-@pytest.mark.stack_independent
 def test_a_corpus_is_built_only_while_no_other_job_builds(tmp_path):
     from megatron_siamese.training.addition import addition_corpus
 
@@ -69,7 +67,6 @@ def test_a_corpus_is_built_only_while_no_other_job_builds(tmp_path):
     assert {name.rsplit(".", 1)[-1] for name in after} == {"bin", "idx", "json"}
 
 
-@pytest.mark.stack_independent
 def test_a_corpus_another_job_built_while_this_one_waited_is_read_not_built_again(tmp_path):
     """The waiting build looks again once it holds the lock, and reads the first job's files."""
     from megatron_siamese.training.addition import addition_corpus

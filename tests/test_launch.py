@@ -106,3 +106,33 @@ def test_the_failure_reported_is_the_cause_not_a_peer_s_broken_connection():
     with pytest.raises(RankFailed) as failure:
         launch(_close_then_raise_on_rank_one, 2, timeout_s=120)
     assert str(failure.value).startswith("rank 1 of 2 failed: ValueError: the planted cause"), failure.value
+
+
+def _close_the_store_on_rank_zero():
+    """Rank 0, which hosts the job's rendezvous store, closes it and waits, alive and silent;
+    rank 1, waiting on the store, loses its connection."""
+    import gc
+
+    import torch
+
+    from megatron_siamese.runtime import launch as launched
+
+    store = launched._job["store"]
+    if torch.distributed.get_rank() == 0:
+        torch.distributed.destroy_process_group()
+        launched._job.clear()
+        del store
+        gc.collect()
+        time.sleep(60)
+    store.get("a key nobody sets")
+
+
+def test_a_lost_store_connection_with_no_cause_found_says_so_with_every_rank_s_state(monkeypatch):
+    monkeypatch.setattr("megatron_siamese.runtime.launch.PEER_REPORT_WAIT_S", 2.0)
+    with pytest.raises(RankFailed) as failure:
+        launch(_close_the_store_on_rank_zero, 2, timeout_s=120)
+    summary = str(failure.value)
+    assert summary.startswith("rank 1 of 2 failed: DistNetworkError: ") and "Connection was likely closed" in summary
+    assert summary.endswith("(no rank died or reported another error within 2 s; still running: ranks 0)"), summary
+    assert "-- rank 0: no report" in failure.value.details
+    assert "(the job's rendezvous store: 127.0.0.1:" in failure.value.details

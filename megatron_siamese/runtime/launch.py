@@ -330,17 +330,24 @@ def _dead_rank(procs, logs) -> Optional[RankFailed]:
 
 
 # How a rank fails when a peer went away first: on the broken connection (gloo's "Connection
-# closed by peer ... Check the logs of the remote worker", a reset, a refused connect).
-_PEER_GONE = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|[Cc]onnection refused|logs of the remote worker")
+# closed by peer ... Check the logs of the remote worker", a reset, a refused connect, the
+# rendezvous store's "Failed to recv, got 0 bytes. Connection was likely closed").
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|[Cc]onnection refused|logs of the remote worker"
+                        r"|[Cc]onnection was likely closed")
 PEER_REPORT_WAIT_S = 10.0  # how long a failure on a broken connection waits for the peer's own report
 
 
-def _cause(rank, report, results, procs, logs, pending: int, wait_s: float = PEER_REPORT_WAIT_S) -> RankFailed:
+def _cause(rank, report, results, procs, logs, pending: int, wait_s: Optional[float] = None,
+           rendezvous: str = "") -> RankFailed:
     """What to report for a job in which ``rank`` reported ``report`` (a failure) and ``pending``
     ranks have not reported yet: a rank that died without a report; else, when that failure is
     a broken connection, the first other rank's failure that is not, if it comes within
-    ``wait_s`` (the peer's own error, not its consequence); else this one."""
+    ``wait_s`` (the peer's own error, not its consequence); else this one, saying so. Its
+    details hold every rank's report and output that came, and the job's ``rendezvous``
+    address (which a rank's lost connection names as its remote, or not)."""
     world_size = len(procs)
+    wait_s = PEER_REPORT_WAIT_S if wait_s is None else wait_s
+    heard = {rank: report}  # every report that came, by rank
     deadline = time.monotonic() + (wait_s if _PEER_GONE.search(report[0]) else 1.0)
     while time.monotonic() < deadline:
         dead = _dead_rank(procs, logs)
@@ -357,10 +364,20 @@ def _cause(rank, report, results, procs, logs, pending: int, wait_s: float = PEE
             print(value, flush=True)
             continue
         pending -= 1
+        heard[other] = value if not ok else ("finished", "", None)
         if not ok and value[0] != INTERRUPTED and not _PEER_GONE.search(value[0]):
             rank, report = other, value
-    summary, trace, _ = report
-    return RankFailed(f"rank {rank} of {world_size} failed: {summary}", trace + _tail(logs[rank]))
+            deadline = min(deadline, time.monotonic() + 1.0)  # the cause: only a death would say more
+    summary = f"rank {rank} of {world_size} failed: {report[0]}"
+    if _PEER_GONE.search(report[0]):
+        silent = sorted(set(range(world_size)) - set(heard))
+        summary += (f" (no rank died or reported another error within {wait_s:.0f} s"
+                    f"{'; still running: ranks ' + ', '.join(map(str, silent)) if silent else ''})")
+    details = [f"(the job's rendezvous store: {rendezvous})\n" if rendezvous else "", report[1] + _tail(logs[rank])]
+    for other in sorted(set(range(world_size)) - {rank}):
+        said = f"reported: {heard[other][0]}\n{heard[other][1]}" if other in heard else "no report"
+        details.append(f"-- rank {other}: {said}\n{_tail(logs[other])}")
+    return RankFailed(summary, "\n".join(filter(None, details)))
 
 
 def _start_helpers(ctx) -> None:
@@ -422,7 +439,8 @@ def launch(
                         raise KeyboardInterrupt
                     if problems is not None:
                         raise ConfigError(problems)
-                    raise _cause(rank, value, results, procs, logs, pending=world_size - reported)
+                    raise _cause(rank, value, results, procs, logs, pending=world_size - reported,
+                                 rendezvous=f"127.0.0.1:{port}")
                 if rank == 0:
                     values = torch.load(io.BytesIO(value), weights_only=False)
         finally:
