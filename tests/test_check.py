@@ -128,3 +128,29 @@ def test_hybrid_model_matrix_passes():
     # and it fails what it should: the stack's norms without the SP flag, on the SP layout only
     rows = run_check(ModelCase(model="hybrid"), ["tp2-sp", "pp2"], "siamese", fault="no-sp-flag")
     assert statuses(rows) == {"tp2-sp": "FAIL", "pp2": "PASS"} and "norm" in rows[0].detail
+
+
+def _check_whose_job_cannot_regroup(case, parsed):
+    """The check on ranks whose groups cannot form again for a layout (as gloo's connection
+    failures at set-up did on CI): not the layout's failure, the job's."""
+    from megatron_siamese.check.command import check_job
+    from megatron_siamese.runtime import launch as launched
+
+    real = launched.on_first_ranks
+
+    def failing(size, fn, *args):
+        if size == 2:
+            raise launched.RegroupError("planted: the world could not form again")
+        return real(size, fn, *args)
+
+    launched.on_first_ranks = failing
+    return check_job(case, parsed, "siamese", None)
+
+
+def test_a_job_that_cannot_regroup_fails_the_check_instead_of_a_layout():
+    from megatron_siamese.check.command import parse_layout
+    from megatron_siamese.runtime.launch import RankFailed, launch
+
+    with pytest.raises(RankFailed, match="RegroupError: planted: the world could not form again"):
+        launch(_check_whose_job_cannot_regroup, 2, ModelCase(num_layers=2), [("tp2", parse_layout("tp2"))],
+               timeout_s=300, quiet_ranks=range(2))

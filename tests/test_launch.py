@@ -108,31 +108,87 @@ def test_the_failure_reported_is_the_cause_not_a_peer_s_broken_connection():
     assert str(failure.value).startswith("rank 1 of 2 failed: ValueError: the planted cause"), failure.value
 
 
-def _close_the_store_on_rank_zero():
-    """Rank 0, which hosts the job's rendezvous store, closes it and waits, alive and silent;
-    rank 1, waiting on the store, loses its connection."""
-    import gc
-
+def _lose_the_store_connection_on_rank_one():
+    """Rank 1 fails as a rank whose rendezvous store went away does; rank 0 waits, alive and silent."""
     import torch
 
-    from megatron_siamese.runtime import launch as launched
-
-    store = launched._job["store"]
     if torch.distributed.get_rank() == 0:
-        torch.distributed.destroy_process_group()
-        launched._job.clear()
-        del store
-        gc.collect()
         time.sleep(60)
-    store.get("a key nobody sets")
+    raise torch.distributed.DistNetworkError(
+        "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?")
 
 
 def test_a_lost_store_connection_with_no_cause_found_says_so_with_every_rank_s_state(monkeypatch):
     monkeypatch.setattr("megatron_siamese.runtime.launch.PEER_REPORT_WAIT_S", 2.0)
     with pytest.raises(RankFailed) as failure:
-        launch(_close_the_store_on_rank_zero, 2, timeout_s=120)
+        launch(_lose_the_store_connection_on_rank_one, 2, timeout_s=120)
     summary = str(failure.value)
     assert summary.startswith("rank 1 of 2 failed: DistNetworkError: ") and "Connection was likely closed" in summary
     assert summary.endswith("(no rank died or reported another error within 2 s; still running: ranks 0)"), summary
     assert "-- rank 0: no report" in failure.value.details
     assert "(the job's rendezvous store: 127.0.0.1:" in failure.value.details
+
+
+def _slow_to_finish_forming_on_rank_zero():
+    """Rank 0 finishes ``init_process_group`` 2 s after its connections are made (as a rank
+    starved of CPU does); every rank says when it returned from ``on_first_ranks``, rank 0 when
+    its group was formed."""
+    import torch
+
+    from megatron_siamese.runtime import launch as launched
+
+    formed = []
+    if torch.distributed.get_rank() == 0:
+        real = torch.distributed.init_process_group
+
+        def slow(*args, **kwargs):
+            real(*args, **kwargs)
+            time.sleep(2.0)
+            formed.append(time.time())
+
+        torch.distributed.init_process_group = slow
+    launched.on_first_ranks(1, lambda: None)
+    returned = time.time()
+    torch.distributed.barrier()  # the job's world, re-formed
+    return formed[-1] if formed else returned
+
+
+def test_on_first_ranks_returns_on_every_rank_only_once_every_rank_has_formed_the_world_again():
+    """Otherwise a rank that goes on to re-form the groups again (the check, one layout after
+    another) closes connections a slower rank is still completing (gloo: "Connection closed by
+    peer" in connectFullMesh, seen on CI)."""
+    rank0_formed, rank1_returned = launch(_slow_to_finish_forming_on_rank_zero, 2, timeout_s=120)
+    assert rank1_returned >= rank0_formed
+
+
+def _the_launchers_listening_ports(launcher_pid):
+    import psutil
+
+    return int(os.environ["MASTER_PORT"]), [c.laddr.port for c in psutil.Process(launcher_pid).net_connections("tcp")
+                                             if c.status == psutil.CONN_LISTEN]
+
+
+def test_the_rendezvous_store_is_served_by_the_launcher_on_a_port_it_holds():
+    """Not a free port handed to rank 0 to bind later: another job could take it in between."""
+    (port, listening), _ = launch(_the_launchers_listening_ports, 2, os.getpid(), timeout_s=120)
+    assert port in listening
+
+
+def _world_cannot_form_again_on_rank_one():
+    from megatron_siamese.runtime import launch as launched
+
+    real = launched._init_group
+
+    def failing(size, tag):
+        if tag.startswith("world/") and launched.joined().rank == 1:
+            raise RuntimeError("planted: connectFullMesh failed")
+        real(size, tag)
+
+    launched._init_group = failing
+    launched.on_first_ranks(1, lambda: None)
+
+
+def test_a_group_that_cannot_form_again_is_the_jobs_error_not_the_functions():
+    with pytest.raises(RankFailed, match="rank 1 of 2 failed: RegroupError: the job's first 2 ranks could not form "
+                                         r"their process group again \(RuntimeError: planted: connectFullMesh"):
+        launch(_world_cannot_form_again_on_rank_one, 2, timeout_s=30)

@@ -84,7 +84,7 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
     first ranks; rank 0 judges and prints each row. Every rank returns all rows."""
     import torch
 
-    from megatron_siamese.runtime.launch import console, gather_to_rank0, on_first_ranks
+    from megatron_siamese.runtime.launch import RegroupError, console, gather_to_rank0, on_first_ranks
 
     world = torch.distributed.get_world_size()
     rank0 = torch.distributed.get_rank() == 0
@@ -104,6 +104,8 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
         if not reason:
             try:
                 result = on_first_ranks(layout.world_size, layout_step, faulty, layout)
+            except RegroupError:  # the job's own failure, not the layout's: it ends the check
+                raise
             except Exception as raised:  # a crashed layout is a failed layout, with its reason
                 error = (str(raised).strip().splitlines() or [type(raised).__name__])[-1][:200]
         errors = gather_to_rank0(error)  # over the whole job: any rank's error fails the layout

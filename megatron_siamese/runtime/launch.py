@@ -106,15 +106,24 @@ def console(line: str) -> None:
 
 
 def _init_group(size: int, tag: str) -> None:
-    torch.distributed.init_process_group(
-        backend=_job["backend"], store=torch.distributed.PrefixStore(tag, _job["store"]),
-        rank=_job["launch"].rank, world_size=size, timeout=timedelta(seconds=_job["timeout_s"]))
+    """torch.distributed over the job's first ``size`` ranks, on the rendezvous store under
+    ``tag``; returns once every one of them has formed it. torch returns from
+    ``init_process_group`` when this rank's own connections are made (its barrier there is off
+    by default), and a rank that then tears the group down again (``on_first_ranks``) would
+    close connections a slower rank is still completing: gloo's "Connection closed by peer"."""
+    store = torch.distributed.PrefixStore(tag, _job["store"])
+    rank = _job["launch"].rank
+    torch.distributed.init_process_group(backend=_job["backend"], store=store, rank=rank, world_size=size,
+                                         timeout=timedelta(seconds=_job["timeout_s"]))
+    store.set(f"formed/{rank}", b"1")
+    store.wait([f"formed/{other}" for other in range(size)])
 
 
 def join(launch: Launch, timeout_s: float) -> None:
-    """Join ``launch``'s job: the env:// rendezvous (every rank within ``timeout_s``, else an
-    error saying how many came), this rank's GPU (its local rank) or the CPU shim, and
-    torch.distributed over the whole job."""
+    """Join ``launch``'s job: the rendezvous (the launching process's store for ranks spawned by
+    ``launch``, else env://; every rank within ``timeout_s``, else an error saying how many
+    came), this rank's GPU (its local rank) or the CPU shim, and torch.distributed over the
+    whole job."""
     os.environ.update(launch.environment(), CUDA_DEVICE_MAX_CONNECTIONS="1")
     backend = device.backend()
     if backend == "nccl":
@@ -126,7 +135,11 @@ def join(launch: Launch, timeout_s: float) -> None:
         os.environ[cpu_shim.ENV_VAR] = "1"  # inherited by helper processes
         cpu_shim.install()
     try:
-        store, _, _ = next(torch.distributed.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+        if launch.launcher == "spawn":  # the launching process hosts the store (``launch``)
+            store = torch.distributed.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                                               is_master=False, timeout=timedelta(seconds=timeout_s))
+        else:
+            store, _, _ = next(torch.distributed.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
     except (RuntimeError, OSError) as error:  # torch's DistStoreError is a RuntimeError
         raise JoinError(
             f"rank {launch.rank} of the {launch.describe()} did not meet the others within {timeout_s:.0f}s "
@@ -155,11 +168,25 @@ def leave() -> None:
     _job.clear()
 
 
+class RegroupError(RuntimeError):
+    """The job's process groups could not be formed again (``on_first_ranks``): the job's
+    failure, never ``fn``'s, however a caller treats ``fn``'s errors."""
+
+
+def _regroup(size: int, tag: str) -> None:
+    try:
+        _init_group(size, tag)
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise RegroupError(f"the job's first {size} ranks could not form their process group again "
+                           f"({type(error).__name__}: {first})") from error
+
+
 def on_first_ranks(size: int, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on the job's first ``size`` ranks, torch.distributed's default group being
     just them; the other ranks wait and get None. Every rank of the job must call it (the
-    groups are re-formed over the job's rendezvous store). An error in ``fn`` is raised on
-    its ranks after the job is whole again."""
+    groups are re-formed over the job's rendezvous store; ``RegroupError`` if they cannot be).
+    An error in ``fn`` is raised on its ranks after the job is whole again."""
     launch = joined()
     world = launch.world_size
     if size > world:
@@ -171,14 +198,14 @@ def on_first_ranks(size: int, fn: Callable[..., Any], *args: Any) -> Any:
     torch.distributed.destroy_process_group()
     value, error = None, None
     if launch.rank < size:
-        _init_group(size, f"part/{generation}")
+        _regroup(size, f"part/{generation}")
         try:
             value = fn(*args)
         except Exception as raised:  # re-raised once the job is whole: the others must not wait forever
             error = raised
         finally:
             torch.distributed.destroy_process_group()
-    _init_group(world, f"world/{generation}")
+    _regroup(world, f"world/{generation}")
     if error is not None:
         raise error
     return value
@@ -415,7 +442,12 @@ def launch(
     _start_helpers(ctx)
     results = ctx.Queue()
     stop_value = ctx.Value("i", 0, lock=False)  # the stop signal's number (one writer: the launcher)
-    port = free_port()
+    # The job's rendezvous store, served from here on a port bound here for the job's life: a
+    # free port named to rank 0, which binds it later, can be taken in between (by any other
+    # job's listener: rank 0 then fails with EADDRINUSE, and the others reach someone else's).
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=timeout_s))
+    port = store.port
     quiet = set(quiet_ranks)
     log_dir = tempfile.mkdtemp(prefix="megatron-siamese-ranks-") if quiet else None  # quiet ranks' output
     logs = [os.path.join(log_dir, f"rank{rank}.log") if rank in quiet else None for rank in range(world_size)]
