@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from megatron_siamese.runtime.launch import RankFailed, group_timeout_minutes, launch, on_first_ranks
+from megatron_siamese.runtime.job import group_timeout_minutes, on_first_ranks
+from megatron_siamese.runtime.launch import RankFailed, launch
 
 PARTS = ((1, 1), (2, 2), (4, 2), (2, 1))  # (ranks, tensor-parallel size) of each part
 

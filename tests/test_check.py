@@ -134,7 +134,7 @@ def _check_whose_job_cannot_regroup(case, parsed):
     """The check on ranks whose groups cannot form again for a layout (as gloo's connection
     failures at set-up did on CI): not the layout's failure, the job's."""
     from megatron_siamese.check.command import check_job
-    from megatron_siamese.runtime import launch as launched
+    from megatron_siamese.runtime import job as launched
 
     real = launched.on_first_ranks
 

@@ -73,7 +73,7 @@ def _save_and_export(saves, exports):
     (case, layout, directory) saved on the job's first ranks, then ``exports`` (checkpoints,
     output directory) exported on its first rank, as ``export`` does on its own rank."""
     from megatron_siamese.hf.export import _export_rank, written_atomically
-    from megatron_siamese.runtime.launch import on_first_ranks
+    from megatron_siamese.runtime.job import on_first_ranks
 
     for case, layout, directory in saves:
         on_first_ranks(layout.world_size, _save_seeded, case, layout, directory)

@@ -119,7 +119,7 @@ def _lose_the_store_connection_on_rank_one():
 
 
 def test_a_lost_store_connection_with_no_cause_found_says_so_with_every_rank_s_state(monkeypatch):
-    monkeypatch.setattr("megatron_siamese.runtime.launch.PEER_REPORT_WAIT_S", 2.0)
+    monkeypatch.setattr("megatron_siamese.runtime.failure_reports.PEER_REPORT_WAIT_S", 2.0)
     with pytest.raises(RankFailed) as failure:
         launch(_lose_the_store_connection_on_rank_one, 2, timeout_s=120)
     summary = str(failure.value)
@@ -135,7 +135,7 @@ def _slow_to_finish_forming_on_rank_zero():
     its group was formed."""
     import torch
 
-    from megatron_siamese.runtime import launch as launched
+    from megatron_siamese.runtime import job as launched
 
     formed = []
     if torch.distributed.get_rank() == 0:
@@ -175,7 +175,7 @@ def test_the_rendezvous_store_is_served_by_the_launcher_on_a_port_it_holds():
 
 
 def _world_cannot_form_again_on_rank_one():
-    from megatron_siamese.runtime import launch as launched
+    from megatron_siamese.runtime import job as launched
 
     real = launched._init_group
 

@@ -14,7 +14,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_siamese"
 CORE_MAY_NOT_IMPORT = ("runtime", "check", "training", "research", "cli", "inference", "hf", "evaluation")
-MAX_LINES = 400
+MAX_LINES = 400  # a module longer than this says why in its docstring
+HARD_MAX_LINES = 450  # and none is longer than this: split it by concern
 
 
 def module_name(path: Path) -> str:
@@ -47,7 +48,7 @@ def imports(path: Path, top_level_only: bool = False):
 
 def test_the_scan_sees_the_package():
     assert {"megatron_siamese.layer", "megatron_siamese.runtime.gpt", "megatron_siamese.check.step"} <= MODULES.keys()
-    assert "megatron_siamese.runtime.cpu_shim" in imports(MODULES["megatron_siamese.runtime.launch"])
+    assert "megatron_siamese.runtime.cpu_shim" in imports(MODULES["megatron_siamese.runtime.job"])
 
 
 def test_no_import_cycles():
@@ -89,7 +90,12 @@ def test_one_module_decides_whether_cuda_is_used():
 
 def test_only_the_launchers_install_the_cpu_shim():
     users = {name for name, path in MODULES.items() if "megatron_siamese.runtime.cpu_shim" in imports(path)}
-    assert users == {"megatron_siamese.runtime.launch", "megatron_siamese.runtime.megatron_lm"}
+    assert users == {"megatron_siamese.runtime.job", "megatron_siamese.runtime.megatron_lm"}
+
+
+def test_no_module_is_over_the_hard_limit():
+    over = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > HARD_MAX_LINES}
+    assert over == {}, f"modules over {HARD_MAX_LINES} lines: {over}"
 
 
 def test_long_modules_say_why():

@@ -84,7 +84,7 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
     first ranks; rank 0 judges and prints each row. Every rank returns all rows."""
     import torch
 
-    from megatron_siamese.runtime.launch import RegroupError, console, gather_to_rank0, on_first_ranks
+    from megatron_siamese.runtime.job import RegroupError, console, gather_to_rank0, on_first_ranks
 
     world = torch.distributed.get_world_size()
     rank0 = torch.distributed.get_rank() == 0
@@ -136,7 +136,8 @@ def run_check(case: ModelCase, layouts: List[str], spec: str, fault: Optional[st
               timeout_s: float = 600.0) -> List[Row]:
     """Compare every layout against one rank, in one job (spawned here unless launched); returns
     one Row per layout and prints each as it is judged."""
-    from megatron_siamese.runtime.launch import job_world_size, run_job
+    from megatron_siamese.runtime.job import job_world_size
+    from megatron_siamese.runtime.launch import run_job
 
     parsed = [(name, parse_layout(name)) for name in layouts]  # bad names fail before any run
     world = job_world_size() or job_size([layout for _, layout in parsed])

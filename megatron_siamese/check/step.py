@@ -272,7 +272,7 @@ def assemble(results: List[RankResult]) -> StepResult:
 def layout_step(case: ModelCase, layout: Layout) -> Optional[StepResult]:
     """One step on every rank of a job of ``layout.world_size`` ranks; rank 0 gathers the ranks'
     pieces (torch.distributed) and returns them as global tensors, the others None."""
-    from megatron_siamese.runtime.launch import gather_to_rank0
+    from megatron_siamese.runtime.job import gather_to_rank0
 
     pieces = gather_to_rank0(run_rank(case, layout))
     return None if pieces is None else assemble(pieces)

@@ -227,7 +227,7 @@ def run(options: argparse.Namespace) -> int:
                           passed=not bad, left_out=left_out, rows=[dataclasses.asdict(r) for r in rows])
             with open(options.json, "w") as out:
                 json.dump(report, out, indent=2)
-    from megatron_siamese.runtime.launch import synchronize
+    from megatron_siamese.runtime.job import synchronize
 
     synchronize()  # no rank exits (which lets a launcher stop the others) before rank 0 has written
     return 1 if bad else 0

@@ -72,7 +72,7 @@ def _layout(options: argparse.Namespace):
 
 def run(options: argparse.Namespace) -> int:
     from megatron_siamese.inference.generate import generate
-    from megatron_siamese.runtime.launch import console
+    from megatron_siamese.runtime.job import console
 
     results = generate(options.load, options.prompt, options.max_new_tokens, _sampling(options), _layout(options),
                        options.engine)

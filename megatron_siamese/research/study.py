@@ -94,7 +94,7 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
              f"{' DIVERGED' if failed(summary) else ''}"
              f"{'' if summary.accuracy is None else f' accuracy {summary.accuracy:.3f}'}")
 
-    from megatron_siamese.runtime.launch import job_world_size
+    from megatron_siamese.runtime.job import job_world_size
 
     # spawned here, runs go `workers` at a time; a launched job (one rank) runs them in turn
     with ThreadPoolExecutor(max_workers=plan.workers if job_world_size() is None else 1) as pool:

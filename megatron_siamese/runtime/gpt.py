@@ -72,7 +72,7 @@ def initialize_model_parallel(layout: Layout, seed: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_siamese.runtime.launch import group_timeout_minutes
+    from megatron_siamese.runtime.job import group_timeout_minutes
 
     parallel_state.initialize_model_parallel(
         **layout.model_parallel_sizes(),

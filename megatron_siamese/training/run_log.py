@@ -174,7 +174,7 @@ class RunLog:
         if self.bar is not None:
             self.bar.write(line)
         else:  # through the launcher that spawned the ranks (its stdout), or ours in a launched job
-            from megatron_siamese.runtime.launch import console
+            from megatron_siamese.runtime.job import console
 
             console(line)
 

@@ -28,7 +28,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron_siamese import device
-from megatron_siamese.runtime import job_lock, launch, launchers
+from megatron_siamese.runtime import job, job_lock, launch, launchers, stop_signals
 from megatron_siamese.runtime.gpt import MegatronGPT
 from megatron_siamese.training import checkpoint
 from megatron_siamese.training.megatron_lm_args import ADAM_BETAS, LR_DECAY_STYLE
@@ -64,10 +64,10 @@ def data_readers(args: TrainArgs, tokenizer):
         corpus = partial(addition_corpus, reverse=ADDITION_TASKS[args.task], digits=args.addition_digits)
     else:
         corpus = embedded_corpus
-    shared_cache = launch.shared_by_all_ranks(args.cache_dir)
+    shared_cache = job.shared_by_all_ranks(args.cache_dir)
     if args.data_prefix is None:
-        job = launch.joined()
-        if (job.rank if shared_cache else job.local_rank) == 0:
+        rank = job.joined()
+        if (rank.rank if shared_cache else rank.local_rank) == 0:
             corpus(args.cache_dir)  # once for all on a shared path, else once per node
         torch.distributed.barrier()
     prefix = args.data_prefix or corpus(args.cache_dir)
@@ -201,7 +201,7 @@ def _agreed_stop(args: TrainArgs, started: float) -> Optional[str]:
     same answer and all of them stop after the same step (Megatron-LM's DistributedSignalHandler
     and exit-duration check, in one collective)."""
     minutes = (time.monotonic() - started) / 60.0
-    flags = torch.tensor([float(launch.stop_requested()), minutes], dtype=torch.float64, device=device.current())
+    flags = torch.tensor([float(stop_signals.stop_requested()), minutes], dtype=torch.float64, device=device.current())
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     signum, minutes = int(flags[0].item()), float(flags[1].item())
     if signum:
@@ -217,7 +217,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
 
     started = time.monotonic()  # --exit-duration-in-mins counts setup too, as Megatron-LM's does
     try:
-        shared = launch.shared_by_all_ranks(args.output_dir)
+        shared = job.shared_by_all_ranks(args.output_dir)
     except OSError as error:  # found before the first step, not at the first save
         raise ConfigError([f"--output-dir {args.output_dir}: {error}; choose a directory this job can write"]) from None
     if not shared:
@@ -302,7 +302,7 @@ def _checked_before_start(args: TrainArgs) -> Optional[job_lock.Lock]:
     here: a run that saves none keeps them."""
     from megatron_siamese.training.preflight import preflight
 
-    in_job = launch.joined() is not None
+    in_job = job.joined() is not None
     speaks = not in_job or torch.distributed.get_rank() == 0
     lock, problems = None, []
     if speaks:
@@ -376,7 +376,7 @@ def train(args: TrainArgs) -> Optional[RunSummary]:
     from megatron_siamese.training.preflight import checkpoint_dir
 
     needs = f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp}"
-    if launch.joined() is None and launchers.detect() is None:
+    if job.joined() is None and launchers.detect() is None:
         lock = _checked_before_start(args)
         before = _existing_checkpoints(args)
         try:

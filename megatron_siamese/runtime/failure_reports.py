@@ -1,0 +1,117 @@
+"""What the launcher makes of its ranks' reports: the next report (printing rank 0's console
+lines as they come), a rank that died without one, and, when a rank failed, which rank's error
+is the job's cause (``RankFailed``: one line, with every rank's report and output as details).
+
+A rank that fails on a broken connection is usually a peer's consequence: its report waits up
+to ``PEER_REPORT_WAIT_S`` for the peer's own error, which is then what the job reports.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import time
+from typing import Optional
+
+from megatron_siamese.runtime.job import CONSOLE
+
+
+class RankFailed(RuntimeError):
+    """A rank failed. ``str()`` is one line (the rank and its error); ``details`` holds the
+    rank's traceback and the tail of its output."""
+
+    def __init__(self, summary: str, details: str = ""):
+        super().__init__(summary)
+        self.details = details
+
+
+INTERRUPTED = "interrupted"  # a rank's report: a second stop signal stopped it at once
+
+
+def tail(path: Optional[str], lines: int = 40) -> str:
+    if path is None or not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def next_result(results, procs, timeout_s: float, logs):
+    """The next rank's report (printing rank 0's console lines as they come); fails at once
+    when a rank died without one (a crash, a signal, a script without a ``__main__`` guard
+    re-running itself)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            message = results.get(timeout=1.0)
+            if message[0] != CONSOLE:
+                return message
+            print(message[2], flush=True)
+        except queue.Empty:
+            dead = dead_rank(procs, logs)
+            if dead is not None:
+                raise dead from None
+    raise RankFailed(f"no result from some rank within {timeout_s:.0f}s")
+
+
+def dead_rank(procs, logs) -> Optional[RankFailed]:
+    """A rank that died without a report (killed by a signal, or exited non-zero: a crash), if
+    one did. (A rank that reports its error still exits 0.)"""
+    for rank, proc in enumerate(procs):
+        if proc.exitcode is not None and proc.exitcode != 0:
+            how = (f"was killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
+                   else f"exited with code {proc.exitcode}")
+            return RankFailed(f"rank {rank} {how} before reporting", tail(logs[rank]))
+    return None
+
+
+# How a rank fails when a peer went away first: on the broken connection (gloo's "Connection
+# closed by peer ... Check the logs of the remote worker", a reset, a refused connect, the
+# rendezvous store's "Failed to recv, got 0 bytes. Connection was likely closed").
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|[Cc]onnection refused|logs of the remote worker"
+                        r"|[Cc]onnection was likely closed")
+PEER_REPORT_WAIT_S = 10.0  # how long a failure on a broken connection waits for the peer's own report
+
+
+def cause(rank, report, results, procs, logs, pending: int, wait_s: Optional[float] = None,
+           rendezvous: str = "") -> RankFailed:
+    """What to report for a job in which ``rank`` reported ``report`` (a failure) and ``pending``
+    ranks have not reported yet: a rank that died without a report; else, when that failure is
+    a broken connection, the first other rank's failure that is not, if it comes within
+    ``wait_s`` (the peer's own error, not its consequence); else this one, saying so. Its
+    details hold every rank's report and output that came, and the job's ``rendezvous``
+    address (which a rank's lost connection names as its remote, or not)."""
+    world_size = len(procs)
+    wait_s = PEER_REPORT_WAIT_S if wait_s is None else wait_s
+    heard = {rank: report}  # every report that came, by rank
+    deadline = time.monotonic() + (wait_s if _PEER_GONE.search(report[0]) else 1.0)
+    while time.monotonic() < deadline:
+        dead = dead_rank(procs, logs)
+        if dead is not None:
+            return dead
+        if pending == 0 or not _PEER_GONE.search(report[0]):
+            time.sleep(0.05)  # a crashed rank's exit status takes a moment to show
+            continue
+        try:
+            other, ok, value = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if other == CONSOLE:
+            print(value, flush=True)
+            continue
+        pending -= 1
+        heard[other] = value if not ok else ("finished", "", None)
+        if not ok and value[0] != INTERRUPTED and not _PEER_GONE.search(value[0]):
+            rank, report = other, value
+            deadline = min(deadline, time.monotonic() + 1.0)  # the cause: only a death would say more
+    summary = f"rank {rank} of {world_size} failed: {report[0]}"
+    if _PEER_GONE.search(report[0]):
+        silent = sorted(set(range(world_size)) - set(heard))
+        summary += (f" (no rank died or reported another error within {wait_s:.0f} s"
+                    f"{'; still running: ranks ' + ', '.join(map(str, silent)) if silent else ''})")
+    details = [f"(the job's rendezvous store: {rendezvous})\n" if rendezvous else "", report[1] + tail(logs[rank])]
+    for other in sorted(set(range(world_size)) - {rank}):
+        said = f"reported: {heard[other][0]}\n{heard[other][1]}" if other in heard else "no report"
+        details.append(f"-- rank {other}: {said}\n{tail(logs[other])}")
+    return RankFailed(summary, "\n".join(filter(None, details)))

@@ -1,0 +1,205 @@
+"""This process as one rank of a job: joining it, re-forming its process groups, and what every
+rank may call inside it.
+
+``join(launch, timeout_s)`` meets the other ranks (the spawning process's store for ranks
+spawned by ``launch.py``, else env:// as torchrun and SLURM set it), takes this rank's GPU or
+installs the CPU shim, and forms torch.distributed over the whole job. ``on_first_ranks(size,
+fn)`` runs ``fn`` on the job's first ``size`` ranks as their whole world (Megatron builds its
+groups over the default group), while the other ranks wait: how ``check`` runs layouts of every
+size in one job. ``console(line)`` prints for the job (rank 0) even when rank 0's own output
+goes to a log; ``gather_to_rank0`` and ``shared_by_all_ranks`` are collectives every rank calls.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from megatron_siamese import device
+from megatron_siamese.runtime import cpu_shim, launchers
+from megatron_siamese.runtime.launchers import JoinError, Launch, LaunchError
+
+# the joined job: its launch, backend, timeout, the rendezvous store the process groups
+# are formed on, and how many times they were re-formed
+_job: dict = {}
+_console = {"queue": None}  # spawned ranks: the launcher prints what rank 0 sends it
+CONSOLE = -1  # a message from rank 0 for the launcher to print, not a rank's report
+
+
+def synchronize() -> None:
+    """In a launched job, wait here for every rank (e.g. until rank 0 has written its report,
+    before a rank's exit lets the launcher stop the others)."""
+    if joined() is not None and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def joined() -> Optional[Launch]:
+    """The job this process joined, if it did."""
+    return _job.get("launch")
+
+
+def console(line: str) -> None:
+    """Print ``line`` for the job, on rank 0 only: in a launched job to its output, in a job
+    spawned here by the launching process (to its stdout, whatever rank 0's own output is)."""
+    launch = joined()
+    if launch is not None and launch.rank != 0:
+        return
+    if _console["queue"] is None:
+        print(line, flush=True)
+    else:
+        _console["queue"].put((CONSOLE, None, line))
+
+
+def set_console_queue(results) -> None:
+    """A spawned rank's ``console`` lines go to the launcher's queue (``results``), which prints them."""
+    _console["queue"] = results
+
+
+def _init_group(size: int, tag: str) -> None:
+    """torch.distributed over the job's first ``size`` ranks, on the rendezvous store under
+    ``tag``; returns once every one of them has formed it. torch returns from
+    ``init_process_group`` when this rank's own connections are made (its barrier there is off
+    by default), and a rank that then tears the group down again (``on_first_ranks``) would
+    close connections a slower rank is still completing: gloo's "Connection closed by peer"."""
+    store = torch.distributed.PrefixStore(tag, _job["store"])
+    rank = _job["launch"].rank
+    torch.distributed.init_process_group(backend=_job["backend"], store=store, rank=rank, world_size=size,
+                                         timeout=timedelta(seconds=_job["timeout_s"]))
+    store.set(f"formed/{rank}", b"1")
+    store.wait([f"formed/{other}" for other in range(size)])
+
+
+def join(launch: Launch, timeout_s: float) -> None:
+    """Join ``launch``'s job: the rendezvous (the launching process's store for ranks spawned by
+    ``launch``, else env://; every rank within ``timeout_s``, else an error saying how many
+    came), this rank's GPU (its local rank) or the CPU shim, and torch.distributed over the
+    whole job."""
+    os.environ.update(launch.environment(), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    backend = device.backend()
+    if backend == "nccl":
+        if launch.local_rank >= device.gpu_count():
+            raise JoinError(f"local rank {launch.local_rank} has no GPU ({device.gpu_count()} visible): start at "
+                              "most one rank per GPU on each node")
+        torch.cuda.set_device(launch.local_rank)
+    else:
+        os.environ[cpu_shim.ENV_VAR] = "1"  # inherited by helper processes
+        cpu_shim.install()
+    try:
+        if launch.launcher == "spawn":  # the launching process hosts the store (``launch``)
+            store = torch.distributed.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                                               is_master=False, timeout=timedelta(seconds=timeout_s))
+        else:
+            store, _, _ = next(torch.distributed.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    except (RuntimeError, OSError) as error:  # torch's DistStoreError is a RuntimeError
+        raise JoinError(
+            f"rank {launch.rank} of the {launch.describe()} did not meet the others within {timeout_s:.0f}s "
+            f"({str(error).strip().splitlines()[0][:160]}): check that every node started and reaches "
+            f"{launch.master_addr}:{launch.master_port}") from None
+    _job.update(launch=launch, backend=backend, timeout_s=timeout_s, store=store, generation=0)
+    _init_group(launch.world_size, "world/0")
+
+
+def group_timeout_minutes() -> float:
+    """How long, in minutes, a rank waits for the others in the process groups Megatron forms over
+    the joined job (``gpt.initialize_model_parallel``): the job's own timeout, as in the groups
+    ``join`` forms (--distributed-timeout-minutes), not Megatron's default of 30 minutes, during
+    which a rank whose peer died or hung while it formed or used those groups would sit in C code,
+    deaf to SIGTERM. Megatron's default outside a joined job."""
+    return _job["timeout_s"] / 60.0 if _job else MEGATRON_GROUP_TIMEOUT_MINUTES
+
+
+MEGATRON_GROUP_TIMEOUT_MINUTES = 30  # parallel_state.initialize_model_parallel's default
+
+
+def leave() -> None:
+    """Leave the joined job (tear down torch.distributed)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    _job.clear()
+
+
+class RegroupError(RuntimeError):
+    """The job's process groups could not be formed again (``on_first_ranks``): the job's
+    failure, never ``fn``'s, however a caller treats ``fn``'s errors."""
+
+
+def _regroup(size: int, tag: str) -> None:
+    try:
+        _init_group(size, tag)
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise RegroupError(f"the job's first {size} ranks could not form their process group again "
+                           f"({type(error).__name__}: {first})") from error
+
+
+def on_first_ranks(size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on the job's first ``size`` ranks, torch.distributed's default group being
+    just them; the other ranks wait and get None. Every rank of the job must call it (the
+    groups are re-formed over the job's rendezvous store; ``RegroupError`` if they cannot be).
+    An error in ``fn`` is raised on its ranks after the job is whole again."""
+    launch = joined()
+    world = launch.world_size
+    if size > world:
+        raise LaunchError(f"{size} ranks asked of a job of {world}")
+    if size == world:
+        return fn(*args)
+    _job["generation"] += 1
+    generation = _job["generation"]
+    torch.distributed.destroy_process_group()
+    value, error = None, None
+    if launch.rank < size:
+        _regroup(size, f"part/{generation}")
+        try:
+            value = fn(*args)
+        except Exception as raised:  # re-raised once the job is whole: the others must not wait forever
+            error = raised
+        finally:
+            torch.distributed.destroy_process_group()
+    _regroup(world, f"world/{generation}")
+    if error is not None:
+        raise error
+    return value
+
+
+def gather_to_rank0(value: Any) -> Optional[List[Any]]:
+    """Every rank's value on rank 0, in rank order (None elsewhere)."""
+    world = torch.distributed.get_world_size()
+    values = [None] * world if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(value, values, dst=0)
+    return values
+
+
+def shared_by_all_ranks(directory: str) -> bool:
+    """Whether every rank of the joined job sees the same ``directory`` (a shared file system,
+    or one node): rank 0 leaves a mark in it that every rank looks for. Every rank must call it;
+    if rank 0 cannot write there, every rank raises that OSError."""
+    import uuid
+
+    written = [f".megatron-siamese-mark-{uuid.uuid4().hex}", None]  # rank 0's name for the mark
+    torch.distributed.broadcast_object_list(written, src=0)
+    mark = os.path.join(directory, written[0])  # in this rank's own directory: its own path, its own cwd
+    if torch.distributed.get_rank() == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            open(mark, "w").close()
+        except OSError as error:
+            written[1] = f"cannot write in {directory}: {error.strerror or error}"
+    torch.distributed.broadcast_object_list(written, src=0)
+    if written[1] is not None:
+        raise OSError(written[1])
+    seen = torch.tensor([float(os.path.exists(mark))], device=device.current())
+    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        os.remove(mark)
+    return bool(seen.item())
+
+
+
+def job_world_size() -> Optional[int]:
+    """The size of the launched job this process belongs to (joined or not), or None."""
+    launch = joined() or launchers.detect()
+    return None if launch is None else launch.world_size
