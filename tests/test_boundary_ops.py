@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_siamese import ops
 from megatron_siamese.reference import functional as reference
+from op_checks import assert_compiles_like_eager
 
 if ops.load_error() is None:
     from megatron_siamese.ops import fused
@@ -270,12 +271,7 @@ def test_torch_compile_traces_a_joined_block_without_graph_breaks(device):
                                                  False, False)
         return fused.dual_residual(base, normed2 * 0.5, None, None, 1.0, INV_C)
 
-    eager = block(streams)
-    (grad_eager,) = torch.autograd.grad(eager.square().sum(), streams)
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(streams)
-    (grad_compiled,) = torch.autograd.grad(compiled.square().sum(), streams)
-    torch.testing.assert_close(compiled, eager)
-    torch.testing.assert_close(grad_compiled, grad_eager)
+    assert_compiles_like_eager(block, streams)
 
 
 # -- bad input, edge sizes, determinism -----------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 
 from megatron_siamese import ops
 from megatron_siamese.reference import functional as reference
+from op_checks import assert_compiles_like_eager
 
 
 def test_extension_is_built():
@@ -360,26 +361,15 @@ def test_dual_residual_matches_reference(device):
 # -- torch.library contracts ---------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_dual_norm(device):
-    for packed, rms in itertools.product([True, False], [False, True]):
-        streams, weights = make_inputs(4, 6, packed, rms, device=device)
-        streams.requires_grad_(True)
-        for w in weights:
-            if w is not None:
-                w.requires_grad_(True)
-        torch.library.opcheck(torch.ops.megatron_siamese.dual_norm.default,
-                              (streams, 6, *weights, EPS, rms, False))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_hybrid_dual_norm(device):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dual_norm", "hybrid"])
+def test_opcheck_norm_ops(device, hybrid):
+    op = torch.ops.megatron_siamese.hybrid_dual_norm if hybrid else torch.ops.megatron_siamese.dual_norm
     for packed, rms, zero_centered in itertools.product([True, False], [False, True], [False, True]):
-        streams, weights = make_inputs(4, 6, packed, rms, device=device, hybrid=True)
+        streams, weights = make_inputs(4, 6, packed, rms, device=device, hybrid=hybrid)
         for t in [streams] + weights:
             if t is not None:
                 t.requires_grad_(True)
-        torch.library.opcheck(torch.ops.megatron_siamese.hybrid_dual_norm.default,
-                              (streams, 6, *weights, EPS, rms, zero_centered))
+        torch.library.opcheck(op.default, (streams, 6, *weights, EPS, rms, zero_centered))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -403,12 +393,7 @@ def test_torch_compile_traces_without_graph_breaks(device, hybrid):
         base, normed = fused_dual_norm(streams, 32, weights, rms=False)
         return fused.dual_residual(base, normed * 0.5 + out, None, None, 1.0, 0.5)
 
-    eager = sublayer(streams)
-    (grad_eager,) = torch.autograd.grad(eager.square().sum(), streams)
-    compiled = torch.compile(sublayer, fullgraph=True, backend="aot_eager")(streams)
-    (grad_compiled,) = torch.autograd.grad(compiled.square().sum(), streams)
-    torch.testing.assert_close(compiled, eager)
-    torch.testing.assert_close(grad_compiled, grad_eager)
+    assert_compiles_like_eager(sublayer, streams)
 
 
 # -- the layer's choice ----------------------------------------------------------------------

@@ -5,7 +5,7 @@ trace time with the kernels' message. Importing it loads the extension."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import Tensor
@@ -66,3 +66,35 @@ def norm_outputs(streams: Tensor, hidden: int):
 def check_hybrid_weights(streams: Tensor, hidden: int, x_scale, y_weight, y_bias, rms: bool) -> None:
     check_vectors(streams, hidden, "hybrid_dual_norm", dict(x_scale=x_scale, y_weight=y_weight, y_bias=y_bias))
     torch._check(not (rms and y_bias is not None), lambda: "hybrid_dual_norm: RMSNorm has no bias")
+
+
+def check_norm_call(op: str, streams: Tensor, hidden: int, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias,
+                    eps: float, rms: bool, zero_centered_gamma: bool) -> None:
+    """A call with ``dual_norm``'s arguments (``dual_norm``, ``entry_norm``)."""
+    check_streams(streams, hidden, op)
+    check_weights(streams, hidden, rms, x_weight=x_weight, x_bias=x_bias, y_weight=y_weight, y_bias=y_bias,
+                  in_weight=in_weight, in_bias=in_bias)
+
+
+def check_hybrid_norm_call(op: str, streams: Tensor, hidden: int, x_scale, y_weight, y_bias, eps: float, rms: bool,
+                           zero_centered_gamma: bool) -> None:
+    """A call with ``hybrid_dual_norm``'s arguments (``hybrid_dual_norm``, ``hybrid_entry_norm``)."""
+    check_streams(streams, hidden, op)
+    check_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms)
+
+
+def register_norm_fakes(op: str, check: Callable, outputs: Callable, backward_outputs: Callable,
+                        weight_rows: int) -> None:
+    """The fakes of a norm op with ``dual_norm``'s or ``hybrid_dual_norm``'s arguments (``check``
+    checks them by ``op``'s name; ``outputs(streams, hidden)`` shapes its outputs) and of its
+    ``*_backward``: ``backward_outputs(op_backward, grad, grad_normed, streams, stats, hidden,
+    weight_rows)``, ``weight_rows`` being the op's weight count."""
+
+    @torch.library.register_fake(f"megatron_siamese::{op}")
+    def forward(streams, hidden, *weights_and_flags):
+        check(op, streams, hidden, *weights_and_flags)
+        return outputs(streams, hidden)
+
+    @torch.library.register_fake(f"megatron_siamese::{op}_backward")
+    def backward(grad, grad_normed, streams, stats, hidden, *weights_and_flags):
+        return backward_outputs(f"{op}_backward", grad, grad_normed, streams, stats, hidden, weight_rows)

@@ -21,12 +21,14 @@ from torch import Tensor
 
 from megatron_siamese.ops.arguments import (
     accumulation as _accumulation,
-    check_hybrid_weights as _check_hybrid_weights,
+    check_hybrid_norm_call as _check_hybrid_norm_call,
+    check_norm_call as _check_norm_call,
     check_streams as _check_streams,
     check_vectors as _check_vectors,
     check_weights as _check_weights,
     norm_outputs as _norm_outputs,
     ops,
+    register_norm_fakes as _register_norm_fakes,
 )
 
 
@@ -60,30 +62,8 @@ def _entry_backward_outputs(op: str, grad_through, grad_normed, streams, stats, 
     return torch.empty_like(streams), streams.new_empty((weight_rows, hidden), dtype=_accumulation(streams))
 
 
-@torch.library.register_fake("megatron_siamese::entry_norm")
-def _entry_norm_fake(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms,
-                     zero_centered_gamma):
-    _check_streams(streams, hidden, "entry_norm")
-    _check_weights(streams, hidden, rms, x_weight=x_weight, x_bias=x_bias, y_weight=y_weight, y_bias=y_bias,
-                   in_weight=in_weight, in_bias=in_bias)
-    return _entry_outputs(streams, hidden)
-
-
-@torch.library.register_fake("megatron_siamese::entry_norm_backward")
-def _entry_norm_backward_fake(grad_through, grad_normed, streams, stats, hidden, *weights_and_flags):
-    return _entry_backward_outputs("entry_norm_backward", grad_through, grad_normed, streams, stats, hidden, 6)
-
-
-@torch.library.register_fake("megatron_siamese::hybrid_entry_norm")
-def _hybrid_entry_norm_fake(streams, hidden, x_scale, y_weight, y_bias, eps, rms, zero_centered_gamma):
-    _check_streams(streams, hidden, "hybrid_entry_norm")
-    _check_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms)
-    return _entry_outputs(streams, hidden)
-
-
-@torch.library.register_fake("megatron_siamese::hybrid_entry_norm_backward")
-def _hybrid_entry_norm_backward_fake(grad_through, grad_normed, streams, stats, hidden, *weights_and_flags):
-    return _entry_backward_outputs("hybrid_entry_norm_backward", grad_through, grad_normed, streams, stats, hidden, 3)
+_register_norm_fakes("entry_norm", _check_norm_call, _entry_outputs, _entry_backward_outputs, 6)
+_register_norm_fakes("hybrid_entry_norm", _check_hybrid_norm_call, _entry_outputs, _entry_backward_outputs, 3)
 
 
 BOUNDARY_STATS = 8  # x's mean and rstd, then dual_norm's six

@@ -20,11 +20,12 @@ from torch import Tensor
 
 from megatron_siamese.ops.arguments import (
     accumulation as _accumulation,
-    check_hybrid_weights as _check_hybrid_weights,
+    check_hybrid_norm_call as _check_hybrid_norm_call,
+    check_norm_call as _check_norm_call,
     check_streams as _check_streams,
-    check_weights as _check_weights,
     norm_outputs as _norm_outputs,
     ops,
+    register_norm_fakes as _register_norm_fakes,
 )
 
 
@@ -50,30 +51,8 @@ def _norm_backward_outputs(op: str, grad_base, grad_normed, streams, stats, hidd
     return torch.empty_like(streams), streams.new_empty((weight_rows, hidden), dtype=_accumulation(streams))
 
 
-@torch.library.register_fake("megatron_siamese::dual_norm")
-def _dual_norm_fake(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms,
-                    zero_centered_gamma):
-    _check_streams(streams, hidden)
-    _check_weights(streams, hidden, rms, x_weight=x_weight, x_bias=x_bias, y_weight=y_weight, y_bias=y_bias,
-                   in_weight=in_weight, in_bias=in_bias)
-    return _norm_outputs(streams, hidden)
-
-
-@torch.library.register_fake("megatron_siamese::dual_norm_backward")
-def _dual_norm_backward_fake(grad_base, grad_normed, streams, stats, hidden, *weights_and_flags):
-    return _norm_backward_outputs("dual_norm_backward", grad_base, grad_normed, streams, stats, hidden, 6)
-
-
-@torch.library.register_fake("megatron_siamese::hybrid_dual_norm")
-def _hybrid_dual_norm_fake(streams, hidden, x_scale, y_weight, y_bias, eps, rms, zero_centered_gamma):
-    _check_streams(streams, hidden, "hybrid_dual_norm")
-    _check_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms)
-    return _norm_outputs(streams, hidden)
-
-
-@torch.library.register_fake("megatron_siamese::hybrid_dual_norm_backward")
-def _hybrid_dual_norm_backward_fake(grad_base, grad_normed, streams, stats, hidden, *weights_and_flags):
-    return _norm_backward_outputs("hybrid_dual_norm_backward", grad_base, grad_normed, streams, stats, hidden, 3)
+_register_norm_fakes("dual_norm", _check_norm_call, _norm_outputs, _norm_backward_outputs, 6)
+_register_norm_fakes("hybrid_dual_norm", _check_hybrid_norm_call, _norm_outputs, _norm_backward_outputs, 3)
 
 
 @torch.library.register_fake("megatron_siamese::dual_residual")

@@ -208,30 +208,17 @@ def dual_residual(
     return pack_streams((u.to(compute) + z * inv_c).to(base.dtype), (y.to(compute) + z).to(base.dtype))
 
 
-def entry_norm(
-    streams: Tensor,
-    hidden: int,
-    x_weight: Tensor,
-    x_bias: Optional[Tensor],
-    y_weight: Tensor,
-    y_bias: Optional[Tensor],
-    in_weight: Optional[Tensor],
-    in_bias: Optional[Tensor],
-    eps: float,
-    rms: bool,
-    zero_centered_gamma: bool,
-) -> Tensor:
-    """Reference of ``ops.entry_norm``: ``dual_norm``'s ``normed`` alone, for a layer's first
-    sublayer (its residual base, ``[PostNorm(x) | y]``, is recomputed by ``residual_dual_norm``)."""
-    return dual_norm(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms,
-                     zero_centered_gamma)[1]
+def entry_norm(streams: Tensor, hidden: int, *weights_and_flags) -> Tensor:
+    """Reference of ``ops.entry_norm`` (``dual_norm``'s arguments): ``dual_norm``'s ``normed``
+    alone, for a layer's first sublayer (its residual base, ``[PostNorm(x) | y]``, is recomputed
+    by ``residual_dual_norm``)."""
+    return dual_norm(streams, hidden, *weights_and_flags)[1]
 
 
-def hybrid_entry_norm(streams: Tensor, hidden: int, x_scale: Tensor, y_weight: Tensor, y_bias: Optional[Tensor],
-                      eps: float, rms: bool, zero_centered_gamma: bool) -> Tensor:
-    """Reference of ``ops.hybrid_entry_norm``: ``hybrid_dual_norm``'s ``normed`` alone (its base is
-    the streams themselves)."""
-    return hybrid_dual_norm(streams, hidden, x_scale, y_weight, y_bias, eps, rms, zero_centered_gamma)[1]
+def hybrid_entry_norm(streams: Tensor, hidden: int, *weights_and_flags) -> Tensor:
+    """Reference of ``ops.hybrid_entry_norm`` (``hybrid_dual_norm``'s arguments):
+    ``hybrid_dual_norm``'s ``normed`` alone (its base is the streams themselves)."""
+    return hybrid_dual_norm(streams, hidden, *weights_and_flags)[1]
 
 
 def residual_dual_norm(
@@ -244,29 +231,22 @@ def residual_dual_norm(
     hidden: int,
     prev_x_weight: Optional[Tensor],
     prev_x_bias: Optional[Tensor],
-    x_weight: Tensor,
-    x_bias: Optional[Tensor],
-    y_weight: Tensor,
-    y_bias: Optional[Tensor],
-    in_weight: Optional[Tensor],
-    in_bias: Optional[Tensor],
-    eps: float,
-    rms: bool,
-    zero_centered_gamma: bool,
+    *norm_args,
 ) -> Tuple[Tensor, Tensor]:
     """Reference of ``ops.residual_dual_norm``: the residual update of a layer's first sublayer
     and the norms of its second, ``(base, normed)`` as ``dual_norm`` returns them.
 
     The first sublayer's base is recomputed from the layer's streams, ``[PostNorm_prev(x) | y]``
     (``[x | y]`` without ``prev_x_weight``: the hybrid variant's attention side), updated by
-    ``dual_residual`` and normalized by ``dual_norm``, all in the accumulation dtype: the updated
-    streams ``[x' | y']`` are rounded only as outputs (base holds ``PostNorm(x')`` and ``y'``)."""
+    ``dual_residual`` and normalized by ``dual_norm`` (``norm_args``: its weights and flags,
+    ``x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms, zero_centered_gamma``),
+    all in the accumulation dtype: the updated streams ``[x' | y']`` are rounded only as outputs
+    (base holds ``PostNorm(x')`` and ``y'``)."""
     compute = _compute_dtype(streams)
     x, y = _streams_of(streams.to(compute), hidden)
-    u = x if prev_x_weight is None else _norm_fn(prev_x_weight, prev_x_bias, eps, rms, zero_centered_gamma)(x)
+    u = x if prev_x_weight is None else _norm_fn(prev_x_weight, prev_x_bias, *norm_args[-3:])(x)
     updated = dual_residual(pack_streams(u, y), out.to(compute), bias, mask, scale, inv_c)
-    base, normed = dual_norm(updated, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms,
-                             zero_centered_gamma)
+    base, normed = dual_norm(updated, hidden, *norm_args)
     return base.to(streams.dtype), normed.to(streams.dtype)
 
 
