@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <utility>
 
 #include "dual_norm.h"
@@ -20,37 +21,27 @@
 namespace megatron_siamese {
 namespace cpu {
 
-// 16-bit rows to and from fp32 with vector conversions: at::vec::convert has vectorized
-// float -> bfloat16/half paths but converts bfloat16/half -> float one scalar at a time,
-// which made the 16-bit kernels compute-bound.
-template <typename T, typename A>
-inline void load_row(A* dst, const T* src, int64_t n) {
-  if constexpr (at::vec::is_reduced_floating_point_v<T> && std::is_same_v<A, float>) {
-    using VecT = at::vec::Vectorized<T>;
-    using VecA = at::vec::Vectorized<A>;
+// A row from one floating type to another. 16-bit rows to and from fp32 take vector conversions:
+// at::vec::convert has vectorized float -> bfloat16/half paths but converts bfloat16/half ->
+// float one scalar at a time, which made the 16-bit kernels compute-bound.
+template <typename From, typename To>
+inline void convert_row(To* dst, const From* src, int64_t n) {
+  constexpr bool widen = at::vec::is_reduced_floating_point_v<From> && std::is_same_v<To, float>;
+  constexpr bool narrow = at::vec::is_reduced_floating_point_v<To> && std::is_same_v<From, float>;
+  if constexpr (widen || narrow) {
+    using Vec16 = at::vec::Vectorized<std::conditional_t<widen, From, To>>;
+    using VecF = at::vec::Vectorized<float>;
     int64_t i = 0;
-    for (; i + VecT::size() <= n; i += VecT::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(src + i));
-      lo.store(dst + i);
-      hi.store(dst + i + VecA::size());
+    for (; i + Vec16::size() <= n; i += Vec16::size()) {
+      if constexpr (widen) {
+        auto [lo, hi] = at::vec::convert_to_float<From>(Vec16::loadu(src + i));
+        lo.store(dst + i);
+        hi.store(dst + i + VecF::size());
+      } else {
+        at::vec::convert_from_float<To>(VecF::loadu(src + i), VecF::loadu(src + i + VecF::size())).store(dst + i);
+      }
     }
-    for (; i < n; ++i) dst[i] = static_cast<A>(src[i]);
-  } else {
-    at::vec::convert(src, dst, n);
-  }
-}
-
-template <typename T, typename A>
-inline void store_row(T* dst, const A* src, int64_t n) {
-  if constexpr (at::vec::is_reduced_floating_point_v<T> && std::is_same_v<A, float>) {
-    using VecT = at::vec::Vectorized<T>;
-    using VecA = at::vec::Vectorized<A>;
-    int64_t i = 0;
-    for (; i + VecT::size() <= n; i += VecT::size()) {
-      at::vec::convert_from_float<T>(VecA::loadu(src + i), VecA::loadu(src + i + VecA::size()))
-          .store(dst + i);
-    }
-    for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+    for (; i < n; ++i) dst[i] = static_cast<To>(src[i]);
   } else {
     at::vec::convert(src, dst, n);
   }
@@ -64,7 +55,7 @@ inline const A* as_acc(const T* row, A* scratch, int64_t n) {
   if constexpr (std::is_same_v<T, A>) {
     return row;
   } else {
-    load_row(scratch, row, n);
+    convert_row(scratch, row, n);
     return scratch;
   }
 }
@@ -78,7 +69,7 @@ inline A* out_acc(T* row, A* scratch) {
 
 template <typename T, typename A>
 inline void finish_row(T* row, const A* computed, int64_t n) {
-  if constexpr (!std::is_same_v<T, A>) store_row(row, computed, n);
+  if constexpr (!std::is_same_v<T, A>) convert_row(row, computed, n);
   else if (row != computed) std::copy(computed, computed + n, row);
 }
 

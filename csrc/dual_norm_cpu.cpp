@@ -38,7 +38,7 @@ void forward_rows(const T* streams, const StreamRows& g, const WeightPointers<A>
       if (base != nullptr) {
         T* base_row = base + r * 2 * h;
         if (k.channel_scale) std::copy(x, x + h, base_row);  // hybrid: the X stream continues from x
-        else store_row(base_row, u, h);
+        else convert_row(base_row, u, h);
         std::copy(y, y + h, base_row + h);
       }
       finish_row(normed_row, a, h);
@@ -98,9 +98,9 @@ void residual_rows(const T* base, const T* out, const A* bias, const bool* mask,
     A *z = scratch.data(), *bx = z + h, *by = bx + h, *keep = by + h;
     const Vec c(inv_c);
     for (int64_t r = begin; r < end; ++r) {
-      load_row(z, out + r * h, h);
-      load_row(bx, base + r * 2 * h, h);
-      load_row(by, base + r * 2 * h + h, h);
+      convert_row(z, out + r * h, h);
+      convert_row(bx, base + r * 2 * h, h);
+      convert_row(by, base + r * 2 * h + h, h);
       if (mask) dropout_factors(keep, mask + r * h, scale, h);
       vec_loop<A>(h, [&](int64_t i, int64_t cnt) {
         Vec vz = ld(z, i, cnt) + ld_or(bias, A(0), i, cnt);
@@ -108,8 +108,8 @@ void residual_rows(const T* base, const T* out, const A* bias, const bool* mask,
         st(at::vec::fmadd(vz, c, ld(bx, i, cnt)), bx, i, cnt);
         st(ld(by, i, cnt) + vz, by, i, cnt);
       });
-      store_row(packed + r * 2 * h, bx, h);
-      store_row(packed + r * 2 * h + h, by, h);
+      convert_row(packed + r * 2 * h, bx, h);
+      convert_row(packed + r * 2 * h + h, by, h);
     }
   });
 }
@@ -128,8 +128,8 @@ void residual_backward_rows(const T* grad, const bool* mask, A scale, A inv_c, i
       A* part = grad_bias ? partials.data() + block * h : nullptr;
       const int64_t end = std::min(rows, (block + 1) * rows_per_block);
       for (int64_t r = block * rows_per_block; r < end; ++r) {
-        load_row(gz, grad + r * 2 * h, h);
-        load_row(gy, grad + r * 2 * h + h, h);
+        convert_row(gz, grad + r * 2 * h, h);
+        convert_row(gy, grad + r * 2 * h + h, h);
         if (mask) dropout_factors(keep, mask + r * h, scale, h);
         vec_loop<A>(h, [&](int64_t i, int64_t cnt) {
           Vec g = at::vec::fmadd(ld(gz, i, cnt), c, ld(gy, i, cnt));  // dL/dz
@@ -137,7 +137,7 @@ void residual_backward_rows(const T* grad, const bool* mask, A scale, A inv_c, i
           if (part) st(ld(part, i, cnt) + g, part, i, cnt);
           st(g, gz, i, cnt);
         });
-        store_row(grad_out + r * h, gz, h);
+        convert_row(grad_out + r * h, gz, h);
       }
     }
   });

@@ -16,6 +16,9 @@ int current_device();
 // Row kernels: a block per row, grid-striding over rows.
 int row_grid(int64_t rows);
 
+// Elementwise kernels (the residual's): 256-thread blocks grid-striding over the elements.
+int element_grid(int64_t elements);
+
 // The column kernels' grid: strips of rows_per_strip rows, about 8 CTAs of 32 columns x
 // kLanes lanes per SM.
 struct Strips {

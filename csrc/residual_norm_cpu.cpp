@@ -88,9 +88,9 @@ void forward_rows(const T* streams, const StreamRows& g, const Residual& res, co
       A* row_stats = stats + r * kBoundaryStatsPerRow;
       row_stats[0] = pm, row_stats[1] = pr;
       store_stats(row_stats + 2, s);
-      store_row(base + r * 2 * h, u2, h);
-      store_row(base + r * 2 * h + h, y2, h);
-      store_row(normed + r * h, a, h);
+      convert_row(base + r * 2 * h, u2, h);
+      convert_row(base + r * 2 * h + h, y2, h);
+      convert_row(normed + r * h, a, h);
     }
   });
 }
@@ -137,17 +137,17 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
           st(v, gz, i, cnt);
           if (bias) st(ld(dbias, i, cnt) + v, dbias, i, cnt);
         });
-        store_row(grad_out + r * h, gz, h);
+        convert_row(grad_out + r * h, gz, h);
         // dL/dx: through PostNorm_prev (u = x without it); dL/dy = dL/dy'
         if (boundary.has_prev) single_norm_backward_row<A>(x, h, pm, pr, gp, weights.rms, gx2, dgp, dbp, work, gx);
         else std::copy(gx2, gx2 + h, gx);
         T* grad_row = grad_streams + r * width;
         if (g.packed) {
-          store_row(grad_row, gx, h);
-          store_row(grad_row + h, gy2, h);
+          convert_row(grad_row, gx, h);
+          convert_row(grad_row + h, gy2, h);
         } else {
           at::vec::map2([](auto a, auto b) { return a + b; }, gx, gx, gy2, h);
-          store_row(grad_row, gx, h);
+          convert_row(grad_row, gx, h);
         }
       }
     }

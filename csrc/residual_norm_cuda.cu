@@ -36,6 +36,7 @@ general::Boundary<T, A> boundary_of(const torch::Tensor& out, const torch::Tenso
 
 }  // namespace
 
+// The CPU twins (residual_norm_cpu.cpp) have these signatures: one host layer, a kernel set per device.
 void CudaKernels::residual_dual_norm(const torch::Tensor& streams, const torch::Tensor& out, const torch::Tensor& bias,
                                      const torch::Tensor& mask, double scale, double inv_c, const StreamRows& g,
                                      const NormWeights& w, double eps, torch::Tensor& base, torch::Tensor& normed,

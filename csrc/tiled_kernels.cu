@@ -212,6 +212,16 @@ Params params_of(const NormArgs& a) {
   return Params{a.gx, a.bx, a.gy, a.by, a.gi, a.bi, a.rows, a.hidden, a.packed, a.rms, a.eps};
 }
 
+// The X and Y norms' gammas and betas at element e (1 and 0 where a norm has none).
+template <int VEC>
+__device__ __forceinline__ void load_stream_weights(const Params& p, int e, float (&gx)[VEC], float (&bx)[VEC],
+                                                    float (&gy)[VEC], float (&by)[VEC]) {
+  load_weight<VEC>(p.gx, e, 1.f, gx);
+  load_weight<VEC>(p.bx, e, 0.f, bx);
+  load_weight<VEC>(p.gy, e, 1.f, gy);
+  load_weight<VEC>(p.by, e, 0.f, by);
+}
+
 // -- dual_norm forward ---------------------------------------------------------------------
 
 template <typename T, int VEC, int CH>
@@ -255,10 +265,7 @@ __global__ void forward_kernel(const T* __restrict__ streams, Params p, T* __res
       const int e = (j * blockDim.x + threadIdx.x) * VEC;
       store<T, VEC>(base_row + h + e, v[1][j]);  // the identity path's base: y itself
       float gx[VEC], bx[VEC], gy[VEC], by[VEC];
-      load_weight<VEC>(p.gx, e, 1.f, gx);
-      load_weight<VEC>(p.bx, e, 0.f, bx);
-      load_weight<VEC>(p.gy, e, 1.f, gy);
-      load_weight<VEC>(p.by, e, 0.f, by);
+      load_stream_weights<VEC>(p, e, gx, bx, gy, by);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         const float u = (v[0][j][i] - mean[0]) * rstd[0] * gx[i] + bx[i];
@@ -391,10 +398,7 @@ __global__ void backward_kernel(const T* __restrict__ grad_base, const T* __rest
         if (!valid[j]) continue;
         const int e = (j * blockDim.x + threadIdx.x) * VEC;
         float gx[VEC], bx[VEC], gy[VEC], by[VEC], gi[VEC];
-        load_weight<VEC>(p.gx, e, 1.f, gx);
-        load_weight<VEC>(p.bx, e, 0.f, bx);
-        load_weight<VEC>(p.gy, e, 1.f, gy);
-        load_weight<VEC>(p.by, e, 0.f, by);
+        load_stream_weights<VEC>(p, e, gx, bx, gy, by);
         load_weight<VEC>(p.gi, e, 1.f, gi);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
@@ -506,7 +510,8 @@ __device__ __forceinline__ void load_mask(const bool* p, float scale, float (&ke
   for (int i = 0; i < VEC; ++i) keep[i] = pack.v[i] ? scale : 0.f;
 }
 
-// One thread: VEC columns of a row; x over a row's vectors, y over rows.
+// One thread: VEC columns of a row; x over a row's vectors, y over rows. The backward below walks
+// rows alike: forward and backward are kept apart so each keeps its registers (no runtime branch).
 template <typename T, int VEC>
 __global__ void residual_kernel(const T* __restrict__ base, const T* __restrict__ out,
                                 const float* __restrict__ bias, const bool* __restrict__ mask, float scale,
