@@ -190,7 +190,8 @@ def test_joined_sublayers_keep_one_activation_less_per_layer(megatron_single_ran
 
 
 # (TransformerConfig settings, as the constructor takes them, the refusal's one problem as the error
-# lists it); a setting this stack's TransformerConfig lacks is refused whenever a newer one sets it
+# lists it, whole, as a user reads it: entries alike in shape, one per setting); a setting this stack's
+# TransformerConfig lacks is refused whenever a newer one sets it
 UNSUPPORTED = {
     "multi-token prediction": (dict(mtp_num_layers=1), "multi-token prediction (mtp_num_layers / "
                                "--mtp-num-layers) is not supported: its MTP layers expect a single [s, b, h] stream. "

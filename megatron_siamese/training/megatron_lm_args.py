@@ -37,53 +37,46 @@ def _model_class_args(model: ModelSettings) -> dict:
     return dict(num_layers=num_layers(model), hybrid_layer_pattern=hybrid_pattern(model).text, spec=HYBRID_SPEC)
 
 
+# settings Megatron-LM names as ModelSettings does
+_SAME_NAMED = ("hidden_size", "num_attention_heads", "position_embedding_type", "normalization", "add_bias_linear",
+               "qk_layernorm", "init_method_std", "seq_length", "transformer_impl")
+_SAME_NAMED_MOE = ("moe_shared_expert_intermediate_size", "moe_router_topk", "moe_router_load_balancing_type",
+                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm")
+
+
+def _same_named(model: ModelSettings, names) -> dict:
+    return {name: getattr(model, name) for name in names}
+
+
 def _moe_args(model: ModelSettings) -> dict:
     """The mixture-of-experts settings under Megatron-LM's names (its --use-checkpoint-args reads
     them; --moe-layer-freq as its int or 0/1 list)."""
     if model.num_moe_experts is None:
         return dict(num_experts=None)
-    return dict(
-        num_experts=model.num_moe_experts,
-        moe_layer_freq=moe_layer_freq(model.moe_layer_freq),
-        moe_ffn_hidden_size=model.expert_width,
-        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
-        moe_router_topk=model.moe_router_topk,
-        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-        moe_z_loss_coeff=model.moe_z_loss_coeff,
-        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
-        moe_grouped_gemm=model.moe_grouped_gemm,
-    )
+    return dict(num_experts=model.num_moe_experts, moe_layer_freq=moe_layer_freq(model.moe_layer_freq),
+                moe_ffn_hidden_size=model.expert_width, **_same_named(model, _SAME_NAMED_MOE))
 
 
 def model_args(model: ModelSettings, vocab_size: int, vocab_multiple: int) -> dict:
     """The model's shape in Megatron-LM's argument names (what --use-checkpoint-args reads)."""
     return dict(
         **_model_class_args(model),
-        hidden_size=model.hidden_size,
+        **_same_named(model, _SAME_NAMED),
         ffn_hidden_size=model.mlp_width,
-        num_attention_heads=model.num_attention_heads,
         group_query_attention=model.num_query_groups is not None,
         num_query_groups=model.num_query_groups or model.num_attention_heads,
         kv_channels=model.hidden_size // model.num_attention_heads,
-        seq_length=model.seq_length,
         encoder_seq_length=model.seq_length,
         max_position_embeddings=model.seq_length,
-        position_embedding_type=model.position_embedding_type,
         add_position_embedding=True,  # Megatron-LM's default: learned positions where the type asks for them
-        normalization=model.normalization,
         apply_layernorm_1p=model.zero_centered_gamma,
         swiglu=model.gated_linear_unit,
-        add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_bias_linear,
-        qk_layernorm=model.qk_layernorm,
         untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
-        init_method_std=model.init_method_std,
         padded_vocab_size=vocab_size,
         make_vocab_size_divisible_by=vocab_multiple,
         bf16=model.dtype == "bf16",
         fp16=False,
-        transformer_impl=model.transformer_impl,
         **_moe_args(model),
     )
 
