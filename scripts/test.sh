@@ -11,7 +11,9 @@
 # own process, into its own log (printed whole when it ends) and its own pytest temp directory.
 # A test marked stack_independent runs on the first stack only (tests/conftest.py says which
 # may be). Each stack's log ends with its 20 slowest tests (pytest's --durations=20, unless
-# PYTEST_ADDOPTS asks for other durations).
+# PYTEST_ADDOPTS asks for other durations) and the wall and CPU time it took; the run starts by
+# timing a fixed Python workload (scripts/machine_speed.py), so that a slow run can be told from a
+# slow machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 read -r -a stacks <<< "${STACKS:-mcore016 mcore019}"
@@ -32,9 +34,12 @@ import sys
 from importlib.metadata import version
 print(f"== Python {sys.version.split()[0]}, torch {version('torch')}, megatron-core {version('megatron-core')}", flush=True)
 PY
-  "$venv/bin/python" -m pytest --basetemp="$work/$stack" "${durations[@]}" "${@:2}"
+  # what the suite cost, beside what it took: CPU well under 2 x wall means time spent waiting, not computing
+  local TIMEFORMAT="== $stack: the suite took %0R s, using %0U s user + %0S s system CPU"
+  time "$venv/bin/python" -m pytest --basetemp="$work/$stack" "${durations[@]}" "${@:2}"
 }
 
+python3 scripts/machine_speed.py  # how fast this machine is, to read the times below by
 status=0
 if [ "$parallel" = 1 ] && [ "${#stacks[@]}" -gt 1 ]; then
   pids=()
