@@ -11,9 +11,9 @@
 # own process, into its own log (printed whole when it ends) and its own pytest temp directory.
 # A test marked stack_independent runs on the first stack only (tests/conftest.py says which
 # may be). Each stack's log ends with its 20 slowest tests (pytest's --durations=20, unless
-# PYTEST_ADDOPTS asks for other durations) and the wall and CPU time it took; the run starts by
-# timing a fixed Python workload (scripts/machine_speed.py), so that a slow run can be told from a
-# slow machine.
+# PYTEST_ADDOPTS asks for other durations). The run starts by timing a fixed Python workload
+# (scripts/machine_speed.py) and ends with how busy the machine's CPUs were and how much time the
+# host took from them, so that a slow run can be told from a slow machine (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 read -r -a stacks <<< "${STACKS:-mcore016 mcore019}"
@@ -34,12 +34,29 @@ import sys
 from importlib.metadata import version
 print(f"== Python {sys.version.split()[0]}, torch {version('torch')}, megatron-core {version('megatron-core')}", flush=True)
 PY
-  # what the suite cost, beside what it took: CPU well under 2 x wall means time spent waiting, not computing
-  local TIMEFORMAT="== $stack: the suite took %0R s, using %0U s user + %0S s system CPU"
-  time "$venv/bin/python" -m pytest --basetemp="$work/$stack" "${durations[@]}" "${@:2}"
+  "$venv/bin/python" -m pytest --basetemp="$work/$stack" "${durations[@]}" "${@:2}"
+}
+
+cpu_ticks() {  # the machine's CPU time so far, in ticks: busy, idle, stolen by the host (Linux; else nothing)
+  local _ user nice system idle iowait irq softirq steal
+  [ -r /proc/stat ] || return 0
+  read -r _ user nice system idle iowait irq softirq steal _ < /proc/stat
+  echo "$((user + nice + system + irq + softirq)) $((idle + iowait)) $steal"
+}
+
+machine_use() {  # how busy the machine was since cpu_ticks printed $1 $2 $3: CPU-bound, or waiting
+  local now busy idle steal
+  now=$(cpu_ticks)
+  [ -n "$now" ] && [ -n "$1" ] || return 0
+  read -r busy idle steal <<< "$now"
+  busy=$((busy - $1)) idle=$((idle - $2)) steal=$((steal - $3))
+  local hz; hz=$(getconf CLK_TCK)
+  echo "== the run: $SECONDS s; the machine's $(nproc) CPUs busy $((100 * busy / (busy + idle + steal + 1)))% of it" \
+       "($((busy / hz)) CPU-seconds), idle $((idle / hz)) s, stolen by the host $((steal / hz)) s"
 }
 
 python3 scripts/machine_speed.py  # how fast this machine is, to read the times below by
+start_ticks=$(cpu_ticks)
 status=0
 if [ "$parallel" = 1 ] && [ "${#stacks[@]}" -gt 1 ]; then
   pids=()
@@ -60,4 +77,6 @@ else
     stack_run "$stack" "$@" || status=$?
   done
 fi
+# shellcheck disable=SC2086  # three numbers
+machine_use $start_ticks
 exit $status
