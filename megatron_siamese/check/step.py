@@ -163,8 +163,9 @@ def fsdp_shards(chunk) -> Dict[int, Tensor]:
 
 
 def _main_grad(param):
-    """The reduced gradient a rank holds: a DDP buffer's ``main_grad``, or (fully sharded) its shard's ``grad``."""
-    return param.grad if is_dtensor(param) else param.main_grad
+    """The reduced gradient a rank holds: a DDP buffer's ``main_grad``; fully sharded, its shard's
+    ``grad`` (or the plain ``grad`` of a parameter FSDP does not manage)."""
+    return param.main_grad if hasattr(param, "main_grad") and not is_dtensor(param) else param.grad
 
 
 def _owned_range(optimizer, param) -> Tuple[int, int]:

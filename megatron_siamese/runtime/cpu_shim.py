@@ -249,7 +249,7 @@ def _fsdp_replacements() -> Dict[Tuple[Any, str], Any]:
     torch_fsdp2, adapter = (importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel"),
                             importlib.import_module("megatron.core.distributed.fsdp.mcore_fsdp_adapter"))
     replacements = {(torch_fsdp2, "DeviceMesh"): _MeshOnCpu, (adapter, "DeviceMesh"): _MeshOnCpu}
-    if not isinstance(adapter.TELinear, type):  # 0.16.1 without TE: a MagicMock, which isinstance() refuses
+    if not isinstance(getattr(adapter, "TELinear", type), type):  # 0.16.1 without TE: a MagicMock isinstance() refuses
         replacements[(adapter, "TELinear")] = type("NoTELinear", (), {})  # no module is one
     return replacements
 

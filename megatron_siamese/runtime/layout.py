@@ -95,6 +95,11 @@ class Layout:
             raise ValueError("Megatron-FSDP (mfsdpN) does not run with pipeline parallelism: its adapter builds "
                              "its device mesh as if every rank were dp x ep x tp (mcore_fsdp_adapter.py, "
                              "_get_dp_tp_mesh, 0.16.1 to Megatron-LM main): use pp1")
+        if self.fsdp == "megatron" and self.ep > 1 and self.tp * self.cp * self.dp == self.ep * self.expert_tp:
+            raise ValueError(f"Megatron-FSDP (mfsdpN) mis-scales the gradients of experts held by one rank of each "
+                             f"expert-data-parallel group (the check measures it with megatron-core 0.16.1 and 0.19.2; "
+                             f"NVIDIA/Megatron-LM#6773, after 0.19, reworks one-rank reductions): use dp{2 * self.dp} "
+                             "(each expert on two data-parallel ranks)")
         if self.fsdp != "torch":
             return
         # Megatron-LM's arguments.py refuses these with --use-torch-fsdp2
