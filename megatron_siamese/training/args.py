@@ -285,6 +285,15 @@ def _fsdp_problems(args: TrainArgs) -> List[str]:
     if args.fsdp == "none":
         return found
     flag = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-megatron-fsdp"
+    saving = [spelled for spelled, given in (("--save-interval", args.save_interval), ("--stop-step", args.stop_step),
+                                             ("--exit-interval", args.exit_interval),
+                                             ("--exit-duration-in-mins", args.exit_duration_in_mins),
+                                             ("--load", args.load)) if given is not None]
+    if args.use_megatron_fsdp and saving:
+        found.append(f"{', '.join(saving)} with --use-megatron-fsdp: this trainer does not checkpoint Megatron-FSDP "
+                     "(Megatron saves its optimizer only in the fsdp_dtensor format, distrib_optimizer.py: "
+                     "'sharding_type ... is not supported with Megatron FSDP', which loads into no other layout): "
+                     "use --use-torch-fsdp2, or run without checkpoints")
     if args.dp == 1:
         found.append(f"{flag} shards over the data-parallel ranks: it needs --dp > 1")
     why_not_pp = ("Megatron-LM refuses it" if args.use_torch_fsdp2 else
