@@ -3,24 +3,26 @@
 Megatron describes a fully sharded parameter as a ShardedTensor of its local shard: FSDP2 cuts
 the (TP-local) parameter into ``dp`` equal row blocks, and ``make_tp_sharded_tensor_for_checkpoint``
 places DP rank d of TP rank r at row block ``r * dp + d`` of the global tensor, the same global
-tensor a DDP or TP run saves, so a checkpoint reshards between FSDP2 and the other layouts. Two
-of megatron-core's descriptions (0.16.1 and 0.19.2) get FSDP2's shards wrong, and
-``describing_fsdp2_shards`` corrects them while a checkpoint is described:
+tensor a DDP or TP run saves, so a checkpoint reshards between FSDP2 and the other layouts.
+``describing_fsdp2_shards`` corrects two descriptions while a checkpoint is described:
 
-* A gated MLP's ``linear_fc1`` (SwiGLU: the TP-local rows are ``[gate_r; up_r]``):
-  ``apply_swiglu_sharded_factory`` (transformer/mlp.py) splits each local shard in two halves as
-  if it held a TP rank's gate and up rows, but under FSDP2 DP rank d holds row block d of
-  ``[gate_r; up_r]``: for dp 2 the gate rows on rank 0 and the up rows on rank 1. Saved so, a
-  checkpoint loads back into the same FSDP2 layout and nowhere else (measured: validation loss
-  off after loading it at TP2). Here the shard is one ShardedTensor at the row block it really
-  is: the gate blocks of every TP rank first, then the up blocks (``_gated_rows_block``), which
-  needs an even dp (refused otherwise, before any rank starts).
-* The optimizer's state is mapped to those descriptions by the identity of the local shard:
-  ``get_optim_param_to_id_map`` keys each parameter by ``id(to_local_if_dtensor(param))``, the
-  model's description holds ``param._local_tensor``. torch 2.13 made ``to_local()`` of a
-  Parameter(DTensor) return a fresh view on every call (pytorch gh-166156, so that the result
-  stays a Parameter), so no optimizer parameter matches ("Param id 0 does not match any model
-  sharded param"). Here that lookup sees the shard itself.
+* A gated MLP's ``linear_fc1`` (SwiGLU: the TP-local rows are ``[gate_r; up_r]``), before
+  megatron-core 0.19: ``apply_swiglu_sharded_factory`` (transformer/mlp.py) splits each local
+  shard in two halves as if it held a TP rank's gate and up rows, but under FSDP2 DP rank d
+  holds row block d of ``[gate_r; up_r]`` (for dp 2: the gate rows on rank 0, the up rows on
+  rank 1). Saved so, a checkpoint loads back into the same FSDP2 layout and nowhere else
+  (measured: the losses off after loading it at TP2). Here the shard is one ShardedTensor at
+  the row block it is: every TP rank's gate blocks first, then the up blocks
+  (``_gated_rows_block``), which needs an even dp (refused otherwise, before any rank starts).
+  megatron-core 0.19's factory takes the DP group and places the shard the same way (its
+  ``dp_sh_ten_build_fn``, with the same even-dp rule); there it is left alone.
+* The optimizer's state (0.16.1 and 0.19.2, torch 2.13 and later): it is mapped to those
+  descriptions by the identity of the local shard, ``get_optim_param_to_id_map`` keying each
+  parameter by ``id(to_local_if_dtensor(param))`` and the model's description holding
+  ``param._local_tensor``. torch 2.13 made ``to_local()`` of a Parameter(DTensor) return a
+  fresh view on every call (pytorch gh-166156, so that the result stays a Parameter), so no
+  optimizer parameter matches ("Param id 0 does not match any model sharded param"). Here that
+  lookup sees the shard itself.
 
 Loading follows Megatron-LM's FSDP2 path: dist_checkpointing reads every shard in place into
 the tensors the description holds (the parameters' and the optimizer state's local shards),
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 
 
 def _gated_rows_block(index: int, blocks: int, dp: int) -> int:
@@ -67,7 +70,10 @@ def describing_fsdp2_shards(dp: int):
     def local_shard(tensor):
         return tensor._local_tensor if isinstance(tensor, DTensor) else originals[1](tensor)
 
-    mlp.apply_swiglu_sharded_factory, optimizer.to_local_if_dtensor = gated_rows, local_shard
+    # megatron-core 0.19 describes FSDP2's gated rows itself (the factory takes the DP group): keep its own
+    fixed = "dp_group" in inspect.signature(originals[0]).parameters
+    mlp.apply_swiglu_sharded_factory = originals[0] if fixed else gated_rows
+    optimizer.to_local_if_dtensor = local_shard
     try:
         yield
     finally:
