@@ -291,8 +291,9 @@ def _fsdp_problems(args: TrainArgs) -> List[str]:
                                              ("--load", args.load)) if given is not None]
     if args.use_megatron_fsdp and saving:
         found.append(f"{', '.join(saving)} with --use-megatron-fsdp: this trainer does not checkpoint Megatron-FSDP "
-                     "(Megatron saves its optimizer only in the fsdp_dtensor format, distrib_optimizer.py: "
-                     "'sharding_type ... is not supported with Megatron FSDP', which loads into no other layout): "
+                     "(Megatron saves its optimizer only in the fsdp_dtensor format, which loads into no other layout: "
+                     "'sharding_type ... is not supported with Megatron FSDP', distrib_optimizer.py:1229 in 0.16.1, "
+                     ":1514 in 0.19.2): "
                      "use --use-torch-fsdp2, or run without checkpoints")
     if args.dp == 1:
         found.append(f"{flag} shards over the data-parallel ranks: it needs --dp > 1")
