@@ -110,7 +110,10 @@ def test_the_optimizer_kind_and_a_distributed_optimizers_tp_must_match_or_weight
     tp2 = train_here(tmp_path / "b", corpus_cache, "--tp", "2", "--dp", "2", "--use-distributed-optimizer",
                      "--steps", "4", "--load", checkpoints)
     assert_refused(tp2, "reshards over --dp only: resume at the saved --tp 1 --pp 1", "--no-load-optim")
-    assert rank_starts == []  # both refused before any rank started
+    fsdp2 = train_here(tmp_path / "d", corpus_cache, "--tp", "1", "--dp", "2", "--use-torch-fsdp2", "--steps", "4",
+                       "--load", checkpoints)  # FSDP2 steps its shards with the plain optimizer
+    assert_refused(fsdp2, "resume with --use-distributed-optimizer instead of --use-torch-fsdp2", "--no-load-optim")
+    assert rank_starts == []  # all refused before any rank started
     # weights only: a fresh optimizer, the schedule from the checkpoint's step
     weights = train_here(tmp_path / "c", corpus_cache, "--tp", "1", "--dp", "2", "--steps", "6", "--load", checkpoints,
                          "--no-load-optim")
