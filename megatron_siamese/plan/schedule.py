@@ -39,20 +39,25 @@ def warmup(layout: Layout, rank: int, microbatches: int) -> int:
     return min(found, total)
 
 
-def in_flight(layout: Layout, rank: int, microbatches: int) -> List[List[Tuple[int, int]]]:
-    """The (microbatch, chunk) pairs holding activations at each moment a backward begins."""
+def in_flight(layout: Layout, rank: int, microbatches: int) -> List[List[int]]:
+    """How many microbatches of each chunk hold activations at each moment a backward begins."""
     chunks = layout.vpp or 1
     forwards = schedule_table(microbatches, chunks, layout.pp)
-    backwards = [(mb, chunks - 1 - chunk) for mb, chunk in forwards]
     first = warmup(layout, rank, microbatches)
+    held = [0] * chunks
+    for _, chunk in forwards[:first]:
+        held[chunk] += 1
     moments = []
     for step in range(len(forwards) - first if first < len(forwards) else 1):
-        done = set(backwards[:step])
-        moments.append([pair for pair in forwards[: first + step + 1] if pair not in done])
+        if first + step < len(forwards):
+            held[forwards[first + step][1]] += 1
+        moments.append(list(held))
+        held[chunks - 1 - forwards[step][1]] -= 1  # the backward pass that follows
     return moments
 
 
 def peak(layout: Layout, rank: int, microbatches: int, held_by_chunk: Callable[[int], float]) -> float:
     """The most bytes the in-flight microbatches hold at once, ``held_by_chunk(chunk)`` each."""
-    return max(sum(held_by_chunk(chunk) for _, chunk in moment)
+    held = [held_by_chunk(chunk) for chunk in range(layout.vpp or 1)]
+    return max(sum(count * bytes_ for count, bytes_ in zip(moment, held))
                for moment in in_flight(layout, rank, microbatches))

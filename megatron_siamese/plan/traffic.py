@@ -40,6 +40,11 @@ from megatron_siamese.runtime.layout import Layout
 KINDS = ("tp", "sp", "pp", "dp", "ep")
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, ALL_TO_ALL, SEND, RECV = (
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
+# a TP-split sublayer's collectives per microbatch: without SP the output projection's all-reduce
+# forward and the input projection's backward; with SP an all-gather before the input projection
+# forward, of the output gradient and of the input again (for the weight gradient) backward, and
+# a reduce-scatter after the output projection forward and of the input gradient backward
+SUBLAYER_COLLECTIVES = {ALL_REDUCE: 2, ALL_GATHER: 3, REDUCE_SCATTER: 2}
 
 
 def sent_bytes(op: str, payload: float, group_size: int) -> float:
@@ -72,14 +77,12 @@ def _tensor_parallel(traffic: Traffic, shape: Shape, layout: Layout, chunks: Lis
             moe = shape.is_moe(layer)
             sublayers = 1 if moe else 2  # an MoE layer's MLP is the experts' (EP), not TP
             replays = {"full": sublayers, "selective": 0 if moe else 1}.get(layout.recompute, 0)
-            if layout.sp:
-                traffic.add("sp", ALL_GATHER, hidden, t, microbatches * (3 * sublayers + replays))
-                traffic.add("sp", REDUCE_SCATTER, hidden, t, microbatches * (2 * sublayers + replays))
-            else:
-                traffic.add("tp", ALL_REDUCE, hidden, t, microbatches * (2 * sublayers + replays))
+            for op in ((ALL_GATHER, REDUCE_SCATTER) if layout.sp else (ALL_REDUCE,)):
+                traffic.add("sp" if layout.sp else "tp", op, hidden, t,
+                            microbatches * (SUBLAYER_COLLECTIVES[op] * sublayers + replays))
             if moe and shape.shared_expert_ffn:  # a TP-split MLP beside the experts (MoE layers have SP)
-                traffic.add("sp", ALL_GATHER, hidden, t, microbatches * 3)
-                traffic.add("sp", REDUCE_SCATTER, hidden, t, microbatches * 2)
+                for op in (ALL_GATHER, REDUCE_SCATTER):
+                    traffic.add("sp", op, hidden, t, microbatches * SUBLAYER_COLLECTIVES[op])
             if moe and layout.expert_tp > 1:  # the routed tokens gathered over expert TP and scattered back
                 routed = tokens.sharded * shape.topk * layout.expert_tp * shape.hidden * activation_bytes
                 traffic.add("sp", ALL_GATHER, routed, layout.expert_tp, microbatches * 2)
