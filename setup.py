@@ -72,6 +72,7 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "tensorboard": ["tensorboard"],  # train --tensorboard-dir
         "wandb": ["wandb"],  # train --wandb-project
+        "fsdp": ["einops~=0.8"],  # Megatron-FSDP (train --use-megatron-fsdp; megatron-core's [dev] extra has it)
         # export / import-hf (docs/export.md); eval adds lm-eval. transformers <= 5.12.1 is what
         # Megatron-Bridge 0.6 accepts
         "hf": ["transformers==5.12.1", "safetensors==0.8.0", "lm-eval[hf]==0.4.13"],

@@ -88,12 +88,34 @@ def _qk_norm_without_config_flag() -> None:
     finalize._allreduce_non_tensor_model_parallel_grads = allreduce
 
 
+def _stream_norms_left_out_of_torch_fsdp() -> None:
+    """SiameseNorm's X/Y stream norms left out of torch FSDP2's units (``fully_shard``'s
+    ``ignored_params``), as a wrapper that shards only the modules it knows would leave them:
+    FSDP2 then neither shards them nor reduces their gradients, and each DP rank steps them with
+    its own microbatches' gradient. Megatron's DDP and Megatron-FSDP are untouched."""
+    import importlib
+
+    from megatron_siamese.layer import SiameseTransformerLayer
+
+    wrapper = importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel")
+    original = wrapper.fully_shard
+
+    def fully_shard(module, **kwargs):
+        norms = [norm for layer in module.modules() if isinstance(layer, SiameseTransformerLayer)
+                 for norm in (layer.attn_x_norm, layer.attn_y_norm, layer.mlp_x_norm, layer.mlp_y_norm)]
+        kwargs["ignored_params"] = {param for norm in norms for param in norm.parameters()}
+        return original(module, **kwargs)
+
+    wrapper.fully_shard = fully_shard
+
+
 FAULTS: Dict[str, Callable[[], None]] = {
     "local-depth-scale": _local_depth_scale,
     "no-sp-flag": _norms_without_sequence_parallel_flag,
     "experts-reduced-over-dp": _experts_reduced_over_data_parallel,
     "aux-loss-over-dp": _aux_loss_averaged_over_data_parallel_twice,
     "qk-norm-unreduced": _qk_norm_without_config_flag,
+    "stream-norms-outside-fsdp": _stream_norms_left_out_of_torch_fsdp,
 }
 
 

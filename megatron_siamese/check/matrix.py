@@ -1,6 +1,7 @@
 """Which layouts ``check --layouts all`` runs: the CPU matrix's layouts that fit the job, and
 splits of the whole job into tensor, pipeline and data parallelism (a launched job of 16:
-tp8-pp2, tp4-pp2-dp2-sp, pp4-vpp2-dp4, dp8-tp2-do, ...); for an MoE model, the MoE matrix's
+tp8-pp2, tp4-pp2-dp2-sp, pp4-vpp2-dp4, dp8-tp2-do, ...), those without pipeline stages once
+more fully sharded (tp2-dp8-sp-fsdp2, tp2-dp8-sp-mfsdp3); for an MoE model, the MoE matrix's
 and each split once more with its data-parallel ranks holding the experts (expert parallelism)."""
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def whole_job_layouts(world: int, num_experts: Optional[int] = None) -> List[str
             ep = gcd(num_experts or 1, dp)
             if ep > 1:
                 layouts.append(full.with_(ep=ep))
+            if dp > 1 and pp == 1:  # fully sharded both ways (neither runs with pipeline parallelism)
+                layouts += [Layout(tp=tp, dp=dp, sp=tp > 1, fsdp="torch"),
+                            Layout(tp=tp, dp=dp, sp=tp > 1, fsdp="megatron", fsdp_sharding="optim_grads_params")]
             names += [layout.name for layout in layouts if layout.name not in names]
     return names
 

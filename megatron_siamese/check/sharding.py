@@ -16,6 +16,12 @@ weights are split over the expert tensor-parallel group (``etp``, Megatron's def
 attention's ``tp``) by the same rule, so every function here that takes a TP rank and size
 takes the expert ones for expert parameters (``is_expert``). The router and shared experts
 are not experts: replicated, and split over ``tp``, as dense layers are.
+
+Fully sharded data parallelism (torch FSDP2, Megatron-FSDP) holds each (TP-local) parameter
+as a DTensor sharded over the DP ranks: each rank's local tensor is one contiguous range of the
+flattened parameter (FSDP2's even row chunks; Megatron-FSDP's uneven slices of its flat
+buffer), in DP rank order, so a rank's range starts where the lower ranks' end
+(``shard_starts``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,23 @@ import torch
 from torch import Tensor
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a fully sharded parameter, or its gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def shard_starts(sizes: List[int], group) -> List[int]:
+    """Where this rank's shards of several parameters start in their flattened parameters, given
+    their sizes here: the sum of the same shards' sizes on the lower ranks of ``group`` (the DP
+    group they are sharded over; every rank of it calls this, for the same parameters)."""
+    everyone = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(everyone, sizes, group=group)
+    lower = everyone[: torch.distributed.get_rank(group)]
+    return [sum(ranks[i] for ranks in lower) for i in range(len(sizes))]
 
 
 def is_tensor_parallel(param: Tensor) -> bool:

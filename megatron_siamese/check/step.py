@@ -22,7 +22,14 @@ from torch import Tensor
 
 from megatron_siamese import device
 
-from megatron_siamese.check.sharding import global_parameters, is_expert, seed_parameters, unshard
+from megatron_siamese.check.sharding import (
+    global_parameters,
+    is_dtensor,
+    is_expert,
+    seed_parameters,
+    shard_starts,
+    unshard,
+)
 from megatron_siamese.check.case import ModelCase
 from megatron_siamese.runtime.gpt import MegatronGPT, transformer_config, unwrap
 from megatron_siamese.runtime.layout import Layout
@@ -114,24 +121,51 @@ def seeded_gpt(case: ModelCase, layout: Layout) -> MegatronGPT:
                        siamese_p2p=case.siamese_p2p, **config_overrides(case))
 
 
-def _pieces(chunks, tensor_of, optimizer, tp_rank: int, expert_tp_rank: int) -> Dict[str, Piece]:
-    pieces = {}
+def _pieces(chunks, tensor_of, optimizer, tp_rank: int, expert_tp_rank: int, fsdp: str = "none") -> Dict[str, Piece]:
+    pieces, shards = {}, []
     for chunk in chunks:
+        held_by = fsdp_shards(chunk) if fsdp == "megatron" else {}
         for name, param in global_parameters(unwrap(chunk)):
-            tensor = tensor_of(param).detach().float().reshape(-1).cpu()  # gathered to rank 0 as bytes
+            held = held_by.get(id(param), param)  # the tensor that holds this rank's part of it
+            tensor = tensor_of(held)
+            if is_dtensor(held):  # a fully sharded parameter: this rank's contiguous part of it
+                tensor = held.to_local().new_empty(0) if tensor is None else tensor.to_local()
+            tensor = tensor.detach().float().reshape(-1).cpu()  # gathered to rank 0 as bytes
             start, end = 0, tensor.numel()
             if optimizer is not None:
                 start, end = _owned_range(optimizer, param)
             pieces[name] = Piece(
                 values=tensor[start:end].clone(),
                 start=start,
-                local_shape=tuple(param.shape),
+                local_shape=tuple(getattr(held, "orig_param", held).shape),
                 tp_rank=expert_tp_rank if is_expert(name) else tp_rank,
-                tensor_parallel=bool(getattr(param, "tensor_model_parallel", False)),
-                partition_dim=getattr(param, "partition_dim", -1),
-                partition_stride=getattr(param, "partition_stride", 1),
+                tensor_parallel=bool(getattr(held, "tensor_model_parallel", False)),
+                partition_dim=getattr(held, "partition_dim", -1),
+                partition_stride=getattr(held, "partition_stride", 1),
             )
+            if is_dtensor(held):
+                shards.append((pieces[name], held.device_mesh.get_group(0)))
+    for group in dict.fromkeys(group for _, group in shards):  # the DP group, or experts' own (in one order)
+        held_here = [piece for piece, its_group in shards if its_group is group]
+        for piece, start in zip(held_here, shard_starts([piece.values.numel() for piece in held_here], group)):
+            piece.start = start
     return pieces
+
+
+def fsdp_shards(chunk) -> Dict[int, Tensor]:
+    """Megatron-FSDP: the DTensor its optimizer steps for each module parameter (this rank's
+    shard of the TP-local parameter, ``orig_param``, with its gradient), by the id of the module's
+    parameter (between steps the module holds other DTensors, spanning the TP ranks too)."""
+    # named as in the module Megatron-FSDP wraps: Float16Module (bf16) adds "module."
+    by_name = {name.removeprefix("module."): shard
+               for name, shard in chunk.param_and_grad_buffer.optimizer_named_parameters}
+    return {id(param): by_name[name] for name, param in unwrap(chunk).named_parameters()}
+
+
+def _main_grad(param):
+    """The reduced gradient a rank holds: a DDP buffer's ``main_grad``; fully sharded, its shard's
+    ``grad`` (or the plain ``grad`` of a parameter FSDP does not manage)."""
+    return param.main_grad if hasattr(param, "main_grad") and not is_dtensor(param) else param.grad
 
 
 def _owned_range(optimizer, param) -> Tuple[int, int]:
@@ -177,11 +211,11 @@ def _step(case: ModelCase, layout: Layout) -> RankResult:
     result = RankResult(rank=torch.distributed.get_rank(), tp_rank=tp_rank)
     if parallel_state.is_pipeline_last_stage():
         result.losses = {dp_rank * per_rank + i: float(d["loss"]) for i, d in enumerate(losses)}
-    owner = gpt.optimizer if layout.distributed_optimizer else None
-    result.grads = _pieces(gpt.model, lambda p: p.main_grad, owner, tp_rank, expert_tp_rank)
+    owner = gpt.optimizer if layout.distributed_optimizer and layout.fsdp == "none" else None
+    result.grads = _pieces(gpt.model, _main_grad, owner, tp_rank, expert_tp_rank, layout.fsdp)
     _, grad_norm, _ = gpt.optimizer.step()
     result.grad_norm = None if grad_norm is None else float(grad_norm)
-    result.params = _pieces(gpt.model, lambda p: p, None, tp_rank, expert_tp_rank)
+    result.params = _pieces(gpt.model, lambda p: p, None, tp_rank, expert_tp_rank, layout.fsdp)
     result.memory_mb = memory_mb()
     return result
 

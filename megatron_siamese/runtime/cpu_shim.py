@@ -39,7 +39,15 @@ What ``install()`` changes, and only while it is installed:
   sizes), which gloo lacks, become an even all-gather of pieces padded to the largest one,
   and an all-reduce followed by this rank's slice (the same sums); and megatron-core 0.16.1's
   router, built without Transformer Engine, gets the ``te_general_gemm = None`` it leaves
-  undefined.
+  undefined;
+* Megatron's fully sharded data parallelism: its torch FSDP2 wrapper
+  (``TorchFullyShardedDataParallel``) and Megatron-FSDP's adapter (``FullyShardedDataParallel``)
+  build their device meshes with ``DeviceMesh.from_group(..., "cuda")``; asked for CUDA, those
+  meshes are made on the CPU (torch's ``fully_shard`` then keeps the parameters where they are,
+  and DTensor runs its collectives over gloo). Megatron-FSDP waits on its gradient-reduce events
+  (``Event.wait``: a no-op, as every stand-in stream's), and megatron-core 0.16.1's adapter asks
+  ``isinstance(module, TELinear)`` under TP, which without Transformer Engine is a MagicMock that
+  ``isinstance`` refuses: there it is a class no module is an instance of.
 
 It refuses to install when CUDA is available: on a GPU machine Megatron must run on
 the GPU, never through this shim. Only the launcher (``runtime/launch.py``, for gloo
@@ -162,6 +170,9 @@ class HostStream:
     def wait_event(self, event: Any) -> None:
         pass
 
+    def wait(self, stream: Any = None) -> None:  # an event's: Megatron-FSDP waits on its reduce events
+        pass
+
     def record_event(self, event: Any = None) -> "HostStream":
         return event if event is not None else HostStream()
 
@@ -217,6 +228,29 @@ def _device_replacements() -> Dict[Tuple[Any, str], Any]:
             (torch.cuda, "stream"): lambda stream=None: contextlib.nullcontext(),
         }
     )
+    return replacements
+
+
+class _MeshOnCpu:
+    """Stands in for ``DeviceMesh`` where Megatron's FSDP wrappers name it: the meshes they build
+    for CUDA are built on the CPU (the ranks' gloo groups are the same groups)."""
+
+    @staticmethod
+    def from_group(group, device_type: str, *args: Any, **kwargs: Any):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu" if _names_cuda(device_type) else device_type, *args, **kwargs)
+
+
+def _fsdp_replacements() -> Dict[Tuple[Any, str], Any]:
+    """Megatron's torch-FSDP2 wrapper and Megatron-FSDP's adapter: their meshes on the CPU."""
+    import importlib
+
+    torch_fsdp2, adapter = (importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel"),
+                            importlib.import_module("megatron.core.distributed.fsdp.mcore_fsdp_adapter"))
+    replacements = {(torch_fsdp2, "DeviceMesh"): _MeshOnCpu, (adapter, "DeviceMesh"): _MeshOnCpu}
+    if not isinstance(getattr(adapter, "TELinear", type), type):  # 0.16.1 without TE: a MagicMock isinstance() refuses
+        replacements[(adapter, "TELinear")] = type("NoTELinear", (), {})  # no module is one
     return replacements
 
 
@@ -307,7 +341,7 @@ def install() -> None:
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0)
         replacements = {**_device_replacements(), **_cuda_rng_replacements(generator), **_moe_replacements(),
-                        **_inference_replacements()}
+                        **_inference_replacements(), **_fsdp_replacements()}
         originals: List[Tuple[Any, str, Any]] = []
         for (owner, name), replacement in replacements.items():
             originals.append((owner, name, getattr(owner, name, _ABSENT)))

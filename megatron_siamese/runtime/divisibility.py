@@ -107,6 +107,7 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
                      f"size dividing it ({divisors}, ...)")
     found += _stage_problems(model, layout, spell)
     found += expert_problems(model, layout, spell)
+    found += fsdp_problems(layout)
     dp = layout.dp
     if _positive(micro_batch_size, global_batch_size, dp) and global_batch_size % (micro_batch_size * dp):
         found.append(f"{global_batch_flag} {global_batch_size} must be a multiple of --micro-batch-size x "
@@ -132,6 +133,31 @@ def expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, 
         found.append(f"the expert MLP width {width} (--moe-ffn-hidden-size) does not split over "
                      f"{spell('etp', layout.expert_tp)}")
     return found
+
+
+# Megatron-FSDP strategies megatron-core 0.16.x cannot train (fixed by 0.19): the call that fails, and how
+_MEGATRON_FSDP_016 = {
+    "no_shard": "its start_param_sync gathers a weight bucket that no_shard never allocates "
+                "(megatron_fsdp.py:1126 -> param_and_grad_buffer.py:3734: 'NoneType' object has no attribute "
+                "'fetch_bucket')",
+    "optim": "with overlap_grad_reduce it reduce-scatters each gradient bucket and adds the result to a buffer "
+             "that still holds this rank's own gradient (param_and_grad_buffer.py:3257: every gradient off by "
+             "up to 1.8x in the check)",
+}
+
+
+def fsdp_problems(layout: Layout) -> List[str]:
+    """Fully sharded data parallelism the installed megatron-core cannot train (part of ``split_problems``)."""
+    if layout.fsdp != "megatron" or layout.fsdp_sharding not in _MEGATRON_FSDP_016:
+        return []
+    from megatron_siamese.versions import installed_megatron_core, release
+
+    found = installed_megatron_core()
+    if release(found) >= (0, 19, 0):
+        return []
+    return [f"Megatron-FSDP's {layout.fsdp_sharding} strategy cannot train on megatron-core {found}: "
+            f"{_MEGATRON_FSDP_016[layout.fsdp_sharding]}; use optim_grads or optim_grads_params (mfsdp2, mfsdp3), "
+            "or megatron-core 0.19"]
 
 
 def _stage_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, int], str]) -> List[str]:

@@ -2,7 +2,8 @@
 
     ModelSettings + Layout --transformer_config--> SiameseTransformerConfig
       --models.build_model_chunks--> GPTModel or HybridModel chunks (one per virtual stage)
-      --init_weights (optional)--> GPU, Float16Module (bf16), DistributedDataParallel
+      --init_weights (optional)--> GPU, Float16Module (bf16), DistributedDataParallel or a fully
+          sharded wrapper (torch FSDP2, Megatron-FSDP; runtime/data_parallel.py)
       --> Megatron optimizer (distributed or not), finalize_model_grads and the overlapped
           gradient sync wired as Megatron-LM wires them
       --> get_forward_backward_func over microbatches, with SiameseP2PCommunicator when the
@@ -144,15 +145,12 @@ class MegatronGPT:
         siamese_p2p: bool = True,
         **config_overrides,
     ):
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
+        from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
         from megatron_siamese.models import build_model_chunks
+        from megatron_siamese.runtime import data_parallel
 
         self.settings, self.layout = model, layout
         initialize_model_parallel(layout, seed)
@@ -164,15 +162,8 @@ class MegatronGPT:
             chunks = [chunk.to(device.current()) for chunk in chunks]
         if config.bf16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=layout.dp > 1,
-            use_distributed_optimizer=layout.distributed_optimizer,
-        )
-        self.model = [
-            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
-            for i, chunk in enumerate(chunks)
-        ]
+        self.model = data_parallel.wrap(config, layout, chunks, model.share_embeddings_and_output_weights)
+        ddp_config = self.model[0].ddp_config
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
