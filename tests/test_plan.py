@@ -5,6 +5,8 @@ Pure arithmetic: tests/test_plan_measured.py holds the plan against CPU ranks.""
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -314,6 +316,17 @@ def test_settings_the_plan_cannot_honour_are_refused_by_name(name):
     done = cli_here("plan", *flags(GPT3_70B), *extra)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert done.stdout == ""
+
+
+def test_plan_is_arithmetic_no_torch_no_megatron_no_ranks():
+    """The command in a process of its own: it prints its plan having imported neither torch nor
+    Megatron (so it starts no rank)."""
+    script = ("import contextlib, io, sys\nfrom megatron_siamese.cli import main\n"
+              "with contextlib.redirect_stdout(io.StringIO()):\n    assert main(sys.argv[1:]) == 0\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
+    done = subprocess.run([sys.executable, "-c", script, "plan", *flags(GPT3_70B)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
 
 def test_gpu_memory_by_name_and_size():
