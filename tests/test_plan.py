@@ -202,39 +202,41 @@ def test_interleaved_rank_0_keeps_megatrons_penalty_in_flight():
 # -- what data parallelism shards
 
 
-@pytest.mark.parametrize("fsdp, strategy, distributed_optimizer, sharded", [
-    ("none", "optim_grads_params", False, ()),
-    ("none", "optim_grads_params", True, ("optimizer",)),
-    ("megatron", "no_shard", False, ()),
-    ("megatron", "optim", False, ("optimizer",)),
-    ("megatron", "optim_grads", False, ("optimizer", "grads")),
-    ("megatron", "optim_grads_params", False, ("optimizer", "grads", "weights")),
-    ("torch", "optim_grads_params", False, ("optimizer", "grads", "weights")),
+@pytest.mark.parametrize("fsdp, strategy, distributed_optimizer, sharded, every_microbatch, gathers", [
+    ("none", "no_shard", False, (), False, 0),
+    ("none", "no_shard", True, ("optimizer",), False, 1),
+    ("megatron", "no_shard", False, (), False, 0),
+    ("megatron", "optim", False, ("optimizer",), True, 1),
+    ("megatron", "optim_grads", False, ("optimizer", "grads"), True, "m"),
+    ("megatron", "optim_grads_params", False, ("optimizer", "grads", "weights"), True, "2m"),
+    ("torch", "no_shard", False, ("optimizer", "grads", "weights"), True, "2m"),
 ])
-def test_data_parallel_sharding_divides_what_it_shards_and_moves_it(fsdp, strategy, distributed_optimizer, sharded):
-    """Sharded states are divided by DP (weights and gradients plus what FSDP gathers for one
-    layer); gradients are all-reduced once a step (DDP), reduce-scattered with the weights
-    all-gathered once (sharded optimizer), reduce-scattered every microbatch (sharded gradients),
-    and sharded weights all-gathered for every forward and backward."""
+def test_data_parallel_sharding_divides_what_it_shards_and_moves_it(fsdp, strategy, distributed_optimizer, sharded,
+                                                                    every_microbatch, gathers):
+    """Sharded states are divided by DP, and a layer's weights (two: computing, prefetched) and
+    gradients are gathered whole beside them; gradients are all-reduced once a step (DDP),
+    reduce-scattered once with the weights all-gathered once (the distributed optimizer), or
+    reduce-scattered every microbatch (FSDP), sharded weights all-gathered for every forward and
+    backward (Megatron-FSDP's optim_grads: once a microbatch, as measured)."""
     args = gpt3(tp=8, pp=8, dp=16, sp=True, global_batch_size=1536)
     inputs = plan_inputs(args)
     replicated = gpu_costs(inputs, STOCK, 1)  # a middle stage: its layers alone, all alike
     mode = data_parallel_sharding(distributed_optimizer, fsdp, strategy)
+    assert mode.reduce_every_microbatch == every_microbatch
     costs = gpu_costs(dataclasses.replace(inputs, sharding=mode), STOCK, 1)
-    layers = args.num_layers // args.pp
     for state in ("weights", "grads", "optimizer"):
         ratio = getattr(costs, state) / getattr(replicated, state)
-        if state in sharded:  # the shard, and one (gradients) or two (weights) layers gathered
-            gathered = {"weights": 2, "grads": 1, "optimizer": 0}[state]
-            assert ratio == pytest.approx(1 / args.dp + gathered / layers, rel=1e-2)
-        else:
-            assert ratio == pytest.approx(1, rel=1e-3)
-    grads = replicated.grads  # one stage's fp32 gradients: what one step reduces
-    weights = replicated.weights
+        assert ratio == pytest.approx(1 / args.dp if state in sharded else 1, rel=1e-3)
+    layer = replicated.weights / (args.num_layers // args.pp)  # one layer's weights (bf16)
+    gathered = (2 * layer if "weights" in sharded else 0) + (layer * 2 if "grads" in sharded else 0)
+    assert costs.gathered == pytest.approx(gathered, rel=1e-3)
+    grads, weights = replicated.grads, replicated.weights  # one stage's fp32 gradients, bf16 weights
     share, m = (args.dp - 1) / args.dp, args.num_microbatches
-    expected = {(): 2 * share * grads, ("optimizer",): share * (grads + weights),
-                ("optimizer", "grads"): share * (m * grads + weights),
-                ("optimizer", "grads", "weights"): share * m * (grads + 2 * weights)}[sharded]
+    gathers = {"m": m, "2m": 2 * m}.get(gathers, gathers)
+    if every_microbatch:
+        expected = share * (m * grads + gathers * weights)
+    else:
+        expected = share * (grads + weights) if sharded else 2 * share * grads
     assert costs.sent["dp"] == pytest.approx(expected, rel=2e-3)
 
 

@@ -29,6 +29,7 @@ import torch
 
 from megatron_siamese.check.case import ModelCase
 from megatron_siamese.check.collectives import CollectiveCounter, group_kinds
+from megatron_siamese.check.sharding import is_dtensor
 from megatron_siamese.runtime.layout import Layout
 
 
@@ -47,6 +48,11 @@ class MeasuredCosts:
     calls: List[Tuple[str, str, int, float]] = field(default_factory=list)  # (kind, op, group size, sent)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A fully sharded tensor's (DTensor's) part on this rank; any other tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
 def _storage_key(tensor: torch.Tensor) -> int:
     """The storage's identity, stable while it is resized (selective recompute frees and refills)."""
     return tensor.untyped_storage()._cdata
@@ -54,7 +60,7 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: Dict[int, int] = {}
-    for tensor in tensors:
+    for tensor in map(_local, tensors):
         seen[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
     return sum(seen.values())
 
@@ -155,6 +161,28 @@ def _optimizer_state(optimizer) -> List[torch.Tensor]:
     return found
 
 
+def _held_parameters(chunks, layout: Layout) -> List[torch.Tensor]:
+    """The parameters as this rank holds them for compute: the modules' own (DTensor shards under
+    torch FSDP2)."""
+    return [p for chunk in chunks for p in chunk.parameters()]
+
+
+def _stepped_parameters(chunks, layout: Layout) -> List[torch.Tensor]:
+    """What the optimizer steps and holds gradients for: the parameters, or under Megatron-FSDP
+    the DTensor shards of its main weights."""
+    if layout.fsdp != "megatron":
+        return _held_parameters(chunks, layout)
+    from megatron_siamese.check.step import fsdp_shards
+
+    return [shard for chunk in chunks for shard in fsdp_shards(chunk).values()]
+
+
+def _gradient(param: torch.Tensor):
+    """The reduced gradient a rank holds: a DDP buffer's ``main_grad``, or a shard's ``grad``."""
+    main = None if is_dtensor(param) else getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
 def measure_rank(case: ModelCase, layout: Layout) -> MeasuredCosts:
     """One step on this rank (see the module docstring), measured."""
     from megatron.core import parallel_state
@@ -168,14 +196,12 @@ def measure_rank(case: ModelCase, layout: Layout) -> MeasuredCosts:
         plant(case.fault)
     try:
         model = seeded_gpt(case, layout)
-        params = [p for chunk in model.model for p in chunk.parameters()]
-        grads = [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
-        weights = {_storage_key(p) for p in params}
-        excluded = weights | {_storage_key(g) for g in grads}
+        params = _held_parameters(model.model, layout)
+        weights = {_storage_key(_local(p)) for p in params}
         dp_rank, per_rank = parallel_state.get_data_parallel_rank(), case.num_microbatches // layout.dp
         batches = microbatches(case)[dp_rank * per_rank: (dp_rank + 1) * per_rank]
         counter = CollectiveCounter(group_kinds())
-        tracker = SavedActivations(excluded, counter)
+        tracker = SavedActivations(weights, counter)
 
         def forward_step(data_iterator, chunk):
             tracker.sample()  # before this microbatch's forward: the peak of what came before
@@ -187,7 +213,9 @@ def measure_rank(case: ModelCase, layout: Layout) -> MeasuredCosts:
         with counter, tracker:
             model.forward_backward(batches, step=forward_step)
             model.optimizer.step()
-        state = [t for t in _optimizer_state(model.optimizer) if _storage_key(t) not in excluded]
+        grads = [g for g in map(_gradient, _stepped_parameters(model.model, layout)) if g is not None]
+        excluded = weights | {_storage_key(_local(g)) for g in grads}
+        state = [t for t in map(_local, _optimizer_state(model.optimizer)) if _storage_key(t) not in excluded]
         return MeasuredCosts(
             rank=torch.distributed.get_rank(), pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
             weights=_storage_bytes(params), grads=_storage_bytes(grads), optimizer=_storage_bytes(state),

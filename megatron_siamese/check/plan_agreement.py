@@ -29,7 +29,7 @@ TOLERANCE = 0.05
 HELD = ("weights", "grads", "optimizer", "activations", "pipeline")
 TERMS = HELD + KINDS
 
-_DENSE = ("single", "tp2", "tp2-sp", "pp2", "pp2-vpp2", "dp2-do", "full")
+_DENSE = ("single", "tp2", "tp2-sp", "pp2", "pp2-vpp2", "dp2-do", "dp2-fsdp2", "full")
 _APART, _PYTORCH = dict(fused_ops=True, boundary_ops=False), dict(fused_ops=False)
 CASES: Tuple[Tuple[ModelCase, str], ...] = (
     tuple((ModelCase(norm="pre"), name) for name in _DENSE)

@@ -43,10 +43,11 @@ class GpuCosts:
     activations: float
     pipeline: float
     sent: Dict[str, float] = field(default_factory=dict)
+    gathered: float = 0.0  # FSDP: sharded weights and gradients unsharded for the layer computing
 
     @property
     def memory(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.pipeline
+        return self.weights + self.grads + self.optimizer + self.gathered + self.activations + self.pipeline
 
 
 def gpu_costs(inputs: PlanInputs, variant: str, rank: int) -> GpuCosts:
@@ -69,7 +70,7 @@ def gpu_costs(inputs: PlanInputs, variant: str, rank: int) -> GpuCosts:
     sent = step_traffic(shape, layout, chunks, params, variant, tokens_of(shape, layout, inputs.micro_batch),
                         inputs.impl.bytes, inputs.microbatches, inputs.sharding, buffers)
     return GpuCosts(rank, sum(s.weights for s in states), sum(s.grads for s in states),
-                    sum(s.optimizer for s in states), activations, pipeline, sent)
+                    sum(s.optimizer for s in states), activations, pipeline, sent, max(s.gathered for s in states))
 
 
 def every_rank(inputs: PlanInputs, variant: str) -> List[GpuCosts]:

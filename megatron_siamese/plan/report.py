@@ -15,7 +15,8 @@ from megatron_siamese.plan.per_gpu import GpuCosts, PlanInputs, every_rank, most
 NAMES = {STOCK: "stock Pre-Norm", "joined": "SiameseNorm joined", "apart": "SiameseNorm apart",
          "pytorch": "SiameseNorm PyTorch"}
 HELD = (("weights", "weights"), ("grads", "gradients"), ("optimizer", "optimizer state"),
-        ("activations", "activations kept for backward"), ("pipeline", "pipeline buffers"), ("memory", "total"))
+        ("gathered", "FSDP: a layer gathered"), ("activations", "activations kept for backward"),
+        ("pipeline", "pipeline buffers"), ("memory", "total"))
 SENT = (("tp", "TP all-reduce"), ("sp", "SP all-gather, reduce-scatter"), ("pp", "PP p2p, tied embedding"),
         ("dp", "DP"), ("ep", "EP all-to-all"))
 
@@ -81,6 +82,8 @@ def format_plan(plan: Plan, gpu_name: str) -> str:
                                               for n in numbers[1:]]
 
     for key, label in HELD:
+        if key == "gathered" and not any(loaded[v].gathered for v in plan.variants):
+            continue  # nothing sharded that a layer needs whole
         lines.append(_row(label, values(lambda costs: getattr(costs, key)), width))
     lines.append("  sent per step:")
     for key, label in SENT:

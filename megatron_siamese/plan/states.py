@@ -14,7 +14,7 @@ parameter starts at a multiple of 64 elements, each bucket ends at a multiple of
 ``lcm(dp, 128)``, the word embedding tied over stages in a bucket of its own): counted here
 (``padded_numel``), as they decide the buffers' size on small models. Sharded weights are
 gathered for compute: two layers' worth (the one computing and the next, prefetched) and one
-layer's unsharded gradients are counted on top of the shards.
+layer's unsharded gradients are counted apart from the shards (``States.gathered``).
 """
 
 from __future__ import annotations
@@ -24,32 +24,31 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence
 
 from megatron_siamese.plan.shapes import Parameter
-from megatron_siamese.runtime.layout import Layout
+from megatron_siamese.runtime.layout import FSDP_KINDS, SHARDING_STRATEGIES, Layout
 
 GRAD_BYTES = 4
 ADAM_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 MAIN_PARAM_BYTES = 4
-FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-FSDP_KINDS = ("none", "torch", "megatron")
 
 
 @dataclass(frozen=True)
 class DataParallelSharding:
-    """Which training states data parallelism shards, by what name."""
+    """Which training states data parallelism shards, by what name, and how often it moves them:
+    whether gradients are reduce-scattered after every microbatch's backward instead of once a
+    step, and how many times a microbatch weights are all-gathered (0: once a step, after the
+    optimizer's). Megatron-FSDP's counts are what the CPU ranks measure (docs/scale.md)."""
 
     name: str
     weights: bool = False
     grads: bool = False
     optimizer: bool = False
-
-    @property
-    def fsdp(self) -> bool:
-        """Weights gathered layer by layer in forward and backward (ZeRO-3)."""
-        return self.weights
+    reduce_every_microbatch: bool = False
+    gathers_per_microbatch: int = 0
+    padded: bool = False  # Megatron DDP's buffers for the distributed optimizer (padded_numel)
 
 
 def data_parallel_sharding(distributed_optimizer: bool, fsdp: str = "none",
-                           strategy: str = "optim_grads_params") -> DataParallelSharding:
+                           strategy: str = "no_shard") -> DataParallelSharding:
     """The sharding of a job: Megatron DDP with or without the distributed optimizer
     (``fsdp="none"``), torch FSDP2's ``fully_shard`` (``"torch"``: all three), or Megatron-FSDP
     with its ``data_parallel_sharding_strategy`` (``"megatron"``)."""
@@ -57,21 +56,22 @@ def data_parallel_sharding(distributed_optimizer: bool, fsdp: str = "none",
         raise ValueError(f"fsdp must be one of {FSDP_KINDS}, got {fsdp!r}")
     if fsdp == "none":
         if distributed_optimizer:
-            return DataParallelSharding("distributed optimizer", optimizer=True)
+            return DataParallelSharding("distributed optimizer", optimizer=True, padded=True)
         return DataParallelSharding("DDP")
     if fsdp == "torch":
-        return DataParallelSharding("torch FSDP2", weights=True, grads=True, optimizer=True)
-    if strategy not in FSDP_STRATEGIES:
-        raise ValueError(f"data_parallel_sharding_strategy must be one of {FSDP_STRATEGIES}, got {strategy!r}")
-    level = FSDP_STRATEGIES.index(strategy)
+        return DataParallelSharding("torch FSDP2", weights=True, grads=True, optimizer=True, reduce_every_microbatch=True,
+                                    gathers_per_microbatch=2)
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"data_parallel_sharding_strategy must be one of {SHARDING_STRATEGIES}, got {strategy!r}")
+    level = SHARDING_STRATEGIES.index(strategy)
     return DataParallelSharding(f"Megatron-FSDP {strategy}", optimizer=level >= 1, grads=level >= 2,
-                                weights=level >= 3)
+                                weights=level >= 3, reduce_every_microbatch=level >= 1,
+                                gathers_per_microbatch=(0, 0, 1, 2)[level])
 
 
 def layout_sharding(layout: Layout) -> DataParallelSharding:
-    """The sharding ``layout`` asks for (its FSDP fields where the Layout has them)."""
-    return data_parallel_sharding(layout.distributed_optimizer, getattr(layout, "fsdp", "none"),
-                                  getattr(layout, "fsdp_sharding", "optim_grads_params"))
+    """The sharding ``layout`` asks for."""
+    return data_parallel_sharding(layout.distributed_optimizer, layout.fsdp, layout.fsdp_sharding)
 
 
 def dense_dp_size(layout: Layout) -> int:
@@ -115,11 +115,13 @@ def padded_numel(numels: Sequence[int], shared: Sequence[bool], dp: int, size: f
 
 @dataclass(frozen=True)
 class States:
-    """One GPU's weights, gradients and optimizer state, in bytes."""
+    """One GPU's weights, gradients and optimizer state, in bytes (sharded: this GPU's shards), and
+    what sharded weights and gradients need unsharded while a layer computes."""
 
     weights: float
     grads: float
     optimizer: float
+    gathered: float = 0.0
 
 
 def _buffer(params: List[Parameter], layout: Layout, dp: int, padded: bool, bucketed: bool) -> int:
@@ -143,10 +145,9 @@ def chunk_buffers(params: Iterable[Parameter], layout: Layout, param_bytes: int,
                   bucketed: bool) -> Dict[str, float]:
     """One chunk's whole (unsharded) gradient and weight buffers in bytes, dense and expert:
     ``grads``, ``weights``, ``expert_grads``, ``expert_weights`` (what data parallelism moves)."""
-    padded = sharding.optimizer and not sharding.weights  # Megatron DDP with the distributed optimizer
     found = dict(grads=0.0, weights=0.0, expert_grads=0.0, expert_weights=0.0)
     for expert, fp32, members, dp in _groups(list(params), layout):
-        numel = _buffer(members, layout, dp, padded, bucketed)
+        numel = _buffer(members, layout, dp, sharding.padded, bucketed)
         prefix = "expert_" if expert else ""
         found[prefix + "grads"] += numel * GRAD_BYTES
         found[prefix + "weights"] += numel * (4 if fp32 else param_bytes)
@@ -169,8 +170,6 @@ def chunk_states(params: Iterable[Parameter], layout: Layout, param_bytes: int, 
     for _, fp32, members, dp in _groups(params, layout):
         per_param = ADAM_BYTES + (MAIN_PARAM_BYTES if not fp32 and param_bytes < 4 else 0)
         optimizer += sum(p.local_numel(layout) for p in members) * per_param / (dp if sharding.optimizer else 1)
-    if sharding.weights:
-        weights += 2 * largest_layer * param_bytes
-    if sharding.grads:
-        grads += largest_layer * GRAD_BYTES
-    return States(weights, grads, optimizer)
+    gathered = (2 * largest_layer * param_bytes if sharding.weights else 0) + (
+        largest_layer * GRAD_BYTES if sharding.grads else 0)
+    return States(weights, grads, optimizer, gathered)

@@ -20,8 +20,9 @@ microbatch's hidden states on a rank (``T = s b / cp``), per microbatch:
   ``[Ts, b, 2h]`` SiameseNorm (``Ts = T / tp`` under SP); once a step the tied embedding's
   gradient all-reduce between the first and last stage;
 * DP: the gradient buffers (fp32) all-reduced once a step; the distributed optimizer
-  reduce-scatters them and all-gathers the weights instead; sharded gradients are
-  reduce-scattered every microbatch, sharded weights all-gathered for every forward and backward;
+  reduce-scatters them and all-gathers the weights instead; FSDP reduce-scatters them every
+  microbatch (torch FSDP2, Megatron-FSDP from ``optim`` on) and all-gathers sharded weights for
+  every forward and backward (Megatron-FSDP's ``optim_grads``: once a microbatch);
 * EP (Megatron's alltoall dispatcher): per MoE layer 3 all-to-alls forward (hidden states,
   routing probabilities, the experts' outputs back) and 3 backward of ``Ts k`` token copies
   (a balanced router), and an all-gather of the tokens per expert.
@@ -134,11 +135,11 @@ def _data_parallel(traffic: Traffic, grads: float, weights: float, dp: int, shar
                    microbatches: int) -> None:
     if dp == 1 or not grads:
         return
-    if sharding.weights:  # gathered for each forward and again for each backward
-        traffic.add("dp", ALL_GATHER, weights, dp, 2 * microbatches)
-    elif sharding.optimizer:
+    if sharding.gathers_per_microbatch:  # sharded weights: for each forward and again for each backward
+        traffic.add("dp", ALL_GATHER, weights, dp, sharding.gathers_per_microbatch * microbatches)
+    elif sharding.optimizer:  # the updated shards, once a step
         traffic.add("dp", ALL_GATHER, weights, dp)
-    if sharding.grads:
+    if sharding.reduce_every_microbatch:
         traffic.add("dp", REDUCE_SCATTER, grads, dp, microbatches)
     elif sharding.optimizer:
         traffic.add("dp", REDUCE_SCATTER, grads, dp)
