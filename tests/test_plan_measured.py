@@ -73,8 +73,8 @@ PLANTED = {  # the fault, the term it drops, the cases that term must fail in, a
     "sp re-gather left out": (
         _sp_regather_left_out, "sp", lambda layout, variant: layout == "tp2-sp" and not variant.endswith(" - stock"),
         None),
-    # every difference from stock fails; the totals fail where SiameseNorm adds more than 5% (not the
-    # joined path's one h-wide vector a layer on this small model: why the differences are compared)
+    # every difference from stock fails; the totals where what is left out is over 5% of them (the
+    # apart and PyTorch paths; the joined path then misses only statistics: why differences are compared)
     "siamese keeps what stock keeps": (
         _siamese_keeps_what_stock_keeps, "activations", _differences,
         lambda layout, variant: variant != STOCK),

@@ -139,3 +139,15 @@ def format_terms(terms: Sequence[Term]) -> str:
         cells = [f"{t.term} {t.measured:.0f} {t.error:+.1%}" for t in row if t.measured or t.predicted]
         lines.append(f"{layout:<9} {variant:<16} stage {stage}: " + ", ".join(cells))
     return "\n".join(lines)
+
+
+def worst_by_term(terms: Sequence[Term]) -> str:
+    """Per term, how many case stages measured it nonzero and the plan's worst error there."""
+    lines = []
+    for name in TERMS:
+        found = [t for t in terms if t.term == name and t.measured]
+        if found:
+            worst = max(found, key=lambda t: abs(t.error))
+            lines.append(f"{name:<12} {len(found):>3} stages measured, worst {worst.error:+.2%} "
+                         f"({worst.layout} {worst.variant} stage {worst.stage})")
+    return "\n".join(lines)
