@@ -4,7 +4,7 @@ flight) and ``traffic``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Dict, List
 
 from megatron_siamese.plan.activations import STOCK, Implementation, chunk_activations, tokens_of
@@ -81,7 +81,3 @@ def every_rank(inputs: PlanInputs, variant: str) -> List[GpuCosts]:
 def most_loaded(costs: List[GpuCosts]) -> GpuCosts:
     """The pipeline rank that needs the most memory (the one that decides whether a job fits)."""
     return max(costs, key=lambda c: c.memory)
-
-
-def with_layout(inputs: PlanInputs, layout: Layout) -> PlanInputs:
-    return replace(inputs, layout=layout)
