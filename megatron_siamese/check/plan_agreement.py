@@ -1,7 +1,8 @@
 """The plan held against what CPU ranks measure: every term, every layout, within 5%.
 
 ``CASES`` are the layouts (stock Pre-Norm and SiameseNorm on the path the CPU runs, joined; apart
-and PyTorch on a few; an MoE model under expert parallelism) that ``measure`` runs in one job
+and PyTorch on a few; multi-head attention without RoPE; an MoE model under expert parallelism)
+that ``measure`` runs in one job
 through ``check/costs.py``; ``compare`` predicts each with the plan (``plan/per_gpu.py``, for the
 check's tiny fp32 GPT on Megatron's local modules) and lists, per pipeline stage and term, the
 measured and predicted bytes. Measurements are averaged over the ranks of a pipeline stage,
@@ -31,13 +32,22 @@ TERMS = HELD + KINDS
 
 _DENSE = ("single", "tp2", "tp2-sp", "pp2", "pp2-vpp2", "dp2-do", "dp2-fsdp2", "full")
 _APART, _PYTORCH = dict(fused_ops=True, boundary_ops=False), dict(fused_ops=False)
+# multi-head attention without RoPE: Q, K and V as views of one stored projection, position ids
+_MHA = dict(num_query_groups=4, position_embedding_type="learned_absolute")
 CASES: Tuple[Tuple[ModelCase, str], ...] = (
     tuple((ModelCase(norm="pre"), name) for name in _DENSE)
     + tuple((ModelCase(), name) for name in _DENSE + ("sel",))
     + tuple((ModelCase(**_APART), name) for name in ("single", "tp2-sp", "sel"))
     + tuple((ModelCase(**_PYTORCH), name) for name in ("single", "pp2"))
+    + ((ModelCase(norm="pre", **_MHA), "tp2-sp"), (ModelCase(**_MHA), "tp2-sp"))
     + ((dataclasses.replace(MOE_CASE, norm="pre"), "ep2"), (MOE_CASE, "ep2"))
 )
+
+
+def case_label(case: ModelCase, name: str) -> str:
+    """The layout's name, with what sets the case's model apart from the check's GPT."""
+    tags = ["moe"] * bool(case.num_moe_experts) + ["mha"] * (case.num_query_groups == case.num_attention_heads)
+    return "+".join([name] + tags)
 
 
 def variant_of(case: ModelCase) -> str:
@@ -103,12 +113,12 @@ def compare(cases: Sequence[Tuple[ModelCase, str]], measured: Sequence[Sequence]
     found: List[Term] = []
     stages: Dict[Tuple[str, str, bool], Dict[int, Tuple[Dict, Dict]]] = {}
     for (case, name), ranks in zip(cases, measured):
-        layout, variant = parse_layout(name), variant_of(case)
+        layout, variant, label = parse_layout(name), variant_of(case), case_label(case, name)
         inputs = case_inputs(case, layout)
         for stage, terms in _stages(ranks).items():
             predicted = terms_of(predict(inputs, variant, stage))
-            found += [Term(name, variant, stage, term, terms[term], predicted[term]) for term in TERMS]
-            stages.setdefault((name, variant, bool(case.num_moe_experts)), {})[stage] = (terms, predicted)
+            found += [Term(label, variant, stage, term, terms[term], predicted[term]) for term in TERMS]
+            stages.setdefault((label, variant, bool(case.num_moe_experts)), {})[stage] = (terms, predicted)
     for (name, variant, moe), siamese in stages.items():
         stock = stages.get((name, STOCK, moe))
         if variant == STOCK or stock is None:

@@ -6,10 +6,12 @@ modules, counted as storages: a view keeps its whole storage):
 
 * every sublayer: its residual input, kept by its norm with the norm's fp32 statistics (2 a token
   for LayerNorm, 1 for RMSNorm), and the normalized input its first linear keeps: ``Ts h`` each;
-* attention: Q, K and V, and its output (the output projection's input), ``T a d / tp`` each;
-  unfused (Megatron's local ``DotProductAttention``, which repeats K and V to every head) also
-  the probabilities ``T (a / tp) s``, and RoPE's cosines and sines for Q and K (``4 s d``);
-  flash attention instead its fp32 log-sum-exp (``T a / tp``); dropout adds its masks;
+* attention: Q, K and V as they are stored, and its output (the output projection's input,
+  ``T a d / tp``): V is a view that keeps the QKV projection's output ``T (a + 2g) d / tp`` whole,
+  as Q and K are without RoPE, which makes new ones (``T (a + g) d / tp``); Megatron's local
+  ``DotProductAttention`` repeats K and V to every head when ``g < a`` (``3 T a d / tp`` then) and
+  keeps the probabilities ``T (a / tp) s`` and RoPE's cosines and sines for Q and K (``4 s d``);
+  flash attention keeps its fp32 log-sum-exp (``T a / tp``) instead; dropout adds its masks;
 * dense MLP: ``linear_fc1``'s output as the activation keeps it and ``linear_fc2``'s input: GELU
   ``2 T f / tp``; a gated unit ``3 T f / tp`` fused (Transformer Engine, bias-SwiGLU), ``5 T f / tp``
   in Megatron's local composition (the gate's output and the linear half are kept apart);
@@ -96,10 +98,15 @@ def _norm(shape: Shape, tokens: Tokens, impl: Implementation, width: int = 0) ->
 
 
 def _attention(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementation) -> float:
-    """The attention sublayer past its normalized input: Q, K, V, output, and what the kernel keeps."""
-    heads = shape.heads // layout.tp
+    """The attention sublayer past its normalized input: Q, K and V as stored, the output, and
+    what the kernel keeps."""
+    heads, groups = shape.heads // layout.tp, max(shape.groups // layout.tp, 1)
+    if impl.attention == "unfused" and groups < heads:  # Megatron's local attention repeats K and V to every head
+        qkv = 3 * heads
+    else:  # V (and Q, K without RoPE) are views that keep the QKV projection's output whole
+        qkv = (heads + groups if shape.rope else 0) + heads + 2 * groups
     per_head = tokens.whole * heads
-    kept = 4 * per_head * shape.head_dim * impl.bytes
+    kept = tokens.whole * (qkv + heads) * shape.head_dim * impl.bytes
     if impl.attention == "flash":
         kept += per_head * STAT
     else:

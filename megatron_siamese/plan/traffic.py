@@ -15,7 +15,8 @@ microbatch's hidden states on a rank (``T = s b / cp``), per microbatch:
 * SP (all-gathers and reduce-scatters over the same group, with sequence parallelism): 6
   all-gathers and 4 reduce-scatters a dense layer (each column-parallel linear gathers its input
   again in backward), 2 + 2 more under full recompute, 1 + 1 under selective; the embedding's
-  reduce-scatter and all-gather, the output layer's 2 all-gathers and a reduce-scatter;
+  reduce-scatter (an all-reduce, TP's, when it adds learned positions) and all-gather, the output
+  layer's 2 all-gathers and a reduce-scatter;
 * PP: the streams each chunk sends on, and their gradients back: ``[Ts, b, h]`` stock,
   ``[Ts, b, 2h]`` SiameseNorm (``Ts = T / tp`` under SP); once a step the tied embedding's
   gradient all-reduce between the first and last stage;
@@ -88,12 +89,16 @@ def _tensor_parallel(traffic: Traffic, shape: Shape, layout: Layout, chunks: Lis
                 routed = tokens.sharded * shape.topk * layout.expert_tp * shape.hidden * activation_bytes
                 traffic.add("sp", ALL_GATHER, routed, layout.expert_tp, microbatches * 2)
                 traffic.add("sp", REDUCE_SCATTER, routed, layout.expert_tp, microbatches * 2)
-        ends = int(chunk.first) + int(chunk.last)  # the embedding; the output layer
         if layout.sp:
+            if chunk.first:  # the embedding reduce-scatters, or all-reduces to add learned positions and splits
+                kind, op = ("tp", ALL_REDUCE) if shape.learned_positions else ("sp", REDUCE_SCATTER)
+                traffic.add(kind, op, hidden, t, microbatches)
+            # its gradient all-gathered; the output layer gathers its input, again in backward, and
+            # reduce-scatters its input's gradient
             traffic.add("sp", ALL_GATHER, hidden, t, microbatches * (int(chunk.first) + 2 * int(chunk.last)))
-            traffic.add("sp", REDUCE_SCATTER, hidden, t, microbatches * ends)
-        else:
-            traffic.add("tp", ALL_REDUCE, hidden, t, microbatches * ends)
+            traffic.add("sp", REDUCE_SCATTER, hidden, t, microbatches * int(chunk.last))
+        else:  # the embedding's all-reduce, the output layer's input gradient's
+            traffic.add("tp", ALL_REDUCE, hidden, t, microbatches * (int(chunk.first) + int(chunk.last)))
         if chunk.last:  # the vocabulary-parallel cross entropy: max, target logit, sum of exponentials
             traffic.add("tp", ALL_REDUCE, tokens.whole * STAT, t, microbatches * 3)
 
