@@ -12,9 +12,11 @@ Pure arithmetic over the trainer's settings (no torch, no ranks), split by conce
 * ``schedule.py``: the microbatches in flight on each pipeline rank (1F1B, interleaved), hence
   the activation peak and the pipeline buffers;
 * ``traffic.py``: the bytes each GPU sends per step over TP, SP, PP, DP and EP;
-* ``costs.py``: all of it for one scheme on every pipeline rank; ``report.py``: the table, the
-  difference and whether it fits a GPU.
+* ``per_gpu.py``: all of it for stock or one SiameseNorm path on every pipeline rank;
+  ``report.py``: the table, the difference, whether it fits a GPU and the largest micro-batch
+  that does; ``args.py``: the command's settings (train's and the plan's own); ``gpus.py``: GPU
+  memories by name.
 
-``check/costs.py`` measures the same quantities on CPU ranks, and ``tests/test_plan_measured.py``
-holds the two together.
+``check/costs.py`` measures the same quantities on CPU ranks, ``check/plan_agreement.py`` and
+``tests/test_plan_measured.py`` hold the two together (docs/scale.md).
 """

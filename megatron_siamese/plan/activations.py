@@ -15,8 +15,12 @@ modules, counted as storages: a view keeps its whole storage):
 * dense MLP: ``linear_fc1``'s output as the activation keeps it and ``linear_fc2``'s input: GELU
   ``2 T f / tp``; a gated unit ``3 T f / tp`` fused (Transformer Engine, bias-SwiGLU), ``5 T f / tp``
   in Megatron's local composition (the gate's output and the linear half are kept apart);
-* MoE MLP: the router's fp32 logits and probabilities, and the experts' MLP over the
-  ``Ts k`` routed token copies (a balanced router: each rank's experts get as many as it sends);
+* MoE MLP: the router and the permutation (fp32 logits, their log-sum-exp and the aux loss's
+  scores, a routing map and per-expert probabilities, top-k indices and weights), and the
+  experts' MLP over the ``Ts k`` routed token copies (times expert TP; a balanced router: each
+  rank's experts get as many as it sends) with the routing weight applied to the activation
+  (``6 f`` a copy in Megatron's local gated unit, ``4 f`` fused, ``3 f`` GELU), the shared expert
+  as a dense MLP;
 * the embedding's token ids (int64), and on the last chunk the final norm, the output layer's
   input and the cross entropy's fp32 probabilities ``T V / tp`` (with its targets and mask).
 
@@ -33,9 +37,11 @@ SiameseNorm changes only the norms and residuals (attention, MLP and head are st
   packed streams and two more norms' statistics.
 
 Recompute: ``full`` keeps each layer's input only, and one layer's activations while that layer
-is recomputed in backward; ``selective`` (this package's "layernorm" and "mlp") drops the
-normalized inputs until their backward, the norms' own statistics where they run inside the
-checkpoint, and the MLP's internals.
+is recomputed in backward (its microbatch's head freed by then); ``selective`` (this package's
+"layernorm" and "mlp") keeps past the layer's input the MLP sublayer's input (its norms'
+checkpoint input; the joined path keeps z and its statistics instead) and the attention, and
+brings the MLP and its normalized input back in backward with what the norms keep when they run
+again. The peak over the schedule adds that working set once.
 """
 
 from __future__ import annotations
