@@ -315,6 +315,8 @@ REFUSALS = {
     "flash without TE": (["--transformer-impl", "local", "--attention-backend", "flash"],
                          "add --transformer-impl transformer_engine"),
     "CP split": (["--cp", "3"], "must be a multiple of 2 x --context-parallel-size = 6"),
+    "EP dispatcher": (["--num-experts", "16", "--ep", "4", "--moe-token-dispatcher-type", "allgather",
+                       "--disable-bias-linear"], "use --moe-token-dispatcher-type alltoall"),
 }
 
 

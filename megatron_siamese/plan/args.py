@@ -90,6 +90,9 @@ def problems(args: PlanArgs) -> List[str]:
     if args.fp8 is not None:
         found.append("plan counts bf16 or fp32 activations; what Transformer Engine keeps under FP8 is not modeled: "
                      "leave --fp8-format out")
+    if args.num_moe_experts and args.ep > 1 and args.moe_token_dispatcher_type != "alltoall":
+        found.append(f"plan counts the expert-parallel traffic of Megatron's alltoall dispatcher: use "
+                     f"--moe-token-dispatcher-type alltoall (got {args.moe_token_dispatcher_type})")
     flash = args.attention_backend in ("flash", "fused")
     if flash and args.transformer_impl != "transformer_engine":
         found.append(f"--attention-backend {args.attention_backend} is Transformer Engine's attention: add "
