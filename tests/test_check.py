@@ -63,9 +63,30 @@ def test_depth_scale_from_local_layer_index_fails_pipeline_layouts_only():
 
 
 def test_norms_without_sequence_parallel_flag_fail_sp_layouts_only():
-    rows = run_check(ModelCase(), ["tp2", "tp2-sp"], "siamese", fault="no-sp-flag")
-    assert statuses(rows) == {"tp2": "PASS", "tp2-sp": "FAIL"}
-    assert "norm" in rows[1].detail
+    """Under fully sharded data parallelism too: the SP norms' gradients are still summed over
+    TP (Megatron's FSDP2 wrapper restores the flag FSDP2's DTensors would lose; Megatron-FSDP's
+    shards carry it), so without the flag both fail, and FSDP without SP passes."""
+    layouts = ["tp2", "tp2-sp", "tp2-dp2-sp-fsdp2", "tp2-dp2-sp-mfsdp3", "dp2-fsdp2"]
+    rows = run_check(ModelCase(), layouts, "siamese", fault="no-sp-flag")
+    assert statuses(rows) == {"tp2": "PASS", "tp2-sp": "FAIL", "tp2-dp2-sp-fsdp2": "FAIL", "tp2-dp2-sp-mfsdp3": "FAIL",
+                              "dp2-fsdp2": "PASS"}
+    assert all("norm" in row.detail for row in rows if row.status == "FAIL")
+
+
+def test_stream_norms_left_out_of_fsdp_fail_the_fsdp2_layouts_only():
+    """The X/Y stream norms outside torch FSDP2's units: never reduced over DP, so each DP rank
+    steps them with its own half of the batch. The losses stay right (the bug acts in the
+    backward), the stream norms' gradients are far off; DDP, the distributed optimizer and
+    Megatron-FSDP keep passing (with megatron-core >= 0.19 also its no_shard and optim
+    strategies, which 0.16.1 refuses)."""
+    fsdp2 = ["dp2-fsdp2", "tp2-dp2-sp-fsdp2"]
+    others = ["dp2", "dp2-do", "dp2-mfsdp3"]
+    if release(installed_megatron_core()) >= (0, 19, 0):
+        others += ["dp2-mfsdp0", "dp2-mfsdp1"]
+    rows = run_check(ModelCase(), others + fsdp2, "siamese", fault="stream-norms-outside-fsdp")
+    assert statuses(rows) == {**{name: "PASS" for name in others}, **{name: "FAIL" for name in fsdp2}}
+    failed = [row for row in rows if row.status == "FAIL"]
+    assert all(row.loss_error < 1e-6 and row.grad_error > 0.1 and "_norm" in row.detail for row in failed)
 
 
 def test_cli_exit_status_and_table(capfd):  # rank 0 prints the rows: capfd sees its output, capsys would not
@@ -115,6 +136,20 @@ def test_cli_rejects_unknown_layout_before_running_anything(capsys):
     assert cli_main(["check", "--layouts", "tp2-xx,tp3"]) == 2
     err = capsys.readouterr().err
     assert "unknown part 'xx'" in err and "does not split over tp3" in err
+
+
+def test_fsdp_layouts_megatron_cannot_train_are_refused_by_name_before_running_anything(capsys):
+    """Megatron-LM's refusals of FSDP2 (pp, ep, the distributed optimizer), Megatron-FSDP's mesh
+    without pipeline stages and its one-rank expert groups, and (megatron-core < 0.19) the
+    Megatron-FSDP strategies whose failing call the message names."""
+    assert cli_main(["check", "--layouts", "pp2-dp2-fsdp2,dp2-do-fsdp2,pp2-dp2-mfsdp3,dp2-mfsdp0,dp2-mfsdp1"]) == 2
+    err = capsys.readouterr().err
+    assert "torch FSDP2 (fsdp2) does not run with pipeline parallelism (Megatron-LM refuses it): use pp1" in err
+    assert "does not run with Megatron's distributed optimizer" in err and "_get_dp_tp_mesh" in err
+    old_megatron = release(installed_megatron_core()) < (0, 19, 0)
+    assert ("megatron_fsdp.py:1126" in err and "param_and_grad_buffer.py:3257" in err) == old_megatron
+    assert cli_main(["check", "--num-experts", "4", "--disable-bias-linear", "--layouts", "ep2-mfsdp3"]) == 2
+    assert "one rank of each expert-data-parallel group" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(release(installed_megatron_core()) < (0, 19, 0),

@@ -104,6 +104,51 @@ def test_world_size_and_layout_come_from_the_layout_settings():
 
 
 @stack_independent
+@pytest.mark.parametrize("name, fsdp, sharding, distributed_optimizer", [
+    ("dp2-fsdp2", "torch", "no_shard", False),
+    ("tp2-dp2-sp-fsdp2-full", "torch", "no_shard", False),
+    ("dp2-mfsdp3", "megatron", "optim_grads_params", True),  # Megatron-FSDP always on the distributed optimizer
+    ("tp2-dp4-sp-mfsdp3", "megatron", "optim_grads_params", True),
+    ("dp4-ep2-mfsdp2", "megatron", "optim_grads", True),
+])
+def test_fsdp_layout_names_read_back_and_the_train_flags_make_the_same_layout(name, fsdp, sharding,
+                                                                               distributed_optimizer):
+    layout = parse_layout(name)
+    assert (layout.fsdp, layout.fsdp_sharding, layout.distributed_optimizer) == (fsdp, sharding, distributed_optimizer)
+    assert layout.name == name and parse_layout(layout.name) == layout
+    parse = train_parser().parse_args
+    flag = {"torch": ["--use-torch-fsdp2"], "megatron": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                                         sharding]}[fsdp]
+    sizes = ["--tp", str(layout.tp), "--dp", str(layout.dp), "--ep", str(layout.ep)] + ["--sp"] * layout.sp
+    options = parse(sizes + flag + ["--recompute", layout.recompute, "--disable-bias-linear", "--micro-batch-size", "1"]
+                    + ["--num-experts", "4"] * (layout.ep > 1))
+    assert flags.train_args(options).layout == layout
+    if fsdp == "megatron":  # "do" is implied: one layout, one name
+        assert parse_layout(name + "-do") == layout
+
+
+@stack_independent
+@pytest.mark.parametrize("layout, train, refusal", [
+    ("dp2-do-fsdp2", dict(use_torch_fsdp2=True, distributed_optimizer=True),
+     "--use-torch-fsdp2 does not run with --use-distributed-optimizer (Megatron-LM refuses it"),
+    ("pp2-dp2-fsdp2", dict(use_torch_fsdp2=True, pp=2), "--use-torch-fsdp2 does not run with pipeline parallelism"),
+    ("pp2-dp2-mfsdp3", dict(use_megatron_fsdp=True, pp=2), "as if every rank were dp x ep x tp): use --pp 1"),
+    ("fsdp2", dict(use_torch_fsdp2=True, dp=1), "--use-torch-fsdp2 shards over the data-parallel ranks: it needs --dp > 1"),
+    (None, dict(data_parallel_sharding_strategy="optim"), "is Megatron-FSDP's: add --use-megatron-fsdp"),
+    (None, dict(use_torch_fsdp2=True, use_megatron_fsdp=True), "two implementations of one thing: pass one"),
+    (None, dict(use_torch_fsdp2=True, dp=3), "needs an even --dp (got 3)"),
+    (None, dict(use_megatron_fsdp=True, save_interval=4), "this trainer does not checkpoint Megatron-FSDP"),
+])
+def test_fsdp_combinations_megatron_refuses_are_refused_by_layout_and_train(layout, train, refusal):
+    if layout is not None:
+        with pytest.raises(ValueError):
+            parse_layout(layout)
+    with pytest.raises(ConfigError) as refused:
+        TrainArgs(**{"tp": 1, "dp": 2, **train})
+    assert any(refusal in problem for problem in refused.value.problems), refused.value.problems
+
+
+@stack_independent
 def test_train_and_check_refuse_a_split_with_the_same_rule():
     with pytest.raises(ConfigError) as refused:
         TrainArgs(num_attention_heads=6, hidden_size=96, tp=4)

@@ -62,6 +62,27 @@ def test_checkpoint_reshards_with_the_same_validation_loss(tmp_path, cache, save
     assert abs(trained.val_losses[4] - math.log(320)) > 0.3
 
 
+def test_fsdp2_checkpoints_resume_bit_identically_and_reshard_to_other_layouts_and_back(tmp_path, cache):
+    """torch FSDP2 (--use-torch-fsdp2, dp2): a run resumed from its own step-4 checkpoint repeats
+    the straight run bitwise; the same checkpoint, optimizer state included, continues at TP2
+    without FSDP as the FSDP2 run does, and that run's step-8 checkpoint evaluates under FSDP2
+    as it did at TP2. Megatron's SwiGLU description of FSDP2 shards is corrected for this
+    (training/fsdp_checkpoint.py): without it the TP2 run starts from scrambled MLP weights."""
+    fsdp2 = dict(tp=1, dp=2, use_torch_fsdp2=True)
+    straight = run(tmp_path, cache, "fsdp2", save_interval=4, **fsdp2)
+    step4 = str(tmp_path / "fsdp2" / "checkpoints" / "iter_0000004")
+    resumed = run(tmp_path, cache, "resumed", load=step4, **fsdp2)
+    assert [resumed.train_losses[step] for step in range(5, 9)] == [straight.train_losses[step] for step in range(5, 9)]
+    assert resumed.val_losses[8] == straight.val_losses[8]
+    at_tp2 = run(tmp_path, cache, "tp2", load=step4, save_interval=4, tp=2)
+    for step in range(5, 9):
+        assert at_tp2.train_losses[step] == pytest.approx(straight.train_losses[step], rel=1e-5)
+    back = run(tmp_path, cache, "back", load=str(tmp_path / "tp2" / "checkpoints"), **fsdp2)
+    assert back.steps_done == 8 and not back.train_losses  # loaded at its last step: evaluated only
+    assert back.val_losses[8] == pytest.approx(at_tp2.val_losses[8], rel=1e-5)
+    assert abs(straight.val_losses[8] - straight.val_losses[4]) > 0.05  # the steps compared moved the model
+
+
 def test_data_pipeline_on_a_small_text(tmp_path):
     tokenizer = ByteTokenizer()
     documents = ["In the beginning was the word.\n", "And the word was with God.\n" * 3]

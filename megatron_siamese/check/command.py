@@ -14,8 +14,8 @@ quantity and PASS/FAIL; every rank exits non-zero if any layout fails.
 
 Layout names: parallel sizes ``tpN``, ``ppN``, ``vppN`` (virtual stages per pipeline
 rank), ``cpN``, ``dpN`` and flags ``sp`` (sequence parallel), ``do`` (distributed
-optimizer), ``full`` / ``sel`` (full / selective recompute), joined by ``-``;
-``single`` is one rank. Example: ``tp2-pp2-sp``.
+optimizer), ``full`` / ``sel`` (full / selective recompute), ``fsdp2`` / ``mfsdpN`` (torch
+FSDP2, Megatron-FSDP), joined by ``-``; ``single`` is one rank. Example: ``tp2-pp2-sp``.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ layout that fits the job (docs/parallelism.md, "On a cluster"):
 Layout names: sizes tpN, ppN, vppN (virtual stages per pipeline rank), cpN, dpN, epN / etpN
 (expert parallel / expert tensor parallel: MoE layers; ep takes the smallest DP that holds it)
 and flags sp (sequence parallel), do (distributed optimizer), full / sel (full / selective
-recompute), joined by '-'; 'single' is one rank. Example: tp2-pp2-sp, tp2-ep2-sp.
+recompute), fsdp2 (torch FSDP2) / mfsdpN (Megatron-FSDP, sharding strategy N: 0 no_shard,
+1 optim, 2 optim_grads, 3 optim_grads_params), joined by '-'; 'single' is one rank.
+Example: tp2-pp2-sp, tp2-ep2-sp, tp2-dp2-sp-fsdp2.
 
 Mixture-of-experts: --num-experts N checks MoE layers (every other layer by default:
 --moe-layer-freq) against one rank under the MoE matrix (expert parallelism with TP, PP, DP

@@ -4,7 +4,8 @@ megatron-core assumes a GPU in a handful of places: tensors allocated on
 ``torch.cuda.current_device()`` or ``device="cuda"``, ``torch.cuda.synchronize()``,
 the CUDA RNG state behind its tensor-parallel RNG tracker, and optimizer type checks
 against ``"torch.cuda.FloatTensor"``. This module redirects exactly those to CPU so
-that TP, SP, PP (1F1B and interleaved), CP and DP with the distributed optimizer run
+that TP, SP, PP (1F1B and interleaved), CP, DP with the distributed optimizer and fully
+sharded DP (torch FSDP2, Megatron-FSDP) run
 as several CPU processes on one machine. Nothing in Megatron is edited on disk.
 
 What ``install()`` changes, and only while it is installed:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron_siamese.runtime.divisibility import shape_problems, split_problems
-from megatron_siamese.runtime.layout import RECOMPUTE, Layout
+from megatron_siamese.runtime.layout import RECOMPUTE, SHARDING_STRATEGIES, Layout
 from megatron_siamese.runtime.registry import ConfigError, definitions, field_problems, setting  # noqa: F401
 from megatron_siamese.runtime.settings import ModelSettings, model_class_problems
+from megatron_siamese.training.fsdp_checkpoint import gated_mlp_problem
 
 ADDITION_TASKS = {"addition": False, "addition-reversed": True}  # task name: the sum written reversed
 TASKS = ("lm", *ADDITION_TASKS)
@@ -75,6 +76,21 @@ class TrainArgs(ModelSettings):
                                           help="shard optimizer state over data-parallel ranks")
     recompute: str = setting("none", group=PARALLELISM, flag="--recompute", choices=RECOMPUTE, layout="recompute",
                              help="activation recompute: full (whole layers) or selective (norms and MLP)")
+    # fully sharded data parallelism (runtime/data_parallel.py): these two set Layout.fsdp (TrainArgs.layout)
+    use_torch_fsdp2: bool = setting(False, group=PARALLELISM, flag="--use-torch-fsdp2", action="store_true",
+                                    help="fully sharded data parallelism with torch FSDP2 (Megatron's "
+                                         "TorchFullyShardedDataParallel): parameters, gradients and optimizer state "
+                                         "sharded over the --dp ranks (not with --pp, --ep or "
+                                         "--use-distributed-optimizer)")
+    use_megatron_fsdp: bool = setting(False, group=PARALLELISM, flag="--use-megatron-fsdp", action="store_true",
+                                      help="fully sharded data parallelism with Megatron-FSDP, sharding what "
+                                           "--data-parallel-sharding-strategy says over the --dp ranks, with "
+                                           "Megatron's distributed optimizer (not with --pp; needs einops)")
+    data_parallel_sharding_strategy: str = setting(
+        "no_shard", group=PARALLELISM, flag="--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
+        layout="fsdp_sharding",
+        help="what Megatron-FSDP shards: no_shard (Megatron-LM's default: nothing), optim (optimizer state), "
+             "optim_grads (and gradients), optim_grads_params (and parameters: full sharding)")
 
     micro_batch_size: int = setting(8, group=TRAINING, flag="--micro-batch-size", minimum=1,
                                     help="sequences per microbatch")
@@ -184,9 +200,15 @@ class TrainArgs(ModelSettings):
         return min(round(WARMUP_FRACTION * self.steps), max(self.steps - 1, 0))
 
     @property
+    def fsdp(self) -> str:
+        """Layout.fsdp: which fully sharded data parallelism the two Megatron-LM flags ask for."""
+        return "torch" if self.use_torch_fsdp2 else "megatron" if self.use_megatron_fsdp else "none"
+
+    @property
     def layout(self) -> Layout:
         """The Layout the settings that name one of its fields fill (the others keep Layout's defaults)."""
-        return Layout(**{d.layout: getattr(self, name) for name, d in definitions(type(self)).items() if d.layout})
+        fields = {d.layout: getattr(self, name) for name, d in definitions(type(self)).items() if d.layout}
+        return Layout(**fields, fsdp=self.fsdp)
 
     @property
     def padded_vocab(self) -> int:
@@ -224,6 +246,7 @@ def problems(args: TrainArgs) -> List[str]:
     if args.distributed_optimizer and args.dp == 1:
         found.append("--use-distributed-optimizer shards optimizer state over data-parallel ranks: it needs --dp > 1")
     found += _expert_layout_problems(args)
+    found += _fsdp_problems(args)
     found += shape_problems(args)
     found += split_problems(args, _layout_to_split(args), vocab_size=args.padded_vocab,
                             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)
@@ -253,6 +276,42 @@ def _expert_layout_problems(args: TrainArgs) -> List[str]:
             f"= {experts} must divide --tp {args.tp} x --dp {args.dp} = {args.tp * args.dp} (expert parallelism "
             f"adds no ranks: it regroups those of a pipeline stage): use --dp {dp}"
             + ("" if multiple == dp else f" (a multiple of {multiple})")]
+
+
+def _fsdp_problems(args: TrainArgs) -> List[str]:
+    """Layout's rules for fully sharded data parallelism, in the flags' words."""
+    if args.use_torch_fsdp2 and args.use_megatron_fsdp:
+        return ["--use-torch-fsdp2 and --use-megatron-fsdp are two implementations of one thing: pass one"]
+    found = [problem for problem in [gated_mlp_problem(args.use_torch_fsdp2, args.gated_linear_unit, args.dp)]
+             if problem]
+    if args.data_parallel_sharding_strategy != "no_shard" and not args.use_megatron_fsdp:
+        found.append(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} is Megatron-FSDP's: "
+                     "add --use-megatron-fsdp")
+    if args.fsdp == "none":
+        return found
+    flag = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-megatron-fsdp"
+    saving = [spelled for spelled, given in (("--save-interval", args.save_interval), ("--stop-step", args.stop_step),
+                                             ("--exit-interval", args.exit_interval),
+                                             ("--exit-duration-in-mins", args.exit_duration_in_mins),
+                                             ("--load", args.load)) if given is not None]
+    if args.use_megatron_fsdp and saving:
+        found.append(f"{', '.join(saving)} with --use-megatron-fsdp: this trainer does not checkpoint Megatron-FSDP "
+                     "(Megatron saves its optimizer only in the fsdp_dtensor format, distrib_optimizer.py: "
+                     "'sharding_type ... is not supported with Megatron FSDP', which loads into no other layout): "
+                     "use --use-torch-fsdp2, or run without checkpoints")
+    if args.dp == 1:
+        found.append(f"{flag} shards over the data-parallel ranks: it needs --dp > 1")
+    why_not_pp = ("Megatron-LM refuses it" if args.use_torch_fsdp2 else
+                  "Megatron-FSDP builds its device mesh as if every rank were dp x ep x tp")
+    refused = [(args.pp > 1, f"pipeline parallelism ({why_not_pp}): use --pp 1")]
+    if args.use_torch_fsdp2:
+        refused += [(args.ep > 1, "expert parallelism (Megatron-LM refuses it): use --ep 1"),
+                    (args.distributed_optimizer, "--use-distributed-optimizer (Megatron-LM refuses it; FSDP2 shards "
+                                                 "the optimizer state itself): drop it")]
+    elif args.ep > 1 and args.tp * args.dp == args.ep * (args.etp or args.tp):
+        refused.append((True, "experts held by one rank of each expert-data-parallel group (Megatron-FSDP "
+                              f"mis-scales their gradients, docs/parallelism.md): use --dp {2 * args.dp}"))
+    return found + [f"{flag} does not run with {problem}" for on, problem in refused if on]
 
 
 def _layout_to_split(args: TrainArgs) -> Layout:

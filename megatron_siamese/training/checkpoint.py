@@ -51,6 +51,7 @@ from megatron_siamese.training.checkpoint_files import (
     scheduler_state,
     write_latest,
 )
+from megatron_siamese.training.fsdp_checkpoint import describing_fsdp2_shards
 from megatron_siamese.training.checkpoint_settings import (
     SETTINGS_KEY,
     model_problem,
@@ -117,6 +118,13 @@ def _models(trainer):
 
 def sharded_state_dict(trainer, is_loading: bool, model_only: bool = False) -> dict:
     """The state Megatron-LM's ``generate_state_dict`` describes (its keys), plus the model class."""
+    if trainer.args.use_torch_fsdp2:  # fsdp_checkpoint.py: two of Megatron's descriptions corrected
+        with describing_fsdp2_shards(trainer.args.dp):
+            return _sharded_state_dict(trainer, is_loading, model_only)
+    return _sharded_state_dict(trainer, is_loading, model_only)
+
+
+def _sharded_state_dict(trainer, is_loading: bool, model_only: bool) -> dict:
     metadata = _metadata(trainer)
     state = {key: module.sharded_state_dict(metadata=metadata) for key, module in _models(trainer)}
     state["args"] = megatron_lm_args.checkpoint_args(
@@ -242,7 +250,7 @@ def _materialize_optimizer_state(optimizer) -> None:
             inner._init_optimizer_states_with_dummy_values()
 
 
-def _restore_adam_step_count(optimizer, step: int) -> None:
+def _restore_adam_step_count(optimizer, step: int, loaded_in_place: bool = False) -> None:
     """torch.optim.Adam's per-parameter ``step`` (its bias correction) after a load.
 
     Two megatron-core 0.16.1 problems meet here when torch's Adam is used (no apex, no
@@ -250,7 +258,7 @@ def _restore_adam_step_count(optimizer, step: int) -> None:
     template's placeholder ``step`` over the restored one, and the restored one is a single
     tensor shared by every parameter, which Adam then increments once per parameter per
     step. Each parameter gets its own tensor holding the training step (every step of this
-    trainer updates: fp32/bf16 never skip one).
+    trainer updates: fp32/bf16 never skip one). State read in place (torch FSDP2) has none yet.
     """
     from megatron.core.optimizer import distrib_optimizer
 
@@ -260,6 +268,8 @@ def _restore_adam_step_count(optimizer, step: int) -> None:
         for state in inner.optimizer.state.values():
             if "step" in state:
                 state["step"] = state["step"].new_tensor(float(step))
+            elif loaded_in_place:
+                state["step"] = torch.tensor(float(step))
 
 
 def _load_gpt_into_hybrid(trainer, checkpoint: str) -> int:
@@ -358,12 +368,19 @@ def load(trainer, path: str) -> int:
             "the model flags (layers, hidden size, heads, normalization, scheme) are the ones it was saved with, or "
             "pass --no-load-optim to load the weights alone"
         ) from None
-    for key, module in _models(trainer):
-        module.load_state_dict(loaded[key])
+    in_place = trainer.args.use_torch_fsdp2  # read into the FSDP2 shards themselves (fsdp_checkpoint.py)
+    if not in_place:
+        for key, module in _models(trainer):
+            module.load_state_dict(loaded[key])
     if weights_only:  # a fresh optimizer; the schedule continues from the checkpoint's step
         return _start_schedule_at(trainer, iteration(loaded))
-    with torch.no_grad():  # fp32 distributed-optimizer state is copied into parameter views
-        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    if in_place:  # the Adam moments are in place; the step count where the optimizer keeps it
+        for group, saved in zip(trainer.optimizer.param_groups, loaded["optimizer"]["param_groups"]):
+            if "step" in saved:
+                group["step"] = saved["step"]
+    else:
+        with torch.no_grad():  # fp32 distributed-optimizer state is copied into parameter views
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
     trainer.step = iteration(loaded)
     if trainer.step < trainer.args.steps:  # evaluating the checkpoint as saved needs no schedule
         if trainer.args.override_opt_param_scheduler:
@@ -375,5 +392,5 @@ def load(trainer, path: str) -> int:
                     if key in group:
                         group[key] = trainer.args.weight_decay
         trainer.scheduler.load_state_dict(scheduler_state(loaded, trainer.args.global_batch_size))
-    _restore_adam_step_count(trainer.optimizer, trainer.step)
+    _restore_adam_step_count(trainer.optimizer, trainer.step, loaded_in_place=in_place)
     return trainer.step

@@ -144,10 +144,11 @@ def optimizer_problem(checkpoint: str, common: Mapping[str, Any], args) -> Optio
     weights_only = "or pass --no-load-optim (the weights and step, a fresh optimizer)"
     reshardable = sharding in FULLY_RESHARDABLE or (sharding is None and _fused_adam_here())
     if (sharding is not None) != bool(args.distributed_optimizer) and not reshardable:
-        flag = "with" if sharding is not None else "without"
+        remedy = f"resume {'with' if sharding is not None else 'without'} --use-distributed-optimizer"
+        if sharding is not None and args.use_torch_fsdp2:  # FSDP2 steps its shards with the plain optimizer
+            remedy += " instead of --use-torch-fsdp2"
         return (f"--load {checkpoint} holds {_optimizer_kind(sharding is not None)} state, which "
-                f"{_optimizer_kind(args.distributed_optimizer)[:-2]} cannot load: resume {flag} "
-                f"--use-distributed-optimizer, {weights_only}")
+                f"{_optimizer_kind(args.distributed_optimizer)[:-2]} cannot load: {remedy}, {weights_only}")
     saved = common.get(SETTINGS_KEY)
     if sharding is None or sharding in FULLY_RESHARDABLE or not isinstance(saved, Mapping):
         return None

@@ -90,6 +90,7 @@ def checkpoint_args(args, step: int, vocab_size: int, vocab_multiple: int, model
         world_size=args.world_size,
         sequence_parallel=args.sp,
         use_distributed_optimizer=args.distributed_optimizer,
+        use_torch_fsdp2=args.use_torch_fsdp2,  # its optimizer state is the non-distributed optimizer's
         ckpt_format="torch_dist",
         # the run is deterministic without RNG state (no dropout; the data is a function of the
         # step): none is saved, and Megatron-LM's loader then skips it (no --no-load-rng needed)

@@ -225,7 +225,8 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
                            "need a path all ranks see (a shared file system)"])
     # a run that plans no checkpoint may share a directory with another run's; then a signal's
     # stop does not save there either (preflight refuses a run that plans one)
-    stop_saves = not foreign_checkpoints(args)
+    # and Megatron-FSDP runs save none (TrainArgs refuses what would save one)
+    stop_saves = not foreign_checkpoints(args) and not args.use_megatron_fsdp
     trainer = Trainer(args)
     rank0 = torch.distributed.get_rank() == 0
     log = RunLog(args, resumed_at=trainer.step, speaks=rank0)  # the console, metrics.jsonl, settings.json, ...
@@ -239,6 +240,8 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     if args.save_interval or args.stop_step:
         when = f"every {args.save_interval} steps and at step {last_step}" if args.save_interval else f"at step {last_step}"
         echo(f"checkpoints: {when}, in {directory}")
+    elif args.use_megatron_fsdp:
+        echo("checkpoints: none (this trainer does not checkpoint Megatron-FSDP; Ctrl-C stops without one)")
     else:
         echo("checkpoints: none (--save-interval N or --stop-step N saves them; Ctrl-C saves one and stops)")
     log.begin(trainer.step)
