@@ -246,6 +246,24 @@ def test_data_parallel_sharding_divides_what_it_shards_and_moves_it(fsdp, strate
     assert costs.sent["dp"] == pytest.approx(expected, rel=2e-3)
 
 
+def test_train_fsdp_flags_reach_the_plan():
+    """``--use-torch-fsdp2`` / ``--use-megatron-fsdp --data-parallel-sharding-strategy`` (train's
+    flags) shard what the layout says, and the table gains the row of what FSDP gathers whole."""
+    ddp = dict(GPT3_70B, tp=1, sp=False, pp=1, dp=64, distributed_optimizer=False, num_layers=8,
+               share_embeddings_and_output_weights=False)
+    base = every_rank(plan_inputs(PlanArgs(**ddp)), STOCK)[0]
+    for flags_, name in ((dict(use_torch_fsdp2=True), "torch FSDP2"),
+                         (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"),
+                          "Megatron-FSDP optim_grads_params")):
+        args = PlanArgs(**ddp, **flags_)
+        inputs = plan_inputs(args)
+        assert inputs.sharding.name == name
+        sharded = every_rank(inputs, STOCK)[0]
+        assert sharded.weights == pytest.approx(base.weights / 64) and sharded.gathered > 0
+    out = cli_here("plan", *flags(ddp), "--use-torch-fsdp2").stdout
+    assert "FSDP: a layer gathered" in out and "data parallelism: torch FSDP2" in out
+
+
 # -- the command
 
 
@@ -358,11 +376,14 @@ def flags(settings: dict) -> list:
     """Command-line flags for ``settings`` (PlanArgs fields), as a user writes them."""
     found = []
     for name, value in settings.items():
+        if name == "share_embeddings_and_output_weights":
+            found += [] if value else ["--untie-embeddings-and-output-weights"]
+            continue
         flag = "--" + {"sp": "sequence-parallel", "distributed_optimizer": "use-distributed-optimizer",
                        "tp": "tp", "pp": "pp", "dp": "dp"}.get(name, name.replace("_", "-"))
         if value is True:
             found.append(flag)
-        else:
+        elif value is not False:
             found += [flag, str(value)]
     return found
 

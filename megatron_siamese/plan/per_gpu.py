@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from megatron_siamese.plan.activations import STOCK, Implementation, chunk_activations, tokens_of
-from megatron_siamese.plan.placement import chunk_parameters, chunks_of
+from megatron_siamese.plan.placement import chunk_parameters, chunk_units, chunks_of
 from megatron_siamese.plan.schedule import peak
 from megatron_siamese.plan.shapes import STOCK as STOCK_SCHEME
-from megatron_siamese.plan.shapes import Shape, layer_parameters
+from megatron_siamese.plan.shapes import Shape
 from megatron_siamese.plan.states import DataParallelSharding, chunk_buffers, chunk_states
 from megatron_siamese.plan.traffic import step_traffic
 from megatron_siamese.runtime.layout import Layout
@@ -56,8 +56,8 @@ def gpu_costs(inputs: PlanInputs, variant: str, rank: int) -> GpuCosts:
     scheme = STOCK_SCHEME if variant == STOCK else inputs.scheme
     chunks = chunks_of(shape, layout, rank)
     params = [chunk_parameters(chunk, shape, scheme, layout) for chunk in chunks]
-    largest = max(sum(p.local_numel(layout) for p in layer_parameters(shape, scheme, layer))
-                  for chunk in chunks for layer in chunk.layers)
+    largest = max(sum(p.local_numel(layout) for p in unit)  # what FSDP gathers at once, at most
+                  for chunk in chunks for unit in chunk_units(chunk, shape, scheme, layout))
     states = [chunk_states(chunk_params, layout, inputs.param_bytes, inputs.sharding, bucketed=i == 0,
                            largest_layer=largest) for i, chunk_params in enumerate(params)]
     held = [chunk_activations(chunk, shape, layout, inputs.impl, variant, inputs.micro_batch) for chunk in chunks]

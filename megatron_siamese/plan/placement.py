@@ -40,11 +40,16 @@ def chunks_of(shape: Shape, layout: Layout, rank: int) -> List[Chunk]:
     return found
 
 
-def chunk_parameters(chunk: Chunk, shape: Shape, scheme: str, layout: Layout) -> List[Parameter]:
-    """The parameter tensors of one chunk (whole; ``Parameter.local_numel`` gives a rank's part)."""
-    found = embedding_parameters(shape, layout.pp) if chunk.first else []
-    for layer in chunk.layers:
-        found += layer_parameters(shape, scheme, layer)
+def chunk_units(chunk: Chunk, shape: Shape, scheme: str, layout: Layout) -> List[List[Parameter]]:
+    """The parameter tensors of one chunk (whole; ``Parameter.local_numel`` gives a rank's part) in
+    the units FSDP gathers at once: the embedding, each layer, the head."""
+    units = [embedding_parameters(shape, layout.pp)] if chunk.first else []
+    units += [layer_parameters(shape, scheme, layer) for layer in chunk.layers]
     if chunk.last:
-        found += head_parameters(shape, scheme, layout.pp)
-    return found
+        units.append(head_parameters(shape, scheme, layout.pp))
+    return units
+
+
+def chunk_parameters(chunk: Chunk, shape: Shape, scheme: str, layout: Layout) -> List[Parameter]:
+    """The parameter tensors of one chunk."""
+    return [param for unit in chunk_units(chunk, shape, scheme, layout) for param in unit]

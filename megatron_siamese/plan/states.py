@@ -13,8 +13,9 @@ Under the distributed optimizer Megatron's DDP pads its weight and gradient buff
 parameter starts at a multiple of 64 elements, each bucket ends at a multiple of
 ``lcm(dp, 128)``, the word embedding tied over stages in a bucket of its own): counted here
 (``padded_numel``), as they decide the buffers' size on small models. Sharded weights are
-gathered for compute: two layers' worth (the one computing and the next, prefetched) and one
-layer's unsharded gradients are counted apart from the shards (``States.gathered``).
+gathered for compute unit by unit (the embedding, each layer, the head): two of the largest
+unit's weights (the one computing and the next, prefetched) and one's unsharded gradients are
+counted apart from the shards (``States.gathered``).
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def chunk_buffers(params: Iterable[Parameter], layout: Layout, param_bytes: int,
 def chunk_states(params: Iterable[Parameter], layout: Layout, param_bytes: int, sharding: DataParallelSharding,
                  bucketed: bool, largest_layer: int) -> States:
     """The states of one model chunk's parameters on one GPU (``bucketed``: the chunk's DDP
-    buckets its gradients, Megatron's first chunk; ``largest_layer``: the most elements one
-    layer holds on this GPU, for what FSDP gathers)."""
+    buckets its gradients, Megatron's first chunk; ``largest_layer``: the most elements one unit
+    FSDP gathers, the embedding, a layer or the head, holds on this GPU)."""
     params = list(params)
     buffers = chunk_buffers(params, layout, param_bytes, sharding, bucketed)
     dense, experts = dense_dp_size(layout), expert_dp_size(layout)
