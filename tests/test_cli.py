@@ -146,7 +146,7 @@ def test_megatron_names_are_accepted_beside_the_short_ones():
 
 
 @pytest.mark.stack_independent
-@pytest.mark.parametrize("command", ["train", "check", "study", "upcycle", "analyze", "generate", "export",
+@pytest.mark.parametrize("command", ["train", "check", "plan", "study", "upcycle", "analyze", "generate", "export",
                                      "import-hf", "eval"])
 def test_every_flag_has_help_and_shows_its_default(command):
     parser = subparser(command)

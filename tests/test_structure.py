@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_siamese"
-CORE_MAY_NOT_IMPORT = ("runtime", "check", "training", "research", "cli", "inference", "hf", "evaluation")
+CORE_MAY_NOT_IMPORT = ("runtime", "check", "training", "research", "cli", "inference", "hf", "evaluation", "plan")
 MAX_LINES = 400  # a module longer than this says why in its docstring
 HARD_MAX_LINES = 450  # and none is longer than this: split it by concern
 

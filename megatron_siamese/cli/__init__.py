@@ -2,6 +2,8 @@
 
     megatron-siamese train [flags]      pretrain a GPT (default: SiameseNorm, TP=2, embedded corpus)
     megatron-siamese check [flags]      every parallel layout against one rank
+    megatron-siamese plan [train flags] --gpu-memory GPU
+                                        what the job costs per GPU, stock Pre-Norm beside SiameseNorm
     megatron-siamese study [flags]      Pre-/Post-/SiameseNorm at three learning rates, and addition
     megatron-siamese upcycle --load PRE --output-dir OUT [model flags]
                                         a Pre-Norm checkpoint as an equivalent SiameseNorm one
@@ -34,13 +36,13 @@ import sys
 import traceback
 from typing import List, Optional
 
-from megatron_siamese.cli import check, generate, hf, research, train
+from megatron_siamese.cli import check, generate, hf, plan, research, train
 from megatron_siamese.cli.evaluate import evaluate
 from megatron_siamese.runtime.launchers import JoinError, LaunchError
 from megatron_siamese.training.args import ConfigError
 
 DEBUG_ENV = "MEGATRON_SIAMESE_DEBUG"
-COMMANDS = {"train": train, "check": check, "study": research.study, "upcycle": research.upcycle,
+COMMANDS = {"train": train, "check": check, "plan": plan, "study": research.study, "upcycle": research.upcycle,
             "analyze": research.analyze, "generate": generate, "export": hf.export, "import-hf": hf.import_hf,
             "eval": evaluate}
 

@@ -32,10 +32,11 @@ def add_setting(group, definition: Setting) -> None:
                            action=switch.action, **extra)
 
 
-def add_group(parser: argparse.ArgumentParser, title: str, leave_out=()) -> None:
-    """The argparse group ``title``: the flags of every setting in it, in definition order."""
+def add_group(parser: argparse.ArgumentParser, title: str, leave_out=(), settings=SETTINGS) -> None:
+    """The argparse group ``title``: the flags of every setting in it, in definition order
+    (``settings``: a class's definitions, ``TrainArgs``' by default)."""
     group = parser.add_argument_group(title)
-    for name, definition in SETTINGS.items():
+    for name, definition in settings.items():
         if definition.group == title and definition.flags and name not in leave_out:
             add_setting(group, definition)
 
@@ -66,7 +67,8 @@ def add_data_flags(parser: argparse.ArgumentParser, tasks: bool = True) -> None:
     add_group(parser, DATA, leave_out=() if tasks else TASK_SETTINGS)
 
 
-def train_args(options: argparse.Namespace, **changes) -> TrainArgs:
-    """TrainArgs from the parsed flags (fields a command has no flag for keep their defaults)."""
-    fields = {name: getattr(options, name) for name in SETTINGS if hasattr(options, name)}
-    return TrainArgs(**{**fields, **changes})
+def train_args(options: argparse.Namespace, cls=TrainArgs, **changes) -> TrainArgs:
+    """TrainArgs (or ``cls``, a subclass) from the parsed flags (fields a command has no flag for
+    keep their defaults)."""
+    fields = {name: getattr(options, name) for name in definitions(cls) if hasattr(options, name)}
+    return cls(**{**fields, **changes})

@@ -196,13 +196,15 @@ class MegatronGPT:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def forward_backward(self, microbatches: List[Dict[str, Tensor]], forward_only: bool = False) -> List[dict]:
-        """Megatron's schedule over this rank's microbatches; the loss dicts on the last stage."""
+    def forward_backward(self, microbatches: List[Dict[str, Tensor]], forward_only: bool = False,
+                         step: Callable = forward_step) -> List[dict]:
+        """Megatron's schedule over this rank's microbatches; the loss dicts on the last stage.
+        ``step``: the forward-step function (``forward_step``, or one that wraps it)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iterators = [iter(microbatches) for _ in self.model]
         return get_forward_backward_func()(
-            forward_step_func=forward_step,
+            forward_step_func=step,
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(microbatches),

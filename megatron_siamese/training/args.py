@@ -207,8 +207,13 @@ class TrainArgs(ModelSettings):
     @property
     def layout(self) -> Layout:
         """The Layout the settings that name one of its fields fill (the others keep Layout's defaults)."""
-        fields = {d.layout: getattr(self, name) for name, d in definitions(TrainArgs).items() if d.layout}
+        fields = {d.layout: getattr(self, name) for name, d in definitions(type(self)).items() if d.layout}
         return Layout(**fields, fsdp=self.fsdp)
+
+    @property
+    def padded_vocab(self) -> int:
+        """The vocabulary the model is built with: the byte tokenizer's, padded (``padded_vocab_size``)."""
+        return padded_vocab_size()
 
     @property
     def world_size(self) -> int:
@@ -221,7 +226,7 @@ class TrainArgs(ModelSettings):
 
 def problems(args: TrainArgs) -> List[str]:
     """Every problem with ``args``, one line each, saying what to change (empty: none)."""
-    invalid = field_problems(args, TrainArgs)  # each value against its own definition
+    invalid = field_problems(args, type(args))  # each value against its own definition
     found = list(invalid.values())
     if args.fp8 is not None and args.transformer_impl != "transformer_engine":
         found.append("--fp8-format needs Transformer Engine's GEMMs: add --transformer-impl transformer_engine")
@@ -243,7 +248,7 @@ def problems(args: TrainArgs) -> List[str]:
     found += _expert_layout_problems(args)
     found += _fsdp_problems(args)
     found += shape_problems(args)
-    found += split_problems(args, _layout_to_split(args), vocab_size=padded_vocab_size(),
+    found += split_problems(args, _layout_to_split(args), vocab_size=args.padded_vocab,
                             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)
 
     if args.task != "lm" and (args.tp, args.pp) != (1, 1):

@@ -1,0 +1,80 @@
+"""``megatron-siamese plan``: what a job costs per GPU, stock Pre-Norm beside SiameseNorm (plan/)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from megatron_siamese.cli import flags
+from megatron_siamese.plan.args import PLAN, PlanArgs
+from megatron_siamese.runtime.registry import definitions
+from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
+from megatron_siamese.training.args import CHECKPOINTS, DATA, LOGGING, PARALLELISM, TRAINING
+
+DESCRIPTION = """\
+What a training job costs per GPU, for stock Pre-Norm and for SiameseNorm side by side: weights,
+gradients, optimizer state, the activations kept for backward (SiameseNorm's joined and apart
+paths, as --fused-ops / --boundary-ops leave them possible), the pipeline buffers (the packed
+[s, b, 2h] streams between stages against stock's [s, b, h], over the microbatches 1F1B or the
+interleaved schedule keeps in flight), the bytes each GPU sends per step over TP, SP, PP, DP and
+EP, the difference, whether the most loaded pipeline stage fits --gpu-memory, and the largest
+micro-batch that does. Arithmetic only: no rank starts, nothing is imported from torch.
+
+Every flag of `megatron-siamese train` means the same here (those that do not change the cost,
+such as the learning rate, are read and ignored), so a training command becomes its plan by
+changing its first word. Measured against the CPU ranks within 5% per term
+(tests/test_plan_measured.py; docs/scale.md):
+
+  megatron-siamese plan --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \\
+      --num-query-groups 8 --ffn-hidden-size 28672 --seq-length 4096 --vocab-size 128256 --bf16 \\
+      --transformer-impl transformer_engine --tp 8 --sp --pp 8 --dp 16 --use-distributed-optimizer \\
+      --micro-batch-size 1 --global-batch-size 1024 --gpu-memory h100-80gb
+"""
+
+SETTINGS = definitions(PlanArgs)
+GROUPS = (MODEL, MOE, PRECISION, PARALLELISM, TRAINING, PLAN, CHECKPOINTS, DATA, LOGGING)
+
+
+def add_parser(commands, name: str) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help="what a job costs per GPU: stock Pre-Norm beside SiameseNorm",
+                                 description=DESCRIPTION, formatter_class=flags.HelpFormatter)
+    for title in GROUPS:
+        flags.add_group(parser, title, settings=SETTINGS)
+    parser.add_argument("--json", metavar="PATH", help="also write every pipeline stage's costs as JSON")
+    return parser
+
+
+def describe(args: PlanArgs) -> str:
+    """The model, the layout and the batch, in a few lines."""
+    layout = args.layout
+    experts = (f", {args.num_moe_experts} experts (top {args.moe_router_topk}, width {args.expert_width})"
+               if args.num_moe_experts else "")
+    groups = f" / {args.num_query_groups} query groups" if args.num_query_groups else ""
+    mlp = "SwiGLU" if args.gated_linear_unit else "GELU"
+    from megatron_siamese.plan.states import layout_sharding
+
+    return "\n".join([
+        f"GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads{groups}, "
+        f"MLP {args.mlp_width} ({mlp}){experts}, vocabulary {args.padded_vocab}, sequence {args.seq_length}; "
+        f"{args.dtype}, {args.transformer_impl} modules, {args.attention} attention",
+        f"layout {layout.name}: {layout.world_size} GPUs; micro-batch {args.micro_batch_size}, "
+        f"{args.num_microbatches} microbatches a step on each data-parallel rank; recompute {layout.recompute}; "
+        f"data parallelism: {layout_sharding(layout).name}",
+    ])
+
+
+def run(options: argparse.Namespace) -> int:
+    args = flags.train_args(options, cls=PlanArgs)  # ConfigError: every problem, one line each
+    from megatron_siamese.plan.args import plan_inputs
+    from megatron_siamese.plan.gpus import gpu_memory
+    from megatron_siamese.plan.report import format_plan, make_plan, plan_json
+
+    plan = make_plan(plan_inputs(args), args.siamese_paths, gpu_memory(args.gpu_memory))
+    print(describe(args))
+    print(format_plan(plan, args.gpu_memory))
+    print("not counted: the CUDA context, NCCL's buffers, the allocator's fragmentation and the step's "
+          "temporaries (leave a few GiB)")
+    if options.json:
+        with open(options.json, "w") as out:
+            json.dump(plan_json(plan, args.gpu_memory), out, indent=2)
+    return 0

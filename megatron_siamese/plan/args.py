@@ -1,0 +1,117 @@
+"""The plan's settings: the trainer's (``TrainArgs``: every flag of ``train`` means the same here)
+and what only a plan asks: the GPU, the vocabulary, context parallelism, and how Megatron runs
+the layers where that changes what they keep (attention kernel, fused activation, dropout,
+freed stage outputs: Megatron-LM's flags where it has them). Plain data, no torch."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import List
+
+from megatron_siamese.plan.activations import Implementation
+from megatron_siamese.plan.gpus import gpu_memory_problem
+from megatron_siamese.plan.per_gpu import PlanInputs
+from megatron_siamese.plan.shapes import SIAMESE_SCHEMES, shape_of
+from megatron_siamese.plan.states import layout_sharding
+from megatron_siamese.runtime.registry import ConfigError, setting
+from megatron_siamese.training.args import BYTE_VOCAB, PARALLELISM, TrainArgs, padded_vocab_size
+from megatron_siamese.training.args import problems as train_problems
+
+PLAN = "plan"  # the argparse group of the plan's own settings
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # Megatron-LM's --attention-backend
+
+
+@dataclass(frozen=True)
+class PlanArgs(TrainArgs):
+    """``train``'s settings and the plan's own."""
+
+    cp: int = setting(1, group=PARALLELISM, flag=("--context-parallel-size", "--cp"), minimum=1, layout="cp",
+                      help="context-parallel size (plan only: it needs Transformer Engine's attention, which the "
+                           "trainer does not run on CPU)")
+    vocab_size: int = setting(BYTE_VOCAB, group=PLAN, flag="--vocab-size", minimum=1,
+                              help="tokens in the vocabulary, padded to a multiple of 64 as the trainer pads it "
+                                   "(default: the trainer's byte vocabulary)")
+    gpu_memory: str = setting("h100-80gb", group=PLAN, flag="--gpu-memory", check=gpu_memory_problem,
+                              metavar="GPU|SIZE",
+                              help="the memory of one GPU: a100-40gb, a100-80gb, h100-80gb (h100), h200-141gb "
+                                   "(h200), or a size (80GiB, 81559MiB, 141GB)")
+    attention_backend: str = setting(
+        "auto", group=PLAN, flag="--attention-backend", choices=ATTENTION_BACKENDS,
+        help="Megatron-LM's: flash / fused keep Q, K, V and the output; unfused / local also the s x s "
+             "probabilities; auto: flash with --transformer-impl transformer_engine, else local")
+    bias_activation_fusion: bool = setting(
+        False, group=PLAN, flag="--bias-activation-fusion", action=argparse.BooleanOptionalAction,
+        help="Megatron's fused bias-SwiGLU / bias-GELU, whose activation keeps its input only (Megatron-LM's "
+             "default; the trainer's is off)")
+    hidden_dropout: float = setting(0.0, group=PLAN, flag="--hidden-dropout", minimum=0.0,
+                                    help="dropout after each sublayer: a bool mask kept per sublayer (Megatron-LM's "
+                                         "default 0.1; the trainer's 0)")
+    attention_dropout: float = setting(0.0, group=PLAN, flag="--attention-dropout", minimum=0.0,
+                                       help="dropout on the attention probabilities (unfused attention keeps its mask "
+                                            "and output; Megatron-LM's default 0.1, the trainer's 0)")
+    deallocate_pipeline_outputs: bool = setting(
+        False, group=PLAN, flag="--deallocate-pipeline-outputs", action=argparse.BooleanOptionalAction,
+        help="free a stage output's data once sent (Megatron-LM does; the trainer keeps it until its backward)")
+
+    def __post_init__(self):
+        found = problems(self)
+        if found:
+            raise ConfigError(found)
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab_size(self.vocab_size)
+
+    @property
+    def attention(self) -> str:
+        """The attention kernel: "flash" (flash, fused) or "unfused" (unfused, local)."""
+        backend = self.attention_backend
+        if backend == "auto":
+            return "flash" if self.transformer_impl == "transformer_engine" else "unfused"
+        return "flash" if backend in ("flash", "fused") else "unfused"
+
+    @property
+    def siamese_paths(self) -> List[str]:
+        """The SiameseNorm paths the settings leave possible on a GPU (``--fused-ops``, ``--boundary-ops``)."""
+        if self.fused_ops is False:
+            return ["pytorch"]
+        return {True: ["joined"], False: ["apart"]}.get(self.boundary_ops, ["joined", "apart"])
+
+
+def problems(args: PlanArgs) -> List[str]:
+    """The trainer's problems with these settings, and the plan's own (one line each)."""
+    found = train_problems(args)
+    if args.norm not in SIAMESE_SCHEMES:
+        found.append(f"plan sets stock Pre-Norm beside a SiameseNorm model of the standard variant: use --norm "
+                     f"{' or --norm '.join(SIAMESE_SCHEMES)} (got --norm {args.norm})")
+    if args.model != "gpt":
+        found.append("plan models GPTModel: use --model gpt")
+    if args.fp8 is not None:
+        found.append("plan counts bf16 or fp32 activations; what Transformer Engine keeps under FP8 is not modeled: "
+                     "leave --fp8-format out")
+    if args.num_moe_experts and args.ep > 1 and args.moe_token_dispatcher_type != "alltoall":
+        found.append(f"plan counts the expert-parallel traffic of Megatron's alltoall dispatcher: use "
+                     f"--moe-token-dispatcher-type alltoall (got {args.moe_token_dispatcher_type})")
+    flash = args.attention_backend in ("flash", "fused")
+    if flash and args.transformer_impl != "transformer_engine":
+        found.append(f"--attention-backend {args.attention_backend} is Transformer Engine's attention: add "
+                     "--transformer-impl transformer_engine (Megatron's local modules compute it unfused)")
+    if args.cp > 1:
+        if args.transformer_impl != "transformer_engine":
+            found.append("context parallelism needs Transformer Engine's attention (Megatron's local "
+                         "DotProductAttention refuses it): add --transformer-impl transformer_engine")
+        if args.seq_length % (2 * args.cp):
+            found.append(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size = "
+                         f"{2 * args.cp} (context parallelism splits each sequence into 2 cp balanced chunks)")
+    return found
+
+
+def plan_inputs(args: PlanArgs) -> PlanInputs:
+    """What the arithmetic reads, from the settings."""
+    impl = Implementation(bytes=4 if args.dtype == "fp32" else 2, attention=args.attention,
+                          fused_activation=args.bias_activation_fusion, hidden_dropout=args.hidden_dropout,
+                          attention_dropout=args.attention_dropout)
+    return PlanInputs(shape_of(args, args.padded_vocab), args.layout, args.norm, impl, args.micro_batch_size,
+                      args.num_microbatches, 4 if args.dtype == "fp32" else 2, layout_sharding(args.layout),
+                      args.deallocate_pipeline_outputs)

@@ -1,0 +1,83 @@
+"""Everything one GPU of a pipeline rank holds and sends in a step, for stock Pre-Norm or one
+SiameseNorm path: the sum of ``states``, ``activations`` (over ``schedule``'s microbatches in
+flight) and ``traffic``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+from megatron_siamese.plan.activations import STOCK, Implementation, chunk_activations, tokens_of
+from megatron_siamese.plan.placement import chunk_parameters, chunk_units, chunks_of
+from megatron_siamese.plan.schedule import peak
+from megatron_siamese.plan.shapes import STOCK as STOCK_SCHEME
+from megatron_siamese.plan.shapes import Shape
+from megatron_siamese.plan.states import DataParallelSharding, chunk_buffers, chunk_states
+from megatron_siamese.plan.traffic import step_traffic
+from megatron_siamese.runtime.layout import Layout
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the arithmetic reads: the model, its layout and batch, how it computes."""
+
+    shape: Shape
+    layout: Layout
+    scheme: str  # the SiameseNorm scheme (its parameters: siamese or siamese-layer)
+    impl: Implementation
+    micro_batch: int
+    microbatches: int  # per data-parallel rank and step
+    param_bytes: int
+    sharding: DataParallelSharding
+    deallocate_outputs: bool = False  # Megatron-LM frees a sent stage output's data; the trainer keeps it
+
+
+@dataclass(frozen=True)
+class GpuCosts:
+    """One GPU's bytes: held (states, activations at their peak, pipeline buffers) and sent per step."""
+
+    rank: int  # pipeline rank
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    pipeline: float
+    sent: Dict[str, float] = field(default_factory=dict)
+    gathered: float = 0.0  # FSDP: sharded weights and gradients unsharded for the layer computing
+
+    @property
+    def memory(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.gathered + self.activations + self.pipeline
+
+
+def gpu_costs(inputs: PlanInputs, variant: str, rank: int) -> GpuCosts:
+    """``variant``: "stock", or a SiameseNorm path ("pytorch", "apart", "joined")."""
+    shape, layout = inputs.shape, inputs.layout
+    scheme = STOCK_SCHEME if variant == STOCK else inputs.scheme
+    chunks = chunks_of(shape, layout, rank)
+    params = [chunk_parameters(chunk, shape, scheme, layout) for chunk in chunks]
+    largest = max(sum(p.local_numel(layout) for p in unit)  # what FSDP gathers at once, at most
+                  for chunk in chunks for unit in chunk_units(chunk, shape, scheme, layout))
+    states = [chunk_states(chunk_params, layout, inputs.param_bytes, inputs.sharding, bucketed=i == 0,
+                           largest_layer=largest) for i, chunk_params in enumerate(params)]
+    held = [chunk_activations(chunk, shape, layout, inputs.impl, variant, inputs.micro_batch) for chunk in chunks]
+    activations = peak(layout, rank, inputs.microbatches, lambda c: held[c].kept)
+    activations += max(chunk.working for chunk in held)
+    pipeline = peak(layout, rank, inputs.microbatches,
+                    lambda c: held[c].received + (0 if inputs.deallocate_outputs else held[c].sent))
+    buffers = [chunk_buffers(chunk_params, layout, inputs.param_bytes, inputs.sharding, bucketed=i == 0)
+               for i, chunk_params in enumerate(params)]
+    sent = step_traffic(shape, layout, chunks, params, variant, tokens_of(shape, layout, inputs.micro_batch),
+                        inputs.impl.bytes, inputs.microbatches, inputs.sharding, buffers)
+    return GpuCosts(rank, sum(s.weights for s in states), sum(s.grads for s in states),
+                    sum(s.optimizer for s in states), activations, pipeline, sent, max(s.gathered for s in states))
+
+
+def every_rank(inputs: PlanInputs, variant: str) -> List[GpuCosts]:
+    """``gpu_costs`` of each pipeline rank."""
+    return [gpu_costs(inputs, variant, rank) for rank in range(inputs.layout.pp)]
+
+
+def most_loaded(costs: List[GpuCosts]) -> GpuCosts:
+    """The pipeline rank that needs the most memory (the one that decides whether a job fits)."""
+    return max(costs, key=lambda c: c.memory)

@@ -1,0 +1,176 @@
+"""Weights, gradients and optimizer state per GPU, and what data parallelism shards of them.
+
+Bytes per parameter as Megatron keeps them: the weights in the model's dtype; gradients in fp32
+(the runtime's ``grad_reduce_in_fp32``, Megatron-LM's default for bf16); Adam's two moments in
+fp32, and an fp32 main copy of each 16-bit weight (18 bytes a bf16 parameter in all, 16 an fp32
+one, whose weights are their own main copy). Data parallelism shards some of them over its
+ranks (``DataParallelSharding``): nothing (DDP), the optimizer state (the distributed optimizer;
+Megatron-FSDP's ``optim``), also the gradients (``optim_grads``), or everything
+(``optim_grads_params``, torch FSDP2). Dense parameters are sharded over the data-parallel
+group (with context parallelism, ``dp x cp``), experts over the expert-data-parallel group.
+
+Under the distributed optimizer Megatron's DDP pads its weight and gradient buffers (each
+parameter starts at a multiple of 64 elements, each bucket ends at a multiple of
+``lcm(dp, 128)``, the word embedding tied over stages in a bucket of its own): counted here
+(``padded_numel``), as they decide the buffers' size on small models. Sharded weights are
+gathered for compute unit by unit (the embedding, each layer, the head): two of the largest
+unit's weights (the one computing and the next, prefetched) and one's unsharded gradients are
+counted apart from the shards (``States.gathered``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Sequence
+
+from megatron_siamese.plan.shapes import Parameter
+from megatron_siamese.runtime.layout import FSDP_KINDS, SHARDING_STRATEGIES, Layout
+
+GRAD_BYTES = 4
+ADAM_BYTES = 8  # exp_avg and exp_avg_sq in fp32
+MAIN_PARAM_BYTES = 4
+
+
+@dataclass(frozen=True)
+class DataParallelSharding:
+    """Which training states data parallelism shards, by what name, and how often it moves them:
+    whether gradients are reduce-scattered after every microbatch's backward instead of once a
+    step, and how many times a microbatch weights are all-gathered (0: once a step, after the
+    optimizer's). Megatron-FSDP's counts are what the CPU ranks measure (docs/scale.md)."""
+
+    name: str
+    weights: bool = False
+    grads: bool = False
+    optimizer: bool = False
+    reduce_every_microbatch: bool = False
+    gathers_per_microbatch: int = 0
+    padded: bool = False  # Megatron DDP's buffers for the distributed optimizer (padded_numel)
+
+
+def data_parallel_sharding(distributed_optimizer: bool, fsdp: str = "none",
+                           strategy: str = "no_shard") -> DataParallelSharding:
+    """The sharding of a job: Megatron DDP with or without the distributed optimizer
+    (``fsdp="none"``), torch FSDP2's ``fully_shard`` (``"torch"``: all three), or Megatron-FSDP
+    with its ``data_parallel_sharding_strategy`` (``"megatron"``)."""
+    if fsdp not in FSDP_KINDS:
+        raise ValueError(f"fsdp must be one of {FSDP_KINDS}, got {fsdp!r}")
+    if fsdp == "none":
+        if distributed_optimizer:
+            return DataParallelSharding("distributed optimizer", optimizer=True, padded=True)
+        return DataParallelSharding("DDP")
+    if fsdp == "torch":
+        return DataParallelSharding("torch FSDP2", weights=True, grads=True, optimizer=True, reduce_every_microbatch=True,
+                                    gathers_per_microbatch=2)
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"data_parallel_sharding_strategy must be one of {SHARDING_STRATEGIES}, got {strategy!r}")
+    level = SHARDING_STRATEGIES.index(strategy)
+    return DataParallelSharding(f"Megatron-FSDP {strategy}", optimizer=level >= 1, grads=level >= 2,
+                                weights=level >= 3, reduce_every_microbatch=level >= 1,
+                                gathers_per_microbatch=(0, 0, 1, 2)[level])
+
+
+def layout_sharding(layout: Layout) -> DataParallelSharding:
+    """The sharding ``layout`` asks for."""
+    return data_parallel_sharding(layout.distributed_optimizer, layout.fsdp, layout.fsdp_sharding)
+
+
+def dense_dp_size(layout: Layout) -> int:
+    """The ranks dense gradients are reduced and sharded over: data times context parallel."""
+    return layout.dp * layout.cp
+
+
+def expert_dp_size(layout: Layout) -> int:
+    """The ranks an expert's gradients are reduced and sharded over (expert data parallel)."""
+    return layout.tp * layout.cp * layout.dp // (layout.ep * layout.expert_tp)
+
+
+def bucket_size(layout: Layout, bucketed: bool) -> float:
+    """Megatron DDP's bucket size in elements (overlapped reduction only; later chunks unbucketed)."""
+    if not bucketed or dense_dp_size(layout) == 1:
+        return math.inf
+    return max(40_000_000, 1_000_000 * dense_dp_size(layout))
+
+
+def _pad(value: int, divisor: int) -> int:
+    return -(-value // divisor) * divisor
+
+
+def padded_numel(numels: Sequence[int], shared: Sequence[bool], dp: int, size: float) -> int:
+    """A distributed-optimizer buffer's elements: parameters (taken last to first, as DDP does)
+    starting at multiples of 64, buckets closed once they reach ``size`` and ending at multiples
+    of ``lcm(dp, 128)``, a shared embedding in a bucket of its own."""
+    divisor = math.lcm(dp, 128)
+    end = bucket_start = 0
+    open_bucket = False
+    for numel, alone in reversed(list(zip(numels, shared))):
+        start = _pad(end, 64)
+        if alone and open_bucket:
+            start = bucket_start = _pad(start, divisor)
+        end, open_bucket = start + numel, True
+        if alone or end - bucket_start >= size:
+            end = bucket_start = _pad(end, divisor)
+            open_bucket = False
+    return _pad(end, divisor) if open_bucket else end
+
+
+@dataclass(frozen=True)
+class States:
+    """One GPU's weights, gradients and optimizer state, in bytes (sharded: this GPU's shards), and
+    what sharded weights and gradients need unsharded while a layer computes."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    gathered: float = 0.0
+
+
+def _buffer(params: List[Parameter], layout: Layout, dp: int, padded: bool, bucketed: bool) -> int:
+    numels = [p.local_numel(layout) for p in params]
+    if not padded:
+        return sum(numels)
+    return padded_numel(numels, [p.shared_embedding for p in params], dp, bucket_size(layout, bucketed))
+
+
+def _groups(params: List[Parameter], layout: Layout):
+    """DDP's buffers: dense parameters (over the data-parallel group) and experts (over the expert
+    one), each per dtype (the fp32 router apart): ``(expert, fp32, members, dp)``."""
+    for expert, dp in ((False, dense_dp_size(layout)), (True, expert_dp_size(layout))):
+        for fp32 in (False, True):
+            members = [p for p in params if p.expert == expert and p.fp32 == fp32]
+            if members:
+                yield expert, fp32, members, dp
+
+
+def chunk_buffers(params: Iterable[Parameter], layout: Layout, param_bytes: int, sharding: DataParallelSharding,
+                  bucketed: bool) -> Dict[str, float]:
+    """One chunk's whole (unsharded) gradient and weight buffers in bytes, dense and expert:
+    ``grads``, ``weights``, ``expert_grads``, ``expert_weights`` (what data parallelism moves)."""
+    found = dict(grads=0.0, weights=0.0, expert_grads=0.0, expert_weights=0.0)
+    for expert, fp32, members, dp in _groups(list(params), layout):
+        numel = _buffer(members, layout, dp, sharding.padded, bucketed)
+        prefix = "expert_" if expert else ""
+        found[prefix + "grads"] += numel * GRAD_BYTES
+        found[prefix + "weights"] += numel * (4 if fp32 else param_bytes)
+    return found
+
+
+def chunk_states(params: Iterable[Parameter], layout: Layout, param_bytes: int, sharding: DataParallelSharding,
+                 bucketed: bool, largest_layer: int) -> States:
+    """The states of one model chunk's parameters on one GPU (``bucketed``: the chunk's DDP
+    buckets its gradients, Megatron's first chunk; ``largest_layer``: the most elements one unit
+    FSDP gathers, the embedding, a layer or the head, holds on this GPU)."""
+    params = list(params)
+    buffers = chunk_buffers(params, layout, param_bytes, sharding, bucketed)
+    dense, experts = dense_dp_size(layout), expert_dp_size(layout)
+    weights = buffers["weights"] / (dense if sharding.weights else 1)
+    weights += buffers["expert_weights"] / (experts if sharding.weights else 1)
+    grads = buffers["grads"] / (dense if sharding.grads else 1)
+    grads += buffers["expert_grads"] / (experts if sharding.grads else 1)
+    optimizer = 0.0
+    for _, fp32, members, dp in _groups(params, layout):
+        per_param = ADAM_BYTES + (MAIN_PARAM_BYTES if not fp32 and param_bytes < 4 else 0)
+        optimizer += sum(p.local_numel(layout) for p in members) * per_param / (dp if sharding.optimizer else 1)
+    gathered = (2 * largest_layer * param_bytes if sharding.weights else 0) + (
+        largest_layer * GRAD_BYTES if sharding.grads else 0)
+    return States(weights, grads, optimizer, gathered)

@@ -1,0 +1,164 @@
+"""The bytes one GPU sends per training step, by kind of parallelism.
+
+Each collective is booked by the rule of the usual ring and pairwise algorithms (``sent_bytes``;
+``check/collectives.py`` books what it measures by it too): an all-reduce of N bytes over g ranks sends ``2 (g-1)/g N`` per rank, an
+all-gather, reduce-scatter or all-to-all ``(g-1)/g N``, a send N. With ``N = T h B`` a
+microbatch's hidden states on a rank (``T = s b / cp``), per microbatch:
+
+* TP (all-reduces over the tensor-parallel group, without SP): 4 a dense layer (forward: the
+  attention's and the MLP's output projections; backward: their input projections' input
+  gradients), 2 more under full recompute and 1 under selective (the MLP runs again), one for
+  the embedding and one for the output layer's input gradient; the cross entropy's 3 of ``T``
+  fp32 values; once a step the gradients TP does not split but sums (norms, row-parallel
+  biases and the router under SP, QK-norm always): SiameseNorm's four stream norms a layer add
+  to those;
+* SP (all-gathers and reduce-scatters over the same group, with sequence parallelism): 6
+  all-gathers and 4 reduce-scatters a dense layer (each column-parallel linear gathers its input
+  again in backward), 2 + 2 more under full recompute, 1 + 1 under selective; the embedding's
+  reduce-scatter (an all-reduce, TP's, when it adds learned positions) and all-gather, the output
+  layer's 2 all-gathers and a reduce-scatter;
+* PP: the streams each chunk sends on, and their gradients back: ``[Ts, b, h]`` stock,
+  ``[Ts, b, 2h]`` SiameseNorm (``Ts = T / tp`` under SP); once a step the tied embedding's
+  gradient all-reduce between the first and last stage;
+* DP: the gradient buffers (fp32) all-reduced once a step; the distributed optimizer
+  reduce-scatters them and all-gathers the weights instead; FSDP reduce-scatters them every
+  microbatch (torch FSDP2, Megatron-FSDP from ``optim`` on) and all-gathers sharded weights for
+  every forward and backward (Megatron-FSDP's ``optim_grads``: once a microbatch);
+* EP (Megatron's alltoall dispatcher): per MoE layer 3 all-to-alls forward (hidden states,
+  routing probabilities, the experts' outputs back) and 3 backward of ``Ts k`` token copies
+  (a balanced router), and an all-gather of the tokens per expert.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from megatron_siamese.plan.activations import STAT, STOCK, Tokens
+from megatron_siamese.plan.placement import Chunk
+from megatron_siamese.plan.shapes import Parameter, Shape
+from megatron_siamese.plan.states import DataParallelSharding, dense_dp_size, expert_dp_size
+from megatron_siamese.runtime.layout import Layout
+
+KINDS = ("tp", "sp", "pp", "dp", "ep")
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, ALL_TO_ALL, SEND, RECV = (
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
+# a TP-split sublayer's collectives per microbatch: without SP the output projection's all-reduce
+# forward and the input projection's backward; with SP an all-gather before the input projection
+# forward, of the output gradient and of the input again (for the weight gradient) backward, and
+# a reduce-scatter after the output projection forward and of the input gradient backward
+SUBLAYER_COLLECTIVES = {ALL_REDUCE: 2, ALL_GATHER: 3, REDUCE_SCATTER: 2}
+
+
+def sent_bytes(op: str, payload: float, group_size: int) -> float:
+    """Bytes one rank sends for ``op`` on a payload of ``payload`` bytes over ``group_size`` ranks
+    (the rule in the module docstring; ``check/collectives.py`` measures by it too)."""
+    if op == SEND:
+        return float(payload)
+    if group_size <= 1 or op == RECV:
+        return 0.0
+    share = (group_size - 1) / group_size
+    return (2 * share if op == ALL_REDUCE else share) * payload
+
+
+class Traffic:
+    """Bytes sent, booked by kind."""
+
+    def __init__(self):
+        self.sent: Dict[str, float] = {kind: 0.0 for kind in KINDS}
+
+    def add(self, kind: str, op: str, payload: float, group: int, times: float = 1) -> None:
+        self.sent[kind] += times * sent_bytes(op, payload, group)
+
+
+def _tensor_parallel(traffic: Traffic, shape: Shape, layout: Layout, chunks: List[Chunk], tokens: Tokens,
+                     activation_bytes: int, microbatches: int) -> None:
+    t = layout.tp
+    hidden = tokens.whole * shape.hidden * activation_bytes
+    for chunk in chunks:
+        for layer in chunk.layers:
+            moe = shape.is_moe(layer)
+            sublayers = 1 if moe else 2  # an MoE layer's MLP is the experts' (EP), not TP
+            replays = {"full": sublayers, "selective": 0 if moe else 1}.get(layout.recompute, 0)
+            for op in ((ALL_GATHER, REDUCE_SCATTER) if layout.sp else (ALL_REDUCE,)):
+                traffic.add("sp" if layout.sp else "tp", op, hidden, t,
+                            microbatches * (SUBLAYER_COLLECTIVES[op] * sublayers + replays))
+            if moe and shape.shared_expert_ffn:  # a TP-split MLP beside the experts (MoE layers have SP)
+                for op in (ALL_GATHER, REDUCE_SCATTER):
+                    traffic.add("sp", op, hidden, t, microbatches * SUBLAYER_COLLECTIVES[op])
+            if moe and layout.expert_tp > 1:  # the routed tokens gathered over expert TP and scattered back
+                routed = tokens.sharded * shape.topk * layout.expert_tp * shape.hidden * activation_bytes
+                traffic.add("sp", ALL_GATHER, routed, layout.expert_tp, microbatches * 2)
+                traffic.add("sp", REDUCE_SCATTER, routed, layout.expert_tp, microbatches * 2)
+        if layout.sp:
+            if chunk.first:  # the embedding reduce-scatters, or all-reduces to add learned positions and splits
+                kind, op = ("tp", ALL_REDUCE) if shape.learned_positions else ("sp", REDUCE_SCATTER)
+                traffic.add(kind, op, hidden, t, microbatches)
+            # its gradient all-gathered; the output layer gathers its input, again in backward, and
+            # reduce-scatters its input's gradient
+            traffic.add("sp", ALL_GATHER, hidden, t, microbatches * (int(chunk.first) + 2 * int(chunk.last)))
+            traffic.add("sp", REDUCE_SCATTER, hidden, t, microbatches * int(chunk.last))
+        else:  # the embedding's all-reduce, the output layer's input gradient's
+            traffic.add("tp", ALL_REDUCE, hidden, t, microbatches * (int(chunk.first) + int(chunk.last)))
+        if chunk.last:  # the vocabulary-parallel cross entropy: max, target logit, sum of exponentials
+            traffic.add("tp", ALL_REDUCE, tokens.whole * STAT, t, microbatches * 3)
+
+
+def _summed_over_tp(params: List[Parameter], layout: Layout) -> int:
+    """Elements of the gradients finalize_model_grads sums over TP."""
+    return sum(p.local_numel(layout) for p in params
+               if p.qk_norm or (layout.sp and p.tp_reduced and not p.expert))
+
+
+def step_traffic(shape: Shape, layout: Layout, chunks: List[Chunk], params: List[List[Parameter]], variant: str,
+                 tokens: Tokens, activation_bytes: int, microbatches: int, sharding: DataParallelSharding,
+                 buffers: List[Dict[str, float]]) -> Dict[str, float]:
+    """The bytes this GPU sends in one step, by kind. ``params``: each chunk's parameters;
+    ``buffers``: each chunk's gradient and weight buffer bytes, dense and expert
+    (``grads``, ``weights``, ``expert_grads``, ``expert_weights``)."""
+    traffic = Traffic()
+    if layout.tp > 1:
+        _tensor_parallel(traffic, shape, layout, chunks, tokens, activation_bytes, microbatches)
+        reduced = sum(_summed_over_tp(chunk_params, layout) for chunk_params in params)
+        traffic.add("tp", ALL_REDUCE, reduced * 4, layout.tp)
+    width = shape.hidden * (1 if variant == STOCK else 2)
+    streams = tokens.sharded * width * activation_bytes
+    for chunk, chunk_params in zip(chunks, params):
+        traffic.add("pp", SEND, streams, 2, microbatches * ((not chunk.last) + (not chunk.first)))
+        if layout.pp > 1 and (chunk.first or chunk.last) and shape.tied:
+            embedding = next(p for p in chunk_params if p.shared_embedding)
+            traffic.add("pp", ALL_REDUCE, embedding.local_numel(layout) * 4, 2)
+    for buffer in buffers:
+        _data_parallel(traffic, buffer["grads"], buffer["weights"], dense_dp_size(layout), sharding, microbatches)
+        _data_parallel(traffic, buffer["expert_grads"], buffer["expert_weights"], expert_dp_size(layout), sharding,
+                       microbatches)
+    if layout.ep > 1:
+        _expert_parallel(traffic, shape, layout, chunks, tokens, activation_bytes, microbatches)
+    return traffic.sent
+
+
+def _data_parallel(traffic: Traffic, grads: float, weights: float, dp: int, sharding: DataParallelSharding,
+                   microbatches: int) -> None:
+    if dp == 1 or not grads:
+        return
+    if sharding.gathers_per_microbatch:  # sharded weights: for each forward and again for each backward
+        traffic.add("dp", ALL_GATHER, weights, dp, sharding.gathers_per_microbatch * microbatches)
+    elif sharding.optimizer:  # the updated shards, once a step
+        traffic.add("dp", ALL_GATHER, weights, dp)
+    if sharding.reduce_every_microbatch:
+        traffic.add("dp", REDUCE_SCATTER, grads, dp, microbatches)
+    elif sharding.optimizer:
+        traffic.add("dp", REDUCE_SCATTER, grads, dp)
+    else:
+        traffic.add("dp", ALL_REDUCE, grads, dp)
+
+
+def _expert_parallel(traffic: Traffic, shape: Shape, layout: Layout, chunks: List[Chunk], tokens: Tokens,
+                     activation_bytes: int, microbatches: int) -> None:
+    ep = layout.ep
+    routed = tokens.sharded * shape.topk
+    moe_layers = sum(shape.is_moe(layer) for chunk in chunks for layer in chunk.layers)
+    forwards = moe_layers * microbatches * (2 if layout.recompute == "full" else 1)
+    for times in (forwards, moe_layers * microbatches):  # forward passes (again under full recompute), backward
+        traffic.add("ep", ALL_TO_ALL, routed * shape.hidden * activation_bytes, ep, 2 * times)
+        traffic.add("ep", ALL_TO_ALL, routed * STAT, ep, times)
+    traffic.add("ep", ALL_GATHER, ep * shape.experts * 8, ep, forwards)  # tokens per expert, int64
