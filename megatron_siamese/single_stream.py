@@ -73,9 +73,7 @@ class SingleStreamTransformerLayer(MLPCallMixin, TransformerLayer):
         check_single_stream_supported(config, scheme)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         self.scheme = scheme
-        self.placement = norm_placement(scheme, self.layer_number, config.num_layers,
-                                        getattr(config, "mix_ln_alpha", MIX_LN_ALPHA),
-                                        getattr(config, "hybridnorm_star", False))
+        self.placement = self._placement()
 
         def norm(spec, present: bool):
             if not present:
@@ -92,6 +90,12 @@ class SingleStreamTransformerLayer(MLPCallMixin, TransformerLayer):
         self.post_mlp_norm = norm(submodules.post_mlp_norm, self.placement.after_mlp)
         self.recompute_input_norms = (self.config.recompute_granularity == "selective"
                                       and "layernorm" in (self.config.recompute_modules or ()))
+
+    def _placement(self):
+        """Where this layer's norms sit: by its global number (Megatron's, after the stage offset)."""
+        return norm_placement(self.scheme, self.layer_number, self.config.num_layers,
+                              getattr(self.config, "mix_ln_alpha", MIX_LN_ALPHA),
+                              getattr(self.config, "hybridnorm_star", False))
 
     def _sublayer(self, hidden_states: Tensor, input_norm, sublayer, bias_dropout_add, output_norm) -> Tensor:
         """``OutputNorm(x + dropout(out + bias))``, ``(out, bias) = sublayer(InputNorm(x))``."""
