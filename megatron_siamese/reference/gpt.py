@@ -229,7 +229,8 @@ class ReferenceAttention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(head_dim)
+        compute = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double model
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.to(compute), k.to(compute)) / math.sqrt(head_dim)
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(x.dtype)
         probs = F.dropout(probs, cfg.attention_dropout, self.training)
