@@ -362,8 +362,9 @@ class ReferenceGPT(nn.Module):
     def loss(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None):
         """Per-token cross-entropy [b, s], like GPTModel called with labels."""
         logits = self.forward(input_ids, position_ids)
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        return F.cross_entropy(  # in fp32 (Megatron's), fp64 for a double model
+            logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), labels.flatten(),
+            reduction="none",
         ).view_as(labels)
 
     def router_loss(self) -> Tensor:
