@@ -116,7 +116,8 @@ def test_study_reports_losses_divergence_spikes_and_accuracy(tmp_path):
                         "micro_batch_size": 8})
     plan = StudyPlan(output_dir=str(tmp_path / "study"), cache_dir=str(tmp_path / "cache"),
                      schemes=("pre", "ablation"), learning_rates=(1e-3, 1e3), seeds=(1,), warmup_steps=2,
-                     short_warmup_steps=1, short_warmup_schemes=("pre",), short_warmup_seeds=(1,),
+                     short_warmup_steps=1, short_warmup_schemes=("pre",), short_warmup_learning_rates=(1e-3, 1e3),
+                     short_warmup_seeds=(1,),
                      arithmetic_steps=4, arithmetic_seeds=(1,), arithmetic_schemes=("pre", "siamese"), base=base)
     study = run_study(plan, echo=lambda line: None)
     assert len(study["runs"]) == 2 * 2 + 2 + 2  # two arms x two rates, pre again at warmup 1, addition

@@ -29,9 +29,9 @@ def _split(text: str, kind, flag: str) -> tuple:
 def _study_parser(commands, name: str) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help="the small-scale reproduction study (STUDY_MINUTES on 2 CPU cores)",
                                  description="Pre-Norm, Post-Norm, SiameseNorm and its hybrid variant, HybridNorm, Mix-LN "
-                                             "and the paper's ablation at four learning rates (two seeds, a warmup of a "
+                                             "and the paper's ablation at five learning rates (two seeds, a warmup of a "
                                              "quarter of the run; the single-stream schemes and SiameseNorm again at a "
-                                             "10-step warmup), then reversed addition (docs/research.md).",
+                                             "10-step warmup and two rates), then reversed addition (docs/research.md).",
                                  formatter_class=flags.HelpFormatter)
     parser.add_argument("--output-dir", default="runs/study", help="results, plots and the per-run directories")
     parser.add_argument("--cache-dir", default=flags.DEFAULTS["cache_dir"], help="tokenized corpus cache")
@@ -40,7 +40,7 @@ def _study_parser(commands, name: str) -> argparse.ArgumentParser:
     parser.add_argument("--seeds", default="1,2", help="comma-separated seeds")
     parser.add_argument("--schemes", default=None, help=f"comma-separated subset of {','.join(SCHEMES)}")
     parser.add_argument("--learning-rates", default=None,
-                        help="comma-separated peak learning rates (default: 1e-3,4e-3,1.6e-2,6.4e-2)")
+                        help="comma-separated peak learning rates (default: 1e-3,2e-3,4e-3,1.6e-2,6.4e-2)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="the main panel's warmup (default: 50)")
     parser.add_argument("--short-warmup-steps", type=int, default=None,
                         help="the second panel's warmup (default: 10; 0: no second panel)")

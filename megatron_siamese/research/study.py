@@ -52,12 +52,14 @@ class StudyPlan:
     output_dir: str = "runs/study"
     cache_dir: str = ".cache/megatron_siamese"
     schemes: Tuple[str, ...] = SCHEMES
-    learning_rates: Tuple[float, ...] = (1e-3, 4e-3, 1.6e-2, 6.4e-2)
+    # from ordinary for this size to 64 times that; 2e-3 is the paper's rate
+    learning_rates: Tuple[float, ...] = (1e-3, 2e-3, 4e-3, 1.6e-2, 6.4e-2)
     seeds: Tuple[int, ...] = (1, 2)
     warmup_steps: int = 50  # a quarter of the run
-    # the second panel: the same rates at a short warmup, for these arms and seeds (None: no panel)
+    # the second panel: a short warmup, for these arms, rates and seeds (None: no panel)
     short_warmup_steps: Optional[int] = 10
     short_warmup_schemes: Tuple[str, ...] = ("pre", "post", "siamese", "hybridnorm", "mixln")
+    short_warmup_learning_rates: Tuple[float, ...] = (1e-3, 4e-3)
     short_warmup_seeds: Tuple[int, ...] = (1,)
     arithmetic_schemes: Tuple[str, ...] = ("pre", "siamese")
     arithmetic_task: str = "addition-reversed"  # a trainer task (training/addition.py)
@@ -112,7 +114,7 @@ def jobs_of(plan: StudyPlan) -> List[Job]:
     if plan.short_warmup_steps not in (None, plan.warmup_steps):
         jobs += [Job(arm, lr, seed, "lm", plan.short_warmup_steps)
                  for arm in plan.short_warmup_schemes if arm in plan.schemes
-                 for lr in plan.learning_rates for seed in plan.short_warmup_seeds]
+                 for lr in plan.short_warmup_learning_rates for seed in plan.short_warmup_seeds]
     return jobs
 
 
@@ -207,9 +209,8 @@ def _cell(summaries: List[RunSummary], entropy: float) -> str:
     return cell + "".join(f" ({count} {what})" for count, what in marks if count)
 
 
-def _panel(study: dict, warmup: int, arms: Tuple[str, ...]) -> List[str]:
-    plan, entropy = study["plan"], study["unigram_entropy"]
-    rates = plan["learning_rates"]
+def _panel(study: dict, warmup: int, arms: Tuple[str, ...], rates: Tuple[float, ...]) -> List[str]:
+    entropy = study["unigram_entropy"]
     lines = ["| scheme | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "| --- |" + " --- |" * len(rates)]
     seeds = ["| scheme | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "| --- |" + " --- |" * len(rates)]
     for arm in arms:
@@ -221,14 +222,14 @@ def _panel(study: dict, warmup: int, arms: Tuple[str, ...]) -> List[str]:
     return lines + ["", "Per seed (* a loss spike):", ""] + seeds
 
 
-def stability(study: dict, warmup: int, arms: Tuple[str, ...]) -> List[str]:
+def stability(study: dict, warmup: int, arms: Tuple[str, ...], rates: Tuple[float, ...]) -> List[str]:
     """Per arm: its best mean and where, and the learning rates at which it diverged, got stuck or spiked."""
-    plan, entropy = study["plan"], study["unigram_entropy"]
+    entropy = study["unigram_entropy"]
     lines = ["| scheme | best mean (lr) | lr where a run diverged | lr where a run got stuck | lr where a run spiked |",
              "| --- | --- | --- | --- | --- |"]
     for arm in arms:
         best, marks = None, {"diverged": [], "stuck": [], "spiked": []}
-        for lr in plan["learning_rates"]:
+        for lr in rates:
             summaries = [_summary_from(r) for r in _runs(study, "lm", arm, lr, warmup)]
             ok = [s.final_val_loss for s in summaries if not failed(s)]
             if ok and len(ok) == len(summaries) and (best is None or statistics.mean(ok) < best[0]):
@@ -248,12 +249,9 @@ def tables(study: dict) -> str:
              f"brackets how many runs diverged (a non-finite loss, or worse than uniform), got stuck (ended "
              f"within {STUCK_MARGIN} of the corpus's unigram entropy, {entropy:.3f}) or spiked (the training "
              f"loss rose more than {SPIKE_MARGIN} above its lowest so far).", ""]
-    for number, warmup in enumerate(_warmups(plan)):
-        arms = tuple(plan["schemes"]) if number == 0 else tuple(
-            a for a in plan["short_warmup_schemes"] if a in plan["schemes"])
-        seeds = plan["seeds"] if number == 0 else plan["short_warmup_seeds"]
+    for warmup, arms, rates, seeds in _panels(plan):
         lines += [f"### Warmup {warmup} steps (seeds {', '.join(map(str, seeds))})", ""]
-        lines += _panel(study, warmup, arms) + [""] + stability(study, warmup, arms) + [""]
+        lines += _panel(study, warmup, arms, rates) + [""] + stability(study, warmup, arms, rates) + [""]
     lines += [f"{plan['arithmetic_task']} of up to {plan['arithmetic_digits']}-digit numbers (exact match "
               f"on 500 held-out problems, lr {plan['arithmetic_lr']:g}, {plan['arithmetic_steps']} steps):", "",
               "| scheme | accuracy per seed | mean | final val loss |", "| --- | --- | --- | --- |"]
@@ -267,10 +265,13 @@ def tables(study: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _warmups(plan: dict) -> Tuple[int, ...]:
-    """The panels' warmups (a plan as study.json holds it), the main one first."""
-    short = plan["short_warmup_steps"]
-    return (plan["warmup_steps"],) + (() if short is None or short == plan["warmup_steps"] else (short,))
+def _panels(plan: dict) -> List[tuple]:
+    """(warmup, arms, rates, seeds) of each panel of a plan (as study.json holds it), the main one first."""
+    panels = [(plan["warmup_steps"], tuple(plan["schemes"]), tuple(plan["learning_rates"]), tuple(plan["seeds"]))]
+    if plan["short_warmup_steps"] not in (None, plan["warmup_steps"]):
+        panels.append((plan["short_warmup_steps"], tuple(a for a in plan["short_warmup_schemes"] if a in plan["schemes"]),
+                       tuple(plan["short_warmup_learning_rates"]), tuple(plan["short_warmup_seeds"])))
+    return panels
 
 
 def plot(study: dict, directory: str) -> None:
@@ -279,14 +280,16 @@ def plot(study: dict, directory: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plan = study["plan"]
-    warmups, rates = _warmups(plan), plan["learning_rates"]
-    figure, axes = plt.subplots(len(warmups), len(rates), figsize=(4.5 * len(rates), 3.8 * len(warmups)),
+    panels = _panels(study["plan"])
+    columns = max(len(rates) for _, _, rates, _ in panels)
+    figure, axes = plt.subplots(len(panels), columns, figsize=(4.2 * columns, 3.6 * len(panels)),
                                 sharey=True, squeeze=False)
     colors = {arm: f"C{i}" for i, arm in enumerate(SCHEMES)}
-    for row, warmup in zip(axes, warmups):
+    for row, (warmup, arms, rates, _) in zip(axes, panels):
+        for axis in row[len(rates):]:
+            axis.set_visible(False)
         for axis, lr in zip(row, rates):
-            for arm in plan["schemes"]:
+            for arm in arms:
                 for index, run in enumerate(_runs(study, "lm", arm, lr, warmup)):
                     losses = _summary_from(run).train_losses
                     steps = sorted(losses)
@@ -300,7 +303,7 @@ def plot(study: dict, directory: str) -> None:
             axis.set_ylim(1.0, 8.0)
             axis.grid(alpha=0.3)
         row[0].set_ylabel("training loss (nats per byte)")
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8, loc="upper right")
     figure.tight_layout()
     figure.savefig(os.path.join(directory, "study_curves.png"), dpi=100)
     plt.close(figure)
