@@ -27,7 +27,7 @@ def _split(text: str, kind, flag: str) -> tuple:
 
 
 def _study_parser(commands, name: str) -> argparse.ArgumentParser:
-    parser = commands.add_parser(name, help="the small-scale reproduction study (STUDY_MINUTES on 2 CPU cores)",
+    parser = commands.add_parser(name, help="the small-scale reproduction study (about an hour on 2 CPU cores)",
                                  description="Pre-Norm, Post-Norm, SiameseNorm and its hybrid variant, HybridNorm, Mix-LN "
                                              "and the paper's ablation at five learning rates (two seeds, a warmup of a "
                                              "quarter of the run; the single-stream schemes and SiameseNorm again at a "
