@@ -14,7 +14,8 @@ BOUNDARY_OPS_ENV = "MEGATRON_SIAMESE_BOUNDARY_OPS"
 
 @dataclass
 class SiameseTransformerConfig(TransformerConfig):
-    """TransformerConfig plus SiameseNorm options (a plain TransformerConfig works too)."""
+    """TransformerConfig plus SiameseNorm options, and the baselines' (a plain TransformerConfig
+    works too: every field below then takes its default)."""
 
     siamese_fused_ops: Optional[bool] = None
     """Use the fused dual-norm / dual-residual ops of the C++/CUDA extension: None picks them
@@ -30,6 +31,22 @@ class SiameseTransformerConfig(TransformerConfig):
     yet on CUDA (their CUDA kernels have not run on a GPU), True everywhere the fused ops run
     (and fails where they cannot), False never. Both compute the same function. Without this
     field MEGATRON_SIAMESE_BOUNDARY_OPS=1/0 decides."""
+
+    siamese_input_norm: bool = True
+    """The SiameseNorm sublayer's InputNorm: False is the paper's component-study ablation, in
+    which each sublayer sees ``PostNorm(x) + PreNorm(y)`` itself (the layer builds no InputNorm;
+    the hybrid variant's attention side has none anyway)."""
+
+    siamese_depth_scale: bool = True
+    """The X stream's depth scale ``c = sqrt(2 L)``: False is the ablation ``x = u + z``."""
+
+    mix_ln_alpha: float = 0.25
+    """Mix-LN (scheme ``mixln``): the first ``floor(mix_ln_alpha * num_layers)`` layers, by global
+    layer number, are Post-Norm, the rest Pre-Norm (the Mix-LN paper's alpha, 0.25 there)."""
+
+    hybridnorm_star: bool = False
+    """HybridNorm (scheme ``hybridnorm``): make the first layer Pre-Norm (with the same QKV-norm),
+    the HybridNorm paper's HybridNorm*."""
 
 
 def _requested(config: TransformerConfig, field: str, variable: str) -> Optional[bool]:

@@ -153,6 +153,11 @@ class SiameseMambaLayer(SiameseSublayerMixin, MegatronModule):
     def __init__(self, config: TransformerConfig, submodules: SiameseMambaLayerSubmodules, layer_number: int = 1,
                  pg_collection=None, pp_layer_offset: int = 0, name: Optional[str] = None):
         check_supported(config)
+        if not getattr(config, "siamese_input_norm", True):
+            raise UnsupportedConfigError(
+                "siamese_input_norm=False (the ablation without InputNorm) is not implemented for Mamba layers ('M'): "
+                "Transformer Engine fuses their InputNorm into the mixer's in_proj. Use a pattern without 'M', or "
+                "leave siamese_input_norm at True.")
         super().__init__(config=config)
         self.layer_number = layer_number  # global: HybridStack numbers its layers itself
         self.hidden_dropout = config.hidden_dropout

@@ -16,18 +16,23 @@ Megatron's layer structure:
   (Megatron's forward passes it on untouched); under Transformer Engine's CUDA graphs, which
   capture the two hooks apart, each sublayer runs on its own (the same function);
 * selective recompute "layernorm" discards the stream norms' outputs and recomputes them
-  in backward, "mlp" checkpoints the MLP, as the base layer does for its single stream.
+  in backward, "mlp" checkpoints the MLP (``mlp_call.py``), as the base layer does for its
+  single stream;
+* the component study's ablations (``SiameseTransformerConfig.siamese_input_norm`` and
+  ``siamese_depth_scale``): without InputNorm the layer builds IdentityOp in the InputNorm slots
+  (each sublayer sees ``PostNorm(x) + PreNorm(y)``, on every path: the fused ops take no
+  InputNorm weights then), without depth scaling c = 1 (``siamese_sublayer.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -39,7 +44,8 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
-from megatron_siamese.norms import QKNormPerConfig
+from megatron_siamese.mlp_call import MLPCallMixin
+from megatron_siamese.norms import ChannelScale, QKNormPerConfig, TorchNorm
 from megatron_siamese.siamese_sublayer import JoinedSublayers, SiameseSublayerMixin
 from megatron_siamese.streams import split_streams
 from megatron_siamese.support import UnsupportedConfigError, check_moe_layer, check_supported
@@ -62,7 +68,31 @@ class SiameseTransformerLayerSubmodules(TransformerLayerSubmodules):
     output_merge: Optional[Union[ModuleSpec, type]] = None
 
 
-class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
+def is_ours(slot, module: type) -> bool:
+    """Whether a spec slot (a class or a ModuleSpec) builds ``module``."""
+    return getattr(slot, "module", slot) is module
+
+
+def without_input_norms(submodules: SiameseTransformerLayerSubmodules) -> SiameseTransformerLayerSubmodules:
+    """``submodules`` for the ablation without InputNorm: its InputNorm slots IdentityOp. Refused
+    where a sublayer's InputNorm is not ours but fused into its first linear (Transformer Engine's
+    Mamba and GDN mixers normalize inside their ``in_proj``): removing it there would not remove it."""
+    fused = []
+    if submodules.self_attention is not IdentityOp and not (
+            is_ours(submodules.input_layernorm, TorchNorm) or is_ours(submodules.attn_x_norm, ChannelScale)):
+        fused.append("its attention (or mixer) sublayer")
+    if submodules.mlp is not IdentityOp and not is_ours(submodules.pre_mlp_layernorm, TorchNorm):
+        fused.append("its MLP sublayer")
+    if fused:
+        raise UnsupportedConfigError(
+            f"siamese_input_norm=False (the ablation without InputNorm) cannot remove the InputNorm of {' and '.join(fused)}: "
+            "this spec fuses it into the sublayer's first linear. Use a spec whose InputNorms are "
+            "megatron_siamese.norms.TorchNorm (the local and Transformer Engine GPT specs, the local hybrid stack), "
+            "or leave siamese_input_norm at True.")
+    return dataclasses.replace(submodules, input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp)
+
+
+class SiameseTransformerLayer(SiameseSublayerMixin, MLPCallMixin, TransformerLayer):
     """SiameseNorm sublayers (attention, MLP, or both) shared by the X and Y streams."""
 
     def __init__(
@@ -74,6 +104,8 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
         **kwargs: Any,
     ):
         submodules = QKNormPerConfig.resolved(submodules, config)  # the --spec objects' QK-norm
+        if not getattr(config, "siamese_input_norm", True):  # the ablation without InputNorm
+            submodules = without_input_norms(submodules)
         check_supported(config, submodules, built_for)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
 
@@ -157,18 +189,7 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
         """
 
         def mlp(normed: Tensor):
-            unflatten = getattr(self, "_maybe_unflatten_for_moe", None)  # megatron-core >= 0.19
-            per_sample = None
-            mask = padding_mask
-            if unflatten is not None:
-                normed, mask, per_sample = unflatten(normed, padding_mask, packed_seq_params)
-            if self.recompute_mlp:
-                output, bias = self._checkpointed_mlp(normed, mask)
-            else:
-                output, bias = self.mlp(normed, padding_mask=mask)
-            if per_sample is not None:
-                output = self._maybe_reflatten_from_moe(output, packed_seq_params, per_sample)
-            return output, bias
+            return self._call_mlp(normed, padding_mask, packed_seq_params)
 
         if isinstance(hidden_states, JoinedSublayers):
             output = self._siamese_second_of_two(hidden_states, mlp)
@@ -179,40 +200,6 @@ class SiameseTransformerLayer(SiameseSublayerMixin, TransformerLayer):
         if self.output_merge is not None:
             output = self.output_merge(*split_streams(output, self.config.hidden_size))
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
-
-    def _checkpointed_mlp(self, normed: Tensor, padding_mask: Optional[Tensor]):
-        """Selective "mlp" recompute.
-
-        The MLP's bias (``linear_fc2`` with ``skip_bias_add``) is a Parameter. Returned
-        from a checkpoint's autograd Function, that Parameter would itself be given the
-        Function as grad_fn, and the backward would recurse into its own checkpoint
-        forever; so only the activation crosses the checkpoint and the bias is used
-        directly.
-        """
-        biases = []
-
-        def mlp_activation(inp: Tensor) -> Tensor:
-            output, bias = self.mlp(inp, padding_mask=padding_mask)
-            if bias is not None and bias.grad_fn is not None:
-                raise NotImplementedError(
-                    "selective 'mlp' recompute needs the MLP's output bias to be a parameter"
-                )
-            biases[:] = [bias]
-            return output
-
-        if self.config.fp8 or getattr(self.config, "fp4", None):  # fp4: megatron-core >= 0.19
-            from megatron.core.extensions.transformer_engine import te_checkpoint
-
-            output = te_checkpoint(
-                mlp_activation,
-                False,
-                tensor_parallel.random.get_cuda_rng_tracker,
-                self.pg_collection.tp,
-                normed,
-            )
-        else:
-            output = tensor_parallel.checkpoint(mlp_activation, False, normed)
-        return output, biases[0]
 
     # -- Megatron integration --------------------------------------------------------------
 

@@ -12,8 +12,11 @@ build models from:
   Transformer Engine when ``transformer_impl`` says so (as Megatron builds it), else local with
   its norms built as ``TorchNorm`` (the same math as torch's LayerNorm/RMSNorm, but usable
   under sequence parallelism without apex);
-* ``post``: Post-Norm on Megatron's ``TransformerLayer`` (``post_norm.py``; local modules only,
-  refused with ``transformer_impl='transformer_engine'``).
+* ``post``, ``hybridnorm``, ``mixln``: the single-stream baselines on Megatron's
+  ``TransformerLayer`` (``single_stream.py``; local modules only, refused with
+  ``transformer_impl='transformer_engine'``): Post-Norm, HybridNorm (QKV-norm in attention,
+  Post-Norm on the FFN side; ``hybridnorm_star`` for HybridNorm*) and Mix-LN (Post-Norm in the
+  first ``floor(mix_ln_alpha * num_layers)`` layers, Pre-Norm in the rest).
 
 ``build_model_chunks`` builds a ``GPTModel`` (any scheme) or a ``HybridModel`` (SiameseNorm,
 ``hybrid.py``, megatron-core >= 0.19) for this rank's pipeline and virtual stages.
@@ -33,7 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_siamese.hybrid_pattern import HybridPattern, hybrid_pattern
 from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
 from megatron_siamese.norms import TorchNorm
-from megatron_siamese.post_norm import get_post_norm_block_spec
+from megatron_siamese.single_stream import get_single_stream_block_spec
 from megatron_siamese.specs import (
     get_siamese_block_spec,
     siamese_layer_spec,
@@ -71,7 +74,12 @@ SCHEMES: Dict[str, Scheme] = {
                             else siamese_layer_spec),
     "siamese-hybrid": Scheme(partial(get_siamese_block_spec, variant="hybrid"), {"qk_layernorm": True}),
     "pre": Scheme(get_pre_norm_block_spec),
-    "post": Scheme(get_post_norm_block_spec),
+    "post": Scheme(partial(get_single_stream_block_spec, scheme="post")),
+    # their layers differ in parameters where a scheme varies by depth (Mix-LN, HybridNorm*): per-layer
+    # checkpoint keys, as Megatron saves mixed MoE layers
+    "hybridnorm": Scheme(partial(get_single_stream_block_spec, scheme="hybridnorm"),
+                         {"qk_layernorm": True, "hetereogenous_dist_checkpoint": True}),
+    "mixln": Scheme(partial(get_single_stream_block_spec, scheme="mixln"), {"hetereogenous_dist_checkpoint": True}),
 }
 # the command line offers model_names.SCHEME_NAMES without importing this module
 assert tuple(SCHEMES) == SCHEME_NAMES, f"model_names.SCHEME_NAMES {SCHEME_NAMES} != SCHEMES {tuple(SCHEMES)}"

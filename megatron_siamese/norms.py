@@ -63,15 +63,19 @@ class TorchNorm(MegatronModule):
                 self.bias.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.normalized(x, self.weight, self.bias)
+
+    def normalized(self, x: Tensor, weight: Tensor, bias) -> Tensor:
+        """``x`` normalized with these weights (``forward``'s own, or a view of them)."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"{type(self).__name__} expects a last dimension of {self.hidden_size}, "
                 f"got input of shape {tuple(x.shape)}"
             )
-        weight, bias, inp = self.weight, self.bias, x
+        inp = x
         if self.zero_centered_gamma:
             # gamma = 1 + w must be formed in fp32: in bf16, 1 + w rounds w away
-            weight = self.weight.float() + 1
+            weight = weight.float() + 1
             bias = None if bias is None else bias.float()
             inp = x.float()
         if self.normalization == "LayerNorm":

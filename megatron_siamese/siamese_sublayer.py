@@ -83,7 +83,9 @@ class SiameseSublayerMixin:
 
     def _init_siamese(self, stream_norms: Sequence[object], sublayers_per_layer: int) -> None:
         """``stream_norms``: the PostNorm/PreNorm modules of the sublayers this layer holds."""
-        self.depth_scale = depth_scale(gpt_equivalent_block(self.layer_number, sublayers_per_layer))
+        # c = sqrt(2 b), or 1 in the ablation without depth scaling
+        self.depth_scale = depth_scale(gpt_equivalent_block(self.layer_number, sublayers_per_layer),
+                                       getattr(self.config, "siamese_depth_scale", True))
         self.stream_arithmetic = StreamArithmetic(self.config, stream_norms)
         self.is_first_layer = self.layer_number == 1
         self.recompute_stream_norms = (

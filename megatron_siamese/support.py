@@ -82,7 +82,8 @@ _REFUSALS = (
 _MOE_REFUSALS = (
     (_set("overlap_moe_expert_parallel_comm"),
      "overlap_moe_expert_parallel_comm runs each layer's submodules from Megatron's own "
-     "schedule plan, around the layer's forward that carries the two streams. Set it to False."),
+     "schedule plan, around the layer's own forward (the two streams, or the baselines' norm placement). "
+     "Set it to False."),
     (lambda c: c.moe_grouped_gemm and c.transformer_impl != "transformer_engine",
      "moe_grouped_gemm (--moe-grouped-gemm) builds grouped-GEMM experts (TEGroupedMLP) with "
      "Transformer Engine: set transformer_impl='transformer_engine', or moe_grouped_gemm=False "
@@ -237,6 +238,48 @@ def _built_for_problems(config: TransformerConfig, built_for: Optional[str]) -> 
             f"{config.transformer_impl!r}, whose GEMMs and precision settings it would ignore: use "
             f"{SPEC_OBJECTS[config.transformer_impl]} (Megatron-LM: --spec megatron_siamese.specs NAME), "
             "get_siamese_block_spec (it follows the config), or set transformer_impl to match."]
+
+
+# What the single-stream baselines' own layer hooks (single_stream.py) do not do of the stock
+# hooks they replace: (condition, what it does and what to change).
+_SINGLE_STREAM_REFUSALS = (
+    (lambda c: c.transformer_impl != "local",
+     "the baseline is built of Megatron's local modules, but transformer_impl={impl!r}: a comparison with it would "
+     "run the schemes on different kernels. Set transformer_impl='local' (--transformer-impl local) for every "
+     "scheme compared."),
+    (lambda c: getattr(c, "cuda_graph_impl", "none") != "none",
+     "CUDA graphs (cuda_graph_impl={cuda_graph_impl!r}) have not captured the baselines' layer hooks: set "
+     "cuda_graph_impl='none'."),
+    (_set("fused_residual_rmsnorm"),
+     "fused_residual_rmsnorm fuses the stock hooks' residual add into the next RMSNorm, which the baselines' own "
+     "hooks do not: set it to False."),
+    (_set("inference_fuse_tp_communication"),
+     "inference_fuse_tp_communication fuses the stock hooks' residual add and norm into the TP reduce-scatter, which "
+     "the baselines' own hooks do not: set it to False."),
+    (_set("fine_grained_activation_offloading"),
+     "fine_grained_activation_offloading offloads the stock hooks' norm inputs, which the baselines' own hooks do "
+     "not: set it to False."),
+    (lambda c: getattr(c, "mlp_chunks_for_training", 1) > 1 or getattr(c, "mlp_chunks_for_prefill", 1) > 1,
+     "mlp_chunks_for_training / mlp_chunks_for_prefill (chunked MLP) are not implemented by the baselines' layer: "
+     "set them to 1."),
+    (_set("apply_residual_connection_post_layernorm"),
+     "apply_residual_connection_post_layernorm would move the residual, which each baseline places itself: set it "
+     "to False."),
+    (_set("mtp_num_layers"),
+     "multi-token prediction (mtp_num_layers) builds stock layers after the baseline's: set mtp_num_layers=None."),
+)
+
+
+def check_single_stream_supported(config: TransformerConfig, scheme: str) -> None:
+    """Raise UnsupportedConfigError listing every setting of ``config`` the single-stream baseline
+    ``scheme`` (post, hybridnorm, mixln) cannot honour."""
+    fields = {"impl": config.transformer_impl, "cuda_graph_impl": getattr(config, "cuda_graph_impl", "none")}
+    problems = _unreviewed_problems(config)
+    problems += [message.format(**fields) for refused, message in _SINGLE_STREAM_REFUSALS if refused(config)]
+    if config.num_moe_experts:
+        problems += _moe_problems(config)
+    if problems:
+        raise UnsupportedConfigError(f"the {scheme} baseline cannot build this layer:\n- " + "\n- ".join(problems))
 
 
 def check_supported(config: TransformerConfig, submodules=None, built_for: Optional[str] = None) -> None:

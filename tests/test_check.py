@@ -1,8 +1,11 @@
 """The parallel correctness check: the CPU matrix passes, and planted bugs make it fail."""
 
+import dataclasses
+
 import pytest
 
-from megatron_siamese.check.command import DEFAULT_LAYOUTS, run_check
+from megatron_siamese.check.case import MOE_CASE
+from megatron_siamese.check.command import DEFAULT_LAYOUTS, Subject, run_check, run_checks
 from megatron_siamese.cli import main as cli_main
 from megatron_siamese.check.step import ModelCase
 from megatron_siamese.versions import installed_megatron_core, release
@@ -87,6 +90,55 @@ def test_stream_norms_left_out_of_fsdp_fail_the_fsdp2_layouts_only():
     assert statuses(rows) == {**{name: "PASS" for name in others}, **{name: "FAIL" for name in fsdp2}}
     failed = [row for row in rows if row.status == "FAIL"]
     assert all(row.loss_error < 1e-6 and row.grad_error > 0.1 and "_norm" in row.detail for row in failed)
+
+
+# The baselines and the ablation in one job (its ranks start once): each model under its layouts,
+# and planted faults that must fail exactly the layouts they break.
+RUNNABLE = tuple(name for name in DEFAULT_LAYOUTS if not name.startswith("cp"))
+BASELINE_SUBJECTS = {
+    "hybridnorm": Subject(ModelCase(norm="hybridnorm"), "hybridnorm", RUNNABLE),
+    # half the layers Post-Norm: pipeline stages (and virtual stages) cut the model between them
+    "mixln": Subject(ModelCase(norm="mixln", mix_ln_alpha=0.5), "mixln", RUNNABLE),
+    "post": Subject(ModelCase(norm="post"), "post", ("tp2-sp", "pp2-vpp2", "dp2-do", "sel")),
+    "mixln-moe": Subject(dataclasses.replace(MOE_CASE, norm="mixln", mix_ln_alpha=0.5), "mixln",
+                         ("tp2-ep2-sp", "pp2-vpp2-ep2", "dp4-ep2-do")),
+    # the paper's ablation: the hybrid variant's streams without InputNorm and depth scaling
+    "ablation": Subject(ModelCase(norm="siamese-hybrid", siamese_input_norm=False, siamese_depth_scale=False),
+                        "siamese-hybrid", ("tp2-sp", "pp2-vpp2", "dp2-do", "sel")),
+    "value-norm-unreduced": Subject(ModelCase(norm="hybridnorm", fault="value-norm-unreduced"), "hybridnorm",
+                                    ("tp2", "pp2")),
+    "baseline-local-layer-number": Subject(
+        ModelCase(norm="mixln", mix_ln_alpha=0.5, fault="baseline-local-layer-number"), "mixln",
+        ("tp2", "pp2", "pp2-vpp2")),
+}
+
+
+@pytest.fixture(scope="module")
+def baseline_rows():
+    rows = run_checks(list(BASELINE_SUBJECTS.values()))
+    return {name: {row.layout: row for row in subject_rows} for name, subject_rows in zip(BASELINE_SUBJECTS, rows)}
+
+
+@pytest.mark.parametrize("name", ["hybridnorm", "mixln", "post", "mixln-moe", "ablation"])
+def test_the_baselines_and_the_ablation_pass_their_layouts(baseline_rows, name):
+    """HybridNorm (its value norm's gradient summed over TP), Mix-LN cut by pipeline and virtual
+    stages, Post-Norm, with MoE and expert parallelism, and the SiameseNorm ablation, under TP, SP,
+    PP, VPP, DP, the distributed optimizer and full and selective recompute, against one rank."""
+    assert {layout: row.status for layout, row in baseline_rows[name].items()} == dict.fromkeys(
+        BASELINE_SUBJECTS[name].layouts, "PASS")
+
+
+def test_a_value_norm_left_unreduced_over_tp_fails_tp_only(baseline_rows):
+    rows = baseline_rows["value-norm-unreduced"]
+    assert {layout: row.status for layout, row in rows.items()} == {"tp2": "FAIL", "pp2": "PASS"}
+    assert "v_layernorm" in rows["tp2"].detail
+
+
+def test_norms_placed_by_the_stage_local_layer_number_fail_pipeline_layouts_only(baseline_rows):
+    """Mix-LN's Post-Norm layers counted on each stage: stage 2 of pp2 starts Post-Norm again."""
+    rows = baseline_rows["baseline-local-layer-number"]
+    assert {layout: row.status for layout, row in rows.items()} == {"tp2": "PASS", "pp2": "FAIL", "pp2-vpp2": "FAIL"}
+    assert all(rows[layout].loss_error > 1e-3 for layout in ("pp2", "pp2-vpp2"))
 
 
 def test_cli_exit_status_and_table(capfd):  # rank 0 prints the rows: capfd sees its output, capsys would not

@@ -1,13 +1,19 @@
-"""Zeroing the X branch's norms (every PostNorm and NormX) turns SiameseNorm into stock Pre-Norm.
+"""Zeroing one branch's norm weights degenerates SiameseNorm, exactly (fp64), into:
 
-With PostNorm = 0 the X stream never reaches a sublayer input, so every sublayer sees
-InputNorm(PreNorm(y)) and the output is FinalNorm(NormY(y)). With PreNorm and NormY set to
-plain normalization (gamma 1, beta 0) that is InputNorm(Norm(y)), which equals stock
-InputNorm(y) up to the norm epsilon (normalizing an already-normalized vector changes it
-by O(eps / variance)), so the exact comparison uses a tiny epsilon. At the default
-eps = 1e-5 the seeded embeddings have variance ~0.03, so each double normalization moves
-activations by ~eps / (2 * 0.03) ~ 2e-4 relative; over 8 sublayers and the merge the
-logits (|max| ~ 3) moved by 1.6e-3 when measured, checked against 2e-3.
+* zero X (every PostNorm and NormX) -> stock Pre-Norm. The X stream never reaches a sublayer
+  input, so every sublayer sees InputNorm(PreNorm(y)) and the output is FinalNorm(NormY(y)). With
+  PreNorm and NormY plain (gamma 1, beta 0) that is InputNorm(Norm(y)), which equals stock
+  InputNorm(y) exactly at eps = 0 (a normalized vector normalizes to itself) and up to
+  O(eps / variance) otherwise: at the default eps = 1e-5 the seeded embeddings have variance ~0.03,
+  each double normalization moves activations by ~eps / (2 * 0.03) ~ 2e-4 relative, and over
+  8 sublayers and the merge the fp32 logits (|max| ~ 3) moved by 1.6e-3 when measured, checked
+  against 2e-3.
+* zero Y (every PreNorm and NormY) -> a Post-Norm X stream (``post_norm_x_stream``);
+* zero Y in the first m layers and X in the rest (and NormX) -> Post-Norm layers then Pre-Norm
+  layers, Mix-LN's shape (``post_then_pre_norm``), but not Mix-LN's function.
+
+docs/research.md ("Degenerations") derives the last two. Each test also plants a fault (a norm
+left unzeroed, the depth scale dropped) and sees the comparison fail.
 """
 
 import dataclasses
@@ -19,10 +25,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
 from megatron_siamese.models import build_gpt_chunks
-from megatron_siamese.check.step import ModelCase, case_config, microbatches
+from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
+from megatron_siamese.reference.functional import single_stream_sublayer
+from megatron_siamese.reference.gpt import ReferenceGPT, ReferenceGPTConfig, ReferenceNorm, megatron_to_reference_names
 from megatron_siamese.runtime.gpt import transformer_config
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.check.sharding import seed_parameters
+
+EXACT = dict(rtol=0.0, atol=1e-12)  # fp64: rounding only
+
 
 def stock_pre_norm(case, config, spec=None):
     model = GPTModel(
@@ -34,7 +45,7 @@ def stock_pre_norm(case, config, spec=None):
         share_embeddings_and_output_weights=case.share_embeddings_and_output_weights,
     )
     seed_parameters([model], case.seed, 0, 1, case.zero_centered_gamma)
-    return model
+    return model.to(config.params_dtype)
 
 
 def degenerate_siamese_from(stock, case, config):
@@ -43,6 +54,7 @@ def degenerate_siamese_from(stock, case, config):
         config, case.norm, case.vocab_size, case.seq_length,
         case.position_embedding_type, case.share_embeddings_and_output_weights,
     )
+    siamese.to(config.params_dtype)
     shared = stock.state_dict()
     state = siamese.state_dict()
     for name, tensor in state.items():
@@ -60,22 +72,57 @@ def degenerate_siamese_from(stock, case, config):
     return siamese
 
 
+def fp64(case, **changes):
+    """The case's config in fp64 (positions learned: RoPE's angles are fp32 in Megatron)."""
+    return dataclasses.replace(case_config(case, Layout()), params_dtype=torch.float64, **changes)
+
+
+@torch.no_grad()
+def logits_of(model, batch):
+    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+
+
+def assert_exact(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=EXACT["rtol"],
+                               atol=EXACT["atol"] * float(expected.abs().max()))
+
+
+def far(actual, expected) -> bool:
+    """Far outside fp64 rounding: what a planted fault must do to the logits."""
+    return float((actual - expected).abs().max()) > 1e6 * EXACT["atol"] * float(expected.abs().max())
+
+
 @pytest.mark.parametrize("norm", ["siamese", "siamese-layer"])
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-@pytest.mark.parametrize("eps,tolerance", [(1e-12, dict(rtol=1e-5, atol=1e-5)),
-                                           (1e-5, dict(rtol=2e-3, atol=2e-3))])
-def test_zero_x_branch_is_stock_pre_norm(megatron_single_rank, norm, normalization, eps, tolerance):
-    case = ModelCase(norm=norm, normalization=normalization)
-    config = dataclasses.replace(case_config(case, Layout()), layernorm_epsilon=eps)
+def test_zero_x_branch_is_stock_pre_norm_exactly(megatron_single_rank, norm, normalization):
+    """fp64, eps = 0: the degenerate SiameseNorm model is Megatron's own Pre-Norm GPT; with the
+    merge's NormX left unzeroed (the planted fault) it is not."""
+    case = ModelCase(norm=norm, normalization=normalization, position_embedding_type="learned_absolute")
+    config = fp64(case, layernorm_epsilon=0.0)
     stock = stock_pre_norm(case, config)
     siamese = degenerate_siamese_from(stock, case, config)
     batch = microbatches(case)[0]
-    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
-    expected = stock(*args)
-    torch.testing.assert_close(siamese(*args), expected, **tolerance)
+    expected = logits_of(stock, batch)
+    assert_exact(logits_of(siamese, batch), expected)
+    merge = siamese.decoder.final_layernorm.merge if norm == "siamese" else siamese.decoder.layers[-1].output_merge
+    with torch.no_grad():
+        merge.x_norm.weight.fill_(1.0)
+    assert far(logits_of(siamese, batch), expected)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_zero_x_branch_at_the_default_eps_is_pre_norm_up_to_the_double_normalization(megatron_single_rank,
+                                                                                         normalization):
+    case = ModelCase(normalization=normalization)
+    config = case_config(case, Layout())  # fp32, eps 1e-5
+    stock = stock_pre_norm(case, config)
+    siamese = degenerate_siamese_from(stock, case, config)
+    batch = microbatches(case)[0]
+    expected = logits_of(stock, batch)
+    torch.testing.assert_close(logits_of(siamese, batch), expected, rtol=2e-3, atol=2e-3)
     # and the comparison has teeth: the undegenerate model is far from Pre-Norm
     seed_parameters([siamese], case.seed, 0, 1, case.zero_centered_gamma)
-    assert (siamese(*args) - expected).abs().max() > 100 * tolerance["atol"]
+    assert (logits_of(siamese, batch) - expected).abs().max() > 0.2
 
 
 @pytest.mark.parametrize("changes", [
@@ -87,15 +134,146 @@ def test_zero_x_branch_is_stock_pre_norm_with_qk_norm_and_experts(megatron_singl
     """Megatron's own decoder block (QK-norm, MoE layers where moe_layer_freq puts them) is what
     the degenerate SiameseNorm block computes: the router, like the experts, sees InputNorm(y)."""
     settings = {name: value for name, value in changes.items() if name in ModelCase.__dataclass_fields__}
-    case = ModelCase(normalization="RMSNorm", add_bias_linear=False, **settings)
-    config = transformer_config(case, Layout(), layernorm_epsilon=1e-12,
+    case = ModelCase(normalization="RMSNorm", add_bias_linear=False, position_embedding_type="learned_absolute",
+                     **settings)
+    config = transformer_config(case, Layout(), layernorm_epsilon=0.0, params_dtype=torch.float64,
                                 **{name: value for name, value in changes.items() if name not in settings})
     stock = stock_pre_norm(case, config, get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                                                     normalization=config.normalization))
     siamese = degenerate_siamese_from(stock, case, config)
     batch = microbatches(case)[0]
-    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
-    expected = stock(*args)
-    torch.testing.assert_close(siamese(*args), expected, rtol=1e-5, atol=1e-5)
+    expected = logits_of(stock, batch)
+    assert_exact(logits_of(siamese, batch), expected)
     seed_parameters([siamese], case.seed, 0, 1, case.zero_centered_gamma)
-    assert (siamese(*args) - expected).abs().max() > 1e-3
+    assert far(logits_of(siamese, batch), expected)
+
+
+# -- zero Y: the X stream alone ------------------------------------------------------------
+
+
+def siamese_pair(case, config):
+    """The seeded fp64 Megatron SiameseNorm model and a reference whose modules the expected
+    functions below are built of (loaded from the model after its norms are zeroed: ``reload``)."""
+    (model,) = build_seeded_chunks(case, config)
+    model.to(torch.float64)
+    reference = ReferenceGPT(ReferenceGPTConfig.from_megatron(
+        config, case.vocab_size, case.seq_length, position_embedding_type=case.position_embedding_type,
+        share_embeddings_and_output_weights=case.share_embeddings_and_output_weights)).to(torch.float64)
+    return model, reference
+
+
+def reload(reference, model):
+    reference.load_megatron_state_dict(model.state_dict())
+
+
+def zero(*norms):
+    with torch.no_grad():
+        for norm in norms:
+            for param in norm.parameters():
+                param.zero_()
+
+
+def sublayers(reference, rope=None):
+    """Per sublayer, in order: (PostNorm, PreNorm, InputNorm or None, the sublayer as (out, bias), c)."""
+    found = []
+    for layer in reference.decoder.layers:
+        attention = (lambda normed, _a=layer.self_attention: _a(normed, rope))
+        found.append((layer.attn_x_norm, layer.attn_y_norm, layer.input_layernorm, attention, layer.depth_scale))
+        found.append((layer.mlp_x_norm, layer.mlp_y_norm, layer.pre_mlp_layernorm, layer.mlp, layer.depth_scale))
+    return found
+
+
+def scaled(sublayer, factor):
+    """The sublayer with its output and bias times ``factor`` (the residual branch z / c)."""
+    def call(normed):
+        out, bias = sublayer(normed)
+        return out * factor, None if bias is None else bias * factor
+    return call
+
+
+def head(reference, hidden):
+    final = reference.decoder.final_layernorm
+    out = ReferenceNorm.forward(final, hidden)  # FinalNorm itself (its forward merges first)
+    weight = reference.embedding.word_embeddings.weight if reference.output_layer is None else reference.output_layer.weight
+    return out @ weight.t()
+
+
+@torch.no_grad()
+def post_norm_x_stream(reference, batch):
+    """Zero Y, what the model computes: Post-Norm over the normalized embedding,
+
+        v = PostNorm_1(e);  v = PostNorm_{k+1}(v + F_k(InputNorm_k(v)) / c_k)  for every sublayer k,
+
+    the norm after sublayer k being sublayer k+1's PostNorm and after the last one NormX, then
+    FinalNorm. (An absent InputNorm, the ablation, makes each step Post-Norm's Norm(v + F(v)/c).)"""
+    steps = sublayers(reference)
+    after = [post for post, *_ in steps[1:]] + [reference.decoder.final_layernorm.merge.x_norm]
+    v = steps[0][0](reference.embedding(batch["tokens"], batch["position_ids"]))
+    for (_, _, input_norm, sublayer, c), output_norm in zip(steps, after):
+        v = single_stream_sublayer(v, input_norm, scaled(sublayer, 1.0 / c), output_norm)
+    return head(reference, v)
+
+
+@pytest.mark.parametrize("normalization, input_norm", [("LayerNorm", True), ("RMSNorm", False)],
+                         ids=["layernorm", "rmsnorm-without-input-norm"])
+def test_zero_y_branch_is_a_post_norm_x_stream(megatron_single_rank, normalization, input_norm):
+    case = ModelCase(normalization=normalization, position_embedding_type="learned_absolute",
+                     siamese_input_norm=input_norm)
+    model, reference = siamese_pair(case, fp64(case))
+    for layer in model.decoder.layers:
+        zero(layer.attn_y_norm, layer.mlp_y_norm)
+    zero(model.decoder.final_layernorm.merge.y_norm)
+    reload(reference, model)
+    batch = microbatches(case)[0]
+    expected = post_norm_x_stream(reference, batch)
+    assert_exact(logits_of(model, batch), expected)
+    # planted: the merge's NormY left as seeded (y leaks into the output), or no depth scale
+    with torch.no_grad():
+        model.decoder.final_layernorm.merge.y_norm.weight.fill_(1.0)
+    assert far(logits_of(model, batch), expected)
+    zero(model.decoder.final_layernorm.merge.y_norm)
+    for layer in model.decoder.layers:
+        layer.depth_scale = 1.0
+    assert far(logits_of(model, batch), expected)
+
+
+# -- zero Y in the first layers, X in the rest: Post-Norm then Pre-Norm ---------------------------
+
+
+@torch.no_grad()
+def post_then_pre_norm(reference, batch, post_layers: int):
+    """Zero Y in the first ``post_layers`` layers and X in the rest (and NormX), what the model
+    computes: the Post-Norm X stream of ``post_norm_x_stream`` through those layers, whose
+    sublayer outputs z also accumulate on the Y stream (y = e + sum z); from there Pre-Norm on y,
+    each sublayer's input normalized by InputNorm(PreNorm(y)), without a depth scale; then
+    FinalNorm(NormY(y)). Mix-LN's Pre-Norm layers would continue from the Post-Norm layers' output
+    instead of e + sum z."""
+    steps = sublayers(reference)
+    post_steps, pre_steps = steps[:2 * post_layers], steps[2 * post_layers:]
+    e = reference.embedding(batch["tokens"], batch["position_ids"])
+    x, y = e, e
+    for post, _, input_norm, sublayer, c in post_steps:
+        u = post(x)
+        out, bias = sublayer(u if input_norm is None else input_norm(u))
+        z = out if bias is None else out + bias
+        x, y = u + z / c, y + z
+    for _, pre, input_norm, sublayer, _ in pre_steps:
+        y = single_stream_sublayer(y, lambda t, _pre=pre, _in=input_norm: _in(_pre(t)), sublayer, None)
+    return head(reference, reference.decoder.final_layernorm.merge.y_norm(y))
+
+
+def test_zero_y_then_zero_x_is_post_norm_then_pre_norm(megatron_single_rank):
+    case = ModelCase(normalization="LayerNorm", position_embedding_type="learned_absolute")
+    model, reference = siamese_pair(case, fp64(case))
+    post_layers = 2
+    for index, layer in enumerate(model.decoder.layers):
+        zero(*((layer.attn_y_norm, layer.mlp_y_norm) if index < post_layers else (layer.attn_x_norm, layer.mlp_x_norm)))
+    zero(model.decoder.final_layernorm.merge.x_norm)
+    reload(reference, model)
+    batch = microbatches(case)[0]
+    expected = post_then_pre_norm(reference, batch, post_layers)
+    assert_exact(logits_of(model, batch), expected)
+    # planted: the first Pre-Norm layer's PostNorm left unzeroed (the X stream leaks in there)
+    with torch.no_grad():
+        model.decoder.layers[post_layers].attn_x_norm.weight.fill_(1.0)
+    assert far(logits_of(model, batch), expected)

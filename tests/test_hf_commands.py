@@ -181,6 +181,8 @@ def test_bad_input_is_refused_before_anything_is_written(saved, tmp_path, monkey
 
     _, checkpoints, exported = saved["tp1-rmsnorm"]
     assert "no export" in export_module.exportable(ModelSettings(norm="post"))
+    assert "no export" in export_module.exportable(ModelSettings(norm="mixln"))
+    assert "ablations" in export_module.exportable(ModelSettings(siamese_depth_scale=False))
     assert "mixture of experts" in export_module.exportable(ModelSettings(num_moe_experts=4))
     # an HF directory without our tokenizer, or not of our kind
     stripped = tmp_path / "stripped"

@@ -61,12 +61,14 @@ def forward_backward(model, case):
 
 
 @needs_hybrid
-@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
-def test_star_dash_stack_equals_the_siamese_gpt_bitwise(megatron_single_rank, fused):
+@pytest.mark.parametrize("changes", [dict(fused_ops=False), dict(fused_ops=True),
+                                     dict(fused_ops=True, siamese_input_norm=False, siamese_depth_scale=False)],
+                         ids=["pytorch", "fused", "fused-ablated"])
+def test_star_dash_stack_equals_the_siamese_gpt_bitwise(megatron_single_rank, changes):
     # the GPT's sublayers apart, as a one-sublayer hybrid layer keeps them: the same ops in the
     # same order (joined, the GPT computes the same function with other roundings:
-    # test_reference_equivalence)
-    gpt_case, hybrid_case = (dataclasses.replace(c, fused_ops=fused, boundary_ops=False) for c in (CASE, HYBRID))
+    # test_reference_equivalence); the component study's ablation too (no InputNorm, c = 1)
+    gpt_case, hybrid_case = (dataclasses.replace(c, boundary_ops=False, **changes) for c in (CASE, HYBRID))
     (gpt,) = build_seeded_chunks(gpt_case, case_config(gpt_case, Layout()))
     (hybrid,) = build_seeded_chunks(hybrid_case, case_config(hybrid_case, Layout()))
     gpt_state = gpt.state_dict()

@@ -200,8 +200,8 @@ UNSUPPORTED = {
                                      params_dtype=torch.bfloat16, moe_token_dispatcher_type="alltoall",
                                      expert_model_parallel_size=2),
                                 "overlap_moe_expert_parallel_comm runs each layer's submodules from Megatron's own "
-                                "schedule plan, around the layer's forward that carries the two streams. Set it to "
-                                "False."),
+                                "schedule plan, around the layer's own forward (the two streams, or the baselines' "
+                                "norm placement). Set it to False."),
     "qk layernorm": (dict(qk_layernorm=True), "qk_layernorm is set but this SiameseNorm layer spec has no QK-norm."),
     "qk l2 norm": (dict(qk_l2_norm=True), "qk_l2_norm (Llama 4's parameter-free L2 QK-norm) is not supported: "
                    "SiameseNorm's specs put a learned norm in the QK-norm slots. Set qk_l2_norm=False "

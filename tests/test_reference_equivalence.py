@@ -1,5 +1,6 @@
 """The Megatron model (TP=1, PP=1) computes exactly the reference GPT's function and gradients,
-dense and mixture-of-experts."""
+dense and mixture-of-experts: SiameseNorm (both variants, and the component study's ablations)
+and the single-stream baselines (Post-Norm, HybridNorm, Mix-LN)."""
 
 import dataclasses
 
@@ -18,19 +19,24 @@ from megatron_siamese.reference.gpt import (
     ReferenceGPTConfig,
     megatron_to_reference_names,
 )
+from megatron_siamese.reference import single_stream as reference_single_stream
+from megatron_siamese.reference.functional import SINGLE_STREAM_SCHEMES
 from megatron_siamese.reference.moe import ReferenceMoE, ReferenceRouter
+from megatron_siamese.reference.single_stream import ReferenceSingleStreamGPT
 from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, config_overrides, microbatches
 from megatron_siamese.runtime.gpt import transformer_config
 from megatron_siamese.runtime.layout import Layout
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
+FP64 = dict(rtol=1e-10, atol=1e-12)
 
 
 def assert_close_fp32(actual, expected, name=""):
     """fp32 agreement: rtol 1e-5, atol 1e-6 scaled to the tensor's magnitude when above 1
-    (rounding error grows with the values summed, not with each element)."""
-    atol = FP32["atol"] * max(1.0, float(expected.detach().abs().max()))
-    torch.testing.assert_close(actual, expected, rtol=FP32["rtol"], atol=atol,
+    (rounding error grows with the values summed, not with each element); fp64's for doubles."""
+    tolerance = FP64 if expected.dtype == torch.float64 else FP32
+    atol = tolerance["atol"] * max(1.0, float(expected.detach().abs().max()))
+    torch.testing.assert_close(actual, expected, rtol=tolerance["rtol"], atol=atol,
                                msg=lambda m: f"{name}: {m}" if name else m)
 
 # The layer's three ways to its function: torch's norms, the fused ops per sublayer, and a GPT
@@ -64,23 +70,26 @@ VARIANTS = {
 }
 
 
-def build_pair(case: ModelCase, reference_changes=None, **config_changes):
+def build_pair(case: ModelCase, reference_changes=None, dtype=torch.float32, **config_changes):
     """The seeded Megatron model (TP=1) and the reference holding its weights; ``config_changes``
-    go into the TransformerConfig, ``reference_changes`` into the reference's config only."""
-    config = transformer_config(case, Layout(), **config_overrides(case), **config_changes)
+    go into the TransformerConfig, ``reference_changes`` into the reference's config only.
+    ``dtype=torch.float64``: both in double (learned positions then: RoPE's angles are fp32)."""
+    config = transformer_config(case, Layout(), **config_overrides(case), **config_changes, params_dtype=dtype)
     (model,) = build_seeded_chunks(case, config)
-    reference = ReferenceGPT(
-        ReferenceGPTConfig.from_megatron(
-            config,
-            case.vocab_size,
-            case.seq_length,
-            position_embedding_type=case.position_embedding_type,
-            share_embeddings_and_output_weights=case.share_embeddings_and_output_weights,
-            variant="hybrid" if case.norm == "siamese-hybrid" else "standard",
-            **(reference_changes or {}),
-        )
+    model.to(dtype)
+    reference_config = ReferenceGPTConfig.from_megatron(
+        config,
+        case.vocab_size,
+        case.seq_length,
+        position_embedding_type=case.position_embedding_type,
+        share_embeddings_and_output_weights=case.share_embeddings_and_output_weights,
+        variant="hybrid" if case.norm == "siamese-hybrid" else "standard",
+        value_layernorm=case.norm == "hybridnorm",
+        **(reference_changes or {}),
     )
-    reference.load_megatron_state_dict(model.state_dict())
+    reference = (ReferenceSingleStreamGPT(reference_config, case.norm, config.mix_ln_alpha, config.hybridnorm_star)
+                 if case.norm in SINGLE_STREAM_SCHEMES else ReferenceGPT(reference_config))
+    reference.to(dtype).load_megatron_state_dict(model.state_dict())
     return model, reference
 
 
@@ -103,9 +112,21 @@ def megatron_backward(model, batches):
         MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 
 
+def fp64_backward(model, batches):
+    """The mean cross-entropy over ``batches`` differentiated in fp64 (Megatron's own loss computes
+    in fp32: a double model's gradients through it carry fp32 rounding); dense models only (no
+    router losses)."""
+    import torch.nn.functional as F
+
+    losses = [F.cross_entropy(model(b["tokens"], b["position_ids"], b["attention_mask"]).flatten(0, 1),
+                              b["labels"].flatten()) for b in batches]
+    (sum(losses) / len(batches)).backward()
+
+
 def differences(model, reference, batches):
     """{what: why} for the logits of the first microbatch and every gradient of the step over
-    ``batches`` that differ between the Megatron model and the reference (empty: they agree)."""
+    ``batches`` that differ between the Megatron model and the reference (empty: they agree).
+    The step is Megatron's schedule, or ``fp64_backward`` for a double model."""
     found = {}
 
     def compare(name, actual, expected):
@@ -117,7 +138,7 @@ def differences(model, reference, batches):
     first = batches[0]
     compare("logits", model(first["tokens"], first["position_ids"], first["attention_mask"]),
             reference(first["tokens"], first["position_ids"]))
-    megatron_backward(model, batches)
+    (fp64_backward if model.config.params_dtype == torch.float64 else megatron_backward)(model, batches)
     objective = sum(reference.objective(b["tokens"], b["labels"], b["position_ids"]) for b in batches)
     (objective / len(batches)).backward()
     grads = megatron_to_reference_names({name: p.grad for name, p in model.named_parameters()}, len(model.decoder.layers))
@@ -384,3 +405,112 @@ def test_the_moe_comparison_catches_a_planted_bug(megatron_single_rank, monkeypa
     routers = {f"decoder.layers.{i}.mlp.router.weight" for i in range(MOE.num_layers)}
     assert must_show | routers <= found.keys(), sorted(found)
     assert not must_not_show & found.keys(), sorted(found)
+
+
+# The paper's component study: without InputNorm, without depth scaling, and both on the hybrid
+# variant (a HybridNorm-like X stream coupled to a Pre-Norm Y stream, nothing else). In fp64:
+# without normalized sublayer inputs fp32 rounding grows to a few 1e-6 of the gradients (the
+# PyTorch path's own error against the reference), which says nothing about the function.
+ABLATIONS = {
+    "no-input-norm": ModelCase(siamese_input_norm=False, position_embedding_type="learned_absolute"),
+    "no-depth-scale-rmsnorm": ModelCase(siamese_depth_scale=False, normalization="RMSNorm",
+                                        position_embedding_type="learned_absolute"),
+    "hybrid-neither": ModelCase(norm="siamese-hybrid", siamese_input_norm=False, siamese_depth_scale=False,
+                                position_embedding_type="learned_absolute"),
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("variant", sorted(ABLATIONS))
+def test_the_ablations_match_the_reference_in_fp64(megatron_single_rank, variant, path):
+    """On each path (the fused ops and the boundary ops without InputNorm weights), every gradient."""
+    case = dataclasses.replace(ABLATIONS[variant], **PATHS[path])
+    model, reference = build_pair(case, dtype=torch.float64)
+    assert all(type(layer.pre_mlp_layernorm).__name__ == ("TorchNorm" if case.siamese_input_norm else "IdentityOp")
+               for layer in model.decoder.layers)
+    assert_matches_reference(model, reference, microbatches(case)[:1])
+
+
+def test_the_ablation_without_depth_scaling_differs_from_the_scaled_reference(megatron_single_rank):
+    """The planted bug: a reference that keeps c = sqrt(2 L) where the model dropped it."""
+    case = ABLATIONS["no-depth-scale-rmsnorm"]
+    model, reference = build_pair(case, reference_changes=dict(depth_scaled=True), dtype=torch.float64)
+    assert model.decoder.layers[1].depth_scale == 1.0 and reference.decoder.layers[1].depth_scale == 2.0
+    assert "logits" in differences(model, reference, microbatches(case)[:1])
+
+
+# -- the single-stream baselines: Post-Norm, HybridNorm, Mix-LN ----------------------------------
+
+BASELINES = {
+    "post-layernorm-gelu-learned-untied": ModelCase(
+        norm="post", gated_linear_unit=False, position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=False),
+    "hybridnorm-rmsnorm": ModelCase(norm="hybridnorm", normalization="RMSNorm"),
+    "hybridnorm-star-layernorm-mha": ModelCase(norm="hybridnorm", hybridnorm_star=True, num_query_groups=4),
+    "mixln-half-layernorm": ModelCase(norm="mixln", mix_ln_alpha=0.5),
+    "mixln-quarter-rmsnorm-zero-centred-nobias": ModelCase(
+        norm="mixln", normalization="RMSNorm", zero_centered_gamma=True, add_bias_linear=False),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BASELINES))
+def test_the_baselines_match_their_reference(megatron_single_rank, variant):
+    """Logits and every gradient, each layer's norms where the scheme puts them for its number."""
+    case = BASELINES[variant]
+    model, reference = build_pair(case)
+    placed = [(type(layer.input_layernorm).__name__, type(layer.post_attn_norm).__name__)
+              for layer in model.decoder.layers]
+    expected = [("TorchNorm" if layer.input_layernorm is not None else "IdentityOp",
+                 "TorchNorm" if layer.post_attn_norm is not None else "IdentityOp") for layer in reference.decoder.layers]
+    assert placed == expected
+    assert_matches_reference(model, reference, microbatches(case)[:1])
+
+
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+def test_the_baselines_recompute_keeps_the_references_function(megatron_single_rank, recompute):
+    """Mix-LN's Post-Norm and Pre-Norm layers (the input norms recomputed, the norms after the
+    residual adds kept) under selective and full recompute, through Megatron's schedule."""
+    case = BASELINES["mixln-half-layernorm"]
+    model, reference = build_pair(case, **RECOMPUTE[recompute])
+    assert_matches_reference(model, reference, microbatches(case)[:1])
+
+
+def test_the_baselines_with_experts_match_their_reference(megatron_single_rank):
+    """HybridNorm* with MoE layers (router on the normalized stream, aux and z losses), two
+    microbatches through Megatron's schedule."""
+    case, config_changes = MOE_VARIANTS["top2-aux-z-rmsnorm-allgather"]
+    case = dataclasses.replace(case, norm="hybridnorm", hybridnorm_star=True)
+    model, reference = build_pair(case, **config_changes)
+    assert any(isinstance(layer.mlp, MoELayer) for layer in model.decoder.layers)
+    assert_matches_reference(model, reference, microbatches(case))
+
+
+def _values_left_unnormalized(monkeypatch, reference):
+    for layer in reference.decoder.layers:
+        monkeypatch.setattr(layer.self_attention.v_layernorm, "forward", lambda values: values)
+
+
+def _residual_from_the_normalized_input(monkeypatch, reference):
+    def sublayer(x, input_norm, sublayer, output_norm, dropout=lambda t: t):
+        normed = x if input_norm is None else input_norm(x)
+        out, bias = sublayer(normed)
+        x = normed + dropout(out if bias is None else out + bias)
+        return x if output_norm is None else output_norm(x)
+
+    monkeypatch.setattr(reference_single_stream, "single_stream_sublayer", sublayer)
+
+
+BASELINE_PLANTED = {  # bug in the reference -> the variant it shows in
+    "values-unnormalized": (_values_left_unnormalized, "hybridnorm-rmsnorm"),
+    # Megatron's apply_residual_connection_post_layernorm: the Pre-Norm layers' residual moved
+    "residual-after-the-input-norm": (_residual_from_the_normalized_input, "mixln-half-layernorm"),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BASELINE_PLANTED))
+def test_the_baseline_comparison_catches_a_planted_bug(megatron_single_rank, monkeypatch, bug):
+    plant, variant = BASELINE_PLANTED[bug]
+    case = BASELINES[variant]
+    model, reference = build_pair(case)
+    plant(monkeypatch, reference)
+    assert "logits" in differences(model, reference, microbatches(case)[:1])

@@ -109,22 +109,30 @@ def test_addition_problems_and_scoring():
     assert exact_match_accuracy(Oracle(), reverse=True, digits=3, count=40, seed=1) < 0.5
 
 
-def test_study_reports_losses_divergence_and_accuracy(tmp_path):
+def test_study_reports_losses_divergence_spikes_and_accuracy(tmp_path):
     from megatron_siamese.research.study import StudyPlan, run_study, tables
 
     base = TrainArgs(**{**TINY, "num_layers": 2, "steps": 6, "warmup_steps": 1, "eval_interval": 6,
                         "micro_batch_size": 8})
     plan = StudyPlan(output_dir=str(tmp_path / "study"), cache_dir=str(tmp_path / "cache"),
-                     schemes=("pre", "siamese"), learning_rates=(1e-3, 1e3), seeds=(1,),
-                     arithmetic_steps=4, base=base)
+                     schemes=("pre", "ablation"), learning_rates=(1e-3, 1e3), seeds=(1,), warmup_steps=2,
+                     short_warmup_steps=1, short_warmup_schemes=("pre",), short_warmup_learning_rates=(1e-3, 1e3),
+                     short_warmup_seeds=(1,),
+                     arithmetic_steps=4, arithmetic_seeds=(1,), arithmetic_schemes=("pre", "siamese"), base=base)
     study = run_study(plan, echo=lambda line: None)
-    assert len(study["runs"]) == 2 * 2 + 2
+    assert len(study["runs"]) == 2 * 2 + 2 + 2  # two arms x two rates, pre again at warmup 1, addition
+    ablation = study["runs"]["lm|ablation|0.001|1|2"]["args"]
+    assert (ablation["norm"], ablation["siamese_input_norm"], ablation["siamese_depth_scale"]) == (
+        "siamese-hybrid", False, False)
     table = tables(study)
-    loss_table = table.split("\n\n")[1]  # after the caption, before the addition table
-    rows = {line.split("|")[1].strip(): line for line in loss_table.splitlines()}
-    for scheme in ("pre", "siamese"):
-        ordinary, aggressive = rows[scheme].split("|")[2:4]
-        assert "diverged" not in ordinary and "diverged" in aggressive  # lr 1e3 blows up
+    panels = table.split("### Warmup ")[1:]
+    assert [panel.split(" ")[0] for panel in panels] == ["2", "1"]
+    for panel, arms in zip(panels, [("pre", "ablation"), ("pre",)]):
+        rows = {line.split("|")[1].strip(): line for line in panel.split("\n\n")[1].splitlines()[2:]}
+        assert sorted(rows) == sorted(arms)
+        for arm in arms:
+            ordinary, aggressive = rows[arm].split("|")[2:4]
+            assert "diverged" not in ordinary and "diverged" in aggressive  # lr 1e3 blows up
     # the addition runs are scored on the 500 held-out problems, the LM runs not at all ...
     accuracy = {key.split("|")[1]: r["accuracy"] for key, r in study["runs"].items()
                 if key.startswith("addition-reversed|")}
@@ -132,10 +140,19 @@ def test_study_reports_losses_divergence_and_accuracy(tmp_path):
     assert all(abs(a * 500 - round(a * 500)) < 1e-9 for a in accuracy.values())
     assert all(r["accuracy"] is None for key, r in study["runs"].items() if key.startswith("lm|"))
     # ... and the addition table reports exactly those scores
-    addition_rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
-                     for line in table.split("\n\n")[3].splitlines()[2:]}
+    addition = table.split("held-out problems")[1].split("\n\n")[1]
+    addition_rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in addition.splitlines()[2:]}
     assert addition_rows == {scheme: f"{a:.3f}" for scheme, a in accuracy.items()}
     assert (tmp_path / "study" / "study_curves.png").stat().st_size > 5_000
     assert (tmp_path / "study" / "results.md").read_text() == table
     with pytest.raises(ValueError, match="unknown schemes"):
         run_study(dataclasses.replace(plan, schemes=("pre", "postnorm")))
+
+
+@pytest.mark.stack_independent
+def test_a_loss_spike_is_a_rise_above_the_lowest_loss_so_far():
+    from megatron_siamese.research.study import SPIKE_MARGIN, spikes
+
+    losses = {1: 5.8, 2: 4.0, 3: 3.1, 4: 3.0 + SPIKE_MARGIN + 0.5, 5: 6.0, 6: 3.2, 7: 3.1, 8: float("nan"), 9: 2.9}
+    assert spikes(losses) == [4, 8]  # one spike over steps 4-5, then a non-finite loss
+    assert spikes({1: 5.8, 2: 4.0, 3: 3.0 + SPIKE_MARGIN}) == []  # within the margin: noise

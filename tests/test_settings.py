@@ -193,6 +193,10 @@ def test_every_setting_naming_a_transformer_config_field_reaches_it(monkeypatch)
     # TransformerConfig asks Transformer Engine's version for FP8 with MoE; it is not installed here
     monkeypatch.setattr("megatron.core.transformer.transformer_config.is_te_min_version", lambda *_: True)
     layout = dataclasses.replace(args.layout, cp=2, ep=2, etp=1)  # no setting sets cp yet
+    # the schemes' own settings, which TrainArgs refuses beside another scheme's (next test), all at once
+    args = ModelSettings(**{name: getattr(args, name) for name in definitions(ModelSettings) if name not in
+                            ("siamese_input_norm", "siamese_depth_scale", "mix_ln_alpha", "hybridnorm_star")},
+                         siamese_input_norm=False, siamese_depth_scale=False, mix_ln_alpha=0.5, hybridnorm_star=True)
     config = transformer_config(args, layout)
     declared = [(args, name, d) for name, d in definitions(ModelSettings).items() if d.config]
     declared += [(layout, name, d) for name, d in definitions(Layout).items() if d.config]
@@ -201,3 +205,21 @@ def test_every_setting_naming_a_transformer_config_field_reaches_it(monkeypatch)
         value = getattr(values, name)
         assert value != definition.default, f"{name}: give it a value other than its default here"
         assert getattr(config, definition.config) == value, f"{name} does not reach {definition.config}"
+
+
+@stack_independent
+def test_a_schemes_own_settings_are_refused_beside_another_scheme():
+    """--mix-ln-alpha, --hybridnorm-star and the SiameseNorm ablations change nothing for the other
+    schemes: train and check refuse them there, and --mix-ln-alpha is a share of the layers."""
+    assert TrainArgs(norm="mixln", mix_ln_alpha=0.5).mix_ln_alpha == 0.5
+    assert not TrainArgs(norm="siamese-hybrid", siamese_input_norm=False, siamese_depth_scale=False).siamese_input_norm
+    with pytest.raises(ConfigError) as refused:
+        TrainArgs(norm="pre", mix_ln_alpha=0.5, hybridnorm_star=True, siamese_depth_scale=False)
+    assert refused.value.problems == [
+        "--no-siamese-depth-scale applies to --norm siamese / siamese-layer / siamese-hybrid, not --norm pre: drop it",
+        "--mix-ln-alpha applies to --norm mixln, not --norm pre: drop it",
+        "--hybridnorm-star applies to --norm hybridnorm, not --norm pre: drop it"]
+    assert check.problems(ModelCase(norm="post", siamese_input_norm=False), ["tp2"]) == [
+        "--no-siamese-input-norm applies to --norm siamese / siamese-layer / siamese-hybrid, not --norm post: drop it"]
+    with pytest.raises(ConfigError, match="--mix-ln-alpha is a share of the layers, at most 1"):
+        TrainArgs(norm="mixln", mix_ln_alpha=1.5)

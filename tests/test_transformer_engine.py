@@ -247,9 +247,9 @@ def test_the_te_spec_object_refuses_a_local_config(megatron_single_rank, te_stan
 
 def test_the_pre_norm_baseline_follows_transformer_impl_and_post_norm_refuses_it(megatron_single_rank, te_stand_ins):
     """--norm pre builds Megatron's own TE block when the config asks for TE (so --compare runs
-    every scheme on the same kernels and precision); the Post-Norm baseline, local only, refuses."""
+    every scheme on the same kernels and precision); the single-stream baselines, local only, refuse."""
     from megatron_siamese.models import get_pre_norm_block_spec
-    from megatron_siamese.post_norm import get_post_norm_block_spec
+    from megatron_siamese.single_stream import get_single_stream_block_spec
 
     te_config = dataclasses.replace(case_config(ModelCase(norm="pre"), Layout()), transformer_impl="transformer_engine")
     block = get_pre_norm_block_spec(te_config)
@@ -257,6 +257,8 @@ def test_the_pre_norm_baseline_follows_transformer_impl_and_post_norm_refuses_it
     assert block.layer_norm is te_stand_ins.TENorm
     local = get_pre_norm_block_spec(case_config(ModelCase(norm="pre"), Layout()))
     assert local.layer_norm is TorchNorm and local.layer_specs[0].submodules.input_layernorm is TorchNorm
-    with pytest.raises(UnsupportedConfigError, match="the Post-Norm baseline is built of Megatron's local modules, but "
-                                                     "transformer_impl='transformer_engine'"):
-        get_post_norm_block_spec(te_config)
+    for scheme in ("post", "hybridnorm", "mixln"):
+        with pytest.raises(UnsupportedConfigError, match=f"the {scheme} baseline cannot build this layer:\n- the "
+                                                         "baseline is built of Megatron's local modules, but "
+                                                         "transformer_impl='transformer_engine'"):
+            get_single_stream_block_spec(te_config, scheme=scheme)

@@ -29,5 +29,8 @@ SPECS = {
     "siamese": "siamese",  # SiameseNorm, Python API block spec
     "siamese-layer": "siamese-layer",  # SiameseNorm, the Megatron-LM --spec layer object
     "siamese-hybrid": "siamese-hybrid",  # the authors' hybrid variant
+    "post": "post",  # the single-stream baselines on Megatron's TransformerLayer
+    "hybridnorm": "hybridnorm",
+    "mixln": "mixln",
     "stock": "pre",  # Megatron's stock Pre-Norm layer: the control
 }

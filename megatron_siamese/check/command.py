@@ -79,7 +79,26 @@ def tolerance_of(case: ModelCase):
     return TOLERANCES["fp8" if case.fp8 else case.dtype]
 
 
-def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str, fault: Optional[str]) -> List[Row]:
+def _single_rank_runs(case: ModelCase, tolerance, cache: Optional[dict] = None):
+    """(reference, the same dtype's single-rank run or None) for ``case``, each run once per job
+    (``cache``: a case checked again, faulty this time, reuses its sound runs)."""
+    from megatron_siamese.runtime.job import on_first_ranks
+
+    key = dataclasses.replace(case, fault=None)
+    if cache is not None and key in cache:
+        return cache[key]
+    if tolerance.noise_factor is None:
+        runs = on_first_ranks(1, layout_step, key, Layout()), None
+    else:  # judged against fp32, within a multiple of this dtype's own single-rank error
+        runs = (on_first_ranks(1, layout_step, dataclasses.replace(key, dtype="fp32", fp8=None), Layout()),
+                on_first_ranks(1, layout_step, key, Layout()))
+    if cache is not None:
+        cache[key] = runs
+    return runs
+
+
+def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str, fault: Optional[str],
+              single_rank_cache: Optional[dict] = None) -> List[Row]:
     """Every rank of the job: the single-rank reference once, then each layout on the job's
     first ranks; rank 0 judges and prints each row. Every rank returns all rows."""
     import torch
@@ -89,12 +108,7 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
     world = torch.distributed.get_world_size()
     rank0 = torch.distributed.get_rank() == 0
     tolerance = tolerance_of(case)
-    same_dtype_single = None
-    if tolerance.noise_factor is None:
-        reference = on_first_ranks(1, layout_step, case, Layout())
-    else:  # judged against fp32, within a multiple of this dtype's own single-rank error
-        reference = on_first_ranks(1, layout_step, dataclasses.replace(case, dtype="fp32", fp8=None), Layout())
-        same_dtype_single = on_first_ranks(1, layout_step, case, Layout())
+    reference, same_dtype_single = _single_rank_runs(case, tolerance, single_rank_cache)
     faulty = dataclasses.replace(case, fault=fault)
     rows = []
     for name, layout in layouts:
@@ -124,6 +138,35 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
     shared = [rows]
     torch.distributed.broadcast_object_list(shared, src=0)
     return shared[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """One model the check runs: its case (``case.fault`` planted in its layouts), the spec it
+    is built with (``SPECS``), and its layouts."""
+
+    case: ModelCase
+    spec: str
+    layouts: Tuple[str, ...]
+
+
+def check_subjects_job(subjects: Sequence[Subject]) -> List[List[Row]]:
+    """Every rank of one job: each subject in turn (``check_job``), a single-rank run shared by
+    the subjects whose cases differ only in their fault; every rank returns the rows per subject."""
+    cache: dict = {}
+    return [check_job(dataclasses.replace(subject.case, fault=None), [(n, parse_layout(n)) for n in subject.layouts],
+                      subject.spec, subject.case.fault, cache) for subject in subjects]
+
+
+def run_checks(subjects: Sequence[Subject], timeout_s: float = 600.0) -> List[List[Row]]:
+    """Several models' checks in one job (its ranks start once: the tests check the baselines and
+    their planted faults side by side); one list of rows per subject."""
+    from megatron_siamese.runtime.job import job_world_size
+    from megatron_siamese.runtime.launch import run_job
+
+    layouts = [parse_layout(name) for subject in subjects for name in subject.layouts]  # bad names fail first
+    world = job_world_size() or job_size(layouts)
+    return run_job(check_subjects_job, world, list(subjects), timeout_s=timeout_s, quiet_ranks=range(world))
 
 
 def job_size(layouts: Sequence[Layout]) -> int:

@@ -1,13 +1,24 @@
 """Planted bugs, for proving that the correctness check can fail (``check --plant-fault``).
 
-Each fault is a realistic mistake a SiameseNorm integration could make, applied by
-patching this process's classes before the model is built (``run_rank`` does it on every
-rank when ``ModelCase.fault`` names one). Nothing here is imported by the layer itself.
+Each fault is a realistic mistake a SiameseNorm integration (or a baseline's) could make,
+applied by patching this process's classes before the model is built (``run_rank`` does it on
+every rank when ``ModelCase.fault`` names one, and undoes it after the layout: one job checks
+faulty and sound models side by side). Nothing here is imported by the layer itself.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+import contextlib
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+_UNDO: List[Tuple[object, str, object]] = []  # (owner, attribute, its own value before) of what is planted
+_INHERITED = object()  # the owner had no value of its own (a class inheriting it)
+
+
+def _patch(owner, name: str, value) -> None:
+    """``owner.name = value``, undone by ``planted``'s exit."""
+    _UNDO.append((owner, name, vars(owner).get(name, _INHERITED)))
+    setattr(owner, name, value)
 
 
 def _local_depth_scale() -> None:
@@ -21,7 +32,7 @@ def _local_depth_scale() -> None:
         original_init(self, config, submodules, layer_number=layer_number, **kwargs)
         self.depth_scale = depth_scale(layer_number)  # the local number, before the offset
 
-    layer_module.SiameseTransformerLayer.__init__ = init
+    _patch(layer_module.SiameseTransformerLayer, "__init__", init)
 
 
 def _norms_without_sequence_parallel_flag() -> None:
@@ -35,7 +46,7 @@ def _norms_without_sequence_parallel_flag() -> None:
         for param in self.parameters():
             param.sequence_parallel = False
 
-    norms.TorchNorm.__init__ = init
+    _patch(norms.TorchNorm, "__init__", init)
 
 
 def _experts_reduced_over_data_parallel() -> None:
@@ -51,7 +62,7 @@ def _experts_reduced_over_data_parallel() -> None:
         for param in self.experts.parameters():
             param.allreduce = True
 
-    MoELayer.__init__ = init
+    _patch(MoELayer, "__init__", init)
 
 
 def _aux_loss_averaged_over_data_parallel_twice() -> None:
@@ -65,7 +76,7 @@ def _aux_loss_averaged_over_data_parallel_twice() -> None:
     def set_loss_scale(scale):
         original(scale / parallel_state.get_data_parallel_world_size())
 
-    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(set_loss_scale)
+    _patch(MoEAuxLossAutoScaler, "set_loss_scale", staticmethod(set_loss_scale))
 
 
 def _qk_norm_without_config_flag() -> None:
@@ -85,7 +96,39 @@ def _qk_norm_without_config_flag() -> None:
         config.qk_layernorm = False
         return original(model, config, *args, **kwargs)
 
-    finalize._allreduce_non_tensor_model_parallel_grads = allreduce
+    _patch(finalize, "_allreduce_non_tensor_model_parallel_grads", allreduce)
+
+
+def _value_norm_unreduced() -> None:
+    """HybridNorm's value norm without its sum over TP: each rank's gradient covers only its own
+    heads (a per-head norm Megatron's finalize_model_grads does not know by name)."""
+    from megatron_siamese import qkv_norm
+
+    _patch(qkv_norm.ValueNorm, "forward", lambda self, x: self.normalized(x, self.weight, self.bias))
+
+
+def _baseline_placement_by_local_layer_number() -> None:
+    """A single-stream baseline placing its norms by the layer's number on its own stage: Mix-LN
+    then starts Post-Norm layers again on every pipeline stage (and virtual stage)."""
+    from megatron_siamese import single_stream
+
+    layer = single_stream.SingleStreamTransformerLayer
+    original_init, original_placement = layer.__init__, layer._placement
+    local = {}
+
+    def init(self, config, submodules, layer_number=1, **kwargs):
+        local["number"] = layer_number  # before Megatron adds the stage's offset
+        original_init(self, config, submodules, layer_number=layer_number, **kwargs)
+
+    def placement(self):
+        number, self.layer_number = self.layer_number, local["number"]
+        try:
+            return original_placement(self)
+        finally:
+            self.layer_number = number
+
+    _patch(layer, "__init__", init)
+    _patch(layer, "_placement", placement)
 
 
 def _stream_norms_left_out_of_torch_fsdp() -> None:
@@ -106,7 +149,7 @@ def _stream_norms_left_out_of_torch_fsdp() -> None:
         kwargs["ignored_params"] = {param for norm in norms for param in norm.parameters()}
         return original(module, **kwargs)
 
-    wrapper.fully_shard = fully_shard
+    _patch(wrapper, "fully_shard", fully_shard)
 
 
 FAULTS: Dict[str, Callable[[], None]] = {
@@ -116,10 +159,25 @@ FAULTS: Dict[str, Callable[[], None]] = {
     "aux-loss-over-dp": _aux_loss_averaged_over_data_parallel_twice,
     "qk-norm-unreduced": _qk_norm_without_config_flag,
     "stream-norms-outside-fsdp": _stream_norms_left_out_of_torch_fsdp,
+    "value-norm-unreduced": _value_norm_unreduced,
+    "baseline-local-layer-number": _baseline_placement_by_local_layer_number,
 }
 
 
-def plant(name: str) -> None:
-    if name not in FAULTS:
+@contextlib.contextmanager
+def planted(name: Optional[str]) -> Iterator[None]:
+    """Fault ``name`` (None: none) planted in this process for the duration."""
+    if name is not None and name not in FAULTS:
         raise ValueError(f"unknown fault {name!r}; choose one of {sorted(FAULTS)}")
-    FAULTS[name]()
+    depth = len(_UNDO)
+    try:
+        if name is not None:
+            FAULTS[name]()
+        yield
+    finally:
+        while len(_UNDO) > depth:
+            owner, attribute, value = _UNDO.pop()
+            if value is _INHERITED:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, value)

@@ -184,14 +184,13 @@ def run_rank(case: ModelCase, layout: Layout) -> RankResult:
     """Everything one rank does; see the module docstring."""
     from megatron.core import parallel_state
 
-    if case.fault:
-        from megatron_siamese.check.faults import plant
+    from megatron_siamese.check.faults import planted
 
-        plant(case.fault)
     if device.uses_cuda():
         torch.cuda.reset_peak_memory_stats()
     try:
-        return _step(case, layout)
+        with planted(case.fault):  # undone after: the job's next layout may check a sound model
+            return _step(case, layout)
     finally:  # after an error too: a layout left half-built must not leave its groups to the next one
         parallel_state.destroy_model_parallel()
 

@@ -16,7 +16,7 @@ from megatron_siamese.cli.flags import HelpFormatter, add_setting
 from megatron_siamese.runtime.divisibility import expert_problems, layout_part, shape_problems, split_problems
 from megatron_siamese.runtime.layout import Layout, parse_layout
 from megatron_siamese.runtime.registry import definitions, field_problems
-from megatron_siamese.runtime.settings import ModelSettings, model_class_problems
+from megatron_siamese.runtime.settings import ModelSettings, model_class_problems, scheme_setting_problems
 from megatron_siamese.training.args import ConfigError
 
 DESCRIPTION = """\
@@ -54,6 +54,8 @@ and the distributed optimizer), expert parameters compared per global expert:
 CASE_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                  "seq_length", "normalization", "add_bias_linear", "qk_layernorm", "model", "hybrid_layer_pattern", "dtype",
                  "transformer_impl", "fp8", "fp8_recipe",
+                 # the schemes' own settings (the ablations, Mix-LN's split, HybridNorm*)
+                 "siamese_input_norm", "siamese_depth_scale", "mix_ln_alpha", "hybridnorm_star",
                  # mixture of experts
                  "num_moe_experts", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",
                  "moe_shared_expert_intermediate_size", "moe_aux_loss_coeff", "moe_z_loss_coeff",
@@ -87,7 +89,8 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
                              f"({','.join(MOE_LAYOUTS)})")
     parser.add_argument("--spec", choices=sorted(SPECS), default="siamese",
                         help="siamese: SiameseNorm via the Python API; siamese-layer: via the layer spec object "
-                             "Megatron-LM's --spec imports; siamese-hybrid: the authors' hybrid variant; stock: "
+                             "Megatron-LM's --spec imports; siamese-hybrid: the authors' hybrid variant; post, "
+                             "hybridnorm, mixln: the single-stream baselines (Post-Norm, HybridNorm, Mix-LN); stock: "
                              "Megatron's Pre-Norm layer, as a control for the check itself")
     parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                         help="how long a rank waits for the others (joining, a collective, a layout it sits out) "
@@ -109,6 +112,7 @@ def problems(case: ModelCase, layouts: List[str]) -> List[str]:
     if found:
         return found
     found += model_class_problems(case)
+    found += scheme_setting_problems(case)
     found += shape_problems(case)
     for name in layouts:
         try:

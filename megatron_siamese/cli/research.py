@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import List
 
 from megatron_siamese.cli import flags
+from megatron_siamese.research.study import SCHEMES
 from megatron_siamese.training.args import ConfigError
 
 
@@ -26,23 +27,28 @@ def _split(text: str, kind, flag: str) -> tuple:
 
 
 def _study_parser(commands, name: str) -> argparse.ArgumentParser:
-    parser = commands.add_parser(name, help="the small-scale reproduction study (about 42 minutes on 2 CPU cores)",
-                                 description="Pre-Norm, Post-Norm, SiameseNorm and its hybrid variant at three learning "
-                                             "rates and three seeds, then reversed addition (docs/research.md).",
+    parser = commands.add_parser(name, help="the small-scale reproduction study (about an hour on 2 CPU cores)",
+                                 description="Pre-Norm, Post-Norm, SiameseNorm and its hybrid variant, HybridNorm, Mix-LN "
+                                             "and the paper's ablation at five learning rates (two seeds, a warmup of a "
+                                             "quarter of the run; the single-stream schemes and SiameseNorm again at a "
+                                             "10-step warmup and two rates), then reversed addition (docs/research.md).",
                                  formatter_class=flags.HelpFormatter)
     parser.add_argument("--output-dir", default="runs/study", help="results, plots and the per-run directories")
     parser.add_argument("--cache-dir", default=flags.DEFAULTS["cache_dir"], help="tokenized corpus cache")
     parser.add_argument("--steps", type=int, default=None, help="language-modelling steps per run (default: 200)")
     parser.add_argument("--arithmetic-steps", type=int, default=None, help="addition steps per run (default: 1500)")
-    parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds")
-    parser.add_argument("--schemes", default=None, help="comma-separated subset of pre,post,siamese,siamese-hybrid")
+    parser.add_argument("--seeds", default="1,2", help="comma-separated seeds")
+    parser.add_argument("--schemes", default=None, help=f"comma-separated subset of {','.join(SCHEMES)}")
     parser.add_argument("--learning-rates", default=None,
-                        help="comma-separated peak learning rates (default: 1e-3,4e-3,1.6e-2)")
+                        help="comma-separated peak learning rates (default: 1e-3,2e-3,4e-3,1.6e-2,6.4e-2)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="the main panel's warmup (default: 50)")
+    parser.add_argument("--short-warmup-steps", type=int, default=None,
+                        help="the second panel's warmup (default: 10; 0: no second panel)")
     return parser
 
 
 def _run_study(options: argparse.Namespace) -> int:
-    from megatron_siamese.research.study import SCHEMES, StudyPlan, run_study, tables
+    from megatron_siamese.research.study import StudyPlan, run_study, tables
 
     plan = StudyPlan(output_dir=options.output_dir, cache_dir=options.cache_dir,
                      seeds=_split(options.seeds, int, "--seeds"))
@@ -57,12 +63,23 @@ def _run_study(options: argparse.Namespace) -> int:
         if options.arithmetic_steps < 1:
             raise ConfigError([f"--arithmetic-steps must be at least 1 (got {options.arithmetic_steps})"])
         plan.arithmetic_steps = options.arithmetic_steps
+    if options.warmup_steps is not None:
+        plan.warmup_steps = options.warmup_steps
+    if options.short_warmup_steps is not None:
+        plan.short_warmup_steps = options.short_warmup_steps or None
     if options.steps is not None:
         if options.steps < 1:
             raise ConfigError([f"--steps must be at least 1 (got {options.steps})"])
         plan.base = dataclasses.replace(plan.base, steps=options.steps,
                                         warmup_steps=min(plan.base.warmup_steps, options.steps - 1),
                                         eval_interval=min(plan.base.eval_interval, options.steps))
+        # a shorter run keeps its warmups inside it
+        plan.warmup_steps = min(plan.warmup_steps, options.steps - 1)
+        if plan.short_warmup_steps is not None:
+            plan.short_warmup_steps = min(plan.short_warmup_steps, options.steps - 1)
+    for flag, warmup in (("--warmup-steps", plan.warmup_steps), ("--short-warmup-steps", plan.short_warmup_steps)):
+        if warmup is not None and not 0 <= warmup < plan.base.steps:
+            raise ConfigError([f"{flag} must lie in [0, {plan.base.steps}) (got {warmup})"])
     print(tables(run_study(plan)))
     return 0
 

@@ -87,6 +87,9 @@ def exportable(settings) -> Optional[str]:
                 "Llama)")
     if settings.num_moe_experts:
         return "--num-experts (mixture of experts) has no export yet: export a dense model"
+    if not (getattr(settings, "siamese_input_norm", True) and getattr(settings, "siamese_depth_scale", True)):
+        return ("the component study's ablations (--no-siamese-input-norm, --no-siamese-depth-scale) have no export: "
+                "the exported modeling file computes the full SiameseNorm block")
     return None
 
 

@@ -35,8 +35,25 @@ and, where a layer holds two sublayers, as the boundary ops split it (docs/kerne
 * ``residual_dual_norm``: the first sublayer's residual update and the second sublayer's
   ``dual_norm`` in one: ``dual_norm(dual_residual([PostNorm_prev(x) | y], out, ...))``.
 
+The paper's component study (an ablation setting, ``SiameseTransformerConfig.siamese_input_norm``
+and ``siamese_depth_scale``) removes InputNorm (the sublayer sees ``u + PreNorm(y)`` itself)
+and/or the depth scale (``c = 1``: ``x = u + z``); ``depth_scale`` and ``dual_norm`` without
+``in_weight`` compute those.
+
 ``stream_norms`` is the same composition over any norm callables; the layer's PyTorch path
-runs it with its norm modules. Norms are computed in fp32 (fp64 for double inputs) and cast
+runs it with its norm modules.
+
+The single-stream baselines the study compares with (Post-Norm, HybridNorm, Mix-LN) place each
+sublayer's norm before it or after its residual add, per block (``norm_placement``):
+
+    x = OutputNorm(x + dropout(Sublayer(InputNorm(x)) + bias))     # either norm may be absent
+
+Pre-Norm: InputNorm only; Post-Norm: OutputNorm only (no final norm: the stream leaving the last
+block is normalized); HybridNorm (Zhuo et al. 2025): attention with per-head norms of queries,
+keys and values and no InputNorm, then OutputNorm after the attention's residual add (the FFN
+sees and adds to ``Norm(x)``), the FFN without norms; HybridNorm* makes the first block Pre-Norm
+(with the same QKV-norm); Mix-LN (Li et al. 2024): Post-Norm in the first ``floor(alpha L)``
+blocks, Pre-Norm in the rest. HybridNorm and Mix-LN end in a final norm. Norms are computed in fp32 (fp64 for double inputs) and cast
 back to the input dtype, as Megatron's fused and Transformer Engine norms do; so is the
 residual update, which the fused op also rounds once.
 """
@@ -44,6 +61,7 @@ residual update, which the fused op also rounds once.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -85,11 +103,11 @@ def normalize(
     return out.to(x.dtype)
 
 
-def depth_scale(block_number: int) -> float:
-    """c = sqrt(2 L) for the block with global 1-based number L."""
+def depth_scale(block_number: int, scaled: bool = True) -> float:
+    """c = sqrt(2 L) for the block with global 1-based number L; 1 without depth scaling (the ablation)."""
     if block_number < 1:
         raise ValueError(f"the block number is 1-based and global, got {block_number}")
-    return math.sqrt(2.0 * block_number)
+    return math.sqrt(2.0 * block_number) if scaled else 1.0
 
 
 def gpt_equivalent_block(layer_number: int, sublayers_per_layer: int) -> int:
@@ -253,3 +271,67 @@ def residual_dual_norm(
 def merge_streams(x_normed: Tensor, y_normed: Tensor) -> Tensor:
     """NormX(x) + NormY(y): what FinalNorm receives after the last layer."""
     return x_normed + y_normed
+
+
+# -- the single-stream baselines ----------------------------------------------------------
+
+SINGLE_STREAM_SCHEMES = ("post", "hybridnorm", "mixln")
+MIX_LN_ALPHA = 0.25  # the Mix-LN paper's share of Post-Norm blocks
+
+
+@dataclass(frozen=True)
+class NormPlacement:
+    """Which norms a single-stream block has: before a sublayer (``*_input``: the sublayer sees
+    Norm(x), the residual adds to x) or after its residual add (``after_*``: the stream itself
+    is normalized), for attention and the MLP."""
+
+    attention_input: bool
+    after_attention: bool
+    mlp_input: bool
+    after_mlp: bool
+
+
+PRE_NORM = NormPlacement(attention_input=True, after_attention=False, mlp_input=True, after_mlp=False)
+POST_NORM = NormPlacement(attention_input=False, after_attention=True, mlp_input=False, after_mlp=True)
+# Norm(x) after the attention's residual add is what HybridNorm's FFN sees and adds to
+HYBRID_NORM = NormPlacement(attention_input=False, after_attention=True, mlp_input=False, after_mlp=False)
+
+
+def mix_ln_post_layers(num_layers: int, alpha: float) -> int:
+    """How many of the first blocks Mix-LN makes Post-Norm: floor(alpha L), alpha in [0, 1]
+    (the product rounded to 9 decimals first, so that 0.3 * 10 is 3, not 2.9999...)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"the Mix-LN share alpha must lie in [0, 1], got {alpha}")
+    return math.floor(round(alpha * num_layers, 9))
+
+
+def norm_placement(scheme: str, layer_number: int, num_layers: int, mix_ln_alpha: float = MIX_LN_ALPHA,
+                   hybridnorm_star: bool = False) -> NormPlacement:
+    """The norms of the block with global 1-based number ``layer_number`` of ``num_layers`` under
+    ``scheme`` (one of SINGLE_STREAM_SCHEMES)."""
+    if not 1 <= layer_number <= num_layers:
+        raise ValueError(f"the layer number is 1-based and global, in 1..{num_layers}; got {layer_number}")
+    if scheme == "post":
+        return POST_NORM
+    if scheme == "hybridnorm":
+        return PRE_NORM if hybridnorm_star and layer_number == 1 else HYBRID_NORM
+    if scheme == "mixln":
+        return POST_NORM if layer_number <= mix_ln_post_layers(num_layers, mix_ln_alpha) else PRE_NORM
+    raise ValueError(f"scheme must be one of {SINGLE_STREAM_SCHEMES}, got {scheme!r}")
+
+
+def has_final_norm(scheme: str) -> bool:
+    """Whether the block ends in a final norm: not Post-Norm's, whose stream is normalized already."""
+    if scheme not in SINGLE_STREAM_SCHEMES:
+        raise ValueError(f"scheme must be one of {SINGLE_STREAM_SCHEMES}, got {scheme!r}")
+    return scheme != "post"
+
+
+def single_stream_sublayer(x: Tensor, input_norm: Optional[NormFn], sublayer, output_norm: Optional[NormFn],
+                           dropout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+    """``OutputNorm(x + dropout(out + bias))`` with ``(out, bias) = sublayer(InputNorm(x))``; an
+    absent norm (None) is the identity."""
+    out, bias = sublayer(x if input_norm is None else input_norm(x))
+    z = out if bias is None else out + bias
+    x = x + dropout(z)
+    return x if output_norm is None else output_norm(x)

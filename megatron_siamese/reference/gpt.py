@@ -30,6 +30,7 @@ from megatron_siamese.reference.functional import (
     normalize,
 )
 from megatron_siamese.reference.mlp import ACTIVATIONS, ReferenceMLP
+from megatron_siamese.reference.rope import apply_rotary, rotary_cos_sin
 from megatron_siamese.reference.moe import LOAD_BALANCING, ROUTER_DTYPES, ReferenceMoE, moe_layers, unmodelled_settings
 from megatron_siamese.streams import split_streams
 
@@ -71,6 +72,11 @@ class ReferenceGPTConfig:
     attention_dropout: float = 0.0
     variant: str = "standard"  # or "hybrid": see reference/functional.py
     qk_layernorm: bool = False  # per-head norms of queries and keys (the hybrid variant always has them)
+    value_layernorm: bool = False  # ... and of values (HybridNorm's QKV-norm: reference/single_stream.py)
+    # the component study's ablations of the SiameseNorm block (SiameseTransformerConfig's
+    # siamese_input_norm / siamese_depth_scale): without InputNorm, without c = sqrt(2 L)
+    input_norm: bool = True
+    depth_scaled: bool = True
     # mixture of experts (reference/moe.py); Megatron's names and defaults
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
@@ -121,7 +127,9 @@ class ReferenceGPTConfig:
         if config.num_moe_experts and unmodelled_settings(config):
             raise ValueError(f"no reference for {', '.join(unmodelled_settings(config))}")
         fields = {name: getattr(config, name) for name in _MEGATRON_FIELDS}
-        fields.update(vocab_size=vocab_size, max_sequence_length=max_sequence_length, activation=activation)
+        fields.update(vocab_size=vocab_size, max_sequence_length=max_sequence_length, activation=activation,
+                      input_norm=getattr(config, "siamese_input_norm", True),
+                      depth_scaled=getattr(config, "siamese_depth_scale", True))
         fields.update(overrides)
         return cls(**fields)
 
@@ -165,26 +173,6 @@ class ReferenceFinalNorm(ReferenceNorm):
         return super().forward(self.merge(x, y))
 
 
-def rotary_cos_sin(config: ReferenceGPTConfig, positions: Tensor):
-    """cos, sin of shape [b, s, 1, rot_dim] for Megatron's non-interleaved RoPE."""
-    rot_dim = int(config.kv_channels * config.rotary_percent)
-    inv_freq = 1.0 / (
-        config.rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
-    )
-    freqs = positions.float()[..., None] * inv_freq  # [b, s, rot_dim/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
-    return emb.cos(), emb.sin()
-
-
-def apply_rotary(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    rot_dim = cos.shape[-1]
-    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    first, second = t_rot.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    t_rot = t_rot * cos.to(t.dtype) + rotated * sin.to(t.dtype)
-    return torch.cat([t_rot, t_pass], dim=-1)
-
-
 class ReferenceAttention(nn.Module):
     def __init__(self, config: ReferenceGPTConfig):
         super().__init__()
@@ -203,6 +191,7 @@ class ReferenceAttention(nn.Module):
         )
         self.q_layernorm = ReferenceNorm(config, head_dim) if config.qk_layernorm else None
         self.k_layernorm = ReferenceNorm(config, head_dim) if config.qk_layernorm else None
+        self.v_layernorm = ReferenceNorm(config, head_dim) if config.value_layernorm else None
 
     def forward(self, x: Tensor, rope) -> Tensor:
         """x: [b, s, h] -> (attention output without bias, bias)."""
@@ -215,11 +204,14 @@ class ReferenceAttention(nn.Module):
         q = q.reshape(b, s, heads, head_dim)
         if self.q_layernorm is not None:  # per head, before RoPE, as Megatron's SelfAttention
             q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if self.v_layernorm is not None:  # per key/value head
+            v = self.v_layernorm(v)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(head_dim)
+        compute = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a double model
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.to(compute), k.to(compute)) / math.sqrt(head_dim)
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(x.dtype)
         probs = F.dropout(probs, cfg.attention_dropout, self.training)
@@ -240,15 +232,15 @@ class ReferenceSiameseLayer(nn.Module):
     def __init__(self, config: ReferenceGPTConfig, layer_number: int, moe: bool = False):
         super().__init__()
         self.config = config
-        self.depth_scale = depth_scale(layer_number)
+        self.depth_scale = depth_scale(layer_number, config.depth_scaled)
         hybrid = config.variant == "hybrid"
         self.attn_x_norm = ReferenceChannelScale(config) if hybrid else ReferenceNorm(config)
         self.attn_y_norm = ReferenceNorm(config)
-        self.input_layernorm = None if hybrid else ReferenceNorm(config)
+        self.input_layernorm = None if hybrid or not config.input_norm else ReferenceNorm(config)
         self.self_attention = ReferenceAttention(config)
         self.mlp_x_norm = ReferenceNorm(config)
         self.mlp_y_norm = ReferenceNorm(config)
-        self.pre_mlp_layernorm = ReferenceNorm(config)
+        self.pre_mlp_layernorm = ReferenceNorm(config) if config.input_norm else None
         self.mlp = ReferenceMoE(config) if moe else ReferenceMLP(config)
 
     def _norms(self, streams: Tensor, x_norm, y_norm, input_norm):
@@ -256,8 +248,9 @@ class ReferenceSiameseLayer(nn.Module):
         common = (cfg.layernorm_epsilon, cfg.normalization == "RMSNorm", cfg.layernorm_zero_centered_gamma)
         if isinstance(x_norm, ReferenceChannelScale):
             return hybrid_dual_norm(streams, cfg.hidden_size, x_norm.weight, y_norm.weight, y_norm.bias, *common)
+        in_weight, in_bias = (None, None) if input_norm is None else (input_norm.weight, input_norm.bias)
         return dual_norm(streams, cfg.hidden_size, x_norm.weight, x_norm.bias, y_norm.weight, y_norm.bias,
-                         input_norm.weight, input_norm.bias, *common)
+                         in_weight, in_bias, *common)
 
     def _sublayer(self, streams: Tensor, x_norm, y_norm, input_norm, sublayer, *args) -> Tensor:
         base, normed = self._norms(streams, x_norm, y_norm, input_norm)
@@ -309,7 +302,7 @@ class ReferenceGPT(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = ReferenceEmbedding(config)
-        self.decoder = ReferenceDecoder(config)
+        self.decoder = self._decoder(config)
         self.output_layer = (
             None
             if config.share_embeddings_and_output_weights
@@ -329,10 +322,7 @@ class ReferenceGPT(nn.Module):
             if self.config.position_embedding_type == "rope"
             else None
         )
-        streams = hidden  # x = y = the embedding
-        for layer in self.decoder.layers:
-            streams = layer(streams, rope)
-        out = self.decoder.final_layernorm(*split_streams(streams, self.config.hidden_size))
+        out = self._decode(hidden, rope)
         head = (
             self.embedding.word_embeddings.weight
             if self.output_layer is None
@@ -340,11 +330,22 @@ class ReferenceGPT(nn.Module):
         )
         return out @ head.t()
 
+    def _decoder(self, config: ReferenceGPTConfig) -> nn.Module:
+        return ReferenceDecoder(config)
+
+    def _decode(self, hidden: Tensor, rope) -> Tensor:
+        """The embedding's output [b, s, h] -> the final norm's [b, s, h]."""
+        streams = hidden  # x = y = the embedding
+        for layer in self.decoder.layers:
+            streams = layer(streams, rope)
+        return self.decoder.final_layernorm(*split_streams(streams, self.config.hidden_size))
+
     def loss(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None):
         """Per-token cross-entropy [b, s], like GPTModel called with labels."""
         logits = self.forward(input_ids, position_ids)
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        return F.cross_entropy(  # in fp32 (Megatron's), fp64 for a double model
+            logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), labels.flatten(),
+            reduction="none",
         ).view_as(labels)
 
     def router_loss(self) -> Tensor:

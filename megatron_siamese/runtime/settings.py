@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
-from megatron_siamese.runtime.registry import Switch, setting
+from megatron_siamese.runtime.registry import Switch, definitions, setting
 
 DTYPE_NAMES = ("fp32", "bf16")  # runtime/gpt.py's DTYPES
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -68,6 +68,10 @@ def moe_layer_freq(text: str):
     return parsed
 
 
+def _fraction_problem(alpha: float) -> Optional[str]:
+    return None if alpha <= 1.0 else f"--mix-ln-alpha is a share of the layers, at most 1 (got {alpha:g})"
+
+
 def _no_fp16(dtype: str) -> Optional[str]:
     if dtype == "fp16":
         return ("--dtype fp16 is not supported (Megatron's fp16 needs loss scaling this trainer does not do): "
@@ -82,7 +86,26 @@ class ModelSettings:
     norm: str = setting(
         "siamese", group=MODEL, flag="--norm", choices=SCHEME_NAMES,
         help="residual scheme: siamese (SiameseNorm), siamese-layer (the Megatron-LM --spec layer object), "
-             "siamese-hybrid (the authors' QK-norm variant), pre (Megatron's Pre-Norm layer), post (Post-Norm)")
+             "siamese-hybrid (the authors' QK-norm variant), pre (Megatron's Pre-Norm layer), post (Post-Norm), "
+             "hybridnorm (HybridNorm: QKV-norm in attention, Post-Norm on the FFN side), mixln (Mix-LN: Post-Norm "
+             "in the first layers, Pre-Norm in the rest)")
+    siamese_input_norm: bool = setting(
+        True, group=MODEL, flag="--siamese-input-norm", action=argparse.BooleanOptionalAction,
+        config="siamese_input_norm",
+        help="SiameseNorm's InputNorm before each sublayer (--no-siamese-input-norm: the paper's component-study "
+             "ablation; SiameseNorm schemes only)")
+    siamese_depth_scale: bool = setting(
+        True, group=MODEL, flag="--siamese-depth-scale", action=argparse.BooleanOptionalAction,
+        config="siamese_depth_scale",
+        help="SiameseNorm's depth scale x = u + z / sqrt(2L) (--no-siamese-depth-scale: the ablation x = u + z; "
+             "SiameseNorm schemes only)")
+    mix_ln_alpha: float = setting(
+        0.25, group=MODEL, flag="--mix-ln-alpha", minimum=0.0, check=_fraction_problem, config="mix_ln_alpha",
+        metavar="ALPHA", help="--norm mixln: the first floor(ALPHA x layers) layers are Post-Norm, the rest Pre-Norm "
+                              "(the Mix-LN paper's 0.25)")
+    hybridnorm_star: bool = setting(
+        False, group=MODEL, flag="--hybridnorm-star", action="store_true", config="hybridnorm_star",
+        help="--norm hybridnorm: the first layer Pre-Norm (with QKV-norm), the HybridNorm paper's HybridNorm*")
     model: str = setting(
         "gpt", group=MODEL, flag="--model", choices=MODEL_CLASSES,
         help="gpt (GPTModel) or hybrid (HybridModel, megatron-core >= 0.19, SiameseNorm only)")
@@ -185,6 +208,25 @@ class ModelSettings:
     def expert_width(self) -> int:
         """Each expert's MLP width: --moe-ffn-hidden-size, else the dense MLP's (Megatron's default)."""
         return self.moe_ffn_hidden_size or self.mlp_width
+
+
+SIAMESE_SCHEMES = tuple(name for name in SCHEME_NAMES if name.startswith("siamese"))
+# the settings one scheme reads, with the schemes that read them (train and check refuse them elsewhere)
+SCHEME_SETTINGS = {"siamese_input_norm": SIAMESE_SCHEMES, "siamese_depth_scale": SIAMESE_SCHEMES,
+                   "mix_ln_alpha": ("mixln",), "hybridnorm_star": ("hybridnorm",)}
+
+
+def scheme_setting_problems(settings: ModelSettings) -> List[str]:
+    """A scheme's own settings given another scheme (they would change nothing: train and check)."""
+    found = []
+    for name, schemes in SCHEME_SETTINGS.items():
+        definition, value = definitions(ModelSettings)[name], getattr(settings, name)
+        if value == definition.default or settings.norm in schemes:
+            continue
+        flag = definition.flags[0]
+        shown = f"--no-{flag[2:]}" if value is False else flag
+        found.append(f"{shown} applies to --norm {' / '.join(schemes)}, not --norm {settings.norm}: drop it")
+    return found
 
 
 def model_class_problems(settings: ModelSettings) -> List[str]:

@@ -16,7 +16,7 @@ from typing import List, Optional
 from megatron_siamese.runtime.divisibility import shape_problems, split_problems
 from megatron_siamese.runtime.layout import RECOMPUTE, SHARDING_STRATEGIES, Layout
 from megatron_siamese.runtime.registry import ConfigError, definitions, field_problems, setting  # noqa: F401
-from megatron_siamese.runtime.settings import ModelSettings, model_class_problems
+from megatron_siamese.runtime.settings import ModelSettings, model_class_problems, scheme_setting_problems
 from megatron_siamese.training.fsdp_checkpoint import gated_mlp_problem
 
 ADDITION_TASKS = {"addition": False, "addition-reversed": True}  # task name: the sum written reversed
@@ -257,6 +257,7 @@ def problems(args: TrainArgs) -> List[str]:
         if args.norm != "siamese":
             found.append(f"--model hybrid builds SiameseNorm layers only: use --norm siamese (got --norm {args.norm})")
     found += model_class_problems(args)
+    found += scheme_setting_problems(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         found.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
                      "pass one")

@@ -1,0 +1,93 @@
+"""The single-stream baselines in plain PyTorch: Post-Norm, HybridNorm and Mix-LN (the oracle for
+``megatron_siamese.single_stream``).
+
+One residual stream; each block's norms sit where ``functional.norm_placement`` puts them for the
+scheme and the block's global number (``functional.single_stream_sublayer``). The embedding,
+attention (with HybridNorm's value norm: ``ReferenceGPTConfig.value_layernorm``), dense and MoE
+MLPs, the output head and the loss are the SiameseNorm reference's (``reference/gpt.py``), and
+module names mirror Megatron's GPTModel built with the baselines' block spec
+(``decoder.layers.N.input_layernorm``, ``post_attn_norm``, ``pre_mlp_layernorm``, ``post_mlp_norm``,
+``self_attention.v_layernorm``, ``decoder.final_layernorm``; an absent norm has no parameters),
+so a TP=1 Megatron state dict loads with ``load_megatron_state_dict``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megatron_siamese.reference.functional import (
+    MIX_LN_ALPHA,
+    has_final_norm,
+    norm_placement,
+    single_stream_sublayer,
+)
+from megatron_siamese.reference.gpt import (
+    ReferenceAttention,
+    ReferenceGPT,
+    ReferenceGPTConfig,
+    ReferenceNorm,
+)
+from megatron_siamese.reference.mlp import ReferenceMLP
+from megatron_siamese.reference.moe import ReferenceMoE, moe_layers
+
+
+class ReferenceSingleStreamLayer(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig, placement, moe: bool = False):
+        super().__init__()
+        self.config = config
+
+        def norm(present: bool) -> Optional[ReferenceNorm]:
+            return ReferenceNorm(config) if present else None
+
+        self.input_layernorm = norm(placement.attention_input)
+        self.self_attention = ReferenceAttention(config)
+        self.post_attn_norm = norm(placement.after_attention)
+        self.pre_mlp_layernorm = norm(placement.mlp_input)
+        self.mlp = ReferenceMoE(config) if moe else ReferenceMLP(config)
+        self.post_mlp_norm = norm(placement.after_mlp)
+
+    def _dropout(self, t: Tensor) -> Tensor:
+        return F.dropout(t, self.config.hidden_dropout, self.training)
+
+    def forward(self, x: Tensor, rope) -> Tensor:
+        """[b, s, h] -> [b, s, h]."""
+        x = single_stream_sublayer(x, self.input_layernorm, lambda normed: self.self_attention(normed, rope),
+                                   self.post_attn_norm, self._dropout)
+        return single_stream_sublayer(x, self.pre_mlp_layernorm, self.mlp, self.post_mlp_norm, self._dropout)
+
+
+class ReferenceSingleStreamDecoder(nn.Module):
+    def __init__(self, config: ReferenceGPTConfig, scheme: str, mix_ln_alpha: float, hybridnorm_star: bool):
+        super().__init__()
+        pattern = (moe_layers(config.num_layers, config.moe_layer_freq) if config.num_moe_experts
+                   else [False] * config.num_layers)
+        self.layers = nn.ModuleList(
+            ReferenceSingleStreamLayer(
+                config, norm_placement(scheme, i + 1, config.num_layers, mix_ln_alpha, hybridnorm_star), moe)
+            for i, moe in enumerate(pattern))
+        self.final_layernorm = ReferenceNorm(config) if has_final_norm(scheme) else None
+
+
+class ReferenceSingleStreamGPT(ReferenceGPT):
+    """Embedding, N single-stream blocks of ``scheme`` ("post", "hybridnorm" or "mixln"), the final
+    norm where the scheme has one, and the output head. HybridNorm's attention normalizes queries,
+    keys and values per head: its config needs ``qk_layernorm`` and ``value_layernorm``."""
+
+    def __init__(self, config: ReferenceGPTConfig, scheme: str, mix_ln_alpha: float = MIX_LN_ALPHA,
+                 hybridnorm_star: bool = False):
+        if scheme == "hybridnorm" and not (config.qk_layernorm and config.value_layernorm):
+            raise ValueError("HybridNorm normalizes queries, keys and values: set qk_layernorm and value_layernorm")
+        self.scheme, self.mix_ln_alpha, self.hybridnorm_star = scheme, mix_ln_alpha, hybridnorm_star
+        super().__init__(config)
+
+    def _decoder(self, config: ReferenceGPTConfig) -> nn.Module:
+        return ReferenceSingleStreamDecoder(config, self.scheme, self.mix_ln_alpha, self.hybridnorm_star)
+
+    def _decode(self, hidden: Tensor, rope) -> Tensor:
+        for layer in self.decoder.layers:
+            hidden = layer(hidden, rope)
+        final = self.decoder.final_layernorm
+        return hidden if final is None else final(hidden)
