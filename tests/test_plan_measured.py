@@ -5,7 +5,8 @@ One job runs every case of ``check/plan_agreement.CASES`` (stock Pre-Norm and Si
 single, tp2, tp2-sp, pp2, pp2-vpp2, dp2-do, dp2-fsdp2, full and selective recompute; the apart and
 PyTorch paths; multi-head attention without RoPE; an MoE model under ep2) through the runtime the
 check uses, measuring each rank's states,
-its activations kept for backward (saved-tensor hooks), pipeline buffers and the bytes it sends
+its activations kept for backward (saved-tensor hooks), pipeline buffers (stage outputs freed once
+sent, as the trainer and Megatron-LM run: a kept output fails them) and the bytes it sends
 (a counter around the process groups' collectives and p2p); the plan predicts each. Three
 planted faults in the plan's arithmetic each fail exactly the terms they drop.
 """

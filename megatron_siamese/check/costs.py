@@ -128,7 +128,9 @@ class SavedActivations:
         sent = {}
         self.outputs = [ref for ref in self.outputs if ref() is not None]
         for tensor in (ref() for ref in self.outputs):
-            if tensor is not None and _storage_key(tensor) not in self.live:
+            # once sent, Megatron frees an output's data (deallocate_pipeline_outputs), leaving a
+            # one-element stand-in: nothing held
+            if tensor is not None and tensor.dim() == 3 and _storage_key(tensor) not in self.live:
                 sent[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
         self.peak_activations = max(self.peak_activations, activations)
         self.peak_pipeline = max(self.peak_pipeline, pipeline + sum(sent.values()))

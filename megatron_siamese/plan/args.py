@@ -51,8 +51,9 @@ class PlanArgs(TrainArgs):
                                        help="dropout on the attention probabilities (unfused attention keeps its mask "
                                             "and output; Megatron-LM's default 0.1, the trainer's 0)")
     deallocate_pipeline_outputs: bool = setting(
-        False, group=PLAN, flag="--deallocate-pipeline-outputs", action=argparse.BooleanOptionalAction,
-        help="free a stage output's data once sent (Megatron-LM does; the trainer keeps it until its backward)")
+        True, group=PLAN, flag="--deallocate-pipeline-outputs", action=argparse.BooleanOptionalAction,
+        help="free a stage output's data once sent, as Megatron-LM and the trainer do (--no-deallocate-pipeline-outputs: "
+             "kept until its backward, as a schedule driven without it keeps it)")
 
     def __post_init__(self):
         found = problems(self)

@@ -29,7 +29,7 @@ class PlanInputs:
     microbatches: int  # per data-parallel rank and step
     param_bytes: int
     sharding: DataParallelSharding
-    deallocate_outputs: bool = False  # Megatron-LM frees a sent stage output's data; the trainer keeps it
+    deallocate_outputs: bool = True  # a sent stage output's data freed (Megatron-LM and the trainer); else kept to its backward
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,11 @@ def gpu_costs(inputs: PlanInputs, variant: str, rank: int) -> GpuCosts:
     held = [chunk_activations(chunk, shape, layout, inputs.impl, variant, inputs.micro_batch) for chunk in chunks]
     activations = peak(layout, rank, inputs.microbatches, lambda c: held[c].kept)
     activations += max(chunk.working for chunk in held)
+    # freed outputs: 1F1B sends one before the next backward, the interleaved schedule after it
+    freed_late = inputs.deallocate_outputs and layout.vpp is not None
     pipeline = peak(layout, rank, inputs.microbatches,
-                    lambda c: held[c].received + (0 if inputs.deallocate_outputs else held[c].sent))
+                    lambda c: held[c].received + (0 if inputs.deallocate_outputs else held[c].sent),
+                    unsent_by_chunk=lambda c: held[c].sent if freed_late else 0.0)
     buffers = [chunk_buffers(chunk_params, layout, inputs.param_bytes, inputs.sharding, bucketed=i == 0)
                for i, chunk_params in enumerate(params)]
     sent = step_traffic(shape, layout, chunks, params, variant, tokens_of(shape, layout, inputs.micro_batch),

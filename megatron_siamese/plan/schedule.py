@@ -13,7 +13,7 @@ Megatron's own estimate).
 
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from megatron_siamese.runtime.layout import Layout
 
@@ -39,8 +39,9 @@ def warmup(layout: Layout, rank: int, microbatches: int) -> int:
     return min(found, total)
 
 
-def in_flight(layout: Layout, rank: int, microbatches: int) -> List[List[int]]:
-    """How many microbatches of each chunk hold activations at each moment a backward begins."""
+def _moments(layout: Layout, rank: int, microbatches: int) -> List[Tuple[List[int], Optional[int]]]:
+    """Each moment a backward begins: the microbatches of each chunk holding activations, and the
+    chunk whose forward ran just before it (None in the cool-down, where no forward runs)."""
     chunks = layout.vpp or 1
     forwards = schedule_table(microbatches, chunks, layout.pp)
     first = warmup(layout, rank, microbatches)
@@ -49,15 +50,26 @@ def in_flight(layout: Layout, rank: int, microbatches: int) -> List[List[int]]:
         held[chunk] += 1
     moments = []
     for step in range(len(forwards) - first if first < len(forwards) else 1):
+        just_run = None
         if first + step < len(forwards):
-            held[forwards[first + step][1]] += 1
-        moments.append(list(held))
+            just_run = forwards[first + step][1]
+            held[just_run] += 1
+        moments.append((list(held), just_run))
         held[chunks - 1 - forwards[step][1]] -= 1  # the backward pass that follows
     return moments
 
 
-def peak(layout: Layout, rank: int, microbatches: int, held_by_chunk: Callable[[int], float]) -> float:
-    """The most bytes the in-flight microbatches hold at once, ``held_by_chunk(chunk)`` each."""
+def in_flight(layout: Layout, rank: int, microbatches: int) -> List[List[int]]:
+    """How many microbatches of each chunk hold activations at each moment a backward begins."""
+    return [held for held, _ in _moments(layout, rank, microbatches)]
+
+
+def peak(layout: Layout, rank: int, microbatches: int, held_by_chunk: Callable[[int], float],
+         unsent_by_chunk: Callable[[int], float] = lambda chunk: 0.0) -> float:
+    """The most bytes the in-flight microbatches hold at once, ``held_by_chunk(chunk)`` each, and
+    the forward just run ``unsent_by_chunk(chunk)`` more: its output, which the interleaved
+    schedule sends (and may free) only with the gradient of the backward that follows."""
     held = [held_by_chunk(chunk) for chunk in range(layout.vpp or 1)]
     return max(sum(count * bytes_ for count, bytes_ in zip(moment, held))
-               for moment in in_flight(layout, rank, microbatches))
+               + (0.0 if just_run is None else unsent_by_chunk(just_run))
+               for moment, just_run in _moments(layout, rank, microbatches))

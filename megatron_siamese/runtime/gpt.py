@@ -62,6 +62,8 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
         use_cpu_initialization=not on_gpu,
         # gloo + interleaved schedule + batched p2p gives wrong results (docs/parallelism.md)
         batch_p2p_comm=on_gpu,
+        # a stage output's data freed once sent, as Megatron-LM's arguments.py always sets it
+        deallocate_pipeline_outputs=True,
         **layout.recompute_options(),
     )
     fields.update(overrides)
