@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_siamese.runtime.launch import RankFailed, _context, launch
+from megatron_siamese.runtime.launch import RankFailed, _context, launch, start_rank_server
 
 
 def _rank_and_world():
@@ -41,6 +41,16 @@ def _print_then_die_on_rank_one():
     return "ok"
 
 
+def _segfault_in_a_named_function_on_rank_one():
+    import ctypes
+
+    import torch
+
+    if torch.distributed.get_rank() == 1:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV, as a crash in a native library would
+    return "ok"
+
+
 def test_launch_returns_results_in_rank_order():
     assert launch(_rank_and_world, 2) == [(0, 2), (1, 2)]
 
@@ -58,12 +68,22 @@ def test_a_rank_that_dies_silently_fails_fast():
 
 
 def test_a_quiet_rank_s_output_is_in_its_failure_and_its_log_is_not_left_behind(tmp_path, monkeypatch):
+    start_rank_server()  # before the temp dir moves: the fork server's own directory is not the logs'
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     with pytest.raises(RankFailed, match="exited with code 3") as failure:
         launch(_print_then_die_on_rank_one, 2, timeout_s=120, quiet_ranks=(1,))
     assert "last words of rank 1" in failure.value.details
     assert launch(_rank_and_world, 2, quiet_ranks=(0, 1)) == [(0, 2), (1, 2)]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_crashed_rank_s_python_stack_is_in_its_failure():
+    """A rank killed by SIGSEGV (a native crash: torch, gloo, a kernel) leaves no traceback of
+    its own; faulthandler's dump of its Python stack says where it was."""
+    with pytest.raises(RankFailed, match="killed by SIGSEGV") as failure:
+        launch(_segfault_in_a_named_function_on_rank_one, 2, timeout_s=120, quiet_ranks=(0, 1))
+    assert "Segmentation fault" in failure.value.details
+    assert "_segfault_in_a_named_function_on_rank_one" in failure.value.details
 
 
 def test_nccl_ranks_are_processes_that_may_start_cuda():

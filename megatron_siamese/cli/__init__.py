@@ -30,6 +30,7 @@ summaries), every rank exits with the same status, and a rank's own failure name
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import select
 import sys
@@ -87,6 +88,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     options = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     debug = options.debug or os.environ.get(DEBUG_ENV) == "1"
+    _say_where_a_crash_was()
     silence_known_notices()
     try:
         return COMMANDS[options.command].run(options)
@@ -112,6 +114,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         return _failed(options.command, error, debug)
+
+
+def _say_where_a_crash_was() -> None:
+    """A native crash (SIGSEGV in torch, gloo, a kernel), under torchrun or srun too, prints each
+    thread's Python stack (spawned ranks enable it themselves)."""
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable()
+        except (AttributeError, ValueError):  # stderr is no file (replaced in-process): leave it
+            pass
 
 
 def _stdout_reader_gone() -> bool:

@@ -30,6 +30,9 @@ class RankFailed(RuntimeError):
 INTERRUPTED = "interrupted"  # a rank's report: a second stop signal stopped it at once
 
 
+CRASH_TAIL_LINES = 400  # of a rank's output when it died without a report
+
+
 def tail(path: Optional[str], lines: int = 40) -> str:
     if path is None or not os.path.exists(path):
         return ""
@@ -62,7 +65,8 @@ def dead_rank(procs, logs) -> Optional[RankFailed]:
         if proc.exitcode is not None and proc.exitcode != 0:
             how = (f"was killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
                    else f"exited with code {proc.exitcode}")
-            return RankFailed(f"rank {rank} {how} before reporting", tail(logs[rank]))
+            # all of a crash's Python stacks (faulthandler's, innermost frame first) and what led to it
+            return RankFailed(f"rank {rank} {how} before reporting", tail(logs[rank], CRASH_TAIL_LINES))
     return None
 
 

@@ -22,6 +22,7 @@ stop after and save; a spawned rank dies with the launcher (``orphans``).
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import shutil
@@ -66,6 +67,7 @@ def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
+    faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) leaves each thread's Python stack in the rank's output
     silence_known_notices()
     try:
         torch.set_num_threads(1)
