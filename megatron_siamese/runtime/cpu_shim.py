@@ -24,7 +24,8 @@ What ``install()`` changes, and only while it is installed:
 * ``torch.Generator`` asked for on a CUDA device is made on the CPU (Megatron's inference
   controller seeds its sampler there);
 * ``torch.cuda.Stream/Event/current_stream/default_stream/stream`` are host stand-ins
-  (CPU work is in program order), and
+  (CPU kernels run in program order; an async gloo collective does not, and is safe only where
+  Megatron waits on its ``Work`` before a buffer it uses is read or freed), and
   ``torch.cuda.current_device/synchronize/empty_cache`` and the CUDA RNG entry points
   (``get_rng_state``/``set_rng_state``/``manual_seed`` and Megatron's own
   ``_get_cuda_rng_state``/``_set_cuda_rng_state``) work against a private CPU
@@ -46,7 +47,9 @@ What ``install()`` changes, and only while it is installed:
   build their device meshes with ``DeviceMesh.from_group(..., "cuda")``; asked for CUDA, those
   meshes are made on the CPU (torch's ``fully_shard`` then keeps the parameters where they are,
   and DTensor runs its collectives over gloo). Megatron-FSDP waits on its gradient-reduce events
-  (``Event.wait``: a no-op, as every stand-in stream's), and megatron-core 0.16.1's adapter asks
+  (``Event.wait``: a no-op, as every stand-in stream's; safe because the reduce-scatter they
+  follow is synchronous, and its async parameter all-gathers are waited on their ``Work`` before
+  a bucket is used or freed: read in 0.19.2's param_and_grad_buffer.py), and megatron-core 0.16.1's adapter asks
   ``isinstance(module, TELinear)`` under TP, which without Transformer Engine is a MagicMock that
   ``isinstance`` refuses: there it is a class no module is an instance of.
 
