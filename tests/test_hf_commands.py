@@ -249,5 +249,5 @@ def test_every_load_takes_a_runs_directory(trained_run, tmp_path, corpus_cache):
     assert analyzed.returncode == 0 and "effective depth" in analyzed.stdout, analyzed.stderr
     # upcycle reads it too, and then says it is no Pre-Norm checkpoint (the run's is SiameseNorm)
     refused = cli_here("upcycle", "--load", trained_run, "--output-dir", tmp_path / "up")
-    assert refused.returncode != 0, refused.stdout
-    assert f"--load {trained_run / 'checkpoints' / 'iter_0000004'} holds another model" in refused.stderr
+    assert refused.returncode == 2, refused.stdout + refused.stderr  # bad input, refused before a rank starts
+    assert f"--load {trained_run / 'checkpoints' / 'iter_0000004'} holds a siamese model" in refused.stderr

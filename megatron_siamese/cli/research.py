@@ -127,8 +127,13 @@ def _run_upcycle(options: argparse.Namespace) -> int:
     if os.path.isdir(existing) and os.listdir(existing):
         raise ConfigError([f"--output-dir {args.output_dir} already holds checkpoints: choose an empty one"])
     from megatron_siamese.research.upcycle import upcycle
+    from megatron_siamese.training import checkpoint_files
 
-    print(f"SiameseNorm checkpoint (step 0): {upcycle(args, options.load)}")
+    try:
+        written = upcycle(args, options.load)
+    except checkpoint_files.CheckpointError as error:  # not the Pre-Norm model the flags describe
+        raise ConfigError([str(error).strip().splitlines()[0]]) from None
+    print(f"SiameseNorm checkpoint (step 0): {written}")
     return 0
 
 

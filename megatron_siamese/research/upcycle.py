@@ -83,6 +83,15 @@ def upcycle(args, pre_checkpoint: str) -> str:
 
     if (args.tp, args.pp) != (1, 1):
         raise ValueError("upcycle at tp=1, pp=1; the checkpoint reshards afterwards")
+    from megatron_siamese.inference.session import model_settings, read_checkpoint
+    from megatron_siamese.training.checkpoint_files import CheckpointError
+
     pre_args = dataclasses.replace(args, norm="pre", load=None)
     siamese_args = dataclasses.replace(args, norm="siamese", load=None)
+    # another model refused here, not on a rank
+    saved = read_checkpoint(pre_checkpoint)
+    if saved.settings is not None and saved.settings.norm != "pre":
+        raise CheckpointError(f"--load {saved.path} holds a {saved.settings.norm} model: upcycle converts a stock "
+                              "Pre-Norm checkpoint (--norm pre, or Megatron-LM's)")
+    model_settings(saved, pre_args)
     return run_job(_upcycle_rank, 1, pre_args, siamese_args, pre_checkpoint, needs="upcycle")
