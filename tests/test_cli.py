@@ -225,6 +225,9 @@ def test_load_takes_a_runs_directory_and_a_requeued_job_starts_from_its_empty_sa
     second = train_here(corpus_cache, tmp_path / "job", "--steps", "4", "--save", save, "--load", save)
     assert second.returncode == 0, second.stderr
     assert f"resumed from {save} at step 2" in second.stdout and "starting from step 0" not in second.stdout
+    # --save alone saves at the end, as Megatron-LM's does
+    assert f"checkpoints: at step 4, in {save}" in second.stdout
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", TRACKER]
     empty = tmp_path / "empty"
     empty.mkdir()
     refused = train_here(corpus_cache, tmp_path / "other", "--steps", "4", "--load", empty)
@@ -388,4 +391,4 @@ def test_one_progress_bar_and_where_checkpoints_go(tmp_path, corpus_cache):
     assert f"checkpoints: every 3 steps and at step 3, in {tmp_path / 'bar' / 'checkpoints'}" in done.stdout
     # what the run says of its checkpoints (rank 0's status line), in this process
     quiet = cli_here("train", *SMALL, "--cache-dir", corpus_cache, "--output-dir", tmp_path / "quiet", "--steps", "2")
-    assert "checkpoints: none (--save-interval N or --stop-step N saves them; Ctrl-C saves one and stops)" in quiet.stdout
+    assert "checkpoints: none (--save DIR, --save-interval N or --stop-step N saves them; Ctrl-C saves one and stops)" in quiet.stdout

@@ -362,6 +362,8 @@ def test_gpu_memory_by_name_and_size():
     assert gpu_memory("80GiB") == 80 * GIB and gpu_memory("141GB") == 141 * 10**9
     with pytest.raises(ValueError):
         gpu_memory("80")
+    with pytest.raises(ValueError, match="more than nothing"):
+        gpu_memory("0GiB")
     with pytest.raises(ConfigError):
         PlanArgs(**{**GPT3, "tp": 8, "gpu_memory": "lots"})
 

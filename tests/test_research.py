@@ -50,6 +50,10 @@ def test_upcycle_command_and_analysis_on_trained_checkpoints(tmp_path):
     cache = str(tmp_path / "cache")
     pre = train(TrainArgs(**TINY, norm="pre", save_interval=8, cache_dir=cache, output_dir=str(tmp_path / "pre")))
     args = TrainArgs(**{**TINY, "steps": 8}, cache_dir=cache, output_dir=str(tmp_path / "upcycled"))
+    from megatron_siamese.training.checkpoint_files import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"another model than the flags describe \(--num-layers"):
+        upcycle(dataclasses.replace(args, num_layers=args.num_layers + 2), str(tmp_path / "pre" / "checkpoints"))
     path = upcycle(args, str(tmp_path / "pre" / "checkpoints"))
     assert path.endswith("iter_0000000")
     # evaluated as is (step 0 of 0 steps left is not allowed, so: the SiameseNorm model at step 0)

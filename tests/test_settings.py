@@ -138,6 +138,7 @@ def test_fsdp_layout_names_read_back_and_the_train_flags_make_the_same_layout(na
     (None, dict(use_torch_fsdp2=True, use_megatron_fsdp=True), "two implementations of one thing: pass one"),
     (None, dict(use_torch_fsdp2=True, dp=3), "needs an even --dp (got 3)"),
     (None, dict(use_megatron_fsdp=True, save_interval=4), "this trainer does not checkpoint Megatron-FSDP"),
+    (None, dict(use_megatron_fsdp=True, save="/checkpoints"), "--save with --use-megatron-fsdp: this trainer does not"),
 ])
 def test_fsdp_combinations_megatron_refuses_are_refused_by_layout_and_train(layout, train, refusal):
     if layout is not None:
@@ -219,7 +220,10 @@ def test_a_schemes_own_settings_are_refused_beside_another_scheme():
         "--no-siamese-depth-scale applies to --norm siamese / siamese-layer / siamese-hybrid, not --norm pre: drop it",
         "--mix-ln-alpha applies to --norm mixln, not --norm pre: drop it",
         "--hybridnorm-star applies to --norm hybridnorm, not --norm pre: drop it"]
+    # the check names its own flag and its names for the schemes (stock: Pre-Norm)
     assert check.problems(ModelCase(norm="post", siamese_input_norm=False), ["tp2"]) == [
-        "--no-siamese-input-norm applies to --norm siamese / siamese-layer / siamese-hybrid, not --norm post: drop it"]
+        "--no-siamese-input-norm applies to --spec siamese / siamese-layer / siamese-hybrid, not --spec post: drop it"]
+    assert check.problems(ModelCase(norm="pre", hybridnorm_star=True), ["tp2"]) == [
+        "--hybridnorm-star applies to --spec hybridnorm, not --spec stock: drop it"]
     with pytest.raises(ConfigError, match="--mix-ln-alpha is a share of the layers, at most 1"):
         TrainArgs(norm="mixln", mix_ln_alpha=1.5)

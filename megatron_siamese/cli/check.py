@@ -96,6 +96,9 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
                         help="how long a rank waits for the others (joining, a collective, a layout it sits out) "
                              "before the whole check fails")
     add_case_flags(parser)
+    for action in parser._actions:  # the model settings' help names train's scheme flag; here it is --spec
+        if action.help and "--norm " in action.help:
+            action.help = action.help.replace("--norm ", "--spec ")
     parser.add_argument("--plant-fault", choices=sorted(FAULTS), default=None,
                         help="plant a known bug on every rank to see the check fail")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -112,7 +115,7 @@ def problems(case: ModelCase, layouts: List[str]) -> List[str]:
     if found:
         return found
     found += model_class_problems(case)
-    found += scheme_setting_problems(case)
+    found += scheme_setting_problems(case, "--spec", {norm: spec for spec, norm in SPECS.items()})
     found += shape_problems(case)
     for name in layouts:
         try:

@@ -31,7 +31,10 @@ def gpu_memory(text: str) -> int:
         return GPUS[name]
     size = _SIZE.match(text)
     if size and size.group(2).lower() in UNITS:
-        return int(float(size.group(1)) * UNITS[size.group(2).lower()])
+        found = int(float(size.group(1)) * UNITS[size.group(2).lower()])
+        if found <= 0:
+            raise ValueError("a GPU holds more than nothing: give its memory, e.g. 80GiB")
+        return found
     names = ", ".join(list(GPUS) + list(ALIASES))
     raise ValueError(f"expected a GPU ({names}) or a size with its unit (80GiB, 81559MiB, 141GB)")
 

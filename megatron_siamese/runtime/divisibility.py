@@ -156,8 +156,8 @@ def fsdp_problems(layout: Layout) -> List[str]:
     if release(found) >= (0, 19, 0):
         return []
     return [f"Megatron-FSDP's {layout.fsdp_sharding} strategy cannot train on megatron-core {found}: "
-            f"{_MEGATRON_FSDP_016[layout.fsdp_sharding]}; use optim_grads or optim_grads_params (mfsdp2, mfsdp3), "
-            "or megatron-core 0.19"]
+            f"{_MEGATRON_FSDP_016[layout.fsdp_sharding]}; use --data-parallel-sharding-strategy optim_grads or "
+            "optim_grads_params (layouts mfsdp2, mfsdp3), or megatron-core 0.19"]
 
 
 def _stage_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, int], str]) -> List[str]:

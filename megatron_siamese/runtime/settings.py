@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
 from megatron_siamese.runtime.registry import Switch, definitions, setting
@@ -216,8 +216,11 @@ SCHEME_SETTINGS = {"siamese_input_norm": SIAMESE_SCHEMES, "siamese_depth_scale":
                    "mix_ln_alpha": ("mixln",), "hybridnorm_star": ("hybridnorm",)}
 
 
-def scheme_setting_problems(settings: ModelSettings) -> List[str]:
-    """A scheme's own settings given another scheme (they would change nothing: train and check)."""
+def scheme_setting_problems(settings: ModelSettings, scheme_flag: str = "--norm",
+                            spelled: Optional[Dict[str, str]] = None) -> List[str]:
+    """A scheme's own settings given another scheme (they would change nothing: train and check).
+    ``scheme_flag`` and ``spelled`` (a scheme's name for it) are the command's (check: --spec)."""
+    spell = (lambda scheme: (spelled or {}).get(scheme, scheme))
     found = []
     for name, schemes in SCHEME_SETTINGS.items():
         definition, value = definitions(ModelSettings)[name], getattr(settings, name)
@@ -225,7 +228,8 @@ def scheme_setting_problems(settings: ModelSettings) -> List[str]:
             continue
         flag = definition.flags[0]
         shown = f"--no-{flag[2:]}" if value is False else flag
-        found.append(f"{shown} applies to --norm {' / '.join(schemes)}, not --norm {settings.norm}: drop it")
+        found.append(f"{shown} applies to {scheme_flag} {' / '.join(map(spell, schemes))}, "
+                     f"not {scheme_flag} {spell(settings.norm)}: drop it")
     return found
 
 

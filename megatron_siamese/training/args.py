@@ -90,7 +90,8 @@ class TrainArgs(ModelSettings):
         "no_shard", group=PARALLELISM, flag="--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
         layout="fsdp_sharding",
         help="what Megatron-FSDP shards: no_shard (Megatron-LM's default: nothing), optim (optimizer state), "
-             "optim_grads (and gradients), optim_grads_params (and parameters: full sharding)")
+             "optim_grads (and gradients), optim_grads_params (and parameters: full sharding); megatron-core "
+             "0.16.1 trains only the last two")
 
     micro_batch_size: int = setting(8, group=TRAINING, flag="--micro-batch-size", minimum=1,
                                     help="sequences per microbatch")
@@ -118,8 +119,10 @@ class TrainArgs(ModelSettings):
                               help="the run's directory: checkpoints (OUTPUT_DIR/checkpoints), settings.json, "
                                    "metrics.jsonl, summary.json and loss.png")
     save: Optional[str] = setting(None, group=CHECKPOINTS, flag="--save", metavar="DIR",
-                                  help="where checkpoints are saved (Megatron-LM's --save); unset: OUTPUT_DIR/checkpoints. "
-                                       "A job requeued with --save DIR --load DIR starts from step 0 until DIR holds one")
+                                  help="where checkpoints are saved (Megatron-LM's --save), one at the end of the run among them; "
+                                       "unset: OUTPUT_DIR/checkpoints, saved only as --save-interval, --stop-step or a "
+                                       "signal says. A job requeued with --save DIR --load DIR starts from step 0 until "
+                                       "DIR holds one")
     save_interval: Optional[int] = setting(None, group=CHECKPOINTS, flag="--save-interval", minimum=1,
                                            help="save a distributed checkpoint every N steps and at the end "
                                                 "(unset: none but --stop-step's and a signal's)")
@@ -291,7 +294,8 @@ def _fsdp_problems(args: TrainArgs) -> List[str]:
     if args.fsdp == "none":
         return found
     flag = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-megatron-fsdp"
-    saving = [spelled for spelled, given in (("--save-interval", args.save_interval), ("--stop-step", args.stop_step),
+    saving = [spelled for spelled, given in (("--save", args.save), ("--save-interval", args.save_interval),
+                                             ("--stop-step", args.stop_step),
                                              ("--exit-interval", args.exit_interval),
                                              ("--exit-duration-in-mins", args.exit_duration_in_mins),
                                              ("--load", args.load)) if given is not None]

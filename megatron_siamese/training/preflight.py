@@ -69,8 +69,10 @@ def _schedule_problems(args: TrainArgs, checkpoint: str, common: dict) -> List[s
 
 
 def may_save(args: TrainArgs) -> bool:
-    """Whether the run plans a checkpoint (a signal's stop checkpoint aside: ``foreign_checkpoints``)."""
-    return bool(args.save_interval or args.stop_step)
+    """Whether the run plans a checkpoint (a signal's stop checkpoint aside: ``foreign_checkpoints``):
+    at its last step, and every --save-interval steps. --save alone is one at the end, as
+    Megatron-LM saves at the end of training whenever --save is given."""
+    return bool(args.save_interval or args.stop_step or args.save)
 
 
 def foreign_checkpoints(args: TrainArgs) -> List[str]:

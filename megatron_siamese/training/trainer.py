@@ -213,7 +213,7 @@ def _agreed_stop(args: TrainArgs, started: float) -> Optional[str]:
 
 def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     """One rank's whole run; rank 0 reports progress and returns the summary."""
-    from megatron_siamese.training.preflight import checkpoint_dir, foreign_checkpoints
+    from megatron_siamese.training.preflight import checkpoint_dir, foreign_checkpoints, may_save
 
     started = time.monotonic()  # --exit-duration-in-mins counts setup too, as Megatron-LM's does
     try:
@@ -237,13 +237,13 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     if args.load:
         summary.resumed_from = trainer.step
         echo(f"resumed from {args.load} at step {trainer.step}")
-    if args.save_interval or args.stop_step:
+    if may_save(args):
         when = f"every {args.save_interval} steps and at step {last_step}" if args.save_interval else f"at step {last_step}"
         echo(f"checkpoints: {when}, in {directory}")
     elif args.use_megatron_fsdp:
         echo("checkpoints: none (this trainer does not checkpoint Megatron-FSDP; Ctrl-C stops without one)")
     else:
-        echo("checkpoints: none (--save-interval N or --stop-step N saves them; Ctrl-C saves one and stops)")
+        echo("checkpoints: none (--save DIR, --save-interval N or --stop-step N saves them; Ctrl-C saves one and stops)")
     log.begin(trainer.step)
     tokens_per_step = args.global_batch_size * args.seq_length
     start = time.perf_counter()
@@ -269,7 +269,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             summary.val_losses[trainer.step] = trainer.evaluate()
             log.evaluated(trainer.step, summary.val_losses[trainer.step])
         if (args.save_interval and trainer.step % args.save_interval == 0) or (
-            (trainer.step == last_step and (args.save_interval or args.stop_step)) or (stop and stop_saves)
+            (trainer.step == last_step and may_save(args)) or (stop and stop_saves)
         ):
             summary.checkpoints.append(checkpoint.save(trainer, directory))
             log.saved(summary.checkpoints[-1])
