@@ -278,6 +278,10 @@ def test_plan_prints_both_sides_the_difference_and_whether_they_fit():
                 "largest micro-batch that fits"):
         assert row in out, row
     assert "layout tp8-pp8-dp16-sp-do: 1024 GPUs" in out
+    # what it leaves out it says: context parallelism's exchange inside attention only under CP
+    assert "context parallelism's K/V exchange" not in out
+    with_cp = cli_here("plan", *flags({**GPT3_70B, "dp": 8}), "--cp", "2").stdout
+    assert "not counted in bytes sent: context parallelism's K/V exchange inside attention (--cp 2)" in with_cp
 
 
 def test_the_paths_shown_follow_the_fused_and_boundary_ops_settings():
