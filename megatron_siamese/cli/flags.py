@@ -17,7 +17,16 @@ TASK_SETTINGS = ("task", "addition_digits")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown on every flag; descriptions keep their line breaks."""
+    """Defaults shown on every flag; descriptions keep their line breaks. Not on a flag that sets
+    another value than its own (``--bf16`` sets the dtype, ``--untie-...`` clears a True
+    setting: their field's default would read as theirs), nor where the help says it already."""
+
+    def _get_help_string(self, action):
+        sets_other_value = isinstance(action, argparse._StoreFalseAction) or (
+            type(action) is argparse._StoreConstAction and not isinstance(action.const, bool))
+        if sets_other_value or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_setting(group, definition: Setting) -> None:
