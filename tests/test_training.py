@@ -10,6 +10,7 @@ import torch
 from megatron_siamese.training.corpus import ByteTokenizer, build_indexed_dataset, unigram_entropy
 from megatron_siamese.training.data import build_gpt_datasets
 from megatron_siamese.training.trainer import TrainArgs, train
+from megatron_siamese.training.summary import format_summary
 
 TINY = dict(
     steps=8, warmup_steps=1, eval_interval=4, eval_iters=2, num_layers=4, hidden_size=64,
@@ -70,6 +71,7 @@ def test_fsdp2_checkpoints_resume_bit_identically_and_reshard_to_other_layouts_a
     (training/fsdp_checkpoint.py): without it the TP2 run starts from scrambled MLP weights."""
     fsdp2 = dict(tp=1, dp=2, use_torch_fsdp2=True)
     straight = run(tmp_path, cache, "fsdp2", save_interval=4, **fsdp2)
+    assert "layout=tp1 pp1 dp2 torch-fsdp2" in format_summary(straight)
     step4 = str(tmp_path / "fsdp2" / "checkpoints" / "iter_0000004")
     resumed = run(tmp_path, cache, "resumed", load=step4, **fsdp2)
     assert [resumed.train_losses[step] for step in range(5, 9)] == [straight.train_losses[step] for step in range(5, 9)]

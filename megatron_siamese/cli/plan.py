@@ -57,7 +57,7 @@ def describe(args: PlanArgs) -> str:
         f"GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads{groups}, "
         f"MLP {args.mlp_width} ({mlp}){experts}, vocabulary {args.padded_vocab}, sequence {args.seq_length}; "
         f"{args.dtype}, {args.transformer_impl} modules, {args.attention} attention",
-        f"layout {layout.name}: {layout.world_size} GPUs; micro-batch {args.micro_batch_size}, "
+        f"layout {layout.name}: {layout.world_size} GPU{'' if layout.world_size == 1 else 's'}; micro-batch {args.micro_batch_size}, "
         f"{args.num_microbatches} microbatches a step on each data-parallel rank; recompute {layout.recompute}; "
         f"data parallelism: {layout_sharding(layout).name}",
     ])

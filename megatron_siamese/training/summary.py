@@ -65,7 +65,10 @@ def format_summary(summary: RunSummary) -> str:
     lines = [
         f"norm={summary.args['norm']} steps={summary.steps_done} "
         f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}"
-        + (f" ep{summary.args['ep']}" if summary.args.get("ep", 1) > 1 else ""),
+        + (f" ep{summary.args['ep']}" if summary.args.get("ep", 1) > 1 else "")
+        + (" torch-fsdp2" if summary.args.get("use_torch_fsdp2") else "")
+        + (f" megatron-fsdp {summary.args.get('data_parallel_sharding_strategy')}"
+           if summary.args.get("use_megatron_fsdp") else ""),
         f"final train loss {shown(summary.train_losses)}  final val loss {shown(summary.val_losses)}",
         f"{summary.tokens_per_second:.0f} tokens/s  peak memory {summary.peak_memory_mb:.0f} MB/rank  "
         f"wall {summary.seconds:.0f}s",
