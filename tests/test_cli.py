@@ -64,10 +64,12 @@ BAD_INPUT = {
     "pp3 over 4 layers": (["train", "--pp", "3"], "--num-layers 4 does not split over 3 pipeline stages"),
     "unknown scheme": (["train", "--norm", "foo"], "invalid choice: 'foo'"),
     "no prefix matching (--save-int is not --save-interval)": (["train", "--save-int", "5"],
-                                                               "unrecognized arguments: --save-int 5"),
+                                                               "megatron-siamese train: error: unrecognized arguments: --save-int 5"),
     "a dataset file for its prefix": (["train", "--data-path", "corpus.bin"],
                                       "give the prefix its .bin and .idx share (--data-path corpus)"),
     "unknown layout": (["check", "--layouts", "tp3-foo"], "unknown part 'foo'"),
+    "a layout part misspelled": (["check", "--layouts", "dp2-fsdp"], "unknown part 'fsdp' (did you mean 'fsdp2'?)"),
+    "a layout that cannot be": (["check", "--layouts", "fsdp2"], "layout 'fsdp2': fully sharded data parallelism needs dp > 1"),
     "upcycle without arguments": (["upcycle"], "required: --load, --output-dir"),
     "missing checkpoint": (["upcycle", "--load", "/nonexistent", "--output-dir", "/tmp/x"], "no such file or directory"),
 }

@@ -147,6 +147,7 @@ def test_fsdp_combinations_megatron_refuses_are_refused_by_layout_and_train(layo
     with pytest.raises(ConfigError) as refused:
         TrainArgs(**{"tp": 1, "dp": 2, **train})
     assert any(refusal in problem for problem in refused.value.problems), refused.value.problems
+    assert not any("even --dp (got 1)" in problem for problem in refused.value.problems)  # --dp 1: the cause only
 
 
 @stack_independent

@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    subcommands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    return subcommands.choices[command]
+
+
 def _report(command: str, lines: List[str], every_rank: bool = False) -> None:
     """Errors for the user: from rank 0 of a launched job (every rank finds the same settings
     problems), or, for a rank's own failure, from that rank, named."""
@@ -86,7 +91,10 @@ def _report(command: str, lines: List[str], every_rank: bool = False) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     from megatron_siamese.runtime.quiet import silence_known_notices
 
-    options = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    options, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if unknown:  # said by the command's parser: its name, and its --help to read
+        _command_parser(parser, options.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     debug = options.debug or os.environ.get(DEBUG_ENV) == "1"
     _say_where_a_crash_was()
     silence_known_notices()

@@ -17,6 +17,7 @@ gives ``ep`` without ``dp`` takes the smallest DP that holds it (``ep2`` is ``dp
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -177,11 +178,16 @@ def parse_layout(name: str) -> Layout:
         elif _MEGATRON_FSDP.match(part):
             fields.update(fsdp="megatron", fsdp_sharding=SHARDING_STRATEGIES[int(part[-1])])
         else:
+            close = difflib.get_close_matches(part, [*_FLAGS, *(f"mfsdp{i}" for i in range(4))], n=1)
             raise ValueError(
-                f"cannot parse layout {name!r}: unknown part {part!r} (expected tpN, ppN, vppN, "
-                f"cpN, dpN, epN, etpN, sp, do, fsdp2, mfsdp0-3, full or sel joined by '-')"
+                f"cannot parse layout {name!r}: unknown part {part!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + " (expected tpN, ppN, vppN, cpN, dpN, epN, etpN, sp, do, fsdp2, mfsdp0-3, full or sel joined by '-')"
             )
-    if "dp" not in fields and fields.get("ep", 1) > 1:
-        base = Layout(**{key: value for key, value in fields.items() if key in ("tp", "cp")})
-        fields["dp"] = base.implied_dp(fields["ep"], fields.get("etp", fields.get("tp", 1)))
-    return Layout(**fields)
+    try:
+        if "dp" not in fields and fields.get("ep", 1) > 1:
+            base = Layout(**{key: value for key, value in fields.items() if key in ("tp", "cp")})
+            fields["dp"] = base.implied_dp(fields["ep"], fields.get("etp", fields.get("tp", 1)))
+        return Layout(**fields)
+    except ValueError as error:  # a layout that cannot be: say which one
+        raise ValueError(f"layout {name!r}: {error}") from None

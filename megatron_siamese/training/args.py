@@ -286,8 +286,9 @@ def _fsdp_problems(args: TrainArgs) -> List[str]:
     """Layout's rules for fully sharded data parallelism, in the flags' words."""
     if args.use_torch_fsdp2 and args.use_megatron_fsdp:
         return ["--use-torch-fsdp2 and --use-megatron-fsdp are two implementations of one thing: pass one"]
+    # an even --dp matters once there is more than one (the --dp > 1 refusal below says the cause)
     found = [problem for problem in [gated_mlp_problem(args.use_torch_fsdp2, args.gated_linear_unit, args.dp)]
-             if problem]
+             if problem and args.dp > 1]
     if args.data_parallel_sharding_strategy != "no_shard" and not args.use_megatron_fsdp:
         found.append(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} is Megatron-FSDP's: "
                      "add --use-megatron-fsdp")
