@@ -12,7 +12,8 @@ from megatron_siamese.training.args import CHECKPOINTS, DATA, LOGGING, PARALLELI
 
 SETTINGS = definitions(TrainArgs)
 DEFAULTS = {name: definition.default for name, definition in SETTINGS.items()}
-SCHEME_SETTINGS = ("norm", "model", "hybrid_layer_pattern")  # what upcycle and analyze decide themselves
+# what upcycle and analyze decide themselves (their model is SiameseNorm's: the baselines' settings mean nothing there)
+SCHEME_SETTINGS = ("norm", "model", "hybrid_layer_pattern", "mix_ln_alpha", "hybridnorm_star")
 TASK_SETTINGS = ("task", "addition_digits")
 
 
