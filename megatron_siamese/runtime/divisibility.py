@@ -100,7 +100,8 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
                      "size that divides it")
     ffn = model.mlp_width
     if _positive(tp, ffn) and ffn % tp:
-        found.append(f"the MLP width {ffn} (--ffn-hidden-size) does not split over {spell('tp', tp)}")
+        found.append(f"the MLP width {ffn} (--ffn-hidden-size) does not split over {spell('tp', tp)}: use a "
+                     "tensor-parallel size that divides it, or a width that is a multiple of it")
     if _positive(tp, vocab_size) and vocab_size % tp:
         divisors = ", ".join(str(d) for d in range(1, 17) if vocab_size % d == 0)
         found.append(f"the vocabulary ({vocab_size}) does not split over {spell('tp', tp)}: use a tensor-parallel "
@@ -131,7 +132,8 @@ def expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, 
     width = model.expert_width
     if _positive(width, layout.expert_tp) and width % layout.expert_tp:
         found.append(f"the expert MLP width {width} (--moe-ffn-hidden-size) does not split over "
-                     f"{spell('etp', layout.expert_tp)}")
+                     f"{spell('etp', layout.expert_tp)}: use an expert tensor-parallel size that divides it, or a "
+                     "width that is a multiple of it")
     return found
 
 
