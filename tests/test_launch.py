@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_siamese.runtime.launch import RankFailed, _context, launch, start_rank_server
+from megatron_siamese.runtime.launch import RankFailed, _context, ephemeral_ports, free_port, launch, start_rank_server
 
 
 def _rank_and_world():
@@ -212,3 +212,18 @@ def test_a_group_that_cannot_form_again_is_the_jobs_error_not_the_functions():
     with pytest.raises(RankFailed, match="rank 1 of 2 failed: RegroupError: the job's first 2 ranks could not form "
                                          r"their process group again \(RuntimeError: planted: connectFullMesh"):
         launch(_world_cannot_form_again_on_rank_one, 2, timeout_s=30)
+
+
+def test_a_free_port_for_a_later_server_is_outside_the_kernels_ephemeral_range():
+    """torchrun's --rdzv-endpoint and MASTER_PORT are picked before their server binds them: a port
+    from the ephemeral range can meanwhile be given to any socket bound to 0 (another job's gloo
+    listener), which torchrun's agents then reach ("Connection reset by peer")."""
+    import socket
+
+    low, high = ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports), (ports, low, high)
+    for port in ports:  # each is free: a server can bind it
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
+

@@ -25,6 +25,7 @@ from __future__ import annotations
 import faulthandler
 import io
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -48,9 +49,32 @@ __all__ = ["RankFailed", "free_port", "launch", "run_job", "start_rank_server"]
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port free now, for a server another process binds later (torchrun's --rdzv-endpoint, a
+    SLURM step's MASTER_PORT). Below the kernel's ephemeral range: a port bound to 0 in between (a
+    gloo listener of another job on this machine) is never given one from there, and one was
+    (torchrun's agents then reached that listener: "Connection reset by peer")."""
+    low, _ = ephemeral_ports()
+    candidates = range(max(1024, low - 10000), low)
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # all taken: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def ephemeral_ports() -> Tuple[int, int]:
+    """The kernel's range for ports bound to 0 (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(value) for value in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher_pid):
