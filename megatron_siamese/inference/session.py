@@ -90,7 +90,8 @@ def model_settings(saved: SavedCheckpoint, settings: Optional[ModelSettings] = N
             raise CheckpointError(f"{saved.path} holds a {saved.model_class} model, not a {settings.model} model: "
                                   f"use --model {saved.model_class}")
         if saved.settings is not None:
-            refused = model_problem(saved.path, {SETTINGS_KEY: dataclasses.asdict(saved.settings)}, settings)
+            refused = model_problem(saved.path, {SETTINGS_KEY: dataclasses.asdict(saved.settings)}, settings,
+                                    flags_describe=True)
             if refused:
                 raise CheckpointError(refused)
         chosen = settings

@@ -85,7 +85,6 @@ def upcycle(args, pre_checkpoint: str) -> str:
         raise ValueError("upcycle at tp=1, pp=1; the checkpoint reshards afterwards")
     from megatron_siamese.inference.session import model_settings, read_checkpoint
     from megatron_siamese.training.checkpoint_files import CheckpointError
-    from megatron_siamese.training.checkpoint_settings import model_differences
 
     pre_args = dataclasses.replace(args, norm="pre", load=None)
     siamese_args = dataclasses.replace(args, norm="siamese", load=None)
@@ -94,10 +93,5 @@ def upcycle(args, pre_checkpoint: str) -> str:
     if saved.settings is not None and saved.settings.norm != "pre":
         raise CheckpointError(f"--load {saved.path} holds a {saved.settings.norm} model: upcycle converts a stock "
                               "Pre-Norm checkpoint (--norm pre, or Megatron-LM's)")
-    differ = model_differences(dataclasses.asdict(saved.settings), pre_args) if saved.settings is not None else []
-    if differ:
-        raise CheckpointError(f"--load {saved.path} holds another model than the flags describe ({', '.join(differ)}; "
-                              "checkpoint -> flags): give upcycle the Pre-Norm model's flags (its run's settings.json "
-                              "lists them)")
     model_settings(saved, pre_args)
     return run_job(_upcycle_rank, 1, pre_args, siamese_args, pre_checkpoint, needs="upcycle")

@@ -99,15 +99,19 @@ def model_differences(saved: Mapping[str, Any], args) -> List[str]:
     return found
 
 
-def model_problem(checkpoint: str, common: Mapping[str, Any], args) -> Optional[str]:
+def model_problem(checkpoint: str, common: Mapping[str, Any], args, flags_describe: bool = False) -> Optional[str]:
     """One line refusing to load ``checkpoint`` into another model (None: the same model, or a
-    checkpoint that does not say)."""
+    checkpoint that does not say). ``flags_describe``: a command whose flags describe the saved
+    model (generate, export, analyze, upcycle), not a run that builds one."""
     saved = common.get(SETTINGS_KEY)
     if not isinstance(saved, Mapping):
         return None
     differ = model_differences(saved, args)
     if not differ:
         return None
+    if flags_describe:
+        return (f"--load {checkpoint} holds another model than the flags describe ({', '.join(differ)}; "
+                "checkpoint -> flags): give the checkpoint's model flags (its run's settings.json lists them)")
     return (f"--load {checkpoint} holds another model than this run builds ({', '.join(differ)}; "
             "checkpoint -> this run): give the checkpoint's values, or start without --load")
 
