@@ -11,6 +11,7 @@ transformers' own LlamaForCausalLM, and what Llama cannot compute is refused nam
 Checkpoints saved under TP/PP layouts and the two commands: tests/test_hf_commands.py.
 """
 
+import contextlib
 import json
 import os
 
@@ -205,6 +206,76 @@ def test_batched_left_padded_generate_equals_one_prompt_at_a_time(exported):
     unmasked = hf.generate(ids, attention_mask=torch.ones_like(mask), max_new_tokens=6, do_sample=False,
                            min_new_tokens=6)
     assert unmasked[1, width:].tolist() != batched[1, width:].tolist()
+
+
+@contextlib.contextmanager
+def nothing_warned():
+    """Fails the test if the block emits a Python warning or logs a record at WARNING or above.
+
+    Transformers' deprecation notices mostly go through its own logger (``logger.warning_once``,
+    printed as ``[transformers] ...``), not through ``warnings``. That logger does not propagate to
+    the root logger outside CI (so pytest's caplog alone would not see it), may have been quietened
+    by other code, and ``warning_once`` is cached per process (a notice an earlier test triggered
+    would stay silent here): so a handler is attached to it directly, its level is at most WARNING
+    for the block and the once-caches are cleared first. Every warning is recorded ("always")
+    rather than raised, so that none is swallowed by an ``except`` inside the library and all of
+    them are named."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record not in records:  # seen twice when the library's logger propagates (CI=1)
+                records.append(record)
+
+    handler = Collect(logging.WARNING)
+    library = transformers_logging.get_logger()  # the library's root logger, "transformers"
+    loggers = (library, logging.getLogger())  # and any other library logging through the root
+    level = library.level
+    library.setLevel(min(library.getEffectiveLevel(), logging.WARNING))
+    transformers_logging.warning_once.cache_clear()
+    transformers_logging.info_once.cache_clear()
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+        library.setLevel(level)
+    problems = [f"warning {w.category.__name__} at {w.filename}:{w.lineno}: {w.message}" for w in caught]
+    problems += [f"logged {r.levelname} by {r.name} at {r.pathname}:{r.lineno}: {r.getMessage()}" for r in records]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("call", ["as-reviewed", "left-padded-batch"])
+def test_exported_model_loads_and_generates_without_a_warning(exported, call):
+    """What a user runs on an export (from_pretrained with remote code, then generate) warns and
+    logs nothing: the modeling file speaks the installed transformers' current cache API
+    (``past_key_values`` into forward and back in the output), so no deprecation notice, and no
+    other notice either. The call as reported in review (no attention mask, default generation
+    settings) and lm-eval's (a left-padded batch with its mask). That they decode what greedy
+    decoding without the cache decodes: the tests above."""
+    from transformers import AutoModelForCausalLM
+
+    name = "rmsnorm-swiglu-rope-tied" if call == "as-reviewed" else "layernorm-gelu-learned-untied-bias-qk-norm"
+    case, _, directory = exported[name]
+    if call == "as-reviewed":
+        kwargs = dict(inputs=tokens(case, batch=1)[:, :5])
+    else:
+        prompts = [list(b"In the b"), list(b"And")]
+        width = max(len(p) for p in prompts)
+        kwargs = dict(inputs=torch.tensor([[257] * (width - len(p)) + p for p in prompts]),
+                      attention_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]))
+    with nothing_warned():
+        hf = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True)
+        hf.generate(**kwargs, max_new_tokens=4)
 
 
 def test_transformer_engine_names_convert_like_the_local_ones(exported):
