@@ -15,7 +15,7 @@ import signal
 import time
 from typing import Optional
 
-from megatron_siamese.runtime.job import CONSOLE
+from megatron_siamese.runtime.job import CONSOLE, Failure, RankReport
 
 
 class RankFailed(RuntimeError):
@@ -40,7 +40,7 @@ def tail(path: Optional[str], lines: int = 40) -> str:
         return "".join(f.readlines()[-lines:])
 
 
-def next_result(results, procs, timeout_s: float, logs):
+def next_result(results, procs, timeout_s: float, logs) -> RankReport:
     """The next rank's report (printing rank 0's console lines as they come); fails at once
     when a rank died without one (a crash, a signal, a script without a ``__main__`` guard
     re-running itself)."""
@@ -48,9 +48,9 @@ def next_result(results, procs, timeout_s: float, logs):
     while time.monotonic() < deadline:
         try:
             message = results.get(timeout=1.0)
-            if message[0] != CONSOLE:
+            if message.rank != CONSOLE:
                 return message
-            print(message[2], flush=True)
+            print(message.value, flush=True)
         except queue.Empty:
             dead = dead_rank(procs, logs)
             if dead is not None:
@@ -78,8 +78,8 @@ _PEER_GONE = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|[Cc]onnect
 PEER_REPORT_WAIT_S = 10.0  # how long a failure on a broken connection waits for the peer's own report
 
 
-def cause(rank, report, results, procs, logs, pending: int, wait_s: Optional[float] = None,
-           rendezvous: str = "") -> RankFailed:
+def cause(rank: int, report: Failure, results, procs, logs, pending: int, wait_s: Optional[float] = None,
+          rendezvous: str = "") -> RankFailed:
     """What to report for a job in which ``rank`` reported ``report`` (a failure) and ``pending``
     ranks have not reported yet: a rank that died without a report; else, when that failure is
     a broken connection, the first other rank's failure that is not, if it comes within
@@ -89,33 +89,33 @@ def cause(rank, report, results, procs, logs, pending: int, wait_s: Optional[flo
     world_size = len(procs)
     wait_s = PEER_REPORT_WAIT_S if wait_s is None else wait_s
     heard = {rank: report}  # every report that came, by rank
-    deadline = time.monotonic() + (wait_s if _PEER_GONE.search(report[0]) else 1.0)
+    deadline = time.monotonic() + (wait_s if _PEER_GONE.search(report.summary) else 1.0)
     while time.monotonic() < deadline:
         dead = dead_rank(procs, logs)
         if dead is not None:
             return dead
-        if pending == 0 or not _PEER_GONE.search(report[0]):
+        if pending == 0 or not _PEER_GONE.search(report.summary):
             time.sleep(0.05)  # a crashed rank's exit status takes a moment to show
             continue
         try:
-            other, ok, value = results.get(timeout=0.1)
+            other = results.get(timeout=0.1)
         except queue.Empty:
             continue
-        if other == CONSOLE:
-            print(value, flush=True)
+        if other.rank == CONSOLE:
+            print(other.value, flush=True)
             continue
         pending -= 1
-        heard[other] = value if not ok else ("finished", "", None)
-        if not ok and value[0] != INTERRUPTED and not _PEER_GONE.search(value[0]):
-            rank, report = other, value
+        heard[other.rank] = other.value if not other.ok else Failure("finished")
+        if not other.ok and other.value.summary != INTERRUPTED and not _PEER_GONE.search(other.value.summary):
+            rank, report = other.rank, other.value
             deadline = min(deadline, time.monotonic() + 1.0)  # the cause: only a death would say more
-    summary = f"rank {rank} of {world_size} failed: {report[0]}"
-    if _PEER_GONE.search(report[0]):
+    summary = f"rank {rank} of {world_size} failed: {report.summary}"
+    if _PEER_GONE.search(report.summary):
         silent = sorted(set(range(world_size)) - set(heard))
         summary += (f" (no rank died or reported another error within {wait_s:.0f} s"
                     f"{'; still running: ranks ' + ', '.join(map(str, silent)) if silent else ''})")
-    details = [f"(the job's rendezvous store: {rendezvous})\n" if rendezvous else "", report[1] + tail(logs[rank])]
+    details = [f"(the job's rendezvous store: {rendezvous})\n" if rendezvous else "", report.traceback + tail(logs[rank])]
     for other in sorted(set(range(world_size)) - {rank}):
-        said = f"reported: {heard[other][0]}\n{heard[other][1]}" if other in heard else "no report"
+        said = f"reported: {heard[other].summary}\n{heard[other].traceback}" if other in heard else "no report"
         details.append(f"-- rank {other}: {said}\n{tail(logs[other])}")
     return RankFailed(summary, "\n".join(filter(None, details)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 import torch
 
@@ -27,6 +27,26 @@ from megatron_siamese.runtime.launchers import JoinError, Launch, LaunchError
 _job: dict = {}
 _console = {"queue": None}  # spawned ranks: the launcher prints what rank 0 sends it
 CONSOLE = -1  # a message from rank 0 for the launcher to print, not a rank's report
+
+
+class Failure(NamedTuple):
+    """How a rank failed: one line, its traceback, and a ConfigError's problems (settings, not a
+    crash: the launcher raises them as the job's own ConfigError)."""
+
+    summary: str
+    traceback: str = ""
+    problems: Optional[List[str]] = None
+
+
+class RankReport(NamedTuple):
+    """A message on the launcher's results queue (``launch.py`` puts, ``failure_reports.py``
+    reads): from ``rank`` (``CONSOLE``: a line rank 0 has the launcher print), whether it finished
+    (``ok``; None for a console line), and its ``value``: rank 0's result as bytes (None on the
+    other ranks), a ``Failure``, or the console line."""
+
+    rank: int
+    ok: Optional[bool]
+    value: Any
 
 
 def synchronize() -> None:
@@ -50,7 +70,7 @@ def console(line: str) -> None:
     if _console["queue"] is None:
         print(line, flush=True)
     else:
-        _console["queue"].put((CONSOLE, None, line))
+        _console["queue"].put(RankReport(CONSOLE, None, line))
 
 
 def set_console_queue(results) -> None:

@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 from megatron_siamese import device
 from megatron_siamese.runtime import job, launchers, orphans, stop_signals
 from megatron_siamese.runtime.failure_reports import INTERRUPTED, RankFailed, cause, next_result
+from megatron_siamese.runtime.job import Failure, RankReport
 from megatron_siamese.runtime.launchers import Launch, LaunchError
 from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
@@ -100,13 +101,13 @@ def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher
         # Tensors travel as bytes: torch's shared-memory handles die with this process.
         buffer = io.BytesIO()
         torch.save(values, buffer)
-        results.put((launch.rank, True, buffer.getvalue() if launch.rank == 0 else None))
+        results.put(RankReport(launch.rank, True, buffer.getvalue() if launch.rank == 0 else None))
     except KeyboardInterrupt:  # a second stop signal to this rank: stopped at once
-        results.put((launch.rank, False, (INTERRUPTED, "", None)))
+        results.put(RankReport(launch.rank, False, Failure(INTERRUPTED)))
     except BaseException as error:  # report every failure, including SystemExit from asserts in fn
         summary = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
         problems = error.problems if isinstance(error, ConfigError) else None  # settings, not a crash
-        results.put((launch.rank, False, (summary[:500], traceback.format_exc(), problems)))
+        results.put(RankReport(launch.rank, False, Failure(summary[:500], traceback.format_exc(), problems)))
     finally:
         job.leave()
 
@@ -203,17 +204,16 @@ def launch(
             proc.start()
         try:
             for reported in range(1, world_size + 1):
-                rank, ok, value = next_result(results, procs, timeout_s, logs)
-                if not ok:
-                    summary, _, problems = value
-                    if summary == INTERRUPTED:
+                report = next_result(results, procs, timeout_s, logs)
+                if not report.ok:
+                    if report.value.summary == INTERRUPTED:
                         raise KeyboardInterrupt
-                    if problems is not None:
-                        raise ConfigError(problems)
-                    raise cause(rank, value, results, procs, logs, pending=world_size - reported,
-                                 rendezvous=f"127.0.0.1:{port}")
-                if rank == 0:
-                    values = torch.load(io.BytesIO(value), weights_only=False)
+                    if report.value.problems is not None:
+                        raise ConfigError(report.value.problems)
+                    raise cause(report.rank, report.value, results, procs, logs, pending=world_size - reported,
+                                rendezvous=f"127.0.0.1:{port}")
+                if report.rank == 0:
+                    values = torch.load(io.BytesIO(report.value), weights_only=False)
         finally:
             for proc in procs:
                 proc.join(timeout=5 if reported == world_size else 0.1)
