@@ -21,6 +21,15 @@ def accumulation(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def weight_grads(ctx, weights, grads, first_input: int) -> list:
+    """The norm weights' gradients an op's backward returns, from the rows of its one accumulation
+    buffer: each in its weight's dtype and a tensor of its own (a view would keep the whole buffer,
+    the unused rows too, alive as long as the gradient: FSDP2 holds it until its reduce-scatter),
+    None where ``ctx`` needs none (the weights are the op's inputs from ``first_input`` on)."""
+    return [None if w is None or not ctx.needs_input_grad[first_input + i] else g.to(w.dtype, copy=True)
+            for i, (w, g) in enumerate(zip(weights, grads))]
+
+
 def check_streams(streams: Tensor, hidden: int, op: str = "dual_norm") -> None:
     torch._check(streams.dim() == 2, lambda: f"{op}: streams must be 2-D [rows, width], got {tuple(streams.shape)}")
     torch._check(hidden > 0, lambda: f"{op}: hidden must be positive, got {hidden}")

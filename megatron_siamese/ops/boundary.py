@@ -29,6 +29,7 @@ from megatron_siamese.ops.arguments import (
     norm_outputs as _norm_outputs,
     ops,
     register_norm_fakes as _register_norm_fakes,
+    weight_grads as _own_weight_grads,
 )
 
 
@@ -128,17 +129,12 @@ def _entry_setup(ctx, inputs, output):
         ctx.save_for_backward(streams, stats, *weights)
 
 
-def _weight_grads(ctx, weights, weight_grads, first_input: int):
-    return [None if w is None or not ctx.needs_input_grad[first_input + i] else g.to(w.dtype)
-            for i, (w, g) in enumerate(zip(weights, weight_grads))]
-
-
 def _entry_backward(backward_op):
     def backward(ctx, grad_normed, _grad_stats):
         streams, stats, *weights = ctx.saved_tensors
         grad_streams, weight_grads = backward_op(
             None, grad_normed, streams, stats, ctx.hidden, *weights, ctx.rms, ctx.zero_centered_gamma)
-        return (grad_streams if ctx.needs_input_grad[0] else None, None, *_weight_grads(ctx, weights, weight_grads, 2),
+        return (grad_streams if ctx.needs_input_grad[0] else None, None, *_own_weight_grads(ctx, weights, weight_grads, 2),
                 None, None, None)
 
     return backward
@@ -174,7 +170,7 @@ def _residual_dual_norm_backward(ctx, grad_base, grad_normed, _grad_stats):
     needs = ctx.needs_input_grad
     return (grad_streams if needs[0] else None, grad_out if needs[1] else None,
             grad_bias.to(ctx.bias_dtype) if needs[2] else None, None, None, None, None,
-            *_weight_grads(ctx, weights, weight_grads, _BOUNDARY_WEIGHTS), None, None, None)
+            *_own_weight_grads(ctx, weights, weight_grads, _BOUNDARY_WEIGHTS), None, None, None)
 
 
 torch.library.register_autograd(
@@ -205,9 +201,7 @@ class _LayerEntry(torch.autograd.Function):
             grad_normed = streams.new_zeros((streams.shape[0], ctx.hidden))
         grad_streams, weight_grads = op(grad_through, grad_normed, streams, stats, ctx.hidden, *weights, ctx.rms,
                                         ctx.zero_centered_gamma)
-        grads = [None if w is None or not ctx.needs_input_grad[6 + i] else g.to(w.dtype)
-                 for i, (w, g) in enumerate(zip(weights, weight_grads))]
-        return (grad_streams, None, None, None, None, None, *grads)
+        return (grad_streams, None, None, None, None, None, *_own_weight_grads(ctx, weights, weight_grads, 6))
 
 
 # -- entry points on [..., width] tensors ----------------------------------------------------

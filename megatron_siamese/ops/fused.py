@@ -26,6 +26,7 @@ from megatron_siamese.ops.arguments import (
     norm_outputs as _norm_outputs,
     ops,
     register_norm_fakes as _register_norm_fakes,
+    weight_grads as _own_weight_grads,
 )
 
 
@@ -115,8 +116,7 @@ def _norm_backward(backward_op):
         grad_streams, weight_grads = backward_op(
             grad_base, grad_normed, streams, stats, ctx.hidden, *weights, ctx.rms, ctx.zero_centered_gamma
         )
-        grads = [None if w is None or not ctx.needs_input_grad[2 + i] else g.to(w.dtype)
-                 for i, (w, g) in enumerate(zip(weights, weight_grads))]
+        grads = _own_weight_grads(ctx, weights, weight_grads, 2)
         return (grad_streams if ctx.needs_input_grad[0] else None, None, *grads, None, None, None)
 
     return backward
