@@ -69,7 +69,7 @@ BAD_INPUT = {
                                       "give the prefix its .bin and .idx share (--data-path corpus)"),
     "unknown layout": (["check", "--layouts", "tp3-foo"], "unknown part 'foo'"),
     "a layout part misspelled": (["check", "--layouts", "dp2-fsdp"], "unknown part 'fsdp' (did you mean 'fsdp2'?)"),
-    "a layout that cannot be": (["check", "--layouts", "fsdp2"], "layout 'fsdp2': fully sharded data parallelism needs dp > 1"),
+    "a layout that cannot be": (["check", "--layouts", "fsdp2"], "layout 'fsdp2': torch FSDP2 (fsdp2) shards over the data-parallel ranks: it needs more than one (dp2 or more)"),
     "upcycle without arguments": (["upcycle"], "required: --load, --output-dir"),
     "missing checkpoint": (["upcycle", "--load", "/nonexistent", "--output-dir", "/tmp/x"], "no such file or directory"),
 }

@@ -213,30 +213,39 @@ def test_interleaved_rank_0_keeps_megatrons_penalty_in_flight():
     ("none", "no_shard", True, ("optimizer",), False, 1),
     ("megatron", "no_shard", False, (), False, 0),
     ("megatron", "optim", False, ("optimizer",), True, 1),
-    ("megatron", "optim_grads", False, ("optimizer", "grads"), True, "m"),
+    ("megatron", "optim_grads", False, ("optimizer", "grads"), True, 1),
     ("megatron", "optim_grads_params", False, ("optimizer", "grads", "weights"), True, "2m"),
     ("torch", "no_shard", False, ("optimizer", "grads", "weights"), True, "2m"),
 ])
 def test_data_parallel_sharding_divides_what_it_shards_and_moves_it(fsdp, strategy, distributed_optimizer, sharded,
                                                                     every_microbatch, gathers):
-    """Sharded states are divided by DP, and a layer's weights (two: computing, prefetched) and
-    gradients are gathered whole beside them; gradients are all-reduced once a step (DDP),
-    reduce-scattered once with the weights all-gathered once (the distributed optimizer), or
-    reduce-scattered every microbatch (FSDP), sharded weights all-gathered for every forward and
-    backward (Megatron-FSDP's optim_grads: once a microbatch, as measured)."""
+    """Sharded states are divided by DP; gradients are all-reduced once a step (DDP), reduce-scattered
+    once with the weights all-gathered once (the distributed optimizer), or reduce-scattered every
+    microbatch (FSDP), sharded layers all-gathered for every forward and backward (Megatron-FSDP's
+    optim and optim_grads: the weights once a step, as measured). Gathered whole beside them, on a
+    middle stage (layers only): torch FSDP2 two layers' weights (computing, prefetched) and one's
+    gradients, in bf16 as it keeps them; Megatron-FSDP every layer's weights up to its prefetch
+    size past the one computing, and one layer's fp32 gradients, or (optim_grads, the chunk one
+    unit) the whole stage's gradients."""
     args = gpt3(tp=8, pp=8, dp=16, sp=True, global_batch_size=1536)
     inputs = plan_inputs(args)
     replicated = gpu_costs(inputs, STOCK, 1)  # a middle stage: its layers alone, all alike
     mode = data_parallel_sharding(distributed_optimizer, fsdp, strategy)
     assert mode.reduce_every_microbatch == every_microbatch
     costs = gpu_costs(dataclasses.replace(inputs, sharding=mode), STOCK, 1)
-    for state in ("weights", "grads", "optimizer"):
+    grad_scale = 0.5 if fsdp == "torch" else 1  # FSDP2's bf16 gradients against DDP's fp32 ones
+    for state, scale in (("weights", 1), ("grads", grad_scale), ("optimizer", 1)):
         ratio = getattr(costs, state) / getattr(replicated, state)
-        assert ratio == pytest.approx(1 / args.dp if state in sharded else 1, rel=1e-3)
-    layer = replicated.weights / (args.num_layers // args.pp)  # one layer's weights (bf16)
-    gathered = (2 * layer if "weights" in sharded else 0) + (layer * 2 if "grads" in sharded else 0)
-    assert costs.gathered == pytest.approx(gathered, rel=1e-3)
-    grads, weights = replicated.grads, replicated.weights  # one stage's fp32 gradients, bf16 weights
+        assert ratio == pytest.approx(scale / args.dp if state in sharded else scale, rel=1e-3)
+    layers = args.num_layers // args.pp
+    layer = replicated.weights / 2 / layers  # one layer's elements on a GPU (bf16 weights)
+    expected_gathered = {
+        "torch": 2 * layer * 2 + layer * 2,
+        "optim_grads": layers * layer * 4,
+        "optim_grads_params": min(layers * layer, layer + 500_000_000) * 2 + layer * 4,
+    }.get(fsdp if fsdp == "torch" else strategy, 0)
+    assert costs.gathered == pytest.approx(expected_gathered, rel=1e-3)
+    grads, weights = replicated.grads * grad_scale, replicated.weights  # what is reduced, what is gathered
     share, m = (args.dp - 1) / args.dp, args.num_microbatches
     gathers = {"m": m, "2m": 2 * m}.get(gathers, gathers)
     if every_microbatch:
@@ -262,6 +271,50 @@ def test_train_fsdp_flags_reach_the_plan():
         assert sharded.weights == pytest.approx(base.weights / 64) and sharded.gathered > 0
     out = cli_here("plan", *flags(ddp), "--use-torch-fsdp2").stdout
     assert "FSDP: a layer gathered" in out and "data parallelism: torch FSDP2" in out
+
+
+def _layer(args: PlanArgs, variant: str = STOCK, layer: int = 1):
+    inputs = plan_inputs(args)
+    tokens = tokens_of(inputs.shape, inputs.layout, args.micro_batch_size)
+    return layer_activations(inputs.shape, inputs.layout, tokens, inputs.impl, variant, layer=layer), tokens
+
+
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+def test_ropes_cosines_and_sines_follow_rope_fusion_not_the_attention_kernel(impl):
+    """Unfused RoPE keeps its cosines and sines for Q and K (4 s d a layer) with flash attention as
+    with Megatron's local one; fused RoPE keeps none."""
+    args = dict(GPT3_70B, transformer_impl=impl, position_embedding_type="rope")
+    (unfused, tokens), (fused, _) = _layer(PlanArgs(**args)), _layer(PlanArgs(**args, rope_fusion=True))
+    head_dim = args["hidden_size"] // args["num_attention_heads"]
+    assert unfused.total - fused.total == 4 * tokens.seq * head_dim * 2
+
+
+def test_bf16_unfused_attention_keeps_torchs_fp32_softmax_output_beside_its_copy():
+    """Megatron's local attention in bf16 keeps torch's fp32 softmax output and the bf16 copy its
+    matmul keeps, 6 bytes a probability; its fused masked softmax (a sequence within its kernel's
+    4096) the copy alone; in fp32 they are one tensor."""
+    args = dict(GPT3_70B, transformer_impl="local", seq_length=2048)
+    (plain, tokens), (fused, _) = _layer(PlanArgs(**args)), _layer(PlanArgs(**args, masked_softmax_fusion=True))
+    probabilities = tokens.whole * args["num_attention_heads"] // args["tp"] * args["seq_length"]
+    assert plain.total - fused.total == probabilities * 4
+    fp32_args = dict(args, dtype="fp32")
+    (fp32, _), (fp32_fused, _) = _layer(PlanArgs(**fp32_args)), _layer(PlanArgs(**fp32_args, masked_softmax_fusion=True))
+    assert fp32.total == fp32_fused.total
+    long = dict(args, seq_length=8192)  # past the kernel's sequence: torch's softmax after all
+    assert _layer(PlanArgs(**long))[0].total == _layer(PlanArgs(**long, masked_softmax_fusion=True))[0].total
+
+
+def test_selective_mlp_recompute_leaves_moe_layers_alone():
+    """Megatron's selective "mlp" recomputes dense MLPs only: an MoE layer keeps its router and
+    experts under --recompute selective (layernorm and mlp) as without recompute, but its norms'
+    outputs; selective "moe" brings them back in backward instead."""
+    moe = dict(GPT3_70B, num_moe_experts=8, moe_layer_freq="2", sp=True, add_bias_linear=False)
+    plain, _ = _layer(PlanArgs(**moe), layer=0)
+    norms, _ = _layer(PlanArgs(**moe, recompute_granularity="selective", recompute_modules=("layernorm",)), layer=0)
+    both, _ = _layer(PlanArgs(**moe, recompute="selective"), layer=0)
+    experts, _ = _layer(PlanArgs(**moe, recompute_granularity="selective", recompute_modules=("moe",)), layer=0)
+    assert both.total == norms.total < plain.total
+    assert experts.total < plain.total and experts.recomputed == plain.total - experts.total
 
 
 # -- the command
@@ -339,6 +392,11 @@ REFUSALS = {
     "CP split": (["--cp", "3"], "must be a multiple of 2 x --context-parallel-size = 6"),
     "EP dispatcher": (["--num-experts", "16", "--ep", "4", "--moe-token-dispatcher-type", "allgather",
                        "--disable-bias-linear"], "use --moe-token-dispatcher-type alltoall"),
+    "InputNorm ablation": (["--no-siamese-input-norm"], "ablation --no-siamese-input-norm is not modeled"),
+    "depth-scale ablation": (["--no-siamese-depth-scale"], "ablation --no-siamese-depth-scale is not modeled"),
+    "unmodeled recompute module": (["--recompute-granularity", "selective", "--recompute-modules", "moe_act",
+                                    "--num-experts", "16", "--moe-grouped-gemm", "--disable-bias-linear"],
+                                   "plan does not model selective recompute of moe_act"),
 }
 
 

@@ -3,6 +3,7 @@ TransformerConfig keywords are derived from that definition, and a second defini
 flag is refused."""
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -104,6 +105,58 @@ def test_world_size_and_layout_come_from_the_layout_settings():
 
 
 @stack_independent
+@pytest.mark.parametrize("flags_, name, config", [
+    ([], "tp2", {}),
+    (["--recompute", "full"], "tp2-full",
+     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], "tp2-full2",
+     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"], "tp2-fullblock3",
+     dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3)),
+    # Megatron-LM's default modules: the core attention alone (not this package's preset)
+    (["--recompute-granularity", "selective"], "tp2-sel=core_attn",
+     dict(recompute_granularity="selective", recompute_modules=["core_attn"])),
+    (["--recompute-activations"], "tp2-sel=core_attn",
+     dict(recompute_granularity="selective", recompute_modules=["core_attn"])),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm"], "tp2-sel",
+     dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])),
+    (["--recompute", "selective"], "tp2-sel", dict(recompute_granularity="selective",
+                                                   recompute_modules=["layernorm", "mlp"])),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"], "tp2-sel=core_attn.mlp",
+     dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])),
+])
+def test_megatron_lms_recompute_flags_mean_what_they_mean_there(flags_, name, config):
+    """Megatron-LM's --recompute-granularity / -method / -num-layers / -modules (and
+    --recompute-activations) make the TransformerConfig fields Megatron-LM makes of them, and a
+    layout whose name reads back to the same layout."""
+    args = flags.train_args(train_parser().parse_args(flags_))
+    assert args.layout.name == name and parse_layout(name) == args.layout
+    assert args.layout.recompute_options() == config
+
+
+@stack_independent
+@pytest.mark.parametrize("changes, refusal", [
+    (dict(recompute="full", recompute_granularity="selective"), "--recompute full and --recompute-granularity selective"),
+    (dict(recompute_granularity="full"), "full recompute needs --recompute-method uniform"),
+    (dict(recompute_granularity="full", recompute_method="uniform"), "full recompute needs --recompute-num-layers"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3),
+     "recomputes each model chunk's 4 layers in groups of --recompute-num-layers 3"),
+    (dict(recompute_granularity="selective", recompute_num_layers=2), "--recompute-num-layers applies to full"),
+    (dict(recompute_modules=("mlp",)), "--recompute-modules needs selective recompute"),
+    (dict(recompute_granularity="selective", recompute_modules=("attention",)),
+     "--recompute-modules attention: not a module Megatron recomputes"),
+    (dict(recompute_granularity="selective", recompute_modules=("moe",)), "recomputes MoE layers: add --num-experts"),
+    (dict(recompute_granularity="selective", recompute_modules=("moe_act",), num_moe_experts=4, sp=True),
+     "grouped-GEMM experts"),
+    (dict(recompute_granularity="selective", recompute_modules=("mla_up_proj",)), "multi-latent attention"),
+])
+def test_recompute_flags_megatron_refuses_or_that_do_nothing_are_refused_by_name(changes, refusal):
+    with pytest.raises(ConfigError) as refused:
+        TrainArgs(**changes)
+    assert any(refusal in problem for problem in refused.value.problems), refused.value.problems
+
+
+@stack_independent
 @pytest.mark.parametrize("name, fsdp, sharding, distributed_optimizer", [
     ("dp2-fsdp2", "torch", "no_shard", False),
     ("tp2-dp2-sp-fsdp2-full", "torch", "no_shard", False),
@@ -120,7 +173,7 @@ def test_fsdp_layout_names_read_back_and_the_train_flags_make_the_same_layout(na
     flag = {"torch": ["--use-torch-fsdp2"], "megatron": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                                                          sharding]}[fsdp]
     sizes = ["--tp", str(layout.tp), "--dp", str(layout.dp), "--ep", str(layout.ep)] + ["--sp"] * layout.sp
-    options = parse(sizes + flag + ["--recompute", layout.recompute, "--disable-bias-linear", "--micro-batch-size", "1"]
+    options = parse(sizes + flag + ["--recompute", layout.recompute.preset, "--disable-bias-linear", "--micro-batch-size", "1"]
                     + ["--num-experts", "4"] * (layout.ep > 1))
     assert flags.train_args(options).layout == layout
     if fsdp == "megatron":  # "do" is implied: one layout, one name
@@ -128,26 +181,91 @@ def test_fsdp_layout_names_read_back_and_the_train_flags_make_the_same_layout(na
 
 
 @stack_independent
-@pytest.mark.parametrize("layout, train, refusal", [
-    ("dp2-do-fsdp2", dict(use_torch_fsdp2=True, distributed_optimizer=True),
+@pytest.mark.parametrize("layout, named, train, refusal", [
+    ("dp2-do-fsdp2", "torch FSDP2 (fsdp2) does not run with Megatron's distributed optimizer (do)",
+     dict(use_torch_fsdp2=True, distributed_optimizer=True),
      "--use-torch-fsdp2 does not run with --use-distributed-optimizer (Megatron-LM refuses it"),
-    ("pp2-dp2-fsdp2", dict(use_torch_fsdp2=True, pp=2), "--use-torch-fsdp2 does not run with pipeline parallelism"),
-    ("pp2-dp2-mfsdp3", dict(use_megatron_fsdp=True, pp=2), "as if every rank were dp x ep x tp): use --pp 1"),
-    ("fsdp2", dict(use_torch_fsdp2=True, dp=1), "--use-torch-fsdp2 shards over the data-parallel ranks: it needs --dp > 1"),
-    (None, dict(data_parallel_sharding_strategy="optim"), "is Megatron-FSDP's: add --use-megatron-fsdp"),
-    (None, dict(use_torch_fsdp2=True, use_megatron_fsdp=True), "two implementations of one thing: pass one"),
-    (None, dict(use_torch_fsdp2=True, dp=3), "needs an even --dp (got 3)"),
-    (None, dict(use_megatron_fsdp=True, save_interval=4), "this trainer does not checkpoint Megatron-FSDP"),
-    (None, dict(use_megatron_fsdp=True, save="/checkpoints"), "--save with --use-megatron-fsdp: this trainer does not"),
+    ("pp2-dp2-fsdp2", "torch FSDP2 (fsdp2) does not run with pipeline parallelism (Megatron-LM refuses it): use pp1",
+     dict(use_torch_fsdp2=True, pp=2), "--use-torch-fsdp2 does not run with pipeline parallelism (Megatron-LM "
+                                       "refuses it): use --pp 1"),
+    ("pp2-dp2-mfsdp3", "as if every rank were dp x ep x tp (mcore_fsdp_adapter.py",
+     dict(use_megatron_fsdp=True, pp=2), "as if every rank were dp x ep x tp (mcore_fsdp_adapter.py"),
+    ("fsdp2", "torch FSDP2 (fsdp2) shards over the data-parallel ranks: it needs more than one (dp2 or more)",
+     dict(use_torch_fsdp2=True, dp=1),
+     "--use-torch-fsdp2 shards over the data-parallel ranks: it needs more than one (--dp 2 or more)"),
+    ("dp2-ep2-fsdp2", "torch FSDP2 (fsdp2) does not run with expert parallelism (Megatron-LM refuses it): use ep1",
+     dict(use_torch_fsdp2=True, ep=2, num_moe_experts=2, sp=True, tp=1),
+     "--use-torch-fsdp2 does not run with expert parallelism (Megatron-LM refuses it): use --ep 1"),
+    (None, None, dict(data_parallel_sharding_strategy="optim"), "is Megatron-FSDP's: add --use-megatron-fsdp"),
+    (None, None, dict(use_torch_fsdp2=True, use_megatron_fsdp=True), "two implementations of one thing: pass one"),
+    (None, None, dict(use_torch_fsdp2=True, dp=3), "cannot checkpoint --dp 3 with an MLP width of 512 over --tp 1"),
+    (None, None, dict(use_megatron_fsdp=True, save_interval=4), "this trainer does not checkpoint Megatron-FSDP"),
+    (None, None, dict(use_megatron_fsdp=True, save="/checkpoints"), "--save with --use-megatron-fsdp: this trainer does not"),
 ])
-def test_fsdp_combinations_megatron_refuses_are_refused_by_layout_and_train(layout, train, refusal):
+def test_fsdp_combinations_megatron_refuses_are_refused_by_layout_and_train(layout, named, train, refusal):
     if layout is not None:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=re.escape(named)):
             parse_layout(layout)
     with pytest.raises(ConfigError) as refused:
         TrainArgs(**{"tp": 1, "dp": 2, **train})
     assert any(refusal in problem for problem in refused.value.problems), refused.value.problems
-    assert not any("even --dp (got 1)" in problem for problem in refused.value.problems)  # --dp 1: the cause only
+    # --dp 1: the cause only
+    assert not any("cannot checkpoint --dp 1" in problem for problem in refused.value.problems)
+
+
+@stack_independent
+def test_megatron_fsdp_refuses_experts_held_by_one_rank_in_both_spellings():
+    with pytest.raises(ValueError, match=re.escape("Megatron-FSDP (mfsdpN) does not run with experts held by one rank "
+                                                   "of each expert-data-parallel group")):
+        parse_layout("dp2-ep2-mfsdp2")
+    with pytest.raises(ConfigError) as refused:
+        TrainArgs(tp=1, dp=2, ep=2, num_moe_experts=2, use_megatron_fsdp=True,
+                  data_parallel_sharding_strategy="optim_grads")
+    assert any("--use-megatron-fsdp does not run with experts held by one rank" in problem and "use --dp 4" in problem
+               for problem in refused.value.problems), refused.value.problems
+
+
+def _fsdp2_gated_rows(ffn: int, tp: int, dp: int):
+    """Where each row of a gated linear_fc1 lands in a checkpoint when TP splits it and FSDP2 cuts
+    each TP rank's ``[gate_r; up_r]`` into dp row blocks (torch.chunk's, as fully_shard does): a
+    block described at row block ``i`` of ``tp x dp`` starts at ``i`` times its own row count, as
+    ``ShardedTensor.from_rank_offsets`` places it. The global rows as saved (-1: none written)."""
+    import torch
+
+    from megatron_siamese.training.fsdp_checkpoint import _gated_rows_block
+
+    gate, up = torch.arange(ffn), ffn + torch.arange(ffn)  # global rows [gate; up]
+    saved = torch.full((2 * ffn,), -1)
+    for tp_rank in range(tp):
+        local = torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]])  # Megatron's TP-local [gate_r; up_r]
+        for dp_rank, block in enumerate(local.chunk(dp)):
+            index = tp_rank * dp + dp_rank  # make_tp_sharded_tensor_for_checkpoint's placement
+            start = _gated_rows_block(index, tp * dp, dp) * len(block)
+            if start + len(block) > 2 * ffn or (saved[start:start + len(block)] >= 0).any():
+                return None  # out of the tensor, or over another block
+            saved[start:start + len(block)] = block
+    return saved
+
+
+@stack_independent
+@pytest.mark.parametrize("ffn, tp, dp", [(8, 2, 2), (12, 2, 4), (24, 2, 6), (10, 2, 4), (10, 1, 3), (20, 2, 4)])
+def test_fsdp2_gated_rows_land_in_place_exactly_where_train_accepts_the_split(ffn, tp, dp):
+    """The checkpoint's mapping puts every gated row back in the global [gate; up] order wherever
+    the rule lets the split through, and the rule refuses every split it would misplace (ffn/tp = 5
+    over dp 4 splits 3, 3, 3, 1: the review's case)."""
+    import torch
+
+    from megatron_siamese.training.fsdp_checkpoint import gated_mlp_problem
+
+    placed = _fsdp2_gated_rows(ffn, tp, dp)
+    in_place = placed is not None and placed.numel() == 2 * ffn and bool((placed == torch.arange(2 * ffn)).all())
+    accepted = gated_mlp_problem(True, True, dp, ffn, tp) is None
+    assert accepted == in_place
+    assert accepted == ((ffn // tp) % (dp // 2) == 0 and dp % 2 == 0)  # the cases cover both answers
+    if not accepted:
+        with pytest.raises(ConfigError, match="cannot checkpoint --dp"):
+            TrainArgs(tp=tp, dp=dp, use_torch_fsdp2=True, ffn_hidden_size=ffn, hidden_size=32, num_attention_heads=2,
+                      global_batch_size=8 * dp, micro_batch_size=1)
 
 
 @stack_independent

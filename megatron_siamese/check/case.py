@@ -39,6 +39,11 @@ class ModelCase(ModelSettings):
     # pipeline stages hold both), and the router's z-loss is on beside the aux loss
     moe_layer_freq: str = "2"
     moe_z_loss_coeff: Optional[float] = 1e-3
+    # how Megatron runs the layers where that changes only what they keep (the plan's measured cases):
+    # dropout after each sublayer and on the attention probabilities, the fused bias-activation
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    bias_activation_fusion: bool = False
 
 
 # The check's MoE model: 4 experts, top-2, aux loss and z-loss, Megatron's alltoall dispatcher

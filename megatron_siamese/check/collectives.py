@@ -16,7 +16,9 @@ reduce-scatters as ``sp`` (sequence parallelism turns the former into the latter
 embedding's gradient all-reduce between the first and last pipeline stage, and every send (for
 two stages Megatron sends one way over the whole job's group), is ``pp``; the
 data-parallel and expert-data-parallel groups' traffic is ``dp``; the expert-parallel groups'
-is ``ep``; anything else (a gradient norm's scalar) is ``other``.
+is ``ep``; anything else (a gradient norm's scalar) is ``other``. Where the CPU shim emulates a
+collective gloo lacks (the alltoall dispatcher's uneven gather and scatter over expert TP), the
+collective it stands for is booked, not the calls that emulate it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from megatron_siamese.plan.traffic import (  # the plan predicts by the same rul
     SEND,
     sent_bytes,
 )
+from megatron_siamese.runtime import cpu_shim
 
 
 def _nbytes(tensors) -> int:
@@ -125,7 +128,12 @@ class CollectiveCounter:
 
         def counted(group, *args, **kwargs):
             size = group.size()
-            counter.calls.append((counter.kind_of(group, op), op, size, sent_bytes(op, payload_of(*args, **kwargs), size)))
+            emulated = cpu_shim.emulated_collective()
+            if emulated is None:
+                counter.calls.append((counter.kind_of(group, op), op, size, sent_bytes(op, payload_of(*args, **kwargs), size)))
+            elif not emulated[2]:  # the CPU shim's stand-in for a collective gloo lacks: the real one, once
+                real, payload, emulated[2] = emulated[0], emulated[1], True
+                counter.calls.append((counter.kind_of(group, real), real, size, sent_bytes(real, payload, size)))
             if received_of is not None:
                 for tensor in received_of(*args, **kwargs):
                     counter._received[tensor.untyped_storage()._cdata] = tensor

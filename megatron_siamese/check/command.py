@@ -4,7 +4,7 @@ what one device computes.
 One job runs every layout: spawned here (gloo on CPU, NCCL when CUDA is present) with as
 many ranks as the largest layout needs, or the job ``torchrun`` or ``srun`` launched across
 nodes. Each layout runs on the job's first ranks while the others wait
-(``launch.on_first_ranks``): it builds the same GPT from global-name-seeded weights, runs one
+(``runtime.job.on_first_ranks``): it builds the same GPT from global-name-seeded weights, runs one
 training step of the same global batch through Megatron's schedules,
 ``finalize_model_grads`` and optimizer, and rank 0 compares it against the single-rank run
 (computed once): every per-microbatch loss, every parameter gradient (gathered
@@ -14,7 +14,8 @@ quantity and PASS/FAIL; every rank exits non-zero if any layout fails.
 
 Layout names: parallel sizes ``tpN``, ``ppN``, ``vppN`` (virtual stages per pipeline
 rank), ``cpN``, ``dpN`` and flags ``sp`` (sequence parallel), ``do`` (distributed
-optimizer), ``full`` / ``sel`` (full / selective recompute), ``fsdp2`` / ``mfsdpN`` (torch
+optimizer), ``full`` / ``sel`` (full / selective recompute; ``fullN``, ``fullblockN`` and
+``sel=MODULE.MODULE`` spell Megatron-LM's other recompute settings), ``fsdp2`` / ``mfsdpN`` (torch
 FSDP2, Megatron-FSDP), joined by ``-``; ``single`` is one rank. Example: ``tp2-pp2-sp``.
 """
 
@@ -32,15 +33,14 @@ from megatron_siamese.check.step import layout_step
 from megatron_siamese.runtime.layout import Layout, parse_layout
 
 
-def unavailable_reason(layout: Layout, spec: str, world_size: int) -> Optional[str]:
+def unavailable_reason(layout: Layout, spec: str, world_size: int, biases: bool = True) -> Optional[str]:
     """Why a layout cannot run here at all (reported as SKIP, never as PASS)."""
     if layout.cp > 1:
         return ("context parallelism needs Transformer Engine's attention "
                 "(megatron-core's local DotProductAttention refuses CP)")
-    if spec == "stock" and layout.recompute == "selective":
-        return ("stock megatron-core 0.16.1 selective recompute cannot run here: 'layernorm' "
-                "needs Transformer Engine (CheckpointWithoutOutput(fp8=False) enables FP8 "
-                "bookkeeping) and 'mlp' with biases recurses forever (docs/design.md)")
+    if spec == "stock" and biases and layout.recompute.recomputes("mlp"):
+        return ("stock Megatron's selective 'mlp' recompute with biases recurses forever: its checkpoint returns the "
+                "bias Parameter, which becomes its own grad_fn (docs/design.md)")
     if layout.world_size > world_size:  # spawned on a GPU host: one rank per visible GPU
         return f"needs {layout.world_size} GPUs, {world_size} visible (launch it with torchrun or srun across nodes)"
     return None
@@ -112,7 +112,7 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
     faulty = dataclasses.replace(case, fault=fault)
     rows = []
     for name, layout in layouts:
-        reason = unavailable_reason(layout, spec, world)
+        reason = unavailable_reason(layout, spec, world, case.add_bias_linear)
         start = time.perf_counter()
         result, error = None, None
         if not reason:

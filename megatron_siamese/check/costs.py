@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,7 +43,8 @@ class MeasuredCosts:
     grads: int = 0
     optimizer: int = 0
     activations: int = 0
-    pipeline_buffers: int = 0
+    pipeline: int = 0  # pipeline buffers: received stage inputs, unsent stage outputs
+    gathered: int = 0  # FSDP's unsharded weights and gradients, at their peak
     sent: Dict[str, float] = field(default_factory=dict)  # by kind: tp, sp, pp, dp, ep, other
     calls: List[Tuple[str, str, int, float]] = field(default_factory=list)  # (kind, op, group size, sent)
 
@@ -83,17 +84,24 @@ class SavedActivations:
     (parameters, gradient buffers), split into activations and pipeline buffers: storages
     ``counter`` saw received over p2p, and the chunks' output streams (``output``) while alive."""
 
-    def __init__(self, excluded: Iterable[int], counter: CollectiveCounter):
+    def __init__(self, excluded: Iterable[int], counter: CollectiveCounter,
+                 gathered: Callable[[], List[torch.Tensor]] = lambda: [], moments: Sequence[Tuple[object, str]] = ()):
         self.excluded = set(excluded)
         self.counter = counter
+        self.gathered = gathered
+        self.moments = list(moments)  # methods at whose start gathered is sampled too
+        self._originals: List[Tuple[object, str, object]] = []
         self.live: Dict[int, List] = {}  # key -> [holders, storage]
         self.outputs: List[weakref.ref] = []
         self.peak_activations = 0
         self.peak_pipeline = 0
+        self.peak_gathered = 0
+        self._gathered_keys: set = set()
         self._packing = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
+        self._sample_gathered()
         key = _storage_key(tensor)
         if key in self.excluded:
             return tensor
@@ -103,12 +111,21 @@ class SavedActivations:
         return _Held(tensor, key, self)
 
     def _unpack(self, held):
+        self._sample_gathered()
         if not isinstance(held, _Held):
             return held
         if self._packing:  # a backward pass begins (or a recomputation's): the peak is now
             self._packing = False
             self.sample()
         return held.tensor
+
+    def _sample_gathered(self) -> None:
+        """The weights and gradients FSDP holds unsharded now (at every save and use of an
+        activation: they come and go unit by unit); autograd keeps the weights as it keeps
+        activations, so their storages are left out of those."""
+        storages = {_storage_key(t): t.untyped_storage() for t in self.gathered()}
+        self._gathered_keys |= storages.keys()
+        self.peak_gathered = max(self.peak_gathered, sum(storage.nbytes() for storage in storages.values()))
 
     def _release(self, key: int) -> None:
         entry = self.live.get(key)
@@ -123,7 +140,7 @@ class SavedActivations:
         for key, (_, storage) in self.live.items():
             if key in received:
                 pipeline += storage.nbytes()
-            else:
+            elif key not in self._gathered_keys:
                 activations += storage.nbytes()
         sent = {}
         self.outputs = [ref for ref in self.outputs if ref() is not None]
@@ -143,10 +160,22 @@ class SavedActivations:
 
     def __enter__(self):
         self._hooks.__enter__()
+        for owner, name in self.moments:
+            original = vars(owner)[name]
+            self._originals.append((owner, name, original))
+
+            def sampled(*args, __original=original, **kwargs):
+                self._sample_gathered()
+                return __original(*args, **kwargs)
+
+            setattr(owner, name, sampled)
         return self
 
     def __exit__(self, *exc):
         self.sample()
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+        self._originals.clear()
         return self._hooks.__exit__(*exc)
 
 
@@ -163,7 +192,59 @@ def _optimizer_state(optimizer) -> List[torch.Tensor]:
     return found
 
 
-def _held_parameters(chunks, layout: Layout) -> List[torch.Tensor]:
+def _megatron_fsdp_buffers(chunks, kind: str) -> List[torch.Tensor]:
+    """Megatron-FSDP's flat buffers of one kind for every parameter group: ``model_weight``
+    (the weights, sharded or whole by its strategy), ``main_weight`` (the optimizer's fp32 copy),
+    ``main_grad`` (the reduced gradients)."""
+    found = []
+    for chunk in chunks:
+        for group in chunk.param_and_grad_buffer.parameter_groups:
+            buffer = getattr(group, f"{kind}_buffer", None)
+            if buffer is not None and getattr(buffer, "data", None) is not None:
+                found.append(buffer.data)
+    return found
+
+
+def gathered_peak_moments(layout: Layout) -> List[Tuple[object, str]]:
+    """The methods at whose start fully sharded data parallelism holds a unit's gradients whole (and
+    its weights, and the next unit's prefetched), before it reduce-scatters and frees them: where
+    the unsharded peak is, beside the saving and use of activations."""
+    import importlib
+
+    if layout.fsdp == "torch":
+        group = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+        return [(group.FSDPParamGroup, "post_backward")]
+    if layout.fsdp == "megatron":
+        buffer = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
+        return [(buffer.GradReducePipeline, "reduce_gradients")]
+    return []
+
+
+def gathered_tensors(chunks, layout: Layout) -> List[torch.Tensor]:
+    """The weights and gradients fully sharded data parallelism holds unsharded now: torch FSDP2's
+    unsharded parameters, their all-gather outputs and unsharded gradients; Megatron-FSDP's
+    temporary weight and gradient buckets."""
+    found: List[torch.Tensor] = []
+    if layout.fsdp == "torch":
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in (m for chunk in chunks for m in chunk.modules() if isinstance(m, FSDPModule)):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group is not None else ():
+                unsharded = getattr(param, "_unsharded_param", None)
+                found += [t for t in (unsharded, getattr(unsharded, "grad", None), param.unsharded_accumulated_grad,
+                                      *getattr(param, "all_gather_outputs", ())) if t is not None]
+    elif layout.fsdp == "megatron":
+        for chunk in chunks:
+            for group in chunk.param_and_grad_buffer.parameter_groups:
+                for buffer in (group.model_weight_buffer, getattr(group, "transpose_weight_buffer", None),
+                               group.main_grad_buffer):
+                    allocator = getattr(buffer, "temporary_bucket_allocator", None)
+                    found += [bucket.data for bucket in getattr(allocator, "buckets", {}).values()]
+    return found
+
+
+def _held_parameters(chunks) -> List[torch.Tensor]:
     """The parameters as this rank holds them for compute: the modules' own (DTensor shards under
     torch FSDP2)."""
     return [p for chunk in chunks for p in chunk.parameters()]
@@ -173,7 +254,7 @@ def _stepped_parameters(chunks, layout: Layout) -> List[torch.Tensor]:
     """What the optimizer steps and holds gradients for: the parameters, or under Megatron-FSDP
     the DTensor shards of its main weights."""
     if layout.fsdp != "megatron":
-        return _held_parameters(chunks, layout)
+        return _held_parameters(chunks)
     from megatron_siamese.check.step import fsdp_shards
 
     return [shard for chunk in chunks for shard in fsdp_shards(chunk).values()]
@@ -186,45 +267,58 @@ def _gradient(param: torch.Tensor):
 
 
 def measure_rank(case: ModelCase, layout: Layout) -> MeasuredCosts:
-    """One step on this rank (see the module docstring), measured."""
+    """One step on this rank (see the module docstring), measured, with the case's fault planted."""
+    from megatron_siamese.check.step import with_case_fault
+
+    return with_case_fault(case, layout, _measured_step)
+
+
+def _measured_step(case: ModelCase, layout: Layout) -> MeasuredCosts:
     from megatron.core import parallel_state
 
     from megatron_siamese.check.step import microbatches, seeded_gpt
     from megatron_siamese.runtime import gpt as runtime_gpt
 
-    if case.fault:
-        from megatron_siamese.check.faults import plant
+    model = seeded_gpt(case, layout)
+    megatron_fsdp = layout.fsdp == "megatron"
+    # Megatron-FSDP's modules hold views of its buffers that change between steps: its buffers are what it holds
+    params = _megatron_fsdp_buffers(model.model, "model_weight") if megatron_fsdp else _held_parameters(model.model)
+    weights = {_storage_key(_local(p)) for p in params}
+    dp_rank, per_rank = parallel_state.get_data_parallel_rank(), case.num_microbatches // layout.dp
+    batches = microbatches(case)[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+    counter = CollectiveCounter(group_kinds())
+    tracker = SavedActivations(weights, counter, lambda: gathered_tensors(model.model, layout),
+                               gathered_peak_moments(layout))
 
-        plant(case.fault)
-    try:
-        model = seeded_gpt(case, layout)
-        params = _held_parameters(model.model, layout)
-        weights = {_storage_key(_local(p)) for p in params}
-        dp_rank, per_rank = parallel_state.get_data_parallel_rank(), case.num_microbatches // layout.dp
-        batches = microbatches(case)[dp_rank * per_rank: (dp_rank + 1) * per_rank]
-        counter = CollectiveCounter(group_kinds())
-        tracker = SavedActivations(weights, counter)
+    def forward_step(data_iterator, chunk):
+        tracker.sample()  # before this microbatch's forward: the peak of what came before
+        output, loss = runtime_gpt.forward_step(data_iterator, chunk)
+        tracker.output(output)
+        return output, loss
 
-        def forward_step(data_iterator, chunk):
-            tracker.sample()  # before this microbatch's forward: the peak of what came before
-            output, loss = runtime_gpt.forward_step(data_iterator, chunk)
-            tracker.output(output)
-            return output, loss
-
+    if layout.fsdp != "none":  # the steady state, not the freshly built model (Megatron-FSDP starts it all gathered)
         model.zero_grad()
-        with counter, tracker:
-            model.forward_backward(batches, step=forward_step)
-            model.optimizer.step()
+        model.forward_backward(batches)
+        model.optimizer.step()
+    model.zero_grad()
+    with counter, tracker:
+        model.forward_backward(batches, step=forward_step)
+        # the reduced gradients as the backward leaves them, beside the activations' peak (a 16-bit
+        # optimizer then copies them into fp32 main gradients and may free them, activations gone)
         grads = [g for g in map(_gradient, _stepped_parameters(model.model, layout)) if g is not None]
-        excluded = weights | {_storage_key(_local(g)) for g in grads}
-        state = [t for t in map(_local, _optimizer_state(model.optimizer)) if _storage_key(t) not in excluded]
-        return MeasuredCosts(
-            rank=torch.distributed.get_rank(), pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            weights=_storage_bytes(params), grads=_storage_bytes(grads), optimizer=_storage_bytes(state),
-            activations=tracker.peak_activations, pipeline_buffers=tracker.peak_pipeline,
-            sent=counter.sent_by_kind(), calls=counter.calls)
-    finally:
-        parallel_state.destroy_model_parallel()
+        if megatron_fsdp:
+            grads = _megatron_fsdp_buffers(model.model, "main_grad")
+        grad_bytes, grad_keys = _storage_bytes(grads), {_storage_key(_local(g)) for g in grads}
+        model.optimizer.step()
+    excluded = weights | grad_keys
+    state = [t for t in map(_local, _optimizer_state(model.optimizer)) if _storage_key(t) not in excluded]
+    if megatron_fsdp:  # its fp32 main weights, a buffer of their own whatever the model's dtype
+        state += [t for t in _megatron_fsdp_buffers(model.model, "main_weight") if _storage_key(t) not in excluded]
+    return MeasuredCosts(
+        rank=torch.distributed.get_rank(), pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        weights=_storage_bytes(params), grads=grad_bytes, optimizer=_storage_bytes(state),
+        activations=tracker.peak_activations, pipeline=tracker.peak_pipeline, gathered=tracker.peak_gathered,
+        sent=counter.sent_by_kind(), calls=counter.calls)
 
 
 def _measure_layout(case: ModelCase, layout: Layout) -> Optional[List[MeasuredCosts]]:

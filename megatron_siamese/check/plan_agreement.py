@@ -20,33 +20,58 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 from megatron_siamese.check.case import MOE_CASE, ModelCase
 from megatron_siamese.plan.activations import STOCK, Implementation
-from megatron_siamese.plan.per_gpu import GpuCosts, PlanInputs, gpu_costs
+from megatron_siamese.plan.per_gpu import HELD, GpuCosts, PlanInputs, gpu_costs
 from megatron_siamese.plan.shapes import shape_of
 from megatron_siamese.plan.states import layout_sharding
 from megatron_siamese.plan.traffic import KINDS
 from megatron_siamese.runtime.layout import Layout, parse_layout
 
 TOLERANCE = 0.05
-HELD = ("weights", "grads", "optimizer", "activations", "pipeline")
 TERMS = HELD + KINDS
 
 _DENSE = ("single", "tp2", "tp2-sp", "pp2", "pp2-vpp2", "dp2-do", "dp2-fsdp2", "full")
 _APART, _PYTORCH = dict(fused_ops=True, boundary_ops=False), dict(fused_ops=False)
 # multi-head attention without RoPE: Q, K and V as views of one stored projection, position ids
 _MHA = dict(num_query_groups=4, position_embedding_type="learned_absolute")
+# without biases: stock Megatron's selective "mlp" recompute cannot train them (check/command.py)
+_NO_BIAS = dict(add_bias_linear=False)
+_SHARED = dataclasses.replace(MOE_CASE, moe_shared_expert_intermediate_size=32)
+
+
+def _both(case: ModelCase, *names: str) -> Tuple[Tuple[ModelCase, str], ...]:
+    """Stock Pre-Norm and SiameseNorm each under every layout named."""
+    return tuple((dataclasses.replace(case, norm=norm), name) for norm in ("pre", case.norm) for name in names)
+
+
 CASES: Tuple[Tuple[ModelCase, str], ...] = (
     tuple((ModelCase(norm="pre"), name) for name in _DENSE)
     + tuple((ModelCase(), name) for name in _DENSE + ("sel",))
     + tuple((ModelCase(**_APART), name) for name in ("single", "tp2-sp", "sel"))
     + tuple((ModelCase(**_PYTORCH), name) for name in ("single", "pp2"))
-    + ((ModelCase(norm="pre", **_MHA), "tp2-sp"), (ModelCase(**_MHA), "tp2-sp"))
-    + ((dataclasses.replace(MOE_CASE, norm="pre"), "ep2"), (MOE_CASE, "ep2"))
+    + _both(ModelCase(**_MHA), "tp2-sp")
+    + _both(MOE_CASE, "ep2")
+    # bf16 (the CPU runs it): fp32 main weights, torch's softmax's fp32 output beside its bf16 copy,
+    # statistics in the norms' dtype, FSDP2's bf16 gradients
+    + _both(ModelCase(dtype="bf16"), "single", "dp2-fsdp2") + ((ModelCase(dtype="bf16", **_PYTORCH), "single"),)
+    # Megatron-FSDP, sharding weights (what it gathers) or gradients only
+    + _both(ModelCase(), "dp2-mfsdp3") + ((ModelCase(), "dp2-mfsdp2"),)
+    # dropout (its masks), the fused activation, the ablation without depth scale (nothing changes)
+    + _both(ModelCase(hidden_dropout=0.1, attention_dropout=0.1), "single")
+    + _both(ModelCase(bias_activation_fusion=True), "single") + ((ModelCase(siamese_depth_scale=False), "single"),)
+    # recompute, as Megatron-LM's flags spell it: selective per module, full by groups or blocks
+    + _both(ModelCase(**_NO_BIAS), "sel", "sel=mlp") + _both(ModelCase(), "sel=core_attn", "fullblock1")
+    + ((ModelCase(), "sel=layernorm"), (ModelCase(), "full2"))
+    + _both(MOE_CASE, "ep2-sel") + _both(_SHARED, "ep2-sel=moe", "tp2-ep2-sp-sel=moe") + ((_SHARED, "ep2-sel=shared_experts"),)
 )
 
 
 def case_label(case: ModelCase, name: str) -> str:
     """The layout's name, with what sets the case's model apart from the check's GPT."""
-    tags = ["moe"] * bool(case.num_moe_experts) + ["mha"] * (case.num_query_groups == case.num_attention_heads)
+    tags = [tag for tag, on in (("moe", case.num_moe_experts), ("mha", case.num_query_groups == case.num_attention_heads),
+                                ("bf16", case.dtype == "bf16"), ("nobias", not case.add_bias_linear and not case.num_moe_experts),
+                                ("dropout", case.hidden_dropout or case.attention_dropout),
+                                ("fused-act", case.bias_activation_fusion), ("shared", case.moe_shared_expert_intermediate_size),
+                                ("no-depth-scale", not case.siamese_depth_scale)) if on]
     return "+".join([name] + tags)
 
 
@@ -61,19 +86,25 @@ def variant_of(case: ModelCase) -> str:
 
 
 def case_inputs(case: ModelCase, layout: Layout) -> PlanInputs:
-    """The plan's inputs for a check case: its GPT in fp32 on Megatron's local modules (unfused
-    attention and activation, no dropout), the case's batch split over DP."""
+    """The plan's inputs for a check case: its GPT in its dtype on Megatron's local modules (unfused
+    attention), its activation fusion and dropout, the case's batch split over DP."""
+    from megatron_siamese import device
+
+    size = 2 if case.dtype == "bf16" else 4
+    # torch's LayerNorm keeps its statistics in fp32 on CUDA, in its weights' dtype on the CPU; its
+    # dropout a bool mask on CUDA, the scaled noise in the activation dtype on the CPU
+    cuda = device.uses_cuda()
+    impl = Implementation(bytes=size, fused_activation=case.bias_activation_fusion, hidden_dropout=case.hidden_dropout,
+                          attention_dropout=case.attention_dropout, norm_stat_bytes=4 if cuda else size,
+                          dropout_mask_bytes=1 if cuda else size)
     return PlanInputs(shape_of(case, case.vocab_size), layout, "siamese" if case.norm == "pre" else case.norm,
-                      Implementation(bytes=4), case.micro_batch_size, case.num_microbatches // layout.dp, 4,
-                      layout_sharding(layout))
+                      impl, case.micro_batch_size, case.num_microbatches // layout.dp, size, layout_sharding(layout),
+                      overlapped_prefetch=cuda)
 
 
 def terms_of(costs) -> Dict[str, float]:
     """A measurement's (``check.costs.MeasuredCosts``) or a prediction's (``GpuCosts``) terms."""
-    if isinstance(costs, GpuCosts):
-        return dict({term: getattr(costs, term) for term in HELD}, **{k: costs.sent.get(k, 0.0) for k in KINDS})
-    return dict(weights=costs.weights, grads=costs.grads, optimizer=costs.optimizer, activations=costs.activations,
-                pipeline=costs.pipeline_buffers, **{kind: costs.sent.get(kind, 0.0) for kind in KINDS})
+    return dict({term: getattr(costs, term) for term in HELD}, **{kind: costs.sent.get(kind, 0.0) for kind in KINDS})
 
 
 @dataclass(frozen=True)

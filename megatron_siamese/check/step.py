@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -33,6 +33,8 @@ from megatron_siamese.check.sharding import (
 from megatron_siamese.check.case import ModelCase
 from megatron_siamese.runtime.gpt import MegatronGPT, transformer_config, unwrap
 from megatron_siamese.runtime.layout import Layout
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -91,7 +93,9 @@ def microbatches(case: ModelCase) -> List[Dict[str, Tensor]]:
 
 def config_overrides(case: ModelCase) -> dict:
     """The case's TransformerConfig settings beyond its ModelSettings."""
-    return {} if case.batch_p2p_comm is None else {"batch_p2p_comm": case.batch_p2p_comm}
+    found = dict(hidden_dropout=case.hidden_dropout, attention_dropout=case.attention_dropout,
+                 bias_activation_fusion=case.bias_activation_fusion)
+    return found if case.batch_p2p_comm is None else dict(found, batch_p2p_comm=case.batch_p2p_comm)
 
 
 def case_config(case: ModelCase, layout: Layout):
@@ -180,19 +184,26 @@ def _owned_range(optimizer, param) -> Tuple[int, int]:
 # -- the per-rank job --------------------------------------------------------------------
 
 
-def run_rank(case: ModelCase, layout: Layout) -> RankResult:
-    """Everything one rank does; see the module docstring."""
+def with_case_fault(case: ModelCase, layout: Layout, body: Callable[[ModelCase, Layout], T]) -> T:
+    """``body(case, layout)`` with the case's fault planted, undone after (the job's next layout
+    may check a sound model), and Megatron's process groups torn down after it, after an error
+    too (a layout left half-built must not leave its groups to the next one)."""
     from megatron.core import parallel_state
 
     from megatron_siamese.check.faults import planted
 
+    try:
+        with planted(case.fault):
+            return body(case, layout)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def run_rank(case: ModelCase, layout: Layout) -> RankResult:
+    """Everything one rank does; see the module docstring."""
     if device.uses_cuda():
         torch.cuda.reset_peak_memory_stats()
-    try:
-        with planted(case.fault):  # undone after: the job's next layout may check a sound model
-            return _step(case, layout)
-    finally:  # after an error too: a layout left half-built must not leave its groups to the next one
-        parallel_state.destroy_model_parallel()
+    return with_case_fault(case, layout, _step)
 
 
 def _step(case: ModelCase, layout: Layout) -> RankResult:

@@ -33,7 +33,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 def add_setting(group, definition: Setting) -> None:
     """The flags of one setting: its own, then its switches, all setting the same field."""
     options = dict(action=definition.action, metavar=definition.metavar, choices=definition.choices,
-                   type=definition.value_type)
+                   type=definition.value_type, nargs=definition.nargs)
     group.add_argument(*definition.flags, dest=definition.name, default=definition.default, help=definition.help,
                        **{key: value for key, value in options.items() if value is not None})
     for switch in definition.switches:
@@ -80,5 +80,8 @@ def add_data_flags(parser: argparse.ArgumentParser, tasks: bool = True) -> None:
 def train_args(options: argparse.Namespace, cls=TrainArgs, **changes) -> TrainArgs:
     """TrainArgs (or ``cls``, a subclass) from the parsed flags (fields a command has no flag for
     keep their defaults)."""
-    fields = {name: getattr(options, name) for name in definitions(cls) if hasattr(options, name)}
+    settings = definitions(cls)
+    fields = {name: getattr(options, name) for name in settings if hasattr(options, name)}
+    fields = {name: tuple(value) if settings[name].nargs and value is not None else value
+              for name, value in fields.items()}  # a list flag's values, kept as the field's tuple
     return cls(**{**fields, **changes})

@@ -4,14 +4,19 @@ Per rank, with ``T = s b / cp`` tokens of the microbatch and ``Ts = T / tp`` of 
 sequence parallelism (else ``T``), ``B`` bytes an activation element, each layer keeps (Megatron's
 modules, counted as storages: a view keeps its whole storage):
 
-* every sublayer: its residual input, kept by its norm with the norm's fp32 statistics (2 a token
-  for LayerNorm, 1 for RMSNorm), and the normalized input its first linear keeps: ``Ts h`` each;
+* every sublayer: its residual input, kept by its norm with the norm's statistics (2 a token
+  for LayerNorm, 1 for RMSNorm; fp32 on CUDA, torch's CPU LayerNorm keeps them in its weights'
+  dtype: ``Implementation.norm_stat_bytes``), and the normalized input its first linear keeps:
+  ``Ts h`` each;
 * attention: Q, K and V as they are stored, and its output (the output projection's input,
   ``T a d / tp``): V is a view that keeps the QKV projection's output ``T (a + 2g) d / tp`` whole,
-  as Q and K are without RoPE, which makes new ones (``T (a + g) d / tp``); Megatron's local
-  ``DotProductAttention`` repeats K and V to every head when ``g < a`` (``3 T a d / tp`` then) and
-  keeps the probabilities ``T (a / tp) s`` and RoPE's cosines and sines for Q and K (``4 s d``);
-  flash attention keeps its fp32 log-sum-exp (``T a / tp``) instead; dropout adds its masks;
+  as Q and K are unless new (RoPE makes new ones, ``T (a + g) d / tp``; GQA a new Q); RoPE's
+  cosines and sines for Q and K (``4 s d``) unless RoPE is fused; Megatron's local
+  ``DotProductAttention`` repeats K and V to every head when ``g < a`` (``3 T a d / tp`` then, the
+  projection's output freed) and keeps the probabilities ``T (a / tp) s`` (torch's softmax in
+  fp32 keeps its fp32 output beside the 16-bit copy: 6 bytes an element in bf16; Megatron's fused
+  masked softmax only the copy); flash attention keeps its fp32 log-sum-exp (``T a / tp``)
+  instead; dropout adds its masks;
 * dense MLP: ``linear_fc1``'s output as the activation keeps it and ``linear_fc2``'s input: GELU
   ``2 T f / tp``; a gated unit ``3 T f / tp`` fused (Transformer Engine, bias-SwiGLU), ``5 T f / tp``
   in Megatron's local composition (the gate's output and the linear half are kept apart);
@@ -36,19 +41,24 @@ SiameseNorm changes only the norms and residuals (attention, MLP and head are st
 * the first layer's input is the ``h``-wide embedding (x = y), and the final merge keeps the
   packed streams and two more norms' statistics.
 
-Recompute: ``full`` keeps each layer's input only, and one layer's activations while that layer
-is recomputed in backward (its microbatch's head freed by then); ``selective`` (this package's
-"layernorm" and "mlp") keeps past the layer's input the MLP sublayer's input (its norms'
-checkpoint input; the joined path keeps z and its statistics instead) and the attention, and
-brings the MLP and its normalized input back in backward with what the norms keep when they run
-again. The peak over the schedule adds that working set once.
+Recompute (``plan/recompute.py``): ``full`` keeps the input of each group of layers it
+checkpoints (uniform: groups of N; block: the first N layers of each chunk, one by one), and one
+group's activations while it is recomputed in backward (its microbatch's head freed by then).
+Selective, per module: ``layernorm`` drops the normalized inputs and the torch norms'
+statistics (their checkpoint keeps the MLP sublayer's input; the joined ops keep z and their
+statistics throughout), ``mlp`` a dense MLP's internals, ``moe`` an MoE layer's router and experts
+(and shared expert), ``shared_experts`` the shared expert's, ``core_attn`` the core attention's
+(its checkpoint keeps Q, K and V); each sublayer's backward brings back what it dropped, and the
+peak over the schedule adds the larger of the two sublayers' working sets once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
 from megatron_siamese.plan.placement import Chunk
+from megatron_siamese.plan.recompute import checkpointed_groups, layer_recompute
 from megatron_siamese.plan.shapes import Shape
 from megatron_siamese.runtime.layout import Layout
 
@@ -65,7 +75,17 @@ class Implementation:
     bytes: int  # activation element
     attention: str = "unfused"  # "unfused" (probabilities kept) or "flash"
     fused_activation: bool = False  # the MLP's activation keeps its input only
-    local_rope: bool = True  # Megatron's unfused RoPE: cosines and sines kept per layer
+    # Megatron's masked-softmax kernel (masked_softmax_fusion): 16-bit probabilities kept once; else
+    # torch's softmax keeps its fp32 output beside the 16-bit copy the next matmul keeps
+    softmax_fusion: bool = False
+    rope_fusion: bool = False  # fused RoPE (apply_rope_fusion): no cosines and sines kept per layer
+    # torch's norms' statistics (the stock norms, the final norm and merge, SiameseNorm's PyTorch path):
+    # fp32 on CUDA; torch's CPU LayerNorm keeps them in its weights' dtype. The fused ops keep fp32.
+    norm_stat_bytes: int = 4
+    # torch's dropout mask (the embedding's, the attention's, stock's bias-dropout-add): CUDA's native
+    # dropout keeps a bool mask, the CPU's its scaled noise in the activation dtype. SiameseNorm's
+    # own hidden-dropout mask is bool everywhere (stream_arithmetic.dropout_mask).
+    dropout_mask_bytes: int = 1
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
 
@@ -99,29 +119,47 @@ class LayerActivations:
 
 
 def _norm(shape: Shape, tokens: Tokens, impl: Implementation, width: int = 0) -> float:
-    """A norm module's input (``width`` wide, 0 if counted elsewhere) and its statistics."""
-    return tokens.sharded * (width * impl.bytes + STAT * shape.norm_statistics)
+    """A torch norm module's input (``width`` wide, 0 if counted elsewhere) and its statistics."""
+    return tokens.sharded * (width * impl.bytes + impl.norm_stat_bytes * shape.norm_statistics)
 
 
-def _attention(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementation) -> float:
-    """The attention sublayer past its normalized input: Q, K and V as stored, the output, and
-    what the kernel keeps."""
+@dataclass(frozen=True)
+class AttentionKept:
+    """The attention sublayer past its normalized input: what it keeps (``plain``), what it keeps
+    under selective "core_attn" recompute (``checkpointed``: the checkpoint's Q, K and V), and
+    what that recompute brings back at once in backward (``recomputed``)."""
+
+    plain: float
+    checkpointed: float
+    recomputed: float
+
+
+def _attention(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementation) -> AttentionKept:
+    """Q, K and V as stored, the output (the output projection's input, ``T a d / tp``), RoPE's
+    cosines and sines unless RoPE is fused, and what the core attention keeps: flash attention its
+    fp32 log-sum-exp; Megatron's local attention the probabilities (torch's softmax its fp32 output
+    beside the 16-bit copy the next matmul keeps), dropout's mask and output, and, under GQA, Q
+    (a copy) and K and V repeated to every head, in place of the QKV projection's output."""
     heads, groups = shape.heads // layout.tp, max(shape.groups // layout.tp, 1)
-    if impl.attention == "unfused" and groups < heads:  # Megatron's local attention repeats K and V to every head
-        qkv = 3 * heads
-    else:  # V (and Q, K without RoPE) are views that keep the QKV projection's output whole
-        qkv = (heads + groups if shape.rope else 0) + heads + 2 * groups
-    per_head = tokens.whole * heads
-    kept = tokens.whole * (qkv + heads) * shape.head_dim * impl.bytes
+    d, b, per_head = shape.head_dim, impl.bytes, tokens.whole * heads
+    gqa = groups < heads
+    # Q and K are new tensors after RoPE (Q also after GQA's reshape); V, and Q and K when not new,
+    # are views that keep the QKV projection's output whole
+    stored = (heads if shape.rope or gqa else 0) + (groups if shape.rope else 0) + heads + 2 * groups
+    rest = tokens.whole * heads * d * b  # the output
+    if shape.rope and not impl.rope_fusion:
+        rest += 4 * tokens.seq * d * b  # cosines and sines for Q and K
+    checkpointed = rest + tokens.whole * stored * d * b
     if impl.attention == "flash":
-        kept += per_head * STAT
-    else:
-        kept += per_head * tokens.seq * layout.cp * impl.bytes  # probabilities over the whole sequence
-        if impl.attention_dropout > 0:
-            kept += per_head * tokens.seq * layout.cp * (1 + impl.bytes)
-        if shape.rope and impl.local_rope:
-            kept += 4 * tokens.seq * shape.head_dim * impl.bytes
-    return kept
+        return AttentionKept(checkpointed + per_head * STAT, checkpointed, per_head * STAT)
+    scores = per_head * tokens.seq * layout.cp
+    core = scores * (b + (0 if impl.softmax_fusion or b == STAT else STAT))
+    if impl.attention_dropout > 0:  # its mask, and its output the next matmul keeps
+        core += scores * (impl.dropout_mask_bytes + b)
+    if not gqa:
+        return AttentionKept(checkpointed + core, checkpointed, core)
+    repeated = tokens.whole * 2 * heads * d * b  # K and V repeated; Q is the checkpoint's own
+    return AttentionKept(rest + tokens.whole * 3 * heads * d * b + core, checkpointed, core + repeated)
 
 
 def _mlp_internals(shape: Shape, rows: int, width: int, impl: Implementation) -> float:
@@ -148,56 +186,82 @@ def _experts(shape: Shape, routed: int, width: int, impl: Implementation) -> flo
     return routed * (shape.hidden * impl.bytes + STAT + internals * width * impl.bytes)
 
 
-def _mlp(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementation, layer: int) -> float:
-    """The MLP sublayer past its normalized input (kept by ``linear_fc1`` or the router)."""
+def _mlp(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementation, layer: int) -> Tuple[float, float]:
+    """The MLP sublayer past its normalized input (kept by ``linear_fc1`` or the router): the
+    dense MLP or an MoE layer's router and routed experts, and its shared expert (0 if none)."""
     if not shape.is_moe(layer):
-        return _mlp_internals(shape, tokens.whole, shape.ffn // layout.tp, impl)
+        return _mlp_internals(shape, tokens.whole, shape.ffn // layout.tp, impl), 0.0
     routed = tokens.sharded * shape.topk * layout.expert_tp  # token copies this rank's experts compute
-    kept = _router(shape, tokens.sharded) + _experts(shape, routed, shape.expert_ffn // layout.expert_tp, impl)
+    experts = _router(shape, tokens.sharded) + _experts(shape, routed, shape.expert_ffn // layout.expert_tp, impl)
+    shared = 0.0
     if shape.shared_expert_ffn:
-        kept += _mlp_internals(shape, tokens.whole, shape.shared_expert_ffn // layout.tp, impl)
-    return kept
+        shared = _mlp_internals(shape, tokens.whole, shape.shared_expert_ffn // layout.tp, impl)
+    return experts, shared
 
 
 def _streams(shape: Shape, tokens: Tokens, impl: Implementation, variant: str, first: bool) -> LayerActivations:
     """The norms' and residuals' share of one layer: its input, and (as ``rest``) the rest."""
     h, t, b, stats = shape.hidden, tokens.sharded, impl.bytes, shape.norm_statistics
+    torch_stats = impl.norm_stat_bytes * stats  # a torch norm's statistics a token
     entry = (1 if first else 2) * h  # the layer input's width: the embedding at the first layer
     if variant == STOCK:
-        return LayerActivations(t * h * b, 2 * t * STAT * stats + t * h * b)  # both norms' inputs
+        return LayerActivations(t * h * b, 2 * t * torch_stats + t * h * b)  # both norms' inputs
     if variant == "joined":
         return LayerActivations(t * entry * b, t * h * b + t * STAT * 14)  # z, statistics
     if variant == "apart":
         return LayerActivations(t * entry * b, t * 2 * h * b + 2 * t * STAT * 6)  # the MLP's packed input
-    return LayerActivations(t * entry * b, t * 2 * h * b + 2 * t * h * b + 2 * 3 * t * STAT * stats)
+    return LayerActivations(t * entry * b, t * 2 * h * b + 2 * t * h * b + 2 * 3 * t * torch_stats)
+
+
+def _streams_without_norm_outputs(shape: Shape, tokens: Tokens, impl: Implementation, variant: str,
+                                  rest: float) -> Tuple[float, float]:
+    """Under selective "layernorm": what the norms and residuals keep past the layer input
+    (``rest`` without it), and what one sublayer's norms keep when they run again in backward.
+    The norms' checkpoint keeps their input (the MLP sublayer's: stock's residual, SiameseNorm's
+    packed streams) and no statistics; the joined ops keep theirs throughout."""
+    t, h, b = tokens.sharded, shape.hidden, impl.bytes
+    torch_stats = t * impl.norm_stat_bytes * shape.norm_statistics
+    return {STOCK: (t * h * b, torch_stats), "joined": (rest, 0.0), "apart": (t * 2 * h * b, t * STAT * 6),
+            "pytorch": (t * 2 * h * b, t * h * b + 3 * torch_stats)}[variant]
 
 
 def layer_activations(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementation, variant: str,
-                      layer: int) -> LayerActivations:
-    """Bytes one layer keeps for one microbatch, and what its recomputation brings back at once."""
+                      layer: int, index_in_chunk: int = 0) -> LayerActivations:
+    """Bytes one layer keeps for one microbatch, and what its selective recomputation brings back at
+    once (``index_in_chunk``: its place in its model chunk). Full recompute, which checkpoints
+    whole layers, is the chunk's (``chunk_activations``)."""
     streams = _streams(shape, tokens, impl, variant, first=layer == 0)
     t, h, b = tokens.sharded, shape.hidden, impl.bytes
-    attention, mlp = _attention(shape, layout, tokens, impl), _mlp(shape, layout, tokens, impl, layer)
-    masks = 2 * t * h if impl.hidden_dropout > 0 else 0  # one bool dropout mask per sublayer
-    rest = streams.rest + 2 * t * h * b + attention + mlp + masks  # + what linear_qkv and linear_fc1 keep
-    if layout.recompute == "full":  # only the input is kept; the rest comes back in its backward
-        return LayerActivations(streams.input, 0.0, rest)
-    if layout.recompute != "selective":
-        return LayerActivations(streams.input, rest)
-    # "layernorm" and "mlp": the MLP sublayer's input stays (the norms' checkpoint input), the
-    # normalized inputs and the MLP go; the MLP comes back with its normalized input and what its
-    # norms keep when they run again (the joined ops keep theirs throughout)
-    stats = t * STAT * shape.norm_statistics
-    kept, again = {STOCK: (t * h * b, stats), "joined": (streams.rest, 0.0), "apart": (t * 2 * h * b, t * STAT * 6),
-                   "pytorch": (t * 2 * h * b, t * h * b + 3 * stats)}[variant]
-    return LayerActivations(streams.input, kept + attention + masks, mlp + t * h * b + again)
+    attention = _attention(shape, layout, tokens, impl)
+    mlp, shared = _mlp(shape, layout, tokens, impl, layer)
+    # one dropout mask per sublayer: torch's for stock, SiameseNorm's own bool one
+    masks = 2 * t * h * (impl.dropout_mask_bytes if variant == STOCK else 1) if impl.hidden_dropout > 0 else 0
+    normalized = 2 * t * h * b  # what linear_qkv and linear_fc1 (or the router) keep
+    rest = streams.rest + normalized + attention.plain + mlp + shared + masks
+    again = layer_recompute(layout.recompute, shape.is_moe(layer), index_in_chunk)
+    mlp_phase = attention_phase = 0.0  # what the backward of each sublayer brings back at once
+    if again.norms:
+        kept, norms = _streams_without_norm_outputs(shape, tokens, impl, variant, streams.rest)
+        rest += kept - streams.rest - normalized
+        mlp_phase += t * h * b + norms
+        attention_phase += t * h * b + norms
+    if again.core_attention:
+        rest += attention.checkpointed - attention.plain
+        attention_phase += attention.recomputed
+    if again.mlp:
+        rest -= mlp
+        mlp_phase += mlp
+    if again.shared_expert:
+        rest -= shared
+        mlp_phase += shared
+    return LayerActivations(streams.input, rest, max(mlp_phase, attention_phase))
 
 
 def embedding_activations(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementation) -> float:
     """The first chunk's embedding: token ids (and positions), the dropout mask."""
     kept = tokens.whole * IDS * (2 if shape.learned_positions else 1)
     if impl.hidden_dropout > 0:
-        kept += tokens.sharded * shape.hidden
+        kept += tokens.sharded * shape.hidden * impl.dropout_mask_bytes
     return kept
 
 
@@ -205,8 +269,8 @@ def head_activations(shape: Shape, layout: Layout, tokens: Tokens, impl: Impleme
     """The last chunk's final norm (and SiameseNorm's merge), output layer and cross entropy."""
     t, h, b = tokens.sharded, shape.hidden, impl.bytes
     kept = _norm(shape, tokens, impl, h) + t * h * b  # final norm, output layer's input
-    if variant != STOCK:
-        kept += t * 2 * h * b + 2 * t * STAT * shape.norm_statistics  # the packed streams into the merge
+    if variant != STOCK:  # the packed streams into the merge, its two norms' statistics
+        kept += t * 2 * h * b + 2 * t * impl.norm_stat_bytes * shape.norm_statistics
     vocab = shape.vocab // layout.tp
     kept += tokens.whole * (vocab * STAT + 1 + IDS + STAT)  # probabilities, mask, targets; the loss mask
     return kept
@@ -219,24 +283,35 @@ class ChunkActivations:
     kept: float  # activations, the received input streams excluded
     received: float  # the input streams received from the previous stage (0 on the first chunk)
     sent: float  # the output streams it sends on (0 on the last chunk)
-    # what a layer's recomputation adds at once in backward, its microbatch's head already freed
+    # what a layer's recomputation adds at once in backward, past what its microbatch's later layers
+    # and head have freed by then
     working: float
 
 
 def chunk_activations(chunk: Chunk, shape: Shape, layout: Layout, impl: Implementation, variant: str,
                       micro_batch: int) -> ChunkActivations:
     tokens = tokens_of(shape, layout, micro_batch)
-    layers = [layer_activations(shape, layout, tokens, impl, variant, layer) for layer in chunk.layers]
+    layers = [layer_activations(shape, layout, tokens, impl, variant, layer, index)
+              for index, layer in enumerate(chunk.layers)]
+    for group in checkpointed_groups(layout.recompute, len(layers)):
+        # full recompute: a group keeps its first layer's input; its backward brings back all of it
+        whole = sum(layers[i].total for i in group) - layers[group[0]].input
+        for i in group:
+            layers[i] = LayerActivations(layers[i].input if i == group[0] else 0.0, 0.0, 0.0)
+        layers[group[0]] = LayerActivations(layers[group[0]].input, 0.0, whole)
     kept = sum(layer.total for layer in layers)
-    working = max(layer.recomputed for layer in layers)
+    head = head_activations(shape, layout, tokens, impl, variant) if chunk.last else 0.0
+    # a layer's recomputation runs in its backward, once the layers after it and the head have freed
+    # what this microbatch kept: it adds to the peak only what exceeds that
+    working, freed = 0.0, head
+    for layer in reversed(layers):
+        working = max(working, layer.recomputed - freed)
+        freed += layer.total
     received = 0.0 if chunk.first else layers[0].input
     kept -= received
     if chunk.first:
         kept += embedding_activations(shape, layout, tokens, impl)
-    if chunk.last:
-        head = head_activations(shape, layout, tokens, impl, variant)
-        kept += head
-        working = max(0.0, working - head)
+    kept += head
     width = shape.hidden * (1 if variant == STOCK else 2)
     sent = 0.0 if chunk.last else tokens.sharded * width * impl.bytes
     return ChunkActivations(kept, received, sent, working)

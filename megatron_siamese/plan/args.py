@@ -12,6 +12,7 @@ from typing import List
 from megatron_siamese.plan.activations import Implementation
 from megatron_siamese.plan.gpus import gpu_memory_problem
 from megatron_siamese.plan.per_gpu import PlanInputs
+from megatron_siamese.plan.recompute import MODELED_MODULES, unmodeled_modules
 from megatron_siamese.plan.shapes import SIAMESE_SCHEMES, shape_of
 from megatron_siamese.plan.states import layout_sharding
 from megatron_siamese.runtime.registry import ConfigError, setting
@@ -20,6 +21,11 @@ from megatron_siamese.training.args import problems as train_problems
 
 PLAN = "plan"  # the argparse group of the plan's own settings
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # Megatron-LM's --attention-backend
+
+
+def _switch(default: bool, flag: str, help: str):
+    """A plan setting turned on by ``flag`` and off by its ``--no-`` form."""
+    return setting(default, group=PLAN, flag=flag, action=argparse.BooleanOptionalAction, help=help)
 
 
 @dataclass(frozen=True)
@@ -40,20 +46,29 @@ class PlanArgs(TrainArgs):
         "auto", group=PLAN, flag="--attention-backend", choices=ATTENTION_BACKENDS,
         help="Megatron-LM's: flash / fused keep Q, K, V and the output; unfused / local also the s x s "
              "probabilities; auto: flash with --transformer-impl transformer_engine, else local")
-    bias_activation_fusion: bool = setting(
-        False, group=PLAN, flag="--bias-activation-fusion", action=argparse.BooleanOptionalAction,
-        help="Megatron's fused bias-SwiGLU / bias-GELU, whose activation keeps its input only (Megatron-LM's "
-             "default; the trainer's is off)")
+    bias_activation_fusion: bool = _switch(
+        False, "--bias-activation-fusion",
+        "Megatron's fused bias-SwiGLU / bias-GELU, whose activation keeps its input only (Megatron-LM's "
+        "default; the trainer's is off)")
+    masked_softmax_fusion: bool = _switch(
+        False, "--masked-softmax-fusion",
+        "Megatron's fused masked softmax in unfused attention (its kernel takes 16-bit scores of a sequence "
+        "of 17 to 4096 tokens), which keeps the 16-bit probabilities only; without it torch's softmax keeps "
+        "its fp32 output as well (Megatron-LM's default is on, --no-masked-softmax-fusion; the trainer's off)")
+    rope_fusion: bool = _switch(
+        False, "--rope-fusion",
+        "fused RoPE (Transformer Engine's kernel), which keeps no cosines and sines per layer (Megatron-LM's "
+        "default is on, --no-rope-fusion; the trainer's off)")
     hidden_dropout: float = setting(0.0, group=PLAN, flag="--hidden-dropout", minimum=0.0,
-                                    help="dropout after each sublayer: a bool mask kept per sublayer (Megatron-LM's "
+                                    help="dropout after each sublayer: its mask kept per sublayer (Megatron-LM's "
                                          "default 0.1; the trainer's 0)")
     attention_dropout: float = setting(0.0, group=PLAN, flag="--attention-dropout", minimum=0.0,
                                        help="dropout on the attention probabilities (unfused attention keeps its mask "
                                             "and output; Megatron-LM's default 0.1, the trainer's 0)")
-    deallocate_pipeline_outputs: bool = setting(
-        True, group=PLAN, flag="--deallocate-pipeline-outputs", action=argparse.BooleanOptionalAction,
-        help="free a stage output's data once sent, as Megatron-LM and the trainer do (--no-deallocate-pipeline-outputs: "
-             "kept until its backward, as a schedule driven without it keeps it)")
+    deallocate_pipeline_outputs: bool = _switch(
+        True, "--deallocate-pipeline-outputs",
+        "free a stage output's data once sent, as Megatron-LM and the trainer do (--no-deallocate-pipeline-outputs: "
+        "kept until its backward, as a schedule driven without it keeps it)")
 
     def __post_init__(self):
         found = problems(self)
@@ -88,6 +103,17 @@ def problems(args: PlanArgs) -> List[str]:
                      f"{' or --norm '.join(SIAMESE_SCHEMES)} (got --norm {args.norm})")
     if args.model != "gpt":
         found.append("plan models GPTModel: use --model gpt")
+    ablations = [flag for flag, off in (("--no-siamese-input-norm", not args.siamese_input_norm),
+                                        ("--no-siamese-depth-scale", not args.siamese_depth_scale)) if off]
+    if ablations:
+        found.append(f"plan counts the paper's SiameseNorm block; the component study's ablation{'s' if len(ablations) > 1 else ''} "
+                     f"{' and '.join(ablations)} {'are' if len(ablations) > 1 else 'is'} not modeled: drop "
+                     f"{'them' if len(ablations) > 1 else 'it'}")
+    unmodeled = unmodeled_modules(args.recomputation.modules)
+    if unmodeled:
+        found.append(f"plan does not model selective recompute of {', '.join(unmodeled)} (it models "
+                     f"{', '.join(MODELED_MODULES)}): leave {'them' if len(unmodeled) > 1 else 'it'} out of "
+                     "--recompute-modules")
     if args.fp8 is not None:
         found.append("plan counts bf16 or fp32 activations; what Transformer Engine keeps under FP8 is not modeled: "
                      "leave --fp8-format out")
@@ -110,9 +136,12 @@ def problems(args: PlanArgs) -> List[str]:
 
 def plan_inputs(args: PlanArgs) -> PlanInputs:
     """What the arithmetic reads, from the settings."""
-    impl = Implementation(bytes=4 if args.dtype == "fp32" else 2, attention=args.attention,
-                          fused_activation=args.bias_activation_fusion, hidden_dropout=args.hidden_dropout,
-                          attention_dropout=args.attention_dropout)
+    bytes_ = 4 if args.dtype == "fp32" else 2
+    # the kernel Megatron's fused masked softmax runs in: 16-bit scores of 17 to 4096 keys (else torch's softmax)
+    softmax_fusion = args.masked_softmax_fusion and bytes_ == 2 and 16 < args.seq_length <= 4096
+    impl = Implementation(bytes=bytes_, attention=args.attention, fused_activation=args.bias_activation_fusion,
+                          softmax_fusion=softmax_fusion, rope_fusion=args.rope_fusion,
+                          hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
     return PlanInputs(shape_of(args, args.padded_vocab), args.layout, args.norm, impl, args.micro_batch_size,
                       args.num_microbatches, 4 if args.dtype == "fp32" else 2, layout_sharding(args.layout),
                       args.deallocate_pipeline_outputs)

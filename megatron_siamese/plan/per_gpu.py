@@ -10,9 +10,8 @@ from typing import Dict, List
 from megatron_siamese.plan.activations import STOCK, Implementation, chunk_activations, tokens_of
 from megatron_siamese.plan.placement import chunk_parameters, chunk_units, chunks_of
 from megatron_siamese.plan.schedule import peak
-from megatron_siamese.plan.shapes import STOCK as STOCK_SCHEME
-from megatron_siamese.plan.shapes import Shape
-from megatron_siamese.plan.states import DataParallelSharding, chunk_buffers, chunk_states
+from megatron_siamese.plan.shapes import PRE_NORM, Shape
+from megatron_siamese.plan.states import DataParallelSharding, chunk_buffers, chunk_states, gathered_bytes
 from megatron_siamese.plan.traffic import step_traffic
 from megatron_siamese.runtime.layout import Layout
 
@@ -30,6 +29,11 @@ class PlanInputs:
     param_bytes: int
     sharding: DataParallelSharding
     deallocate_outputs: bool = True  # a sent stage output's data freed (Megatron-LM and the trainer); else kept to its backward
+    overlapped_prefetch: bool = True  # FSDP's next all-gather beside the layer computing (CUDA's streams; not the CPU's)
+
+
+# what a GPU holds, by GpuCosts field: the terms of its memory
+HELD = ("weights", "grads", "optimizer", "gathered", "activations", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -47,19 +51,18 @@ class GpuCosts:
 
     @property
     def memory(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.gathered + self.activations + self.pipeline
+        return sum(getattr(self, term) for term in HELD)
 
 
 def gpu_costs(inputs: PlanInputs, variant: str, rank: int) -> GpuCosts:
     """``variant``: "stock", or a SiameseNorm path ("pytorch", "apart", "joined")."""
     shape, layout = inputs.shape, inputs.layout
-    scheme = STOCK_SCHEME if variant == STOCK else inputs.scheme
+    scheme = PRE_NORM if variant == STOCK else inputs.scheme
     chunks = chunks_of(shape, layout, rank)
     params = [chunk_parameters(chunk, shape, scheme, layout) for chunk in chunks]
-    largest = max(sum(p.local_numel(layout) for p in unit)  # what FSDP gathers at once, at most
-                  for chunk in chunks for unit in chunk_units(chunk, shape, scheme, layout))
-    states = [chunk_states(chunk_params, layout, inputs.param_bytes, inputs.sharding, bucketed=i == 0,
-                           largest_layer=largest) for i, chunk_params in enumerate(params)]
+    states = [chunk_states(chunk_params, layout, inputs.param_bytes, inputs.sharding, bucketed=i == 0)
+              for i, chunk_params in enumerate(params)]
+    gathered = max(_gathered(chunk, shape, scheme, inputs) for chunk in chunks)
     held = [chunk_activations(chunk, shape, layout, inputs.impl, variant, inputs.micro_batch) for chunk in chunks]
     activations = peak(layout, rank, inputs.microbatches, lambda c: held[c].kept)
     activations += max(chunk.working for chunk in held)
@@ -68,12 +71,35 @@ def gpu_costs(inputs: PlanInputs, variant: str, rank: int) -> GpuCosts:
     pipeline = peak(layout, rank, inputs.microbatches,
                     lambda c: held[c].received + (0 if inputs.deallocate_outputs else held[c].sent),
                     unsent_by_chunk=lambda c: held[c].sent if freed_late else 0.0)
-    buffers = [chunk_buffers(chunk_params, layout, inputs.param_bytes, inputs.sharding, bucketed=i == 0)
-               for i, chunk_params in enumerate(params)]
+    buffers = [dict(chunk_buffers(chunk_params, layout, inputs.param_bytes, inputs.sharding, bucketed=i == 0),
+                    root_weights=_root_elements(chunk, shape, scheme, layout) * inputs.param_bytes)
+               for i, (chunk, chunk_params) in enumerate(zip(chunks, params))]
     sent = step_traffic(shape, layout, chunks, params, variant, tokens_of(shape, layout, inputs.micro_batch),
                         inputs.impl.bytes, inputs.microbatches, inputs.sharding, buffers)
     return GpuCosts(rank, sum(s.weights for s in states), sum(s.grads for s in states),
-                    sum(s.optimizer for s in states), activations, pipeline, sent, max(s.gathered for s in states))
+                    sum(s.optimizer for s in states), activations, pipeline, sent, gathered)
+
+
+def _units(chunk, shape: Shape, scheme: str, layout: Layout) -> List[int]:
+    """The elements on one GPU of each unit of a chunk (``placement.chunk_units``)."""
+    return [sum(p.local_numel(layout) for p in unit) for unit in chunk_units(chunk, shape, scheme, layout)]
+
+
+def _root_elements(chunk, shape: Shape, scheme: str, layout: Layout) -> int:
+    """A chunk's elements outside its decoder layers (its embedding, its head) on one GPU."""
+    units = _units(chunk, shape, scheme, layout)
+    return sum(units[:int(chunk.first)]) + sum(units[len(units) - int(chunk.last):])
+
+
+def _gathered(chunk, shape: Shape, scheme: str, inputs: PlanInputs) -> float:
+    """What FSDP holds unsharded for one chunk (``states.gathered_bytes``): its layers are units,
+    the rest its root (torch FSDP2 shards an untied embedding as a unit of its own)."""
+    units = _units(chunk, shape, scheme, inputs.layout)
+    layers = units[int(chunk.first):len(units) - int(chunk.last)]
+    root, head = sum(units) - sum(layers), units[-1] if chunk.last else 0
+    if inputs.sharding.fsdp == "torch" and chunk.first and not shape.tied:
+        layers, root = layers + [units[0]], root - units[0]
+    return gathered_bytes(inputs.sharding, layers, root, head, inputs.param_bytes, inputs.overlapped_prefetch)
 
 
 def every_rank(inputs: PlanInputs, variant: str) -> List[GpuCosts]:

@@ -10,13 +10,13 @@ from typing import Dict, List, Optional
 
 from megatron_siamese.plan.activations import STOCK
 from megatron_siamese.plan.gpus import human
-from megatron_siamese.plan.per_gpu import GpuCosts, PlanInputs, every_rank, most_loaded
+from megatron_siamese.plan.per_gpu import HELD, GpuCosts, PlanInputs, every_rank, most_loaded
 
 NAMES = {STOCK: "stock Pre-Norm", "joined": "SiameseNorm joined", "apart": "SiameseNorm apart",
          "pytorch": "SiameseNorm PyTorch"}
-HELD = (("weights", "weights"), ("grads", "gradients"), ("optimizer", "optimizer state"),
-        ("gathered", "FSDP: a layer gathered"), ("activations", "activations kept for backward"),
-        ("pipeline", "pipeline buffers"), ("memory", "total"))
+LABELS = dict(weights="weights", grads="gradients", optimizer="optimizer state", gathered="FSDP: a layer gathered",
+              activations="activations kept for backward", pipeline="pipeline buffers", memory="total")
+assert set(LABELS) == {*HELD, "memory"}, "a label for each term a GPU holds"
 SENT = (("tp", "TP all-reduce"), ("sp", "SP all-gather, reduce-scatter"), ("pp", "PP p2p, tied embedding"),
         ("dp", "DP"), ("ep", "EP all-to-all"))
 
@@ -81,10 +81,10 @@ def format_plan(plan: Plan, gpu_name: str) -> str:
         return [human(n) for n in numbers] + [("+" if n - numbers[0] >= 0 else "") + human(n - numbers[0])
                                               for n in numbers[1:]]
 
-    for key, label in HELD:
+    for key in (*HELD, "memory"):
         if key == "gathered" and not any(loaded[v].gathered for v in plan.variants):
             continue  # nothing sharded that a layer needs whole
-        lines.append(_row(label, values(lambda costs: getattr(costs, key)), width))
+        lines.append(_row(LABELS[key], values(lambda costs: getattr(costs, key)), width))
     lines.append("  sent per step:")
     for key, label in SENT:
         lines.append(_row("  " + label, values(lambda costs: costs.sent.get(key, 0.0)), width))

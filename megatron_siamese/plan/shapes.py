@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 from megatron_siamese.runtime.layout import Layout
 
-STOCK = "pre"
+PRE_NORM = "pre"  # the stock scheme's name (--norm pre): its layers have no stream norms
 SIAMESE_SCHEMES = ("siamese", "siamese-layer")  # the schemes the plan models (the standard variant)
 
 
@@ -159,7 +159,7 @@ def layer_parameters(shape: Shape, scheme: str, layer: int) -> List[Parameter]:
             found += _mlp("mlp.shared_experts", shape, shape.shared_expert_ffn)
     else:
         found += _mlp("mlp", shape, shape.ffn)
-    if scheme != STOCK:
+    if scheme != PRE_NORM:
         found += _norms("", shape, ("attn_x_norm", "attn_y_norm", "mlp_x_norm", "mlp_y_norm"))
         if scheme == "siamese-layer" and layer == shape.layers - 1:  # the merge lives in the last layer
             found += _norms("output_merge.", shape, ("x_norm", "y_norm"))

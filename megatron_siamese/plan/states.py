@@ -1,9 +1,13 @@
 """Weights, gradients and optimizer state per GPU, and what data parallelism shards of them.
 
 Bytes per parameter as Megatron keeps them: the weights in the model's dtype; gradients in fp32
-(the runtime's ``grad_reduce_in_fp32``, Megatron-LM's default for bf16); Adam's two moments in
-fp32, and an fp32 main copy of each 16-bit weight (18 bytes a bf16 parameter in all, 16 an fp32
-one, whose weights are their own main copy). Data parallelism shards some of them over its
+(``grad_reduce_in_fp32``, Megatron-LM's default for bf16, which Megatron DDP and Megatron-FSDP
+honour) except under torch FSDP2, whose Megatron wrapper sets no mixed-precision policy: it
+reduces and keeps the gradients in the parameters' dtype (measured: bf16 shards, a bf16
+reduce-scatter); Adam's two moments in fp32, and an fp32 main copy of each 16-bit weight (18
+bytes a bf16 parameter in all under DDP, 16 an fp32 one, whose weights are their own main copy).
+A 16-bit optimizer's fp32 main gradients exist from its step to the next ``zero_grad``, when no
+activation is held: they do not add to the peak and are not counted. Data parallelism shards some of them over its
 ranks (``DataParallelSharding``): nothing (DDP), the optimizer state (the distributed optimizer;
 Megatron-FSDP's ``optim``), also the gradients (``optim_grads``), or everything
 (``optim_grads_params``, torch FSDP2). Dense parameters are sharded over the data-parallel
@@ -12,10 +16,24 @@ group (with context parallelism, ``dp x cp``), experts over the expert-data-para
 Under the distributed optimizer Megatron's DDP pads its weight and gradient buffers (each
 parameter starts at a multiple of 64 elements, each bucket ends at a multiple of
 ``lcm(dp, 128)``, the word embedding tied over stages in a bucket of its own): counted here
-(``padded_numel``), as they decide the buffers' size on small models. Sharded weights are
-gathered for compute unit by unit (the embedding, each layer, the head): two of the largest
-unit's weights (the one computing and the next, prefetched) and one's unsharded gradients are
-counted apart from the shards (``States.gathered``).
+(``padded_numel``), as they decide the buffers' size on small models.
+
+Sharded weights are gathered for compute unit by unit, each decoder layer a unit; the rest of a
+chunk (the embedding, the head) is its root (``gathered_bytes``, counted apart from the shards):
+
+* torch FSDP2 holds its root unsharded from its forward to its backward, a layer unsharded while
+  it computes and the next one's all-gather beside it (on CUDA the prefetch overlaps the compute;
+  on the CPU, in program order, only one is held), one layer's unsharded gradients until their
+  reduce-scatter, and the head's until the root's, at the end of the backward (Megatron's wrapper
+  shards the embedding as a unit of its own when untied); it all-gathers every unit, the root
+  too, for each forward and again for each backward;
+* Megatron-FSDP (optim_grads_params) keeps its root's weights gathered (all-gathered once a step,
+  after the optimizer), all-gathers each layer for each forward and backward, ahead of the layer
+  computing until ``MEGATRON_FSDP_PREFETCH`` elements are in flight (its suggested all-gather
+  size: half of at least 10^9 elements, so every layer of a small chunk), and holds a layer's and
+  the root's unsharded gradients; with optim_grads, whose chunk is one unit, the whole chunk's
+  gradients unsharded, and its weights all-gathered once a step (measured: docs/scale.md).
+Megatron-FSDP also keeps fp32 main weights whatever the parameters' dtype (its main_weight buffer).
 """
 
 from __future__ import annotations
@@ -27,7 +45,8 @@ from typing import Dict, Iterable, List, Sequence
 from megatron_siamese.plan.shapes import Parameter
 from megatron_siamese.runtime.layout import FSDP_KINDS, SHARDING_STRATEGIES, Layout
 
-GRAD_BYTES = 4
+FP32_GRAD_BYTES = 4  # grad_reduce_in_fp32
+MEGATRON_FSDP_PREFETCH = 500_000_000  # elements: its suggested_AG_prefetch_size (max(10^9, ...) // 2)
 ADAM_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 MAIN_PARAM_BYTES = 4
 
@@ -37,7 +56,8 @@ class DataParallelSharding:
     """Which training states data parallelism shards, by what name, and how often it moves them:
     whether gradients are reduce-scattered after every microbatch's backward instead of once a
     step, and how many times a microbatch weights are all-gathered (0: once a step, after the
-    optimizer's). Megatron-FSDP's counts are what the CPU ranks measure (docs/scale.md)."""
+    optimizer's). Megatron-FSDP's counts are what the CPU ranks measure in a step after the first
+    (docs/scale.md)."""
 
     name: str
     weights: bool = False
@@ -45,7 +65,14 @@ class DataParallelSharding:
     optimizer: bool = False
     reduce_every_microbatch: bool = False
     gathers_per_microbatch: int = 0
+    root_gathered_once: bool = False  # Megatron-FSDP: the root's weights gathered once a step, the layers per microbatch
     padded: bool = False  # Megatron DDP's buffers for the distributed optimizer (padded_numel)
+    grads_in_param_dtype: bool = False  # reduced and kept in the parameters' dtype, not fp32 (torch FSDP2)
+    fsdp: str = "none"  # the fully sharded kind (Layout.fsdp): how it gathers (gathered_bytes)
+
+    def grad_bytes(self, param_bytes: int) -> int:
+        """Bytes of one gradient element (and of what the gradient reduction sends of it)."""
+        return param_bytes if self.grads_in_param_dtype else FP32_GRAD_BYTES
 
 
 def data_parallel_sharding(distributed_optimizer: bool, fsdp: str = "none",
@@ -61,13 +88,13 @@ def data_parallel_sharding(distributed_optimizer: bool, fsdp: str = "none",
         return DataParallelSharding("DDP")
     if fsdp == "torch":
         return DataParallelSharding("torch FSDP2", weights=True, grads=True, optimizer=True, reduce_every_microbatch=True,
-                                    gathers_per_microbatch=2)
+                                    gathers_per_microbatch=2, grads_in_param_dtype=True, fsdp="torch")
     if strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"data_parallel_sharding_strategy must be one of {SHARDING_STRATEGIES}, got {strategy!r}")
     level = SHARDING_STRATEGIES.index(strategy)
     return DataParallelSharding(f"Megatron-FSDP {strategy}", optimizer=level >= 1, grads=level >= 2,
                                 weights=level >= 3, reduce_every_microbatch=level >= 1,
-                                gathers_per_microbatch=(0, 0, 1, 2)[level])
+                                gathers_per_microbatch=2 if level == 3 else 0, root_gathered_once=True, fsdp="megatron")
 
 
 def layout_sharding(layout: Layout) -> DataParallelSharding:
@@ -116,13 +143,11 @@ def padded_numel(numels: Sequence[int], shared: Sequence[bool], dp: int, size: f
 
 @dataclass(frozen=True)
 class States:
-    """One GPU's weights, gradients and optimizer state, in bytes (sharded: this GPU's shards), and
-    what sharded weights and gradients need unsharded while a layer computes."""
+    """One GPU's weights, gradients and optimizer state, in bytes (sharded: this GPU's shards)."""
 
     weights: float
     grads: float
     optimizer: float
-    gathered: float = 0.0
 
 
 def _buffer(params: List[Parameter], layout: Layout, dp: int, padded: bool, bucketed: bool) -> int:
@@ -150,16 +175,15 @@ def chunk_buffers(params: Iterable[Parameter], layout: Layout, param_bytes: int,
     for expert, fp32, members, dp in _groups(list(params), layout):
         numel = _buffer(members, layout, dp, sharding.padded, bucketed)
         prefix = "expert_" if expert else ""
-        found[prefix + "grads"] += numel * GRAD_BYTES
+        found[prefix + "grads"] += numel * sharding.grad_bytes(param_bytes)
         found[prefix + "weights"] += numel * (4 if fp32 else param_bytes)
     return found
 
 
 def chunk_states(params: Iterable[Parameter], layout: Layout, param_bytes: int, sharding: DataParallelSharding,
-                 bucketed: bool, largest_layer: int) -> States:
-    """The states of one model chunk's parameters on one GPU (``bucketed``: the chunk's DDP
-    buckets its gradients, Megatron's first chunk; ``largest_layer``: the most elements one unit
-    FSDP gathers, the embedding, a layer or the head, holds on this GPU)."""
+                 bucketed: bool) -> States:
+    """The states of one model chunk's parameters on one GPU (``bucketed``: the chunk's DDP buckets
+    its gradients, Megatron's first chunk); what FSDP gathers is ``gathered_bytes``'s."""
     params = list(params)
     buffers = chunk_buffers(params, layout, param_bytes, sharding, bucketed)
     dense, experts = dense_dp_size(layout), expert_dp_size(layout)
@@ -169,8 +193,24 @@ def chunk_states(params: Iterable[Parameter], layout: Layout, param_bytes: int, 
     grads += buffers["expert_grads"] / (experts if sharding.grads else 1)
     optimizer = 0.0
     for _, fp32, members, dp in _groups(params, layout):
-        per_param = ADAM_BYTES + (MAIN_PARAM_BYTES if not fp32 and param_bytes < 4 else 0)
+        main_copy = sharding.fsdp == "megatron" or (not fp32 and param_bytes < 4)
+        per_param = ADAM_BYTES + (MAIN_PARAM_BYTES if main_copy else 0)
         optimizer += sum(p.local_numel(layout) for p in members) * per_param / (dp if sharding.optimizer else 1)
-    gathered = (2 * largest_layer * param_bytes if sharding.weights else 0) + (
-        largest_layer * GRAD_BYTES if sharding.grads else 0)
-    return States(weights, grads, optimizer, gathered)
+    return States(weights, grads, optimizer)
+
+
+def gathered_bytes(sharding: DataParallelSharding, layers: Sequence[int], root: int, head: int, param_bytes: int,
+                   overlapped_prefetch: bool = True) -> float:
+    """What fully sharded data parallelism holds unsharded at most at once on one GPU (the module
+    docstring), from the elements of each decoder layer (a unit) and of the rest of the chunk
+    (``root``, of which ``head`` are the head's: the final norms and an output layer of its own)
+    on this GPU; ``overlapped_prefetch``: CUDA's (the CPU holds one layer, not two)."""
+    if not (sharding.weights or sharding.grads):
+        return 0.0
+    largest, grad_bytes = max(layers, default=0), sharding.grad_bytes(param_bytes)
+    if sharding.fsdp == "torch":  # the head's gradients, the first computed, wait for the root's reduce-scatter
+        return (root + largest * (2 if overlapped_prefetch else 1)) * param_bytes + (largest + head) * grad_bytes
+    if not sharding.weights:  # optim_grads: the chunk is one unit, its gradients whole until reduced
+        return (sum(layers) + root) * grad_bytes
+    weights = root + min(sum(layers), largest + MEGATRON_FSDP_PREFETCH)
+    return weights * param_bytes + (largest + root) * grad_bytes

@@ -7,14 +7,15 @@ microbatch's hidden states on a rank (``T = s b / cp``), per microbatch:
 
 * TP (all-reduces over the tensor-parallel group, without SP): 4 a dense layer (forward: the
   attention's and the MLP's output projections; backward: their input projections' input
-  gradients), 2 more under full recompute and 1 under selective (the MLP runs again), one for
+  gradients), one more for each sublayer whose forward runs again in backward (full recompute:
+  both; selective "mlp": the MLP; ``plan/recompute.py``), one for
   the embedding and one for the output layer's input gradient; the cross entropy's 3 of ``T``
   fp32 values; once a step the gradients TP does not split but sums (norms, row-parallel
   biases and the router under SP, QK-norm always): SiameseNorm's four stream norms a layer add
   to those;
 * SP (all-gathers and reduce-scatters over the same group, with sequence parallelism): 6
   all-gathers and 4 reduce-scatters a dense layer (each column-parallel linear gathers its input
-  again in backward), 2 + 2 more under full recompute, 1 + 1 under selective; the embedding's
+  again in backward), 1 + 1 more for each sublayer run again; the embedding's
   reduce-scatter (an all-reduce, TP's, when it adds learned positions) and all-gather, the output
   layer's 2 all-gathers and a reduce-scatter;
 * PP: the streams each chunk sends on, and their gradients back: ``[Ts, b, h]`` stock,
@@ -23,10 +24,13 @@ microbatch's hidden states on a rank (``T = s b / cp``), per microbatch:
 * DP: the gradient buffers (fp32) all-reduced once a step; the distributed optimizer
   reduce-scatters them and all-gathers the weights instead; FSDP reduce-scatters them every
   microbatch (torch FSDP2, Megatron-FSDP from ``optim`` on) and all-gathers sharded weights for
-  every forward and backward (Megatron-FSDP's ``optim_grads``: once a microbatch);
+  every forward and backward (Megatron-FSDP: its layers; its root, and every weight under
+  ``optim`` and ``optim_grads``, once a step);
 * EP (Megatron's alltoall dispatcher): per MoE layer 3 all-to-alls forward (hidden states,
   routing probabilities, the experts' outputs back) and 3 backward of ``Ts k`` token copies
-  (a balanced router), and an all-gather of the tokens per expert.
+  (a balanced router), and an all-gather of the tokens per expert; under expert TP the routed
+  copies are all-gathered and reduce-scattered over it, 2 + 2 a microbatch; the forward ones
+  again where the experts are recomputed (full, or selective "moe").
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Dict, List
 
 from megatron_siamese.plan.activations import STAT, STOCK, Tokens
 from megatron_siamese.plan.placement import Chunk
+from megatron_siamese.plan.recompute import layer_recompute
 from megatron_siamese.plan.shapes import Parameter, Shape
 from megatron_siamese.plan.states import DataParallelSharding, dense_dp_size, expert_dp_size
 from megatron_siamese.runtime.layout import Layout
@@ -70,25 +75,36 @@ class Traffic:
         self.sent[kind] += times * sent_bytes(op, payload, group)
 
 
+def _replays(shape: Shape, layout: Layout, index: int, layer: int) -> Dict[str, int]:
+    """How many times a layer's sublayers run forward again in backward (0 or 1): the attention,
+    a dense MLP or an MoE layer's routed experts, its shared expert."""
+    again = layer_recompute(layout.recompute, shape.is_moe(layer), index)
+    return dict(attention=int(again.whole), mlp=int(again.whole or again.mlp),
+                shared=int(again.whole or again.shared_expert))
+
+
 def _tensor_parallel(traffic: Traffic, shape: Shape, layout: Layout, chunks: List[Chunk], tokens: Tokens,
                      activation_bytes: int, microbatches: int) -> None:
     t = layout.tp
     hidden = tokens.whole * shape.hidden * activation_bytes
     for chunk in chunks:
-        for layer in chunk.layers:
+        for index, layer in enumerate(chunk.layers):
             moe = shape.is_moe(layer)
+            replays = _replays(shape, layout, index, layer)
             sublayers = 1 if moe else 2  # an MoE layer's MLP is the experts' (EP), not TP
-            replays = {"full": sublayers, "selective": 0 if moe else 1}.get(layout.recompute, 0)
+            again = replays["attention"] + (0 if moe else replays["mlp"])
             for op in ((ALL_GATHER, REDUCE_SCATTER) if layout.sp else (ALL_REDUCE,)):
                 traffic.add("sp" if layout.sp else "tp", op, hidden, t,
-                            microbatches * (SUBLAYER_COLLECTIVES[op] * sublayers + replays))
+                            microbatches * (SUBLAYER_COLLECTIVES[op] * sublayers + again))
             if moe and shape.shared_expert_ffn:  # a TP-split MLP beside the experts (MoE layers have SP)
                 for op in (ALL_GATHER, REDUCE_SCATTER):
-                    traffic.add("sp", op, hidden, t, microbatches * SUBLAYER_COLLECTIVES[op])
-            if moe and layout.expert_tp > 1:  # the routed tokens gathered over expert TP and scattered back
+                    traffic.add("sp", op, hidden, t, microbatches * (SUBLAYER_COLLECTIVES[op] + replays["shared"]))
+            if moe and layout.expert_tp > 1:
+                # the routed tokens gathered over expert TP and scattered back, forward (and again when
+                # the experts are recomputed), and their gradients the other way in backward
                 routed = tokens.sharded * shape.topk * layout.expert_tp * shape.hidden * activation_bytes
-                traffic.add("sp", ALL_GATHER, routed, layout.expert_tp, microbatches * 2)
-                traffic.add("sp", REDUCE_SCATTER, routed, layout.expert_tp, microbatches * 2)
+                for op in (ALL_GATHER, REDUCE_SCATTER):
+                    traffic.add("sp", op, routed, layout.expert_tp, microbatches * (2 + replays["mlp"]))
         if layout.sp:
             if chunk.first:  # the embedding reduce-scatters, or all-reduces to add learned positions and splits
                 kind, op = ("tp", ALL_REDUCE) if shape.learned_positions else ("sp", REDUCE_SCATTER)
@@ -128,7 +144,8 @@ def step_traffic(shape: Shape, layout: Layout, chunks: List[Chunk], params: List
             embedding = next(p for p in chunk_params if p.shared_embedding)
             traffic.add("pp", ALL_REDUCE, embedding.local_numel(layout) * 4, 2)
     for buffer in buffers:
-        _data_parallel(traffic, buffer["grads"], buffer["weights"], dense_dp_size(layout), sharding, microbatches)
+        _data_parallel(traffic, buffer["grads"], buffer["weights"], dense_dp_size(layout), sharding, microbatches,
+                       buffer.get("root_weights", 0.0))
         _data_parallel(traffic, buffer["expert_grads"], buffer["expert_weights"], expert_dp_size(layout), sharding,
                        microbatches)
     if layout.ep > 1:
@@ -137,11 +154,14 @@ def step_traffic(shape: Shape, layout: Layout, chunks: List[Chunk], params: List
 
 
 def _data_parallel(traffic: Traffic, grads: float, weights: float, dp: int, sharding: DataParallelSharding,
-                   microbatches: int) -> None:
+                   microbatches: int, root_weights: float = 0.0) -> None:
+    """``root_weights``: of ``weights``, the chunk's root's (not a decoder layer's)."""
     if dp == 1 or not grads:
         return
     if sharding.gathers_per_microbatch:  # sharded weights: for each forward and again for each backward
-        traffic.add("dp", ALL_GATHER, weights, dp, sharding.gathers_per_microbatch * microbatches)
+        once = root_weights if sharding.root_gathered_once else 0.0  # Megatron-FSDP's root: once a step
+        traffic.add("dp", ALL_GATHER, weights - once, dp, sharding.gathers_per_microbatch * microbatches)
+        traffic.add("dp", ALL_GATHER, once, dp)
     elif sharding.optimizer:  # the updated shards, once a step
         traffic.add("dp", ALL_GATHER, weights, dp)
     if sharding.reduce_every_microbatch:
@@ -156,9 +176,12 @@ def _expert_parallel(traffic: Traffic, shape: Shape, layout: Layout, chunks: Lis
                      activation_bytes: int, microbatches: int) -> None:
     ep = layout.ep
     routed = tokens.sharded * shape.topk
-    moe_layers = sum(shape.is_moe(layer) for chunk in chunks for layer in chunk.layers)
-    forwards = moe_layers * microbatches * (2 if layout.recompute == "full" else 1)
-    for times in (forwards, moe_layers * microbatches):  # forward passes (again under full recompute), backward
-        traffic.add("ep", ALL_TO_ALL, routed * shape.hidden * activation_bytes, ep, 2 * times)
-        traffic.add("ep", ALL_TO_ALL, routed * STAT, ep, times)
-    traffic.add("ep", ALL_GATHER, ep * shape.experts * 8, ep, forwards)  # tokens per expert, int64
+    for chunk in chunks:
+        for index, layer in enumerate(chunk.layers):
+            if not shape.is_moe(layer):
+                continue
+            forwards = microbatches * (1 + _replays(shape, layout, index, layer)["mlp"])
+            for times in (forwards, microbatches):  # forward passes (again when recomputed), backward
+                traffic.add("ep", ALL_TO_ALL, routed * shape.hidden * activation_bytes, ep, 2 * times)
+                traffic.add("ep", ALL_TO_ALL, routed * STAT, ep, times)
+            traffic.add("ep", ALL_GATHER, ep * shape.experts * 8, ep, forwards)  # tokens per expert, int64

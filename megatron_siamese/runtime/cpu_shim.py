@@ -51,7 +51,10 @@ What ``install()`` changes, and only while it is installed:
   follow is synchronous, and its async parameter all-gathers are waited on their ``Work`` before
   a bucket is used or freed: read in 0.19.2's param_and_grad_buffer.py), and megatron-core 0.16.1's adapter asks
   ``isinstance(module, TELinear)`` under TP, which without Transformer Engine is a MagicMock that
-  ``isinstance`` refuses: there it is a class no module is an instance of.
+  ``isinstance`` refuses: there it is a class no module is an instance of;
+* without Transformer Engine, the FP8 bookkeeping that Megatron's ``CheckpointWithoutOutput`` asks
+  TE for whatever its ``fp8`` argument (stock selective "layernorm" recompute): FP8 off, as TE
+  answers when FP8 is off.
 
 It refuses to install when CUDA is available: on a GPU machine Megatron must run on
 the GPU, never through this shim. Only the launcher (``runtime/launch.py``, for gloo
@@ -65,7 +68,7 @@ import functools
 import os
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -268,6 +271,27 @@ def _inference_replacements() -> Dict[Tuple[Any, str], Any]:
     return {(communication_utils, "_is_cuda"): is_a_tensor}
 
 
+_emulating = threading.local()
+
+
+@contextlib.contextmanager
+def _standing_in_for(op: str, payload: int):
+    """While the shim emulates collective ``op`` on ``payload`` bytes with other calls: what a count
+    of collectives should book instead of those calls (``check/collectives.py``: the real
+    collective's bytes, not the emulation's)."""
+    _emulating.current = [op, payload, False]
+    try:
+        yield
+    finally:
+        _emulating.current = None
+
+
+def emulated_collective() -> Optional[List[Any]]:
+    """``[op, payload bytes, booked]`` of the collective an emulation running now stands in for
+    (a counter sets ``booked`` once it has booked it), or None."""
+    return getattr(_emulating, "current", None)
+
+
 def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
     """What Megatron's MoE layers and token dispatchers need beyond the above on CPU/gloo."""
     from megatron.core.tensor_parallel import mappings
@@ -289,7 +313,9 @@ def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
         sizes = [int(size) for size in output_split_sizes]
         padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
         padded[: input_.shape[0]] = input_
-        gathered = original_gather(padded.contiguous(), group, None, False)
+        row = input_[:1].numel() * input_.element_size()
+        with _standing_in_for("all_gather", sum(sizes) * row):
+            gathered = original_gather(padded.contiguous(), group, None, False)
         return torch.cat([piece[:size] for piece, size in zip(gathered.chunk(len(sizes)), sizes)])
 
     def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
@@ -297,7 +323,8 @@ def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
             return original_scatter(input_, group, input_split_sizes, use_global_buffer)
         # gloo has no uneven reduce_scatter: the sum of the whole tensor, then this rank's rows
         summed = input_.clone()
-        torch.distributed.all_reduce(summed, group=group)
+        with _standing_in_for("reduce_scatter", input_.numel() * input_.element_size()):
+            torch.distributed.all_reduce(summed, group=group)
         sizes = [int(size) for size in input_split_sizes]
         start = sum(sizes[: group.rank()])
         return summed[start : start + sizes[group.rank()]].clone()
@@ -311,6 +338,24 @@ def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 without TE leaves it undefined
         replacements[(moe_utils, "te_general_gemm")] = None
     return replacements
+
+
+def _recompute_replacements() -> Dict[Tuple[Any, str], Any]:
+    """Megatron's ``CheckpointWithoutOutput()``, built with its default ``fp8=False``, takes FP8 as on
+    (``self.fp8 = fp8 is not None``) and asks Transformer Engine whether FP8 runs: stock selective
+    "layernorm" recompute then fails without TE (``NameError: FP8GlobalStateManager``, 0.16.1 and
+    0.19.2). Without TE these are its answers with FP8 off: no FP8, no recipe, no recompute phase to
+    mark (the phase only TE's FP8 modules read), no FP8 autocast for the recomputation."""
+    import types
+
+    from megatron.core.tensor_parallel import random
+
+    if hasattr(random, "FP8GlobalStateManager"):  # Transformer Engine is there: its own answers
+        return {}
+    no_fp8 = types.SimpleNamespace(is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None)
+    return {(random, "FP8GlobalStateManager"): no_fp8,
+            (random, "activation_recompute_forward"): lambda **unused: contextlib.nullcontext(),
+            (random, "fp8_autocast"): lambda enabled=False, **unused: contextlib.nullcontext()}
 
 
 _ABSENT = object()  # an attribute install() added rather than replaced
@@ -345,7 +390,7 @@ def install() -> None:
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0)
         replacements = {**_device_replacements(), **_cuda_rng_replacements(generator), **_moe_replacements(),
-                        **_inference_replacements(), **_fsdp_replacements()}
+                        **_inference_replacements(), **_fsdp_replacements(), **_recompute_replacements()}
         originals: List[Tuple[Any, str, Any]] = []
         for (owner, name), replacement in replacements.items():
             originals.append((owner, name, getattr(owner, name, _ABSENT)))

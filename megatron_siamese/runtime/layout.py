@@ -20,21 +20,163 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 from megatron_siamese.runtime.registry import config_kwargs, setting
 
-# the activation-recompute presets, as TransformerConfig fields
+# Megatron's selective-recompute modules (TransformerConfig.recompute_modules), with the first
+# megatron-core release that has each
+RECOMPUTE_MODULES = {"core_attn": (0, 0), "moe_act": (0, 0), "layernorm": (0, 0), "mla_up_proj": (0, 0),
+                     "mlp": (0, 0), "moe": (0, 0), "shared_experts": (0, 0), "gdn_norm_out": (0, 19)}
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)  # Megatron's, when selective names none
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recompute as Megatron's TransformerConfig has it (Megatron-LM's flags of the same
+    names): ``full`` granularity checkpoints whole layers, ``uniform``ly in groups of ``num_layers``
+    or the first ``num_layers`` of each model chunk (``block``); ``selective`` checkpoints
+    ``modules`` inside each layer. A layout name spells it ``full`` (uniform, 1), ``fullN``
+    (uniform, N), ``fullblockN``, ``sel`` (the package's preset: layernorm and mlp) or
+    ``sel=MOD.MOD`` (``sel=core_attn``)."""
+
+    granularity: Optional[str] = None
+    method: Optional[str] = None
+    num_layers: Optional[int] = None
+    modules: Tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "modules", tuple(sorted(set(self.modules))))  # one set of modules, one name
+        problem = recompute_problem(self.granularity, self.method, self.num_layers, self.modules)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def full(self) -> bool:
+        return self.granularity == "full"
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute checkpoints ``module`` (a name of ``RECOMPUTE_MODULES``)."""
+        return self.granularity == "selective" and module in self.modules
+
+    @property
+    def preset(self) -> Optional[str]:
+        """The name of the preset (``train --recompute``) this is, or None."""
+        return next((name for name, preset in RECOMPUTE_PRESETS.items() if preset == self), None)
+
+    @property
+    def name(self) -> str:
+        """Its part of a layout name ("" without recompute)."""
+        if self.granularity is None:
+            return ""
+        if self.full:
+            return "full" + ("block" if self.method == "block" else "") + (
+                "" if (self.method, self.num_layers) == ("uniform", 1) else str(self.num_layers))
+        return "sel" if self.modules == ("layernorm", "mlp") else "sel=" + ".".join(self.modules)
+
+    def __str__(self) -> str:
+        if self.granularity is None:
+            return "none"
+        if self.full:
+            layers = f"{self.num_layers} layer{'' if self.num_layers == 1 else 's'}"
+            return f"full ({'groups of ' + layers if self.method == 'uniform' else 'the first ' + layers + ' of a chunk'})"
+        return f"selective ({', '.join(self.modules) or 'nothing'})"
+
+    def config(self) -> dict:
+        """TransformerConfig keyword arguments."""
+        if self.granularity is None:
+            return {}
+        if self.full:
+            return dict(recompute_granularity="full", recompute_method=self.method, recompute_num_layers=self.num_layers)
+        return dict(recompute_granularity="selective", recompute_modules=list(self.modules))
+
+
+def recompute_problem(granularity, method, num_layers, modules, spell=lambda name: name) -> Optional[str]:
+    """What Megatron's TransformerConfig refuses of these recompute settings, or None. ``spell``
+    names a setting (``recompute_method``, ...) as the caller's words do (train: its flag)."""
+    if granularity not in (None, *RECOMPUTE_GRANULARITIES):
+        return f"{spell('recompute_granularity')} must be full or selective (got {granularity!r})"
+    if granularity == "full":
+        if method not in RECOMPUTE_METHODS:
+            return (f"full recompute needs {spell('recompute_method')} uniform (layers in groups of "
+                    f"{spell('recompute_num_layers')}) or block (the first {spell('recompute_num_layers')} of each "
+                    f"model chunk)")
+        if num_layers is None or num_layers < 1:
+            return f"full recompute needs {spell('recompute_num_layers')} of at least 1"
+        if modules:
+            return f"{spell('recompute_modules')} applies to selective recompute, not full: drop it"
+        return None
+    given = [spell(name) for name, value in (("recompute_method", method), ("recompute_num_layers", num_layers))
+             if value is not None]
+    if given:
+        return f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to full recompute only: drop " + (
+            "them" if len(given) > 1 else "it")
+    unknown = [module for module in modules if module not in RECOMPUTE_MODULES]
+    if unknown:
+        return (f"{spell('recompute_modules')} {' '.join(unknown)}: not a module Megatron recomputes (it has "
+                f"{', '.join(RECOMPUTE_MODULES)})")
+    if granularity is None and modules:
+        return f"{spell('recompute_modules')} needs selective recompute: add {spell('recompute_granularity')} selective"
+    return None
+
+
+# the package's recompute presets (train's --recompute, the layout names' full and sel)
 RECOMPUTE_PRESETS = {
-    "none": {},
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "selective": dict(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"]),
+    "none": Recompute(),
+    "full": Recompute("full", "uniform", 1),
+    "selective": Recompute("selective", modules=("layernorm", "mlp")),
 }
 RECOMPUTE = tuple(RECOMPUTE_PRESETS)
 # fully sharded data parallelism: none, torch FSDP2 (Megatron's TorchFullyShardedDataParallel), Megatron-FSDP
 FSDP_KINDS = ("none", "torch", "megatron")
 # Megatron-FSDP's data_parallel_sharding_strategy values, in its own order (0-3: what a layout name's mfsdpN says)
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+@dataclass(frozen=True)
+class LayoutWords:
+    """How a refusal names a layout's parts: as a layout name spells them (``LAYOUT_NAME``), or as
+    ``train``'s flags do (``TRAIN_FLAGS``)."""
+
+    size: Callable[[str, int], str]  # ("pp", 1) -> "pp1" / "--pp 1"
+    torch_fsdp: str
+    megatron_fsdp: str
+    distributed_optimizer: str
+
+
+LAYOUT_NAME = LayoutWords(lambda key, value: f"{key}{value}", "torch FSDP2 (fsdp2)", "Megatron-FSDP (mfsdpN)",
+                          "Megatron's distributed optimizer (do)")
+TRAIN_FLAGS = LayoutWords(lambda key, value: f"--{key} {value}", "--use-torch-fsdp2", "--use-megatron-fsdp",
+                          "--use-distributed-optimizer")
+
+
+def fsdp_refusals(fsdp: str, *, tp: int, cp: int, dp: int, pp: int, ep: int, expert_tp: int,
+                  distributed_optimizer: bool, words: LayoutWords = LAYOUT_NAME) -> List[str]:
+    """What fully sharded data parallelism ``fsdp`` ("torch", "megatron") cannot run with, each
+    rule written once (``Layout`` refuses the first, ``train`` lists them all in its flags' words):
+    Megatron-LM's refusals with ``--use-torch-fsdp2``, and what Megatron-FSDP cannot train."""
+    if fsdp == "none":
+        return []
+    flag = words.torch_fsdp if fsdp == "torch" else words.megatron_fsdp
+    if dp == 1:  # the cause of everything else: said alone
+        return [f"{flag} shards over the data-parallel ranks: it needs more than one ({words.size('dp', 2)} or more)"]
+    if fsdp == "torch":
+        refused = [(pp > 1, "pipeline parallelism (Megatron-LM refuses it)", f"use {words.size('pp', 1)}"),
+                   (ep > 1, "expert parallelism (Megatron-LM refuses it)", f"use {words.size('ep', 1)}"),
+                   (distributed_optimizer, f"{words.distributed_optimizer} (Megatron-LM refuses it; FSDP2 shards the "
+                                           "optimizer state itself)", "drop it")]
+    else:
+        refused = [(pp > 1, "pipeline parallelism: its adapter builds its device mesh as if every rank were "
+                            "dp x ep x tp (mcore_fsdp_adapter.py, _get_dp_tp_mesh, 0.16.1 to Megatron-LM main)",
+                    f"use {words.size('pp', 1)}"),
+                   (ep > 1 and tp * cp * dp == ep * expert_tp,
+                    "experts held by one rank of each expert-data-parallel group: it mis-scales their gradients "
+                    "(the check measures it with megatron-core 0.16.1 and 0.19.2; NVIDIA/Megatron-LM#6773, after "
+                    "0.19, reworks one-rank reductions)",
+                    f"use {words.size('dp', 2 * dp)} (each expert on two data-parallel ranks)")]
+    return [f"{flag} does not run with {what}: {change}" for on, what, change in refused if on]
 
 
 @dataclass(frozen=True)
@@ -52,7 +194,8 @@ class Layout:
     etp: Optional[int] = setting(None, config="expert_tensor_parallel_size")  # None: Megatron's default, tp
     sp: bool = setting(False, config="sequence_parallel")
     distributed_optimizer: bool = False  # DistributedDataParallelConfig's and OptimizerConfig's
-    recompute: str = "none"  # a preset of several TransformerConfig fields: recompute_options()
+    # several TransformerConfig fields (Recompute.config); a preset's name (RECOMPUTE_PRESETS) is taken too
+    recompute: Recompute = Recompute()
     # fully sharded data parallelism over the dp ranks (runtime/data_parallel.py): "torch" wraps each model
     # chunk in Megatron's TorchFullyShardedDataParallel (use_torch_fsdp2: parameters, gradients and optimizer
     # state sharded), "megatron" in Megatron-FSDP (use_megatron_fsdp), whose fsdp_sharding (its
@@ -67,8 +210,10 @@ class Layout:
         self._check_fsdp()
         if self.fsdp == "megatron":  # Megatron-FSDP always steps Megatron's distributed optimizer: one name
             object.__setattr__(self, "distributed_optimizer", True)
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if isinstance(self.recompute, str):
+            if self.recompute not in RECOMPUTE:
+                raise ValueError(f"recompute must be one of {RECOMPUTE} or a Recompute, got {self.recompute!r}")
+            object.__setattr__(self, "recompute", RECOMPUTE_PRESETS[self.recompute])
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
         if self.vpp is not None and self.pp == 1:
@@ -90,27 +235,10 @@ class Layout:
         if self.fsdp_sharding != "no_shard" and self.fsdp != "megatron":
             raise ValueError(f"a sharding strategy ({self.fsdp_sharding}) is Megatron-FSDP's: use fsdp='megatron' "
                              "(mfsdpN in a layout name)")
-        if self.fsdp != "none" and self.dp == 1:
-            raise ValueError("fully sharded data parallelism needs dp > 1 to shard anything")
-        if self.fsdp == "megatron" and self.pp > 1:
-            raise ValueError("Megatron-FSDP (mfsdpN) does not run with pipeline parallelism: its adapter builds "
-                             "its device mesh as if every rank were dp x ep x tp (mcore_fsdp_adapter.py, "
-                             "_get_dp_tp_mesh, 0.16.1 to Megatron-LM main): use pp1")
-        if self.fsdp == "megatron" and self.ep > 1 and self.tp * self.cp * self.dp == self.ep * self.expert_tp:
-            raise ValueError(f"Megatron-FSDP (mfsdpN) mis-scales the gradients of experts held by one rank of each "
-                             f"expert-data-parallel group (the check measures it with megatron-core 0.16.1 and 0.19.2; "
-                             f"NVIDIA/Megatron-LM#6773, after 0.19, reworks one-rank reductions): use dp{2 * self.dp} "
-                             "(each expert on two data-parallel ranks)")
-        if self.fsdp != "torch":
-            return
-        # Megatron-LM's arguments.py refuses these with --use-torch-fsdp2
-        refused = [(self.pp > 1, "pipeline parallelism", "use pp1"),
-                   (self.ep > 1, "expert parallelism", "use ep1"),
-                   (self.distributed_optimizer, "Megatron's distributed optimizer",
-                    "drop do (FSDP2 shards the optimizer state itself)")]
-        for on, what, change in refused:
-            if on:
-                raise ValueError(f"torch FSDP2 (fsdp2) does not run with {what} (Megatron-LM refuses it): {change}")
+        refused = fsdp_refusals(self.fsdp, tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep,
+                                expert_tp=self.expert_tp, distributed_optimizer=self.distributed_optimizer)
+        if refused:
+            raise ValueError(refused[0])
 
     @property
     def expert_tp(self) -> int:
@@ -132,8 +260,8 @@ class Layout:
         return dict(sizes, expert_tensor_parallel_size=self.expert_tp)
 
     def recompute_options(self) -> dict:
-        """This layout's recompute preset as TransformerConfig keyword arguments."""
-        return dict(RECOMPUTE_PRESETS[self.recompute])
+        """This layout's recompute as TransformerConfig keyword arguments."""
+        return self.recompute.config()
 
     @property
     def world_size(self) -> int:
@@ -150,7 +278,7 @@ class Layout:
                   if on]
         parts += {"none": [], "torch": ["fsdp2"],
                   "megatron": [f"mfsdp{SHARDING_STRATEGIES.index(self.fsdp_sharding)}"]}[self.fsdp]
-        parts += {"none": [], "full": ["full"], "selective": ["sel"]}[self.recompute]
+        parts += [self.recompute.name] if self.recompute.name else []
         return "-".join(parts) or "single"
 
     def with_(self, **changes) -> "Layout":
@@ -159,8 +287,21 @@ class Layout:
 
 _SIZE = re.compile(r"^(tp|pp|vpp|cp|dp|ep|etp)(\d+)$")
 _FLAGS = {"sp": ("sp", True), "do": ("distributed_optimizer", True),
-          "full": ("recompute", "full"), "sel": ("recompute", "selective"), "fsdp2": ("fsdp", "torch")}
+          "full": ("recompute", RECOMPUTE_PRESETS["full"]), "sel": ("recompute", RECOMPUTE_PRESETS["selective"]),
+          "fsdp2": ("fsdp", "torch")}
 _MEGATRON_FSDP = re.compile(r"^mfsdp([0-3])$")
+_FULL = re.compile(r"^full(block)?(\d+)$")
+_SELECTIVE = re.compile(r"^sel=([a-z_]+(?:\.[a-z_]+)*)$")
+
+
+def _recompute_part(part: str) -> Optional[Recompute]:
+    """A layout name's ``fullN`` / ``fullblockN`` / ``sel=MOD.MOD`` part, or None."""
+    full, selective = _FULL.match(part), _SELECTIVE.match(part)
+    if full:
+        return Recompute("full", "block" if full.group(1) else "uniform", int(full.group(2)))
+    if selective:
+        return Recompute("selective", modules=tuple(selective.group(1).split(".")))
+    return None
 
 
 def parse_layout(name: str) -> Layout:
@@ -177,12 +318,18 @@ def parse_layout(name: str) -> Layout:
             fields[key] = value
         elif _MEGATRON_FSDP.match(part):
             fields.update(fsdp="megatron", fsdp_sharding=SHARDING_STRATEGIES[int(part[-1])])
+        elif _FULL.match(part) or _SELECTIVE.match(part):
+            try:
+                fields["recompute"] = _recompute_part(part)
+            except ValueError as error:
+                raise ValueError(f"layout {name!r}: {error}") from None
         else:
             close = difflib.get_close_matches(part, [*_FLAGS, *(f"mfsdp{i}" for i in range(4))], n=1)
             raise ValueError(
                 f"cannot parse layout {name!r}: unknown part {part!r}"
                 + (f" (did you mean {close[0]!r}?)" if close else "")
-                + " (expected tpN, ppN, vppN, cpN, dpN, epN, etpN, sp, do, fsdp2, mfsdp0-3, full or sel joined by '-')"
+                + " (expected tpN, ppN, vppN, cpN, dpN, epN, etpN, sp, do, fsdp2, mfsdp0-3, full, fullN, fullblockN, sel "
+                  "or sel=MODULE.MODULE joined by '-')"
             )
     try:
         if "dp" not in fields and fields.get("ep", 1) > 1:

@@ -58,6 +58,7 @@ class Setting:
     resumable: bool = False
     action: Any = None  # argparse's, for switches
     metavar: Optional[str] = None
+    nargs: Optional[str] = None  # argparse's: "*" takes a list (kept as a tuple)
     switches: Tuple[Switch, ...] = ()
     # filled in by ``definitions`` from the field itself
     name: str = ""

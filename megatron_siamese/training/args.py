@@ -11,11 +11,24 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megatron_siamese.runtime.divisibility import shape_problems, split_problems
-from megatron_siamese.runtime.layout import RECOMPUTE, SHARDING_STRATEGIES, Layout
-from megatron_siamese.runtime.registry import ConfigError, definitions, field_problems, setting  # noqa: F401
+from megatron_siamese.runtime.layout import (
+    DEFAULT_RECOMPUTE_MODULES,
+    RECOMPUTE,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    RECOMPUTE_MODULES,
+    RECOMPUTE_PRESETS,
+    SHARDING_STRATEGIES,
+    TRAIN_FLAGS,
+    Layout,
+    Recompute,
+    fsdp_refusals,
+    recompute_problem,
+)
+from megatron_siamese.runtime.registry import ConfigError, Switch, definitions, field_problems, setting  # noqa: F401
 from megatron_siamese.runtime.settings import ModelSettings, model_class_problems, scheme_setting_problems
 from megatron_siamese.training.fsdp_checkpoint import gated_mlp_problem
 
@@ -74,8 +87,27 @@ class TrainArgs(ModelSettings):
                                           flag=("--use-distributed-optimizer", "--distributed-optimizer"),
                                           action="store_true", layout="distributed_optimizer",
                                           help="shard optimizer state over data-parallel ranks")
-    recompute: str = setting("none", group=PARALLELISM, flag="--recompute", choices=RECOMPUTE, layout="recompute",
-                             help="activation recompute: full (whole layers) or selective (norms and MLP)")
+    recompute: str = setting("none", group=PARALLELISM, flag="--recompute", choices=RECOMPUTE,
+                             help="activation recompute preset: full (each layer, Megatron-LM's --recompute-granularity "
+                                  "full --recompute-method uniform --recompute-num-layers 1) or selective (the norms and "
+                                  "the MLP: --recompute-granularity selective --recompute-modules layernorm mlp)")
+    recompute_granularity: Optional[str] = setting(
+        None, group=PARALLELISM, flag="--recompute-granularity", choices=RECOMPUTE_GRANULARITIES,
+        help="Megatron-LM's: full (whole layers, as --recompute-method says) or selective (--recompute-modules "
+             "inside each layer); not with --recompute",
+        switches=(Switch(("--recompute-activations",), "Megatron-LM's: same as --recompute-granularity selective",
+                         action="store_const", const="selective"),))
+    recompute_method: Optional[str] = setting(
+        None, group=PARALLELISM, flag="--recompute-method", choices=RECOMPUTE_METHODS,
+        help="Megatron-LM's, with --recompute-granularity full: uniform (each model chunk's layers in groups of "
+             "--recompute-num-layers, each recomputed from its input) or block (the first --recompute-num-layers "
+             "layers of each chunk recomputed, the rest not)")
+    recompute_num_layers: Optional[int] = setting(None, group=PARALLELISM, flag="--recompute-num-layers", minimum=1,
+                                                  help="Megatron-LM's: the layers of --recompute-method")
+    recompute_modules: Optional[Tuple[str, ...]] = setting(
+        None, group=PARALLELISM, flag="--recompute-modules", nargs="*", metavar="MODULE",
+        help="Megatron-LM's, with --recompute-granularity selective: what each layer recomputes, of "
+             f"{', '.join(RECOMPUTE_MODULES)} as the installed megatron-core offers them (unset: Megatron's core_attn)")
     # fully sharded data parallelism (runtime/data_parallel.py): these two set Layout.fsdp (TrainArgs.layout)
     use_torch_fsdp2: bool = setting(False, group=PARALLELISM, flag="--use-torch-fsdp2", action="store_true",
                                     help="fully sharded data parallelism with torch FSDP2 (Megatron's "
@@ -191,9 +223,21 @@ class TrainArgs(ModelSettings):
                                             help="wandb's local files (unset: OUTPUT_DIR/wandb)")
 
     def __post_init__(self):
+        if self.recompute_modules is not None:  # a list from Python callers: the field's tuple
+            object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
         found = problems(self)
         if found:
             raise ConfigError(found)
+
+    @property
+    def recomputation(self) -> Recompute:
+        """The activation recompute the --recompute preset or Megatron-LM's flags ask for."""
+        if self.recompute_granularity is None:
+            return RECOMPUTE_PRESETS[self.recompute]
+        modules = self.recompute_modules
+        if self.recompute_granularity == "selective" and modules is None:
+            modules = DEFAULT_RECOMPUTE_MODULES
+        return Recompute(self.recompute_granularity, self.recompute_method, self.recompute_num_layers, modules or ())
 
     @property
     def warmup(self) -> int:
@@ -211,7 +255,7 @@ class TrainArgs(ModelSettings):
     def layout(self) -> Layout:
         """The Layout the settings that name one of its fields fill (the others keep Layout's defaults)."""
         fields = {d.layout: getattr(self, name) for name, d in definitions(type(self)).items() if d.layout}
-        return Layout(**fields, fsdp=self.fsdp)
+        return Layout(**fields, fsdp=self.fsdp, recompute=self.recomputation)
 
     @property
     def padded_vocab(self) -> int:
@@ -250,6 +294,7 @@ def problems(args: TrainArgs) -> List[str]:
         found.append("--use-distributed-optimizer shards optimizer state over data-parallel ranks: it needs --dp > 1")
     found += _expert_layout_problems(args)
     found += _fsdp_problems(args)
+    found += recompute_problems(args)
     found += shape_problems(args)
     found += split_problems(args, _layout_to_split(args), vocab_size=args.padded_vocab,
                             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)
@@ -264,6 +309,52 @@ def problems(args: TrainArgs) -> List[str]:
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         found.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
                      "pass one")
+    return found
+
+
+_RECOMPUTE_FLAGS = {"recompute_granularity": "--recompute-granularity", "recompute_method": "--recompute-method",
+                    "recompute_num_layers": "--recompute-num-layers", "recompute_modules": "--recompute-modules"}
+
+
+def recompute_problems(args: TrainArgs) -> List[str]:
+    """What of the recompute flags Megatron refuses or cannot honour here, in the flags' words:
+    Megatron's rules (``recompute_problem``), a module the installed megatron-core lacks, and a
+    module with nothing to recompute in this model."""
+    from megatron_siamese.versions import installed_megatron_core, release
+
+    if args.recompute != "none" and args.recompute_granularity is not None:
+        return [f"--recompute {args.recompute} and --recompute-granularity {args.recompute_granularity} both say how "
+                "to recompute: pass one (--recompute is the package's preset of Megatron-LM's flags)"]
+    modules = args.recompute_modules or ()
+    problem = recompute_problem(args.recompute_granularity, args.recompute_method, args.recompute_num_layers, modules,
+                                spell=_RECOMPUTE_FLAGS.get)
+    if problem:
+        return [problem]
+    recompute = args.recomputation
+    found = []
+    installed = installed_megatron_core()
+    lacking = [module for module in recompute.modules if release(installed) < RECOMPUTE_MODULES[module]]
+    if lacking:
+        found.append(f"--recompute-modules {' '.join(lacking)}: megatron-core {installed} has no such module (it came "
+                     f"in {'.'.join(map(str, RECOMPUTE_MODULES[lacking[0]]))}): drop it")
+    pointless = {
+        "moe": (not args.num_moe_experts, "MoE layers: add --num-experts N"),
+        "moe_act": (not args.moe_grouped_gemm, "grouped-GEMM experts (Megatron's rule): add --moe-grouped-gemm"),
+        "shared_experts": (not args.moe_shared_expert_intermediate_size,
+                           "a shared expert: add --moe-shared-expert-intermediate-size"),
+        "mla_up_proj": (True, "multi-latent attention's up-projections (Megatron's rule), which this model has not"),
+        "gdn_norm_out": (args.model != "hybrid" or "G" not in (args.hybrid_layer_pattern or ""),
+                         "a HybridModel's gated delta net ('G') layers"),
+    }
+    for module in recompute.modules:
+        missing, what = pointless.get(module, (False, ""))
+        if missing:
+            found.append(f"--recompute-modules {module} recomputes {what}")
+    if recompute.full and recompute.method == "uniform" and args.num_layers > 0:
+        per_chunk = args.num_layers // (args.pp * (args.vpp or 1)) or args.num_layers
+        if per_chunk % recompute.num_layers:
+            found.append(f"--recompute-method uniform recomputes each model chunk's {per_chunk} layers in groups of "
+                         f"--recompute-num-layers {recompute.num_layers}, which must divide them")
     return found
 
 
@@ -286,9 +377,9 @@ def _fsdp_problems(args: TrainArgs) -> List[str]:
     """Layout's rules for fully sharded data parallelism, in the flags' words."""
     if args.use_torch_fsdp2 and args.use_megatron_fsdp:
         return ["--use-torch-fsdp2 and --use-megatron-fsdp are two implementations of one thing: pass one"]
-    # an even --dp matters once there is more than one (the --dp > 1 refusal below says the cause)
-    found = [problem for problem in [gated_mlp_problem(args.use_torch_fsdp2, args.gated_linear_unit, args.dp)]
-             if problem and args.dp > 1]
+    # the gated rows matter once there is more than one DP rank (the --dp > 1 refusal below says the cause)
+    found = [problem for problem in [gated_mlp_problem(args.use_torch_fsdp2, args.gated_linear_unit, args.dp,
+                                                       args.mlp_width, args.tp)] if problem]
     if args.data_parallel_sharding_strategy != "no_shard" and not args.use_megatron_fsdp:
         found.append(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} is Megatron-FSDP's: "
                      "add --use-megatron-fsdp")
@@ -306,19 +397,9 @@ def _fsdp_problems(args: TrainArgs) -> List[str]:
                      "'sharding_type ... is not supported with Megatron FSDP', distrib_optimizer.py:1229 in 0.16.1, "
                      ":1514 in 0.19.2): "
                      "use --use-torch-fsdp2, or run without checkpoints")
-    if args.dp == 1:
-        found.append(f"{flag} shards over the data-parallel ranks: it needs --dp > 1")
-    why_not_pp = ("Megatron-LM refuses it" if args.use_torch_fsdp2 else
-                  "Megatron-FSDP builds its device mesh as if every rank were dp x ep x tp")
-    refused = [(args.pp > 1, f"pipeline parallelism ({why_not_pp}): use --pp 1")]
-    if args.use_torch_fsdp2:
-        refused += [(args.ep > 1, "expert parallelism (Megatron-LM refuses it): use --ep 1"),
-                    (args.distributed_optimizer, "--use-distributed-optimizer (Megatron-LM refuses it; FSDP2 shards "
-                                                 "the optimizer state itself): drop it")]
-    elif args.ep > 1 and args.tp * args.dp == args.ep * (args.etp or args.tp):
-        refused.append((True, "experts held by one rank of each expert-data-parallel group (Megatron-FSDP "
-                              f"mis-scales their gradients, docs/parallelism.md): use --dp {2 * args.dp}"))
-    return found + [f"{flag} does not run with {problem}" for on, problem in refused if on]
+    return found + fsdp_refusals(args.fsdp, tp=args.tp, cp=getattr(args, "cp", 1), dp=args.dp, pp=args.pp,
+                                 ep=args.ep, expert_tp=args.etp or args.tp,
+                                 distributed_optimizer=args.distributed_optimizer, words=TRAIN_FLAGS)
 
 
 def _layout_to_split(args: TrainArgs) -> Layout:

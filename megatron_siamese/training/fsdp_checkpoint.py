@@ -13,9 +13,11 @@ tensor a DDP or TP run saves, so a checkpoint reshards between FSDP2 and the oth
   rank 1). Saved so, a checkpoint loads back into the same FSDP2 layout and nowhere else
   (measured: the losses off after loading it at TP2). Here the shard is one ShardedTensor at
   the row block it is: every TP rank's gate blocks first, then the up blocks
-  (``_gated_rows_block``), which needs an even dp (refused otherwise, before any rank starts).
+  (``_gated_rows_block``), which needs each DP rank's rows whole and inside one half: an even dp
+  dividing the TP rank's ``2 ffn / tp`` rows (``gated_mlp_problem`` refuses the rest before any
+  rank starts).
   megatron-core 0.19's factory takes the DP group and places the shard the same way (its
-  ``dp_sh_ten_build_fn``, with the same even-dp rule); there it is left alone.
+  ``dp_sh_ten_build_fn``, asserting the same rule); there it is left alone.
 * The optimizer's state (0.16.1 and 0.19.2, torch 2.13 and later): it is mapped to those
   descriptions by the identity of the local shard, ``get_optim_param_to_id_map`` keying each
   parameter by ``id(to_local_if_dtensor(param))`` and the model's description holding
@@ -80,10 +82,18 @@ def describing_fsdp2_shards(dp: int):
         mlp.apply_swiglu_sharded_factory, optimizer.to_local_if_dtensor = originals
 
 
-def gated_mlp_problem(use_torch_fsdp2: bool, gated: bool, dp: int):
-    """An FSDP2 split the corrected gated-MLP description cannot express (a DP rank's rows would
-    straddle the gate and up halves), or None."""
-    if use_torch_fsdp2 and gated and dp % 2:
-        return (f"--use-torch-fsdp2 with a gated MLP (--swiglu) needs an even --dp (got {dp}): FSDP2's row blocks "
-                "of linear_fc1 must not straddle its gate and up halves for a checkpoint to describe them")
-    return None
+def gated_mlp_problem(use_torch_fsdp2: bool, gated: bool, dp: int, ffn: int, tp: int):
+    """An FSDP2 split the gated-MLP description cannot express, or None: FSDP2 cuts a TP rank's
+    ``[gate; up]`` rows (``2 ffn / tp``) into ``dp`` blocks of ``ceil(2 ffn / tp / dp)`` rows, and
+    each block must be whole and lie in one half (``_gated_rows_block``, and megatron-core 0.19's
+    own ``dp_sh_ten_build_fn``, which asserts the same): an even ``dp`` dividing ``2 ffn / tp``."""
+    if not (use_torch_fsdp2 and gated) or dp <= 1 or tp < 1 or ffn % tp:
+        return None
+    half = ffn // tp  # gate (or up) rows of one TP rank
+    if dp % 2 == 0 and half % (dp // 2) == 0:
+        return None
+    good = [d for d in range(2, 2 * half + 1, 2) if half % (d // 2) == 0]
+    return (f"--use-torch-fsdp2 with a gated MLP (--swiglu) cannot checkpoint --dp {dp} with an MLP width of {ffn} "
+            f"over --tp {tp}: FSDP2 cuts each TP rank's {2 * half} linear_fc1 rows ({half} gate, {half} up) into "
+            f"--dp row blocks, and each must be whole and lie in one half; use an even --dp dividing {2 * half} "
+            f"({', '.join(map(str, good))}), or an --ffn-hidden-size that splits so")
