@@ -6,16 +6,16 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 FUSED_OPS_ENV = "MEGATRON_SIAMESE_FUSED_OPS"
 BOUNDARY_OPS_ENV = "MEGATRON_SIAMESE_BOUNDARY_OPS"
 
 
 @dataclass
-class SiameseTransformerConfig(TransformerConfig):
-    """TransformerConfig plus SiameseNorm options, and the baselines' (a plain TransformerConfig
-    works too: every field below then takes its default)."""
+class SiameseOptions:
+    """SiameseNorm's options, and the baselines' (a plain TransformerConfig works too: every field
+    below then takes its default). Mixed into Megatron's config classes below."""
 
     siamese_fused_ops: Optional[bool] = None
     """Use the fused dual-norm / dual-residual ops of the C++/CUDA extension: None picks them
@@ -47,6 +47,22 @@ class SiameseTransformerConfig(TransformerConfig):
     hybridnorm_star: bool = False
     """HybridNorm (scheme ``hybridnorm``): make the first layer Pre-Norm (with the same QKV-norm),
     the HybridNorm paper's HybridNorm*."""
+
+
+@dataclass
+class SiameseTransformerConfig(SiameseOptions, TransformerConfig):
+    """TransformerConfig plus SiameseNorm's options."""
+
+
+@dataclass
+class SiameseMLATransformerConfig(SiameseOptions, MLATransformerConfig):
+    """Megatron's MLATransformerConfig (multi-latent attention: GPTModel asks for this class) plus
+    SiameseNorm's options."""
+
+
+def siamese_config_class(multi_latent_attention: bool) -> type:
+    """The config class for a model with multi-latent attention or without it."""
+    return SiameseMLATransformerConfig if multi_latent_attention else SiameseTransformerConfig
 
 
 def _requested(config: TransformerConfig, field: str, variable: str) -> Optional[bool]:

@@ -101,8 +101,11 @@ class SiameseTransformerLayer(SiameseSublayerMixin, MLPCallMixin, TransformerLay
         submodules: SiameseTransformerLayerSubmodules,
         layer_number: int = 1,
         built_for: Optional[str] = None,
+        mla_submodules: Optional[SiameseTransformerLayerSubmodules] = None,
         **kwargs: Any,
     ):
+        if getattr(config, "multi_latent_attention", False) and mla_submodules is not None:
+            submodules = mla_submodules  # a spec object made before any config (--spec): its MLA form
         submodules = QKNormPerConfig.resolved(submodules, config)  # the --spec objects' QK-norm
         if not getattr(config, "siamese_input_norm", True):  # the ablation without InputNorm
             submodules = without_input_norms(submodules)

@@ -38,6 +38,7 @@ from megatron_siamese.model_names import MODEL_CLASSES, SCHEME_NAMES
 from megatron_siamese.norms import TorchNorm
 from megatron_siamese.single_stream import get_single_stream_block_spec
 from megatron_siamese.specs import (
+    get_mtp_block_spec,
     get_siamese_block_spec,
     siamese_layer_spec,
     siamese_moe_layer_spec,
@@ -117,9 +118,11 @@ def build_gpt_chunks(
 ) -> List[GPTModel]:
     """This rank's GPTModel chunks with scheme ``norm``: one per virtual pipeline stage."""
     block_spec = scheme(norm).block_spec
+    use_te = uses_transformer_engine(config, None)
 
     def gpt(vp_stage, **kwargs):
-        return GPTModel(transformer_layer_spec=block_spec(config, vp_stage), vp_stage=vp_stage, **kwargs)
+        return GPTModel(transformer_layer_spec=block_spec(config, vp_stage), vp_stage=vp_stage,
+                        mtp_block_spec=get_mtp_block_spec(config, use_te, vp_stage), **kwargs)
 
     return _per_virtual_stage(gpt, config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                               position_embedding_type=position_embedding_type,

@@ -113,7 +113,8 @@ class ChannelScale(MegatronModule):
 
 
 class QKNormPerConfig:
-    """A ``q_layernorm`` / ``k_layernorm`` slot that follows ``config.qk_layernorm``: ``norm`` with
+    """A ``q_layernorm`` / ``k_layernorm`` slot (multi-latent attention's ``q_layernorm`` /
+    ``kv_layernorm``) that follows ``config.qk_layernorm``: ``norm`` with
     QK-norm (so its parameters keep Megatron's names, ``q_layernorm.weight``), else Megatron's
     ``IdentityOp`` (no parameters, as in Megatron's specs without QK-norm).
 
@@ -151,5 +152,6 @@ class QKNormPerConfig:
         def chosen(slot):
             return slot.params["norm"] if config.qk_layernorm else IdentityOp
 
-        slots = dataclasses.replace(slots, q_layernorm=chosen(slots.q_layernorm), k_layernorm=chosen(slots.k_layernorm))
+        key = "kv_layernorm" if hasattr(slots, "kv_layernorm") else "k_layernorm"  # MLA's latent norms
+        slots = dataclasses.replace(slots, q_layernorm=chosen(slots.q_layernorm), **{key: chosen(getattr(slots, key))})
         return dataclasses.replace(submodules, self_attention=dataclasses.replace(attention, submodules=slots))

@@ -42,6 +42,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_siamese.te as te
+from megatron_siamese.core_attention import LocalCoreAttention
+from megatron_siamese.mla import DOWN_PROJECTIONS, DuplicatedLinear, LocalMLASelfAttention
 from megatron_siamese.layer import SiameseTransformerLayer, SiameseTransformerLayerSubmodules
 from megatron_siamese.merge import SiameseFinalNorm, StreamMerge
 from megatron_siamese.norms import ChannelScale, QKNormPerConfig, TorchNorm
@@ -80,8 +82,16 @@ def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=Tor
 
 
 def _with_qk_norm(attention: ModuleSpec, norm) -> ModuleSpec:
-    submodules = dataclasses.replace(attention.submodules, q_layernorm=norm, k_layernorm=norm)
+    """``attention`` with ``norm`` in its QK-norm slots: the per-head query and key norms, or
+    multi-latent attention's latent norms (``q_layernorm``, ``kv_layernorm``)."""
+    key = "kv_layernorm" if is_mla(attention) else "k_layernorm"
+    submodules = dataclasses.replace(attention.submodules, q_layernorm=norm, **{key: norm})
     return dataclasses.replace(attention, submodules=submodules)
+
+
+def is_mla(attention) -> bool:
+    """Whether an attention spec (or submodules) is Megatron's multi-latent attention."""
+    return hasattr(getattr(attention, "submodules", attention), "kv_layernorm")
 
 
 def with_qk_norm_per_config(layer: ModuleSpec) -> ModuleSpec:
@@ -102,14 +112,24 @@ def _check_variant(variant: str) -> None:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def with_torch_norms(stock: ModuleSpec) -> ModuleSpec:
-    """Megatron's local-module layer spec ``stock`` (dense or MoE) with every norm slot (the
-    InputNorms, QK-norms) ``TorchNorm``: torch's norms, usable under sequence parallelism
-    without apex. The stock baselines are built this way too (``models.py``)."""
+def local_stock_layer(stock: ModuleSpec) -> ModuleSpec:
+    """Megatron's local-module layer spec ``stock`` (dense or MoE, standard or multi-latent
+    attention) as the package builds it: every norm slot (the InputNorms, QK-norms, MLA's latent
+    norms) ``TorchNorm``, torch's norms, usable under sequence parallelism without apex; the core
+    attention ``LocalCoreAttention``, which takes MLA's K and V head sizes; MLA as
+    ``LocalMLASelfAttention``, its down projections duplicated over TP. The stock baselines are
+    built this way too (``models.py``)."""
     slots = dict(input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     attention = stock.submodules.self_attention
-    if _has_qk_norm(attention):
-        slots["self_attention"] = _with_qk_norm(attention, TorchNorm)
+    if attention is not IdentityOp:
+        if _has_qk_norm(attention):
+            attention = _with_qk_norm(attention, TorchNorm)
+        parts = dict(core_attention=LocalCoreAttention)
+        if is_mla(attention):  # its down projections duplicated over TP, as TE's (mla.py)
+            parts.update({name: DuplicatedLinear for name in DOWN_PROJECTIONS})
+            attention = dataclasses.replace(attention, module=LocalMLASelfAttention)
+        slots["self_attention"] = dataclasses.replace(
+            attention, submodules=dataclasses.replace(attention.submodules, **parts))
     return dataclasses.replace(stock, submodules=dataclasses.replace(stock.submodules, **slots))
 
 
@@ -119,7 +139,7 @@ def stock_decoder_layers(config: TransformerConfig, use_transformer_engine: bool
     layers per ``moe_layer_freq``, QK-norm per ``qk_layernorm``, local norms ``TorchNorm``."""
     stock = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage,
                                        pp_rank=pp_rank)
-    return stock.layer_specs if use_transformer_engine else [with_torch_norms(layer) for layer in stock.layer_specs]
+    return stock.layer_specs if use_transformer_engine else [local_stock_layer(layer) for layer in stock.layer_specs]
 
 
 def siamese_local_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str = "standard") -> ModuleSpec:
@@ -130,7 +150,7 @@ def siamese_local_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: 
     hybrid = variant == "hybrid"
     if hybrid and not _has_qk_norm(stock.submodules.self_attention):
         raise ValueError("the hybrid variant's stock spec needs QK-norm: build it with qk_layernorm=True")
-    stock = with_torch_norms(stock)
+    stock = local_stock_layer(stock)
     slots = dict(input_layernorm=IdentityOp) if hybrid else {}
     return siamese_layer_from(stock, merge_at_output, attn_x_norm=ChannelScale if hybrid else TorchNorm, **slots)
 
@@ -168,11 +188,12 @@ def te_input_norm_slots(stock: ModuleSpec, attention_input_norm: bool = True) ->
     submodules, slots, names = stock.submodules, {}, {}
     attention, mlp = submodules.self_attention, submodules.mlp
     if attention is not IdentityOp:
-        slots["self_attention"] = dataclasses.replace(
-            attention, submodules=dataclasses.replace(attention.submodules, linear_qkv=TEColumnParallelLinear))
         slots["input_layernorm"] = TorchNorm if attention_input_norm else IdentityOp
-        if attention_input_norm:
-            names["input_layernorm."] = INPUT_NORM_CHECKPOINT_NAMES["input_layernorm."]
+        if not is_mla(attention):  # multi-latent attention's input norm is a TENorm of its own, under its name
+            slots["self_attention"] = dataclasses.replace(
+                attention, submodules=dataclasses.replace(attention.submodules, linear_qkv=TEColumnParallelLinear))
+            if attention_input_norm:
+                names["input_layernorm."] = INPUT_NORM_CHECKPOINT_NAMES["input_layernorm."]
     if mlp is not IdentityOp:
         slots["pre_mlp_layernorm"] = TorchNorm
         if not _is_moe(mlp):  # Megatron's MoE spec keeps its pre_mlp_layernorm's own name
@@ -195,8 +216,16 @@ def siamese_te_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str
                               built_for="transformer_engine", **te_input_norm_slots(stock, attention_input_norm=not hybrid))
 
 
+def with_mla_per_config(standard: ModuleSpec, mla: ModuleSpec) -> ModuleSpec:
+    """A layer spec that builds ``standard``'s attention, or ``mla``'s where the config asks for
+    multi-latent attention (``multi_latent_attention``) when a layer is built: for spec objects
+    made before any config (Megatron-LM's ``--spec``)."""
+    return dataclasses.replace(standard, params=dict(standard.params, mla_submodules=mla.submodules))
+
+
 def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "standard",
-                                 num_experts: Optional[int] = None, qk_layernorm: Optional[bool] = False) -> ModuleSpec:
+                                 num_experts: Optional[int] = None, qk_layernorm: Optional[bool] = False,
+                                 multi_latent_attention: Optional[bool] = False) -> ModuleSpec:
     """Layer spec on Megatron-Core's own (non-Transformer-Engine) modules.
 
     Args:
@@ -208,10 +237,19 @@ def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "
         qk_layernorm: QK-norm in attention (the config needs ``qk_layernorm=True``); None: QK-norm
             where the config of the layer being built has ``qk_layernorm`` (the module-level
             spec objects). The hybrid variant always has it.
+        multi_latent_attention: Megatron's MLASelfAttention (its latent norms are the QK-norm
+            slots; the config needs ``multi_latent_attention=True``: SiameseMLATransformerConfig);
+            None: MLA where the config of the layer being built asks for it (the standard variant).
     """
     _check_variant(variant)
+    if multi_latent_attention is None:
+        forms = [get_siamese_layer_local_spec(merge_at_output, variant, num_experts, qk_layernorm, mla)
+                 for mla in (False, True)]
+        return with_mla_per_config(*forms)
+    if multi_latent_attention and variant != "standard":
+        raise ValueError("the hybrid variant is built on standard attention: use variant='standard' with MLA")
     per_config = qk_layernorm is None and variant == "standard"
-    stock = get_gpt_layer_local_spec(num_experts=num_experts,
+    stock = get_gpt_layer_local_spec(num_experts=num_experts, multi_latent_attention=multi_latent_attention,
                                      qk_layernorm=bool(qk_layernorm) or per_config or variant == "hybrid")
     layer = siamese_local_layer_from(stock, merge_at_output, variant)
     return with_qk_norm_per_config(layer) if per_config else layer
@@ -219,7 +257,7 @@ def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "
 
 def get_siamese_layer_te_spec(merge_at_output: bool = False, num_experts: Optional[int] = None,
                               moe_grouped_gemm: bool = False, qk_layernorm: Optional[bool] = False,
-                              variant: str = "standard") -> ModuleSpec:
+                              variant: str = "standard", multi_latent_attention: Optional[bool] = False) -> ModuleSpec:
     """Layer spec on Transformer Engine: FP8-capable GEMMs and TE's attention.
 
     The InputNorms are ours, inside the fused ops with the stream norms, and feed TE's plain
@@ -232,9 +270,15 @@ def get_siamese_layer_te_spec(merge_at_output: bool = False, num_experts: Option
     _require_transformer_engine()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
+    if multi_latent_attention is None:
+        forms = [get_siamese_layer_te_spec(merge_at_output, num_experts, moe_grouped_gemm, qk_layernorm, variant, mla)
+                 for mla in (False, True)]
+        return with_mla_per_config(*forms)
+    if multi_latent_attention and variant != "standard":
+        raise ValueError("the hybrid variant is built on standard attention: use variant='standard' with MLA")
     per_config = qk_layernorm is None and variant == "standard"
     stock = get_gpt_layer_with_transformer_engine_spec(
-        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, multi_latent_attention=multi_latent_attention,
         qk_layernorm=bool(qk_layernorm) or per_config or variant == "hybrid")
     layer = siamese_te_layer_from(stock, merge_at_output, variant)
     return with_qk_norm_per_config(layer) if per_config else layer
@@ -303,14 +347,40 @@ def get_siamese_block_spec(
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SiameseFinalNorm)
 
 
+def get_mtp_block_spec(config: TransformerConfig, use_transformer_engine: bool, vp_stage: Optional[int] = None):
+    """Megatron's multi-token prediction block for ``config`` (None without ``mtp_num_layers``, or
+    on a stage that builds none), exactly as Megatron-LM's ``gpt_builders.py`` builds it beside any
+    ``--spec``: its layers stock (the design: docs/design.md, "Multi-token prediction"), each from
+    Megatron's own decoder spec of the last layer; on local modules the package's
+    (``local_stock_layer``), and the MTP's own norms (``enorm``, ``hnorm``, its final norm) TorchNorm,
+    usable under sequence parallelism."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
+
+    last = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_transformer_engine,
+                                       normalization=config.normalization)[-1]
+    block = get_gpt_mtp_block_spec(config, TransformerBlockSubmodules(layer_specs=[last]),
+                                   use_transformer_engine=use_transformer_engine, vp_stage=vp_stage)
+    if block is None or use_transformer_engine:
+        return block
+    # its transformer layer's slot: megatron-core 0.16's transformer_layer, 0.19's mtp_model_layer
+    slot = "transformer_layer" if hasattr(block.layer_specs[0].submodules, "transformer_layer") else "mtp_model_layer"
+    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, enorm=TorchNorm, hnorm=TorchNorm, layer_norm=TorchNorm,
+        **{slot: local_stock_layer(getattr(layer.submodules, slot))})) for layer in block.layer_specs]
+    return dataclasses.replace(block, layer_specs=layers)
+
+
 # For Megatron-LM: pretrain_gpt.py --spec megatron_siamese.specs siamese_layer_spec
 # (QK-norm where the config has it: --qk-layernorm)
-siamese_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, qk_layernorm=None)
+# (multi-latent attention where the config asks for it: --multi-latent-attention)
+siamese_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, qk_layernorm=None, multi_latent_attention=None)
 # ... its Transformer Engine form (FP8 GEMMs, TE attention; refuses to build without TE)
 siamese_te_layer_spec = (
     dataclasses.replace(siamese_layer_spec, module=TransformerEngineUnavailableLayer)
     if te.unavailable_reason()
-    else get_siamese_layer_te_spec(merge_at_output=True, qk_layernorm=None)
+    else get_siamese_layer_te_spec(merge_at_output=True, qk_layernorm=None, multi_latent_attention=None)
 )
 # ... and the hybrid variant (local modules, with --qk-layernorm)
 siamese_hybrid_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, variant="hybrid")
@@ -323,4 +393,5 @@ siamese_hybrid_te_layer_spec = (
 # ... and with a mixture-of-experts MLP in every layer (with --num-experts; Megatron-LM's --spec
 # builds every layer from one spec, so --moe-layer-freq must be 1)
 # (Megatron's spec functions only ask whether num_experts is set: the config's num_moe_experts sizes it)
-siamese_moe_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, num_experts=1, qk_layernorm=None)
+siamese_moe_layer_spec = get_siamese_layer_local_spec(merge_at_output=True, num_experts=1, qk_layernorm=None,
+                                                      multi_latent_attention=None)

@@ -47,9 +47,6 @@ _REFUSALS = (
      "use_kitchen builds Kitchen's LayerNorm-fused linears for linear_qkv and linear_fc1, which the SiameseNorm "
      "Transformer Engine spec replaces by TE's plain linears fed its own InputNorm: their Kitchen quantization "
      "would be lost. Set use_kitchen=False, or transformer_impl='local' (its spec keeps Kitchen's linears)."),
-    (_set("mtp_num_layers"),
-     "multi-token prediction (mtp_num_layers / --mtp-num-layers) is not supported: "
-     "its MTP layers expect a single [s, b, h] stream. Set mtp_num_layers=None."),
     (_set("enable_mhc_connections"),
      "Megatron's hyper-connections (enable_mhc_connections / --enable-mhc-connections) "
      "replace the residual stream that SiameseNorm splits in two. Disable them."),
@@ -61,9 +58,8 @@ _REFUSALS = (
      "same structure. Set it to False."),
     (_set("fine_grained_activation_offloading"),
      "fine_grained_activation_offloading offloads the single-stream norm inputs. Set it to False."),
-    (lambda c: c.multi_latent_attention or c.experimental_attention_variant is not None,
-     "only standard self-attention is supported: set multi_latent_attention=False and "
-     "experimental_attention_variant=None."),
+    (lambda c: c.experimental_attention_variant is not None,
+     "only standard and multi-latent self-attention are supported: set experimental_attention_variant=None."),
     (_set("qk_l2_norm"),
      "qk_l2_norm (Llama 4's parameter-free L2 QK-norm) is not supported: SiameseNorm's specs "
      "put a learned norm in the QK-norm slots. Set qk_l2_norm=False (qk_layernorm=True for QK-norm)."),
@@ -208,6 +204,13 @@ def _spec_problems(config: TransformerConfig, submodules) -> List[str]:
     if getattr(submodules, "cross_attention", IdentityOp) is not IdentityOp:
         problems.append("cross-attention is not supported: SiameseNorm layers are decoder-only.")
     attention = getattr(getattr(submodules, "self_attention", None), "submodules", None)
+    mla = hasattr(attention, "kv_layernorm")  # Megatron's MLASelfAttentionSubmodules
+    if attention is not None and mla != bool(getattr(config, "multi_latent_attention", False)):
+        problems.append(
+            f"this SiameseNorm layer spec builds {'multi-latent' if mla else 'standard'} attention but the config "
+            f"{'does not ask' if mla else 'asks'} for multi-latent attention: build the spec from the config "
+            "(get_siamese_block_spec, or the module-level spec objects, which follow multi_latent_attention), or "
+            f"set multi_latent_attention={mla} (SiameseMLATransformerConfig / --multi-latent-attention).")
     q_norm = getattr(attention, "q_layernorm", None)
     # Megatron's specs name an absent QK-norm IdentityOp, some (the hybrid stack's) None
     has_qk_norm = q_norm not in (None, IdentityOp)
@@ -267,6 +270,9 @@ _SINGLE_STREAM_REFUSALS = (
      "to False."),
     (_set("mtp_num_layers"),
      "multi-token prediction (mtp_num_layers) builds stock layers after the baseline's: set mtp_num_layers=None."),
+    (_set("multi_latent_attention"),
+     "the baselines are built on standard attention (HybridNorm's QKV-norm normalizes its heads): set "
+     "multi_latent_attention=False."),
 )
 
 

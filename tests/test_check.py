@@ -141,6 +141,58 @@ def test_norms_placed_by_the_stage_local_layer_number_fail_pipeline_layouts_only
     assert all(rows[layout].loss_error > 1e-3 for layout in ("pp2", "pp2-vpp2"))
 
 
+# DeepSeek-class models in one job: multi-token prediction, multi-latent attention, and both with
+# MoE and a shared expert (DeepSeek-V3's shape), each under every layout that applies; and the
+# planted faults of each feature, which must fail exactly the layouts they break.
+_MLA = dict(multi_latent_attention=True, num_query_groups=None, qk_layernorm=True)
+_DENSE_LAYOUTS = ("tp2-sp", "pp2", "pp2-vpp2", "dp2-do", "dp2-fsdp2")
+DEEPSEEK_SUBJECTS = {
+    "mtp": Subject(ModelCase(mtp_num_layers=1), "siamese", _DENSE_LAYOUTS),
+    # queries through their own latent, Megatron's default YaRN RoPE
+    "mla": Subject(ModelCase(**_MLA, q_lora_rank=16), "siamese", _DENSE_LAYOUTS),
+    # the Megatron-LM --spec object, which builds MLA where its config asks, with Megatron's own p2p
+    # (not under TP: MLA there needs SP, which the stock final norm a --spec model gets refuses without apex)
+    "mla-spec-object": Subject(ModelCase(norm="siamese-layer", **_MLA, rope_type="rope", siamese_p2p=False),
+                               "siamese-layer", ("pp2-vpp2", "dp2-do")),
+    "deepseek": Subject(dataclasses.replace(MOE_CASE, **_MLA, mtp_num_layers=1, moe_shared_expert_intermediate_size=32,
+                                            rope_type="rope"), "siamese", _DENSE_LAYOUTS + ("ep2", "tp2-ep2-sp")),
+    "mla-column-parallel-down-projections": Subject(
+        ModelCase(**_MLA, fault="mla-column-parallel-down-projections"), "siamese", ("tp2-sp", "pp2")),
+    "mtp-embedding-unsynced": Subject(ModelCase(mtp_num_layers=1, fault="mtp-embedding-unsynced"), "siamese",
+                                      ("tp2-sp", "pp2", "pp2-vpp2")),
+}
+
+
+@pytest.fixture(scope="module")
+def deepseek_rows():
+    rows = run_checks(list(DEEPSEEK_SUBJECTS.values()))
+    return {name: {row.layout: row for row in subject_rows} for name, subject_rows in zip(DEEPSEEK_SUBJECTS, rows)}
+
+
+@pytest.mark.parametrize("name", ["mtp", "mla", "mla-spec-object", "deepseek"])
+def test_deepseek_class_models_pass_their_layouts(deepseek_rows, name):
+    rows = deepseek_rows[name]
+    assert set(rows) == set(DEEPSEEK_SUBJECTS[name].layouts)
+    assert {layout: row.status for layout, row in rows.items()} == {layout: "PASS" for layout in rows}, \
+        {layout: row.detail for layout, row in rows.items() if row.status != "PASS"}
+
+
+def test_mla_down_projections_split_over_tp_fail_tp_only(deepseek_rows):
+    """Megatron's local MLA spec (ColumnParallelLinear down projections, gathered over TP) leaves the
+    decoupled RoPE key's gradient unsummed over TP: the package duplicates them, as TE's spec does."""
+    rows = deepseek_rows["mla-column-parallel-down-projections"]
+    assert {layout: row.status for layout, row in rows.items()} == {"tp2-sp": "FAIL", "pp2": "PASS"}
+    assert rows["tp2-sp"].loss_error < 1e-6 and rows["tp2-sp"].grad_error > 1e-2
+
+
+def test_mtp_embedding_left_unsynced_fails_pipeline_layouts_only(deepseek_rows):
+    """The MTP layers' copy of the word embedding on the last stage must be summed with the first
+    stage's, as Megatron's embedding group does."""
+    rows = deepseek_rows["mtp-embedding-unsynced"]
+    assert {layout: row.status for layout, row in rows.items()} == {"tp2-sp": "PASS", "pp2": "FAIL", "pp2-vpp2": "FAIL"}
+    assert all("embedding" in rows[layout].detail for layout in ("pp2", "pp2-vpp2"))
+
+
 def test_cli_exit_status_and_table(capfd):  # rank 0 prints the rows: capfd sees its output, capsys would not
     status = cli_main(["check", "--layouts", "tp2-sp", "--num-layers", "2"])
     passed = capfd.readouterr()  # each run's own output, shown if it falls short

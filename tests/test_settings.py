@@ -14,7 +14,7 @@ from megatron_siamese.cli import build_parser, check, flags
 from megatron_siamese.hybrid_pattern import HybridPattern
 from megatron_siamese.runtime.layout import Layout, parse_layout
 from megatron_siamese.runtime.registry import KEY, DuplicateSetting, definitions, field_problems, setting
-from megatron_siamese.runtime.settings import ModelSettings, model_class_problems
+from megatron_siamese.runtime.settings import MLA_SETTINGS, ModelSettings, model_class_problems
 from megatron_siamese.training.args import ConfigError, TrainArgs
 
 stack_independent = pytest.mark.stack_independent  # plain data: the same on every megatron-core
@@ -314,9 +314,13 @@ def test_every_setting_naming_a_transformer_config_field_reaches_it(monkeypatch)
     monkeypatch.setattr("megatron.core.transformer.transformer_config.is_te_min_version", lambda *_: True)
     layout = dataclasses.replace(args.layout, cp=2, ep=2, etp=1)  # no setting sets cp yet
     # the schemes' own settings, which TrainArgs refuses beside another scheme's (next test), all at once
-    args = ModelSettings(**{name: getattr(args, name) for name in definitions(ModelSettings) if name not in
-                            ("siamese_input_norm", "siamese_depth_scale", "mix_ln_alpha", "hybridnorm_star")},
-                         siamese_input_norm=False, siamese_depth_scale=False, mix_ln_alpha=0.5, hybridnorm_star=True)
+    # ... and multi-latent attention's and multi-token prediction's (MLA has no query groups: TrainArgs
+    # refuses them together), MLA's reaching MLATransformerConfig's fields of their names
+    own = dict(siamese_input_norm=False, siamese_depth_scale=False, mix_ln_alpha=0.5, hybridnorm_star=True,
+               multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=24, qk_head_dim=16, qk_pos_emb_head_dim=8,
+               v_head_dim=16, rope_type="rope", rotary_scaling_factor=2.0, mtp_num_layers=2,
+               mtp_loss_scaling_factor=0.3)
+    args = ModelSettings(**{name: getattr(args, name) for name in definitions(ModelSettings) if name not in own}, **own)
     config = transformer_config(args, layout)
     declared = [(args, name, d) for name, d in definitions(ModelSettings).items() if d.config]
     declared += [(layout, name, d) for name, d in definitions(Layout).items() if d.config]
@@ -325,6 +329,9 @@ def test_every_setting_naming_a_transformer_config_field_reaches_it(monkeypatch)
         value = getattr(values, name)
         assert value != definition.default, f"{name}: give it a value other than its default here"
         assert getattr(config, definition.config) == value, f"{name} does not reach {definition.config}"
+    for name in MLA_SETTINGS:
+        assert getattr(args, name) != definitions(ModelSettings)[name].default, f"{name}: give it another value"
+        assert getattr(config, name) == getattr(args, name), f"{name} does not reach MLATransformerConfig"
 
 
 @stack_independent

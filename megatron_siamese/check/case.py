@@ -39,6 +39,11 @@ class ModelCase(ModelSettings):
     # pipeline stages hold both), and the router's z-loss is on beside the aux loss
     moe_layer_freq: str = "2"
     moe_z_loss_coeff: Optional[float] = 1e-3
+    # with --multi-latent-attention: latents and heads the size of this model (Megatron-LM's are 128s)
+    kv_lora_rank: int = 16
+    qk_head_dim: int = 8
+    qk_pos_emb_head_dim: int = 4
+    v_head_dim: int = 8
     # how Megatron runs the layers where that changes only what they keep (the plan's measured cases):
     # dropout after each sublayer and on the attention probabilities, the fused bias-activation
     hidden_dropout: float = 0.0

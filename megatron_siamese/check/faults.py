@@ -152,6 +152,32 @@ def _stream_norms_left_out_of_torch_fsdp() -> None:
     _patch(wrapper, "fully_shard", fully_shard)
 
 
+def _mla_column_parallel_down_projections() -> None:
+    """Multi-latent attention's down projections split over TP as Megatron's local spec builds
+    them (ColumnParallelLinear), not duplicated (megatron_siamese/mla.py): the decoupled RoPE key's
+    gradient is never summed over TP."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megatron_siamese import specs
+
+    _patch(specs, "DuplicatedLinear", ColumnParallelLinear)
+
+
+def _mtp_embedding_unsynced() -> None:
+    """With multi-token prediction, the last stage's copy of the word embedding (the MTP layers'
+    and, tied, the output layer's) not summed with the first stage's: each stage steps its own."""
+    import importlib
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    original = finalize._allreduce_word_embedding_grads
+
+    def allreduce(model, config, *args, **kwargs):
+        if not getattr(config, "mtp_num_layers", None):
+            original(model, config, *args, **kwargs)
+
+    _patch(finalize, "_allreduce_word_embedding_grads", allreduce)
+
+
 FAULTS: Dict[str, Callable[[], None]] = {
     "local-depth-scale": _local_depth_scale,
     "no-sp-flag": _norms_without_sequence_parallel_flag,
@@ -161,6 +187,8 @@ FAULTS: Dict[str, Callable[[], None]] = {
     "stream-norms-outside-fsdp": _stream_norms_left_out_of_torch_fsdp,
     "value-norm-unreduced": _value_norm_unreduced,
     "baseline-local-layer-number": _baseline_placement_by_local_layer_number,
+    "mla-column-parallel-down-projections": _mla_column_parallel_down_projections,
+    "mtp-embedding-unsynced": _mtp_embedding_unsynced,
 }
 
 

@@ -59,7 +59,12 @@ CASE_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_
                  # mixture of experts
                  "num_moe_experts", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",
                  "moe_shared_expert_intermediate_size", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                 "moe_router_load_balancing_type", "moe_token_dispatcher_type", "moe_grouped_gemm")
+                 "moe_router_load_balancing_type", "moe_token_dispatcher_type", "moe_grouped_gemm",
+                 # multi-latent attention, multi-token prediction
+                 "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                 "v_head_dim", "rope_type", "rotary_scaling_factor", "mtp_num_layers", "mtp_loss_scaling_factor")
+# grouped-query attention unless multi-latent attention (which has no groups): the check's default then
+GROUPS_UNLESS_MLA = "num_query_groups"
 # the check's own sizes (its data: random tokens of a vocabulary, a fixed global batch)
 SIZES = ("vocab_size", "micro_batch_size", "num_microbatches", "seed")
 CASE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(ModelCase)}
@@ -71,7 +76,10 @@ def add_case_flags(parser: argparse.ArgumentParser) -> None:
     for name in CASE_SETTINGS:
         # the trainer's own default, where its help names one, is not the check's
         help = re.sub(r" \(\)", "", re.sub(r"(; )?default: [^)]*\)", ")", settings[name].help))
-        add_setting(group, dataclasses.replace(settings[name], default=CASE_DEFAULTS[name], help=help))
+        default = CASE_DEFAULTS[name]
+        if name == GROUPS_UNLESS_MLA:  # left unset: the check's groups, or none under MLA (run())
+            help, default = f"{help} (default: {default}; none with --multi-latent-attention)", argparse.SUPPRESS
+        add_setting(group, dataclasses.replace(settings[name], default=default, help=help))
     data = parser.add_argument_group("data")
     for name in SIZES:
         data.add_argument("--" + name.replace("_", "-"), type=int, default=CASE_DEFAULTS[name],
@@ -191,7 +199,9 @@ def chosen_layouts(requested: Optional[str], case: ModelCase,
 def run(options: argparse.Namespace) -> int:
     from megatron_siamese.runtime import launchers
 
-    case = ModelCase(norm=SPECS[options.spec], **{name: getattr(options, name) for name in CASE_SETTINGS + SIZES})
+    given = {name: getattr(options, name) for name in CASE_SETTINGS + SIZES if hasattr(options, name)}
+    given.setdefault(GROUPS_UNLESS_MLA, None if given["multi_latent_attention"] else CASE_DEFAULTS[GROUPS_UNLESS_MLA])
+    case = ModelCase(norm=SPECS[options.spec], **given)
     launch = launchers.detect()  # LaunchError: the launcher's variables contradict one another
     world = None if launch is None else launch.world_size
     layouts, left_out = chosen_layouts(options.layouts, case, world)

@@ -51,7 +51,8 @@ What ``install()`` changes, and only while it is installed:
   follow is synchronous, and its async parameter all-gathers are waited on their ``Work`` before
   a bucket is used or freed: read in 0.19.2's param_and_grad_buffer.py), and megatron-core 0.16.1's adapter asks
   ``isinstance(module, TELinear)`` under TP, which without Transformer Engine is a MagicMock that
-  ``isinstance`` refuses: there it is a class no module is an instance of;
+  ``isinstance`` refuses: there it is a class no module is an instance of (and in multi-latent
+  attention, which asks the same of its output projection);
 * without Transformer Engine, the FP8 bookkeeping that Megatron's ``CheckpointWithoutOutput`` asks
   TE for whatever its ``fp8`` argument (stock selective "layernorm" recompute): FP8 off, as TE
   answers when FP8 is off.
@@ -256,9 +257,38 @@ def _fsdp_replacements() -> Dict[Tuple[Any, str], Any]:
     torch_fsdp2, adapter = (importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel"),
                             importlib.import_module("megatron.core.distributed.fsdp.mcore_fsdp_adapter"))
     replacements = {(torch_fsdp2, "DeviceMesh"): _MeshOnCpu, (adapter, "DeviceMesh"): _MeshOnCpu}
-    if not isinstance(getattr(adapter, "TELinear", type), type):  # 0.16.1 without TE: a MagicMock isinstance() refuses
-        replacements[(adapter, "TELinear")] = type("NoTELinear", (), {})  # no module is one
-    return replacements
+    return {**replacements, **_no_te_classes(adapter)}
+
+
+def _no_te_classes(*modules) -> Dict[Tuple[Any, str], Any]:
+    """Where megatron-core 0.16.1 without Transformer Engine left a MagicMock for ``TELinear``, which
+    ``isinstance()`` refuses (Megatron-FSDP's adapter under TP; multi-latent attention's output
+    projection): a class no module is an instance of."""
+    no_te = type("NoTELinear", (), {})
+    return {(module, "TELinear"): no_te for module in modules
+            if not isinstance(getattr(module, "TELinear", type), type)}
+
+
+def _attention_replacements() -> Dict[Tuple[Any, str], Any]:
+    """Multi-latent attention without Transformer Engine (``_no_te_classes``; megatron-core 0.19
+    leaves the duplicated local ``Linear`` its local spec uses None, imported in TE's try block), and
+    its YaRN RoPE,
+    which MLA builds without ``use_cpu_initialization``: under ``with torch.device(current_device())``,
+    a CUDA device; built on the CPU here."""
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
+    from megatron.core.transformer import multi_latent_attention
+
+    original = yarn_rotary_pos_embedding.YarnRotaryEmbedding.__init__
+
+    def on_cpu(self, *args, use_cpu_initialization: bool = False, **kwargs):
+        original(self, *args, use_cpu_initialization=True, **kwargs)
+
+    found = {**_no_te_classes(multi_latent_attention), (yarn_rotary_pos_embedding.YarnRotaryEmbedding, "__init__"): on_cpu}
+    if multi_latent_attention.Linear is None:  # 0.19 imports it in TE's try block: without TE, None
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        found[(multi_latent_attention, "Linear")] = Linear
+    return found
 
 
 def _inference_replacements() -> Dict[Tuple[Any, str], Any]:
@@ -390,7 +420,8 @@ def install() -> None:
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0)
         replacements = {**_device_replacements(), **_cuda_rng_replacements(generator), **_moe_replacements(),
-                        **_inference_replacements(), **_fsdp_replacements(), **_recompute_replacements()}
+                        **_inference_replacements(), **_fsdp_replacements(), **_recompute_replacements(),
+                        **_attention_replacements()}
         originals: List[Tuple[Any, str, Any]] = []
         for (owner, name), replacement in replacements.items():
             originals.append((owner, name, getattr(owner, name, _ABSENT)))

@@ -38,7 +38,53 @@ def shape_problems(model: ModelSettings) -> List[str]:
                      "change one of them")
     if _positive(heads, groups) and heads % groups:
         found.append(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
-    return found + _moe_shape_problems(model)
+    return found + _moe_shape_problems(model) + _mla_problems(model) + _mtp_problems(model)
+
+
+_MLA_ONLY = (("q_lora_rank", "--q-lora-rank"), ("kv_lora_rank", "--kv-lora-rank"), ("qk_head_dim", "--qk-head-dim"),
+             ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"), ("v_head_dim", "--v-head-dim"),
+             ("rope_type", "--rope-type"), ("rotary_scaling_factor", "--rotary-scaling-factor"))
+_STANDARD_ATTENTION_ONLY = ("siamese-hybrid", "post", "hybridnorm", "mixln")  # schemes built on standard attention
+
+
+def _given(model: ModelSettings, flags) -> List[str]:
+    """The flags of ``flags`` ((field, flag) pairs) set to other than the command's own defaults."""
+    defaults = type(model).__dataclass_fields__  # the command's own (the check's differ from train's)
+    return [flag for name, flag in flags if getattr(model, name) != defaults[name].default]
+
+
+def _mla_problems(model: ModelSettings) -> List[str]:
+    if not model.multi_latent_attention:
+        given = _given(model, _MLA_ONLY)
+        return [f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} multi-latent attention: add "
+                "--multi-latent-attention"] if given else []
+    found = []
+    if model.num_query_groups is not None:
+        found.append("--multi-latent-attention has no key/value head groups (Megatron-LM refuses grouped-query "
+                     "attention with it): leave out --num-query-groups")
+    if model.position_embedding_type != "rope":
+        found.append("--multi-latent-attention applies RoPE inside its attention: use --position-embedding-type rope")
+    if model.norm in _STANDARD_ATTENTION_ONLY:
+        found.append(f"--multi-latent-attention with the {model.norm} scheme: it is built on standard attention; use "
+                     "siamese, siamese-layer or pre")
+    if model.model == "hybrid":
+        found.append("--multi-latent-attention: the HybridModel stacks here build standard attention; use --model gpt")
+    return found
+
+
+def _mtp_problems(model: ModelSettings) -> List[str]:
+    if model.mtp_num_layers is None:
+        given = _given(model, (("mtp_loss_scaling_factor", "--mtp-loss-scaling-factor"),))
+        return [f"{given[0]} weighs multi-token prediction's losses: add --mtp-num-layers N"] if given else []
+    found = []
+    if model.position_embedding_type != "rope":  # Megatron-LM's rule: its layers roll the token ids, not positions
+        found.append("--mtp-num-layers needs --position-embedding-type rope (Megatron-LM's rule)")
+    if model.norm in _STANDARD_ATTENTION_ONLY[1:]:
+        found.append(f"--mtp-num-layers with the {model.norm} baseline: its MTP layers would be stock layers after "
+                     "the baseline's; use siamese, siamese-layer or pre")
+    if model.model == "hybrid":
+        found.append("--mtp-num-layers: multi-token prediction is built for GPTModel here; use --model gpt")
+    return found
 
 
 _MOE_ONLY = (("moe_layer_freq", "--moe-layer-freq"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
@@ -59,8 +105,7 @@ def _moe_shape_problems(model: ModelSettings) -> List[str]:
         if model.moe_layer_freq != type(model).__dataclass_fields__["moe_layer_freq"].default:
             return ["--moe-layer-freq places a GPT's MoE layers; in a HybridModel the pattern's 'E' does: leave it out"]
     if experts is None:
-        defaults = type(model).__dataclass_fields__  # the command's own (the check's differ from train's)
-        given = [flag for name, flag in _MOE_ONLY if getattr(model, name) != defaults[name].default]
+        given = _given(model, _MOE_ONLY)
         return [f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} MoE layers: add --num-experts N"] if given else []
     found = []
     if _positive(experts, model.moe_router_topk) and model.moe_router_topk > experts:
@@ -102,6 +147,10 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
     if _positive(tp, ffn) and ffn % tp:
         found.append(f"the MLP width {ffn} (--ffn-hidden-size) does not split over {spell('tp', tp)}: use a "
                      "tensor-parallel size that divides it, or a width that is a multiple of it")
+    if model.multi_latent_attention and tp > 1 and not layout.sp:  # its duplicated down projections (mla.py)
+        found.append(f"--multi-latent-attention under tensor parallelism ({spell('tp', tp)}) needs sequence "
+                     "parallelism: its down projections are duplicated over TP, and their gradients are summed over "
+                     "TP only under SP; add it (--sp, or 'sp' in a layout name)")
     if _positive(tp, vocab_size) and vocab_size % tp:
         divisors = ", ".join(str(d) for d in range(1, 17) if vocab_size % d == 0)
         found.append(f"the vocabulary ({vocab_size}) does not split over {spell('tp', tp)}: use a tensor-parallel "

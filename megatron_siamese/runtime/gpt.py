@@ -1,6 +1,6 @@
 """One rank's Megatron GPT: the runtime the trainer and the parallel check share.
 
-    ModelSettings + Layout --transformer_config--> SiameseTransformerConfig
+    ModelSettings + Layout --transformer_config--> SiameseTransformerConfig (SiameseMLATransformerConfig with MLA)
       --models.build_model_chunks--> GPTModel or HybridModel chunks (one per virtual stage)
       --init_weights (optional)--> GPU, Float16Module (bf16), DistributedDataParallel or a fully
           sharded wrapper (torch FSDP2, Megatron-FSDP; runtime/data_parallel.py)
@@ -37,10 +37,10 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
     """
     import torch.nn.functional as F
 
-    from megatron_siamese.config import SiameseTransformerConfig
+    from megatron_siamese.config import siamese_config_class
     from megatron_siamese.hybrid_pattern import num_layers
     from megatron_siamese.models import scheme
-    from megatron_siamese.runtime.settings import moe_layer_freq
+    from megatron_siamese.runtime.settings import MLA_SETTINGS, moe_layer_freq
 
     dtype = DTYPES[model.dtype]
     on_gpu = device.uses_cuda()
@@ -66,8 +66,10 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
         deallocate_pipeline_outputs=True,
         **layout.recompute_options(),
     )
+    if model.multi_latent_attention:  # MLATransformerConfig's own fields (a rope_type unset: Megatron's, yarn)
+        fields.update({name: getattr(model, name) for name in MLA_SETTINGS if getattr(model, name) is not None})
     fields.update(overrides)
-    return SiameseTransformerConfig(**fields)
+    return siamese_config_class(fields.get("multi_latent_attention", False))(**fields)
 
 
 def initialize_model_parallel(layout: Layout, seed: int) -> None:

@@ -23,6 +23,9 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 
+ROPE_TYPES = ("rope", "yarn")  # Megatron-LM's --rope-type (MLA's RoPE)
+MLA_SETTINGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                "rotary_scaling_factor")  # MLATransformerConfig's fields, set when multi_latent_attention
 MOE_DISPATCHERS = ("allgather", "alltoall", "flex")  # flex (DeepEP / HybridEP) is offered so refusing it on CPU says why
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -137,6 +140,30 @@ class ModelSettings:
     qk_layernorm: bool = setting(False, group=MODEL, flag="--qk-layernorm", action="store_true", config="qk_layernorm",
                                  help="normalize queries and keys per head (Qwen3 / OLMo 2 QK-norm; the "
                                       "siamese-hybrid scheme always has it)")
+    multi_latent_attention: bool = setting(
+        False, group=MODEL, flag="--multi-latent-attention", action="store_true", config="multi_latent_attention",
+        help="multi-latent attention (DeepSeek's MLA: Megatron's MLASelfAttention, its queries and keys/values "
+             "through low-rank latents with their own norms under --qk-layernorm, RoPE on a part of each head)")
+    q_lora_rank: Optional[int] = setting(None, group=MODEL, flag="--q-lora-rank", minimum=1,
+                                         help="MLA: the queries' latent rank (unset: queries projected directly)")
+    kv_lora_rank: int = setting(32, group=MODEL, flag="--kv-lora-rank", minimum=1,
+                                help="MLA: the keys' and values' latent rank")
+    qk_head_dim: int = setting(128, group=MODEL, flag="--qk-head-dim", minimum=1,
+                               help="MLA: each query and key head's part without RoPE")
+    qk_pos_emb_head_dim: int = setting(64, group=MODEL, flag="--qk-pos-emb-head-dim", minimum=1,
+                                       help="MLA: each query and key head's RoPE part (the keys' shared by every head)")
+    v_head_dim: int = setting(128, group=MODEL, flag="--v-head-dim", minimum=1, help="MLA: each value head's size")
+    rope_type: Optional[str] = setting(None, group=MODEL, flag="--rope-type", choices=ROPE_TYPES,
+                                       help="MLA's RoPE: rope, or yarn (Megatron's default for MLA when unset)")
+    rotary_scaling_factor: float = setting(1.0, group=MODEL, flag="--rotary-scaling-factor", minimum=0.0,
+                                           help="MLA with --rope-type yarn: YaRN's scaling factor")
+    mtp_num_layers: Optional[int] = setting(
+        None, group=MODEL, flag="--mtp-num-layers", minimum=1, config="mtp_num_layers",
+        help="multi-token prediction (DeepSeek-V3's MTP): this many Megatron MTP layers after the decoder, on the "
+             "last pipeline stage, each predicting one token further (docs/design.md)")
+    mtp_loss_scaling_factor: float = setting(
+        0.1, group=MODEL, flag="--mtp-loss-scaling-factor", minimum=0.0, config="mtp_loss_scaling_factor",
+        resumable=True, help="the MTP losses' weight: their mean times this is added to the LM loss")
     zero_centered_gamma: bool = setting(False, group=MODEL, flag="--apply-layernorm-1p", action="store_true",
                                         config="layernorm_zero_centered_gamma",
                                         help="zero-centred norm weights (gamma = 1 + w)")
