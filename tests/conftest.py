@@ -195,12 +195,17 @@ def distributed_run(tmp_path_factory, corpus_cache) -> Run:
 
 
 @pytest.fixture(autouse=True)
-def fresh_moe_state():
-    """After each test, Megatron's process-wide MoE state, which a training loop sets up per run:
-    the aux-loss gradient scale (a backward outside a schedule leaves it 0-d, and a schedule then
-    fails to copy its [1] scale into it) and the per-layer router statistics (sized by the first
-    model that records them)."""
+def fresh_megatron_state():
+    """After each test, Megatron's process-wide MoE and multi-token prediction state, which a
+    training loop sets up per run: the aux-loss and MTP-loss gradient scales (a backward outside a
+    schedule leaves the aux-loss one 0-d, and a schedule then fails to copy its [1] scale into it;
+    a schedule leaves the MTP one its last step's)
+    and the per-layer router and MTP loss statistics (sized by the first model that records them)."""
     yield
+    mtp = sys.modules.get("megatron.core.transformer.multi_token_prediction")
+    if mtp is not None:
+        mtp.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))  # its class default
+        mtp.MTPLossLoggingHelper.tracker.clear()
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
     if moe_utils is None:
         return

@@ -144,15 +144,17 @@ def test_norms_placed_by_the_stage_local_layer_number_fail_pipeline_layouts_only
 # DeepSeek-class models in one job: multi-token prediction, multi-latent attention, and both with
 # MoE and a shared expert (DeepSeek-V3's shape), each under every layout that applies; and the
 # planted faults of each feature, which must fail exactly the layouts they break.
-_MLA = dict(multi_latent_attention=True, num_query_groups=None, qk_layernorm=True)
+_MLA = dict(multi_latent_attention=True, num_query_groups=None, qk_layernorm=True, q_lora_rank=16)
 _DENSE_LAYOUTS = ("tp2-sp", "pp2", "pp2-vpp2", "dp2-do", "dp2-fsdp2")
 DEEPSEEK_SUBJECTS = {
     "mtp": Subject(ModelCase(mtp_num_layers=1), "siamese", _DENSE_LAYOUTS),
-    # queries through their own latent, Megatron's default YaRN RoPE
-    "mla": Subject(ModelCase(**_MLA, q_lora_rank=16), "siamese", _DENSE_LAYOUTS),
+    # queries through their own latent, latent norms, Megatron's default YaRN RoPE
+    "mla": Subject(ModelCase(**_MLA), "siamese", _DENSE_LAYOUTS),
     # the Megatron-LM --spec object, which builds MLA where its config asks, with Megatron's own p2p
-    # (not under TP: MLA there needs SP, which the stock final norm a --spec model gets refuses without apex)
-    "mla-spec-object": Subject(ModelCase(norm="siamese-layer", **_MLA, rope_type="rope", siamese_p2p=False),
+    # (not under TP: MLA there needs SP, which the stock final norm a --spec model gets refuses without apex);
+    # queries projected directly, no latent norms
+    "mla-spec-object": Subject(ModelCase(norm="siamese-layer", **{**_MLA, "qk_layernorm": False, "q_lora_rank": None},
+                                         rope_type="rope", siamese_p2p=False),
                                "siamese-layer", ("pp2-vpp2", "dp2-do")),
     "deepseek": Subject(dataclasses.replace(MOE_CASE, **_MLA, mtp_num_layers=1, moe_shared_expert_intermediate_size=32,
                                             rope_type="rope"), "siamese", _DENSE_LAYOUTS + ("ep2", "tp2-ep2-sp")),

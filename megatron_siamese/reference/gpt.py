@@ -1,7 +1,9 @@
 """A small, complete SiameseNorm GPT in plain PyTorch: the oracle for the Megatron model.
 
 No Megatron import. Dense or mixture-of-experts MLPs (reference/moe.py, per ``moe_layer_freq``),
-QK-norm in either variant. Module names mirror Megatron-Core's GPTModel built with
+QK-norm in either variant, standard or multi-latent attention (reference/mla.py:
+``multi_latent_attention``), and multi-token prediction after the decoder (reference/mtp.py:
+``mtp_num_layers``). Module names mirror Megatron-Core's GPTModel built with
 ``get_siamese_block_spec`` (``embedding.word_embeddings``, ``decoder.layers.N.
 self_attention.linear_qkv``, ``decoder.final_layernorm.merge.x_norm``, ...) so a TP=1
 Megatron state dict loads with ``load_megatron_state_dict``. Attention follows Megatron's
@@ -43,8 +45,22 @@ _MEGATRON_FIELDS = (
     "num_moe_experts", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
     "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-    "moe_router_load_balancing_type",
+    "moe_router_load_balancing_type", "mtp_num_layers", "mtp_loss_scaling_factor",
 )
+# ... and with multi-latent attention (MLATransformerConfig's; the RoPE ones are MLA's own RoPE's)
+_MLA_FIELDS = (
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type", "rotary_base", "rotary_percent", "rotary_scaling_factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+)
+# Megatron settings the reference has no math for: set (not None / False / the value named) and
+# from_megatron refuses rather than compute something else
+_UNMODELLED = {
+    "mtp_use_repeated_layer": None,  # megatron-core 0.19: one MTP layer applied D times
+    "mtp_detach_heads": None,  # 0.19: the MTP losses reach neither the embedding nor the output head
+    "apply_query_key_layer_scaling": None,
+    "cache_mla_latents": None,
+}
 
 
 @dataclass
@@ -90,6 +106,25 @@ class ReferenceGPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_router_load_balancing_type: str = "aux_loss"
+    # multi-latent attention (reference/mla.py); MLATransformerConfig's names and defaults, but
+    # for q_lora_rank (None: queries projected directly). Its RoPE uses rotary_base and
+    # rotary_percent above; the model then has no RoPE of its own (as Megatron's GPTModel)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str = "yarn"  # or "rope"
+    rotary_scaling_factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    # multi-token prediction (reference/mtp.py); Megatron's names and defaults
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self):
         self.ffn_hidden_size = self.ffn_hidden_size or 4 * self.hidden_size
@@ -105,6 +140,13 @@ class ReferenceGPTConfig:
             raise ValueError("the hybrid variant normalizes queries and keys: set qk_layernorm=True")
         if self.num_moe_experts:
             self._check_moe()
+        if self.multi_latent_attention:
+            if self.rope_type not in ("rope", "yarn"):
+                raise ValueError("rope_type must be 'rope' or 'yarn'")
+            if self.variant != "standard" or self.value_layernorm:
+                raise ValueError("multi-latent attention is the standard variant's, without a value norm")
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
+            raise ValueError("mtp_num_layers must be at least 1 (None: no multi-token prediction)")
 
     def _check_moe(self):
         self.moe_ffn_hidden_size = self.moe_ffn_hidden_size or self.ffn_hidden_size
@@ -126,7 +168,15 @@ class ReferenceGPTConfig:
             raise ValueError(f"no reference for activation {config.activation_func}")
         if config.num_moe_experts and unmodelled_settings(config):
             raise ValueError(f"no reference for {', '.join(unmodelled_settings(config))}")
+        unmodelled = [f"{name}={getattr(config, name)!r}" for name, default in _UNMODELLED.items()
+                      if getattr(config, name, None) not in (None, False, default)]
+        if config.mtp_num_layers and getattr(config, "calculate_per_token_loss", False):
+            unmodelled.append("calculate_per_token_loss=True (with multi-token prediction)")
+        if unmodelled:
+            raise ValueError(f"no reference for {', '.join(unmodelled)}")
         fields = {name: getattr(config, name) for name in _MEGATRON_FIELDS}
+        if getattr(config, "multi_latent_attention", False):
+            fields.update({name: getattr(config, name) for name in _MLA_FIELDS})
         fields.update(vocab_size=vocab_size, max_sequence_length=max_sequence_length, activation=activation,
                       input_norm=getattr(config, "siamese_input_norm", True),
                       depth_scaled=getattr(config, "siamese_depth_scale", True))
@@ -219,6 +269,15 @@ class ReferenceAttention(nn.Module):
         return self.linear_proj(context), self.proj_bias
 
 
+def self_attention(config: ReferenceGPTConfig) -> nn.Module:
+    """The attention sublayer ``config`` asks for: multi-latent (reference/mla.py) or standard."""
+    if config.multi_latent_attention:
+        from megatron_siamese.reference.mla import ReferenceMLA  # it builds this module's norms
+
+        return ReferenceMLA(config)
+    return ReferenceAttention(config)
+
+
 class ReferenceChannelScale(nn.Module):
     def __init__(self, config: ReferenceGPTConfig):
         super().__init__()
@@ -237,7 +296,7 @@ class ReferenceSiameseLayer(nn.Module):
         self.attn_x_norm = ReferenceChannelScale(config) if hybrid else ReferenceNorm(config)
         self.attn_y_norm = ReferenceNorm(config)
         self.input_layernorm = None if hybrid or not config.input_norm else ReferenceNorm(config)
-        self.self_attention = ReferenceAttention(config)
+        self.self_attention = self_attention(config)
         self.mlp_x_norm = ReferenceNorm(config)
         self.mlp_y_norm = ReferenceNorm(config)
         self.pre_mlp_layernorm = ReferenceNorm(config) if config.input_norm else None
@@ -296,7 +355,9 @@ class ReferenceDecoder(nn.Module):
 
 
 class ReferenceGPT(nn.Module):
-    """Embedding, N SiameseNorm blocks, the merging final norm and the output head."""
+    """Embedding, N SiameseNorm blocks, the merging final norm and the output head; with
+    ``mtp_num_layers``, Megatron's multi-token prediction layers after the final norm
+    (reference/mtp.py), sharing the embedding and the output head."""
 
     def __init__(self, config: ReferenceGPTConfig):
         super().__init__()
@@ -308,27 +369,44 @@ class ReferenceGPT(nn.Module):
             if config.share_embeddings_and_output_weights
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        if config.mtp_num_layers:
+            from megatron_siamese.reference.mtp import ReferenceMTPBlock  # it builds on this module
+
+            self.mtp = ReferenceMTPBlock(config)
+        else:
+            self.mtp = None
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
-        """input_ids [b, s] -> logits [b, s, vocab]."""
+        """input_ids [b, s] -> logits [b, s, vocab] (the main head's)."""
+        hidden, _, _ = self._hidden(input_ids, position_ids)
+        return self._logits(hidden)
+
+    def _hidden(self, input_ids: Tensor, position_ids: Optional[Tensor]):
+        """(the final norm's output [b, s, h], the RoPE the layers got, the position ids)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
                 input_ids
             )
-        hidden = self.embedding(input_ids, position_ids)
-        hidden = F.dropout(hidden, self.config.hidden_dropout, self.training)
+        hidden = self._embed(input_ids, position_ids)
+        # multi-latent attention builds its own RoPE (GPTModel builds none for it)
         rope = (
             rotary_cos_sin(self.config, position_ids)
-            if self.config.position_embedding_type == "rope"
+            if self.config.position_embedding_type == "rope" and not self.config.multi_latent_attention
             else None
         )
-        out = self._decode(hidden, rope)
+        return self._decode(hidden, rope), rope, position_ids
+
+    def _embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        hidden = self.embedding(input_ids, position_ids)
+        return F.dropout(hidden, self.config.hidden_dropout, self.training)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
         head = (
             self.embedding.word_embeddings.weight
             if self.output_layer is None
             else self.output_layer.weight
         )
-        return out @ head.t()
+        return hidden @ head.t()
 
     def _decoder(self, config: ReferenceGPTConfig) -> nn.Module:
         return ReferenceDecoder(config)
@@ -340,26 +418,61 @@ class ReferenceGPT(nn.Module):
             streams = layer(streams, rope)
         return self.decoder.final_layernorm(*split_streams(streams, self.config.hidden_size))
 
-    def loss(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None):
-        """Per-token cross-entropy [b, s], like GPTModel called with labels."""
-        logits = self.forward(input_ids, position_ids)
+    @staticmethod
+    def _cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(  # in fp32 (Megatron's), fp64 for a double model
             logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), labels.flatten(),
             reduction="none",
         ).view_as(labels)
 
+    def loss(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None):
+        """Per-token cross-entropy [b, s], like GPTModel called with labels."""
+        return self._cross_entropy(self.forward(input_ids, position_ids), labels)
+
+    def losses(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None,
+               loss_mask: Optional[Tensor] = None):
+        """(the main head's per-token cross-entropy [b, s], [L_1, ..., L_D]) in one forward:
+        L_k the masked mean cross-entropy of MTP depth k against the labels rolled k times, the
+        loss mask (ones when None, as GPTModel called without one) rolled alike (reference/mtp.py;
+        [] without MTP)."""
+        hidden, rope, position_ids = self._hidden(input_ids, position_ids)
+        main = self._cross_entropy(self._logits(hidden), labels)
+        if self.mtp is None:
+            return main, []
+        from megatron_siamese.reference.mtp import rolled_targets
+
+        mask = torch.ones_like(labels) if loss_mask is None else loss_mask
+        depth_losses = []
+        for depth, out in enumerate(self.mtp(hidden, input_ids, position_ids, self._embed, rope), start=1):
+            depth_labels, depth_mask = rolled_targets(labels, mask, depth)
+            per_token = self._cross_entropy(self._logits(out), depth_labels)
+            # no token left to score (a sequence no longer than the depth): 0, as megatron-core 0.19
+            depth_losses.append((depth_mask * per_token).sum() / depth_mask.sum().clamp(min=1))
+        return main, depth_losses
+
     def router_loss(self) -> Tensor:
-        """The MoE layers' aux and z losses of the last training forward (0 without any)."""
-        losses = [layer.mlp.router_loss for layer in self.decoder.layers
+        """The MoE layers' aux and z losses of the last training forward (0 without any), the MTP
+        layers' included."""
+        layers = list(self.decoder.layers)
+        if self.mtp is not None:
+            layers += [layer.transformer_layer for layer in self.mtp.layers]
+        losses = [layer.mlp.router_loss for layer in layers
                   if isinstance(layer.mlp, ReferenceMoE) and layer.mlp.router_loss is not None]
         return sum(losses) if losses else torch.zeros(())
 
-    def objective(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
-        """What Megatron's backward differentiates for one microbatch: the mean cross-entropy plus
-        the router losses, to which MoEAuxLossAutoScaler gives the main loss's gradient scale
-        (Megatron's schedules scale both by 1 / num_microbatches: a step's objective is the mean
-        of this over its microbatches)."""
-        return self.loss(input_ids, labels, position_ids).mean() + self.router_loss()
+    def objective(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None,
+                  loss_mask: Optional[Tensor] = None) -> Tensor:
+        """What Megatron's backward differentiates for one microbatch: the mean cross-entropy
+        (masked mean with ``loss_mask``), the router losses, to which MoEAuxLossAutoScaler gives
+        the main loss's gradient scale, and ``mtp_loss_scaling_factor / D`` times each MTP
+        depth's loss, which MTPLossAutoScaler scales alike (Megatron's schedules scale all by
+        1 / num_microbatches: a step's objective is the mean of this over its microbatches)."""
+        main, depth_losses = self.losses(input_ids, labels, position_ids, loss_mask)
+        main = main.mean() if loss_mask is None else (main * loss_mask).sum() / loss_mask.sum()
+        objective = main + self.router_loss()
+        if depth_losses:
+            objective = objective + self.config.mtp_loss_scaling_factor / len(depth_losses) * sum(depth_losses)
+        return objective
 
     def load_megatron_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a TP=1 Megatron GPTModel state dict (either SiameseNorm spec)."""
@@ -373,7 +486,9 @@ def megatron_to_reference_names(state_dict: Mapping[str, Tensor], num_layers: in
     bias-dropout), the reference keeps them as ``proj_bias`` / ``fc2_bias`` (an expert's too,
     though its MLP adds it itself, scaled by the token's routing probability); a layer-spec
     model (Megatron-LM ``--spec``) keeps the merge norms in its last layer's
-    ``output_merge`` and its FinalNorm as ``decoder.final_layernorm``.
+    ``output_merge`` and its FinalNorm as ``decoder.final_layernorm``; an MTP layer's transformer
+    layer is ``mtp.layers.K.transformer_layer`` (megatron-core 0.16) or ``mtp_model_layer``
+    (0.19), the reference's ``transformer_layer``.
     """
     last = f"decoder.layers.{num_layers - 1}.output_merge."
     renamed = {}
@@ -382,6 +497,8 @@ def megatron_to_reference_names(state_dict: Mapping[str, Tensor], num_layers: in
             continue
         name = name.replace("self_attention.linear_proj.bias", "self_attention.proj_bias")
         name = name.replace("linear_fc2.bias", "fc2_bias")
+        if name.startswith("mtp.layers."):
+            name = name.replace(".mtp_model_layer.", ".transformer_layer.", 1)
         if name.startswith(last):
             name = "decoder.final_layernorm.merge." + name[len(last):]
         renamed[name] = tensor

@@ -25,10 +25,10 @@ from megatron_siamese.reference.functional import (
     single_stream_sublayer,
 )
 from megatron_siamese.reference.gpt import (
-    ReferenceAttention,
     ReferenceGPT,
     ReferenceGPTConfig,
     ReferenceNorm,
+    self_attention,
 )
 from megatron_siamese.reference.mlp import ReferenceMLP
 from megatron_siamese.reference.moe import ReferenceMoE, moe_layers
@@ -43,7 +43,7 @@ class ReferenceSingleStreamLayer(nn.Module):
             return ReferenceNorm(config) if present else None
 
         self.input_layernorm = norm(placement.attention_input)
-        self.self_attention = ReferenceAttention(config)
+        self.self_attention = self_attention(config)  # standard or multi-latent
         self.post_attn_norm = norm(placement.after_attention)
         self.pre_mlp_layernorm = norm(placement.mlp_input)
         self.mlp = ReferenceMoE(config) if moe else ReferenceMLP(config)

@@ -66,8 +66,10 @@ def transformer_config(model: ModelSettings, layout: Layout, **overrides):
         deallocate_pipeline_outputs=True,
         **layout.recompute_options(),
     )
-    if model.multi_latent_attention:  # MLATransformerConfig's own fields (a rope_type unset: Megatron's, yarn)
-        fields.update({name: getattr(model, name) for name in MLA_SETTINGS if getattr(model, name) is not None})
+    if model.multi_latent_attention:  # MLATransformerConfig's own fields (one unset: Megatron's default, as
+        # its rope_type yarn), but q_lora_rank unset means queries projected directly (Megatron's default: 512)
+        fields.update({name: getattr(model, name) for name in MLA_SETTINGS
+                       if getattr(model, name) is not None or name == "q_lora_rank"})
     fields.update(overrides)
     return siamese_config_class(fields.get("multi_latent_attention", False))(**fields)
 
@@ -117,7 +119,9 @@ def loss_func(loss_mask: Tensor, output: Tensor):
 def forward_step(data_iterator, model):
     """Megatron's forward-step contract: a microbatch of tokens/labels/positions/mask/loss mask."""
     batch = {k: v.to(device.current()) for k, v in next(data_iterator).items()}
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    # the loss mask also scores multi-token prediction's depths (rolled with the labels), as in pretrain_gpt.py
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
 
 
