@@ -121,12 +121,26 @@ def build_gpt_chunks(
     use_te = uses_transformer_engine(config, None)
 
     def gpt(vp_stage, **kwargs):
-        return GPTModel(transformer_layer_spec=block_spec(config, vp_stage), vp_stage=vp_stage,
-                        mtp_block_spec=get_mtp_block_spec(config, use_te, vp_stage), **kwargs)
+        model = GPTModel(transformer_layer_spec=block_spec(config, vp_stage), vp_stage=vp_stage,
+                         mtp_block_spec=get_mtp_block_spec(config, use_te, vp_stage), **kwargs)
+        return without_unused_output_weight(model)
 
     return _per_virtual_stage(gpt, config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                               position_embedding_type=position_embedding_type,
                               share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+
+
+def without_unused_output_weight(model: GPTModel) -> GPTModel:
+    """``model`` without the output layer's own weight where it never reads it: a last pipeline
+    stage with multi-token prediction and tied embeddings computes its logits with the word
+    embedding it keeps for MTP, yet Megatron allocates the output layer's weight all the same
+    (optimizer state and all), and its checkpoint code asserts the weight absent ("output layer
+    will not have any weight": every save of such a stage fails, megatron-core 0.16.1 and 0.19.2)."""
+    if (getattr(model, "mtp_process", False) and model.post_process and not model.pre_process
+            and model.share_embeddings_and_output_weights and model.output_layer.weight is not None):
+        del model.output_layer.weight
+        model.output_layer.register_parameter("weight", None)
+    return model
 
 
 def build_hybrid_chunks(

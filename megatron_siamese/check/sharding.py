@@ -91,13 +91,7 @@ def split_of(name: str, tp_rank: int, tp: int, expert_tp_rank: Optional[int] = N
 def global_parameters(model_chunk) -> Iterator[Tuple[str, Tensor]]:
     """(global name, local parameter) for every parameter of one (unwrapped) model chunk."""
     layers = model_chunk.decoder.layers if hasattr(model_chunk, "decoder") else []
-    # a last pipeline stage with multi-token prediction ties its output layer to the embedding it
-    # keeps for MTP, and Megatron leaves the output layer's own weight allocated, never used
-    unused = ("output_layer.weight",) if (getattr(model_chunk, "mtp_process", False) and not model_chunk.pre_process
-                                          and model_chunk.share_embeddings_and_output_weights) else ()
     for name, param in model_chunk.named_parameters():
-        if name in unused:
-            continue
         name = _global_expert_name(model_chunk, name)
         match = _LAYER.match(name)
         if match:

@@ -72,9 +72,10 @@ def dead_rank(procs, logs) -> Optional[RankFailed]:
 
 # How a rank fails when a peer went away first: on the broken connection (gloo's "Connection
 # closed by peer ... Check the logs of the remote worker", a reset, a refused connect, the
-# rendezvous store's "Failed to recv, got 0 bytes. Connection was likely closed").
+# rendezvous store's "Failed to recv, got 0 bytes. Connection was likely closed"), or where the
+# package's own agreement says another rank failed ("failed on another rank (rank 0 says why)").
 _PEER_GONE = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|[Cc]onnection refused|logs of the remote worker"
-                        r"|[Cc]onnection was likely closed")
+                        r"|[Cc]onnection was likely closed|on another rank")
 PEER_REPORT_WAIT_S = 10.0  # how long a failure on a broken connection waits for the peer's own report
 
 

@@ -12,7 +12,9 @@
   and a recomputed forward once: the first pass of Megatron's activation checkpointing runs
   without grad) and summed over every rank: the routers are replicated over TP, CP and DP
   (EP splits the experts, not the routing), each PP stage holds its own layers, and TP ranks
-  without SP, which route the same tokens, scale every count alike and leave the ratio.
+  without SP, which route the same tokens, scale every count alike and leave the ratio. The
+  multi-token prediction layers' routers count as layers after the decoder's, as Megatron's
+  tracker has them.
 """
 
 from __future__ import annotations
@@ -55,9 +57,16 @@ def _tracker_report(**options) -> dict:
         from megatron.core import parallel_state
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
 
+        tracker = get_moe_layer_wise_logging_tracker()
+        # a stage without MoE layers must size its entries as the routers do (multi-token prediction's
+        # layers too), or the reduction over the pipeline hangs (0.16 sizes them num_layers; 0.19 fixed)
+        size = options["num_layers"] + (options["mtp_num_layers"] or 0)
+        for name in options["track_names"]:
+            tracker.setdefault(name, {"values": torch.zeros(size, device=device.current()), "reduce_group": None,
+                                      "avg_group": None, "reduce_group_has_dp": False})
         # 0.16 records each rank's z-loss of its own tokens without a group to reduce it over (the
         # number then depends on the layout); 0.19 averages it over TP x DP x CP: so here too
-        z_loss = get_moe_layer_wise_logging_tracker().get("z_loss")
+        z_loss = tracker.get("z_loss")
         if z_loss is not None and z_loss.get("reduce_group") is None and z_loss.get("avg_group") is None:
             z_loss["avg_group"] = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
         track_moe_metrics(total_loss_dict=losses, **options)
@@ -93,8 +102,10 @@ class RouterStatistics:
         self.config, self.settings = config, settings
         self.layers = moe_layers(config, settings)
         self.names = tracked_losses(config.moe_router_load_balancing_type, config.moe_z_loss_coeff)
-        # tokens per expert, by layer (Megatron's 1-based layer_number - 1), this step, this rank
-        self.counts = torch.zeros(config.num_layers, config.num_moe_experts, dtype=torch.float64,
+        # tokens per expert, by layer (Megatron's 1-based layer_number - 1: multi-token prediction's
+        # layers after the decoder's), this step, this rank
+        self.mtp_layers = config.mtp_num_layers or 0
+        self.counts = torch.zeros(config.num_layers + self.mtp_layers, config.num_moe_experts, dtype=torch.float64,
                                   device=device.current())
         for module in (module for chunk in chunks for module in chunk.modules()):
             if isinstance(module, Router):
@@ -103,18 +114,21 @@ class RouterStatistics:
     def _count(self, router, inputs, output) -> None:
         if router.training and torch.is_grad_enabled():
             _, routing_map = output
-            self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts.dtype)
+            # 0.19 numbers a multi-token prediction layer's router from 1, flagged is_mtp_layer; 0.16 after the decoder's
+            row = router.layer_number - 1 + (self.config.num_layers if getattr(router, "is_mtp_layer", False) else 0)
+            self.counts[row] += routing_map.sum(dim=0).to(self.counts.dtype)
 
     def step(self, step: int, num_microbatches: int) -> Dict[str, float]:
         # force_initialize: a pipeline stage without MoE layers joins the reductions all the same
         losses = _tracker_report(loss_scale=1.0 / num_microbatches, iteration=step, force_initialize=True,
                                  track_names=self.names, num_layers=self.config.num_layers,
-                                 moe_layer_freq=self.layers)
+                                 moe_layer_freq=self.layers, mtp_num_layers=self.config.mtp_num_layers)
         stats = _in_order(losses, self.names)
         counts = self.counts.clone()
         self.counts.zero_()
         torch.distributed.all_reduce(counts)  # every layer's routing over all ranks
-        moe = counts[[index for index, on in enumerate(self.layers) if on]]
+        # an MTP layer's MLP is the last decoder layer's kind (Megatron builds it from that layer's spec)
+        moe = counts[[index for index, on in enumerate(self.layers + self.layers[-1:] * self.mtp_layers) if on]]
         moe = moe[moe.sum(dim=1) > 0]
         if len(moe):
             stats[BUSIEST] = float((moe.max(dim=1).values / moe.mean(dim=1)).max())

@@ -105,27 +105,30 @@ class RunLog:
 
     def step(self, step: int, stats: Dict[str, float], seconds: float) -> None:
         """Step ``step`` took ``seconds``: ``stats`` holds its loss, lr, grad_norm, and
-        loss_scale, skipped and (MoE) router where the trainer reports them."""
+        loss_scale, skipped and (MoE) router and (MTP) mtp where the trainer reports them."""
         if not self.speaks:
             return
         loss, lr, grad_norm = stats["loss"], stats["lr"], stats["grad_norm"]
         loss_scale, skipped = float(stats.get("loss_scale", 1.0)), bool(stats.get("skipped", False))
         router = {name: value for name, value in stats.get("router", {}).items() if metrics.finite(value) is not None}
+        # Megatron-LM's other tracked losses: multi-token prediction's, beside the routers'
+        tracked = {**router, **{name: value for name, value in stats.get("mtp", {}).items()
+                                if metrics.finite(value) is not None}}
         consumed = step * self.args.global_batch_size
         self.metrics.write(dict(step=step, consumed_samples=consumed, loss=metrics.finite(loss), lr=lr,
                                 grad_norm=metrics.finite(grad_norm), loss_scale=loss_scale, skipped=skipped,
                                 seconds=seconds, tokens_per_second=self.tokens_per_step / seconds if seconds else 0.0,
-                                **router, time=time.time()))
+                                **tracked, time=time.time()))
         scalars = {"learning-rate": lr, "batch-size": self.args.global_batch_size, "loss-scale": loss_scale,
                    "iteration-time": seconds}
         if metrics.finite(loss) is not None:
             scalars["lm loss"] = loss
         if metrics.finite(grad_norm) is not None:
             scalars["grad-norm"] = grad_norm
-        scalars.update(router)  # Megatron-LM's names: load_balancing_loss, z_loss, ...
+        scalars.update(tracked)  # Megatron-LM's names: load_balancing_loss, z_loss, mtp_1 loss, ...
         for sink in self.sinks:
             sink.log(scalars, step, consumed)
-        self.interval.add(loss, seconds, skipped, router)
+        self.interval.add(loss, seconds, skipped, tracked)
         every = self.console.log_interval
         if every and (step % every == 0 or metrics.finite(loss) is None):
             self._print(megatron_log.iteration_line(step, self.args.steps, consumed, self.interval, lr,

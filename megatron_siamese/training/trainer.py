@@ -167,6 +167,10 @@ class Trainer:
                      loss_scale=float(self.optimizer.get_loss_scale()), skipped=not updated)
         if self.router_stats is not None:  # the aux losses and the busiest expert's load (router_stats.py)
             stats["router"] = self.router_stats.step(self.step, self.args.num_microbatches)
+        if self.args.mtp_num_layers:  # each MTP layer's loss (mtp_stats.py)
+            from megatron_siamese.training import mtp_stats
+
+            stats["mtp"] = mtp_stats.step_losses(self.args.mtp_num_layers, self.args.num_microbatches)
         return stats
 
     @torch.no_grad()
