@@ -1,7 +1,8 @@
 """Training a mixture-of-experts SiameseNorm GPT as a user does (the CLI: in a subprocess where its
 own output is the point, else its main() in this process, tests/cli_runs.py): the MoE and
 expert-parallel flags, the router statistics in every log, and checkpoints that resume
-under another EP/TP/PP layout with the losses of the uninterrupted run."""
+under another EP/TP/PP layout with the losses of the uninterrupted run; a DeepSeek-shaped model
+(multi-latent attention, a shared expert, multi-token prediction) likewise."""
 
 import json
 import os
@@ -33,6 +34,13 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--mi
          "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "2", "--no-progress",
          "--log-interval", "1", *MOE]
 ROUTER = ("load_balancing_loss", "z_loss", "busiest_expert_load")
+MTP = ("mtp_1 loss",)
+# DeepSeek-V3's shape, small: multi-latent attention (queries through their own latent, latent
+# norms), a dense first layer and an MoE second with a shared expert, one multi-token prediction
+# layer (an MoE layer, as the decoder's last)
+DEEPSEEK = ["--moe-layer-freq", "[0,1]", "--moe-shared-expert-intermediate-size", "64", "--multi-latent-attention",
+            "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8",
+            "--v-head-dim", "8", "--qk-layernorm", "--mtp-num-layers", "1", "--disable-bias-linear"]
 
 
 def train(output, cache, *args, timeout=600):
@@ -56,9 +64,9 @@ def logged(done) -> dict:
     for line in done.stdout.splitlines():
         step = re.search(r"iteration\s+(\d+)/", line)
         if step:
-            values = dict(re.findall(r"\| (lm loss|\w+): ([0-9.E+-]+) (?=\|)", line))
+            values = dict(re.findall(r"\| (lm loss|mtp_\d+ loss|\w+): ([0-9.E+-]+) (?=\|)", line))
             found[int(step.group(1))] = {"loss": float(values["lm loss"]),
-                                         **{name: float(values[name]) for name in ROUTER if name in values}}
+                                         **{name: float(values[name]) for name in (*ROUTER, *MTP) if name in values}}
     return found
 
 
@@ -195,6 +203,28 @@ def test_expert_parallel_weights_load_into_a_pipeline_without_expert_parallelism
     resumed = logged(done)
     assert sorted(resumed) == [3, 4]
     assert_same_steps(resumed, ep2.steps, (3,))
+
+
+def test_a_deepseek_shaped_model_trains_and_resumes_under_another_layout(tmp_path, cache):
+    """PP2 (the first stage without experts: its router statistics join the last stage's, the
+    MTP layer's router among them) saves at step 2 with the MTP layer on the last stage; TP2 with
+    SP resumes it: steps 3 and 4, their MTP loss and routers, are the uninterrupted run's."""
+    straight = train_here(tmp_path / "pp2", cache, *DEEPSEEK, "--tp", "1", "--pp", "2", "--steps", "4",
+                          "--save-interval", "2")
+    assert straight.returncode == 0, straight.stderr
+    steps = logged(straight)
+    assert sorted(steps) == [1, 2, 3, 4] and all(set(ROUTER + MTP) <= set(values) for values in steps.values())
+    assert steps[4]["loss"] < steps[1]["loss"] - 0.05 and steps[4]["mtp_1 loss"] < steps[1]["mtp_1 loss"] - 0.05
+    written = [entry for entry in map(json.loads, (tmp_path / "pp2" / "metrics.jsonl").read_text().splitlines())
+               if "loss" in entry]
+    assert [entry["mtp_1 loss"] for entry in written] == pytest.approx([steps[s]["mtp_1 loss"] for s in (1, 2, 3, 4)],
+                                                                        rel=1e-5)
+    resumed = train_here(tmp_path / "tp2", cache, *DEEPSEEK, "--tp", "2", "--sp", "--steps", "4", "--load",
+                         tmp_path / "pp2" / "checkpoints" / "iter_0000002")
+    assert resumed.returncode == 0, resumed.stderr
+    resumed_steps = logged(resumed)
+    assert sorted(resumed_steps) == [3, 4]
+    assert_same_steps(resumed_steps, steps, (3, 4), router=ROUTER + MTP)
 
 
 def test_a_resume_into_other_experts_is_refused_before_any_rank_starts(tmp_path, cache, ep2):
