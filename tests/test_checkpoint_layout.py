@@ -185,7 +185,7 @@ def corpus(cache):
 
 def megatron_lm_resumes_ours(tmp_path, cache, ours, run_megatron_lm):
     """Ours saves at 4; Megatron-LM resumes it and continues as our uninterrupted run does.
-    Returns its output."""
+    Returns its output, our uninterrupted run's as its ``uninterrupted``."""
     uninterrupted = cli("train", *ours, "--cache-dir", cache, "--output-dir", tmp_path / "ours")
     stopped = cli("train", *ours, "--cache-dir", cache, "--output-dir", tmp_path / "stopped", "--stop-step", 4)
     assert_ok(uninterrupted)
@@ -203,6 +203,7 @@ def megatron_lm_resumes_ours(tmp_path, cache, ours, run_megatron_lm):
     assert_same_steps(theirs, our_iterations(uninterrupted.stdout), [5, 6, 7, 8], loss_steps=[5, 7, 8])
     assert theirs[6][1] == pytest.approx(our_iterations(uninterrupted.stdout)[6][1], rel=0.02)
     assert (checkpoints / TRACKER).read_text().strip() == "8"  # Megatron-LM saved at the end, beside ours
+    done.uninterrupted = uninterrupted
     return done
 
 
@@ -261,6 +262,69 @@ def test_the_trainer_resumes_a_checkpoint_of_pretrain_gpt(tmp_path, cache, corpu
     evaluated = cli("train", *OURS, "--cache-dir", cache, "--output-dir", tmp_path / "evaluated", "--load", checkpoints)
     assert_ok(evaluated)
     assert "evaluated the checkpoint at step 8" in evaluated.stdout
+
+
+# DeepSeek-class: multi-latent attention (queries through their own latent, latent norms), one
+# multi-token prediction layer; Megatron-LM's flags are ours
+MLA = ["--multi-latent-attention", "--q-lora-rank", 16, "--kv-lora-rank", 16, "--qk-head-dim", 8,
+       "--qk-pos-emb-head-dim", 8, "--v-head-dim", 8, "--qk-layernorm"]
+MTP = ["--mtp-num-layers", 1]
+
+
+def with_mtp_spec_fix(tree, directory: Path) -> Path:
+    """``tree`` as ``directory`` of links, but its gpt_builders.py defining ``use_te`` before
+    ``--spec`` is read: core_v0.16.1's defines it only without --spec and its multi-token
+    prediction branch reads it, so --spec with --mtp-num-layers stops with UnboundLocalError
+    (docs/megatron-lm.md gives the line; core_v0.19.0's pretrain_gpt.py builds through
+    GPTModelConfig instead, which has no such gap)."""
+    directory.mkdir()
+    for entry in os.listdir(tree):
+        if entry != "gpt_builders.py":
+            os.symlink(os.path.join(tree, entry), directory / entry)
+    source = Path(tree, "gpt_builders.py").read_text()
+    fixed, count = re.subn(r"^(\s*)if args\.spec is not None:",
+                           lambda m: f'{m.group(1)}use_te = args.transformer_impl == "transformer_engine"\n{m.group(0)}',
+                           source, count=1, flags=re.M)
+    assert count == 1, "gpt_builders.py has changed: see whether --spec with --mtp-num-layers still needs the fix"
+    (directory / "gpt_builders.py").write_text(fixed)
+    return directory
+
+
+def mtp_losses(log: str) -> dict:
+    """{iteration: mtp_1 loss} from Megatron-LM's (and the trainer's) log lines."""
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?\| mtp_1 loss: ([0-9.E+-]+) \|", log)}
+
+
+@needs_megatron_lm
+def test_pretrain_gpt_resumes_an_mtp_checkpoint_of_the_trainer(tmp_path, cache, corpus):
+    """--mtp-num-layers with the spec object: Megatron-LM adds its stock MTP layer after our
+    decoder, as the trainer does; it resumes our checkpoint and continues exactly as our run does,
+    MTP loss included; core_v0.16.1's builder only with the one-line fix (``with_mtp_spec_fix``).
+    (Not with MLA on CPU: Megatron-LM builds the MTP layer from its stock local spec, whose core
+    attention cannot take MLA's head sizes; TE's can.)"""
+    unfixed = pretrain_gpt(tmp_path / "unfixed", corpus, *MTP)
+    tree = MEGATRON_LM
+    if unfixed.returncode != 0:  # core_v0.16.1's gpt_builders.py
+        assert "UnboundLocalError" in unfixed.stdout + unfixed.stderr and "'use_te'" in unfixed.stdout + unfixed.stderr
+        tree = with_mtp_spec_fix(MEGATRON_LM, tmp_path / "megatron-lm")
+    done = megatron_lm_resumes_ours(
+        tmp_path, cache, [*OURS, *MTP],
+        lambda checkpoints: megatron_lm(tree, "pretrain_gpt.py", ["--spec", "megatron_siamese.specs",
+                                                                  "siamese_layer_spec", "--num-layers",
+                                                                  SIZES["layers"], *MTP], checkpoints, corpus))
+    theirs, ours = mtp_losses(done.stdout), mtp_losses(done.uninterrupted.stdout)
+    assert sorted(theirs) == [5, 6, 7, 8] and sorted(ours) == [1, 2, 3, 4, 5, 6, 7, 8]
+    for iteration in (5, 7, 8):  # iteration 6 loosely, as its lm loss (megatron_lm_resumes_ours)
+        assert theirs[iteration] == pytest.approx(ours[iteration], abs=1e-4), (iteration, theirs, ours)
+    assert theirs[6] == pytest.approx(ours[6], rel=0.02)
+
+
+@needs_megatron_lm
+def test_pretrain_gpt_resumes_an_mla_checkpoint_of_the_trainer(tmp_path, cache, corpus):
+    """--multi-latent-attention with the spec object, which builds MLA where the config asks:
+    it resumes our MLA checkpoint and continues exactly as our run does."""
+    megatron_lm_resumes_ours(tmp_path, cache, [*OURS, *MLA], lambda checkpoints: pretrain_gpt(checkpoints, corpus, *MLA))
 
 
 # -- both ways with Megatron-LM's pretrain_hybrid.py (HybridModel, megatron-core >= 0.19) ----
