@@ -394,6 +394,8 @@ REFUSALS = {
                        "--disable-bias-linear"], "use --moe-token-dispatcher-type alltoall"),
     "InputNorm ablation": (["--no-siamese-input-norm"], "ablation --no-siamese-input-norm is not modeled"),
     "depth-scale ablation": (["--no-siamese-depth-scale"], "ablation --no-siamese-depth-scale is not modeled"),
+    "multi-latent attention": (["--multi-latent-attention", "--sp"], "plan does not model --multi-latent-attention"),
+    "multi-token prediction": (["--mtp-num-layers", "1"], "plan does not model --mtp-num-layers"),
     "unmodeled recompute module": (["--recompute-granularity", "selective", "--recompute-modules", "moe_act",
                                     "--num-experts", "16", "--moe-grouped-gemm", "--disable-bias-linear"],
                                    "plan does not model selective recompute of moe_act"),

@@ -109,6 +109,14 @@ def problems(args: PlanArgs) -> List[str]:
         found.append(f"plan counts the paper's SiameseNorm block; the component study's ablation{'s' if len(ablations) > 1 else ''} "
                      f"{' and '.join(ablations)} {'are' if len(ablations) > 1 else 'is'} not modeled: drop "
                      f"{'them' if len(ablations) > 1 else 'it'}")
+    # DeepSeek-class parts the trainer builds (multi-latent attention's projections, latents and
+    # head sizes; multi-token prediction's layers, embedding copy and logits on the last stage)
+    deepseek = [flag for flag, on in (("--multi-latent-attention", args.multi_latent_attention),
+                                      ("--mtp-num-layers", args.mtp_num_layers)) if on]
+    if deepseek:
+        both = len(deepseek) > 1
+        found.append(f"plan does not model {' or '.join(deepseek)} ({'their' if both else 'its'} weights, activations "
+                     f"and traffic): leave {'them' if both else 'it'} out")
     unmodeled = unmodeled_modules(args.recomputation.modules)
     if unmodeled:
         found.append(f"plan does not model selective recompute of {', '.join(unmodeled)} (it models "
