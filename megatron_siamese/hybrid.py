@@ -25,8 +25,8 @@ An ``E`` layer is the MLP half of a SiameseNorm block with Megatron's ``MoELayer
 sublayer, so ``*E*E...`` computes the SiameseNorm GPTModel whose every MLP is MoE. (Megatron's
 ``MoETransformerLayer`` adds only the partial CUDA-graph capture of the router, which
 SiameseNorm refuses: the layer class stays ``SiameseTransformerLayer``.) ``D`` and ``+`` are
-refused at construction, as are MTP patterns (through the layers' ``mtp_num_layers`` check),
-with what to change.
+refused at construction, as is multi-token prediction (``mtp_num_layers``, an MTP pattern: the
+stack refuses it), with what to change.
 
 Megatron-LM: ``pretrain_hybrid.py --spec megatron_siamese.hybrid siamese_hybrid_stack_spec``.
 """
@@ -113,6 +113,11 @@ class SiameseHybridStack(HybridStack):
     def __init__(self, config: TransformerConfig, submodules: HybridStackSubmodules,
                  layer_type_list: Optional[List[str]] = None, post_layer_norm: bool = True,
                  post_process: bool = True, **kwargs: Any):
+        if config.mtp_num_layers:  # HybridModel builds its MTP block from this spec, which has none
+            raise UnsupportedConfigError(
+                "SiameseNorm cannot build this hybrid stack: multi-token prediction is built for GPTModel "
+                "(stock MTP layers after the SiameseNorm decoder, docs/design.md), not HybridModel: leave out "
+                "mtp_num_layers (--mtp-num-layers) and the pattern's '/...' part, or train a GPTModel.")
         slots = {Symbols.MAMBA: submodules.mamba_layer, Symbols.GDN: submodules.gdn_layer}
         for symbol in sorted(set(layer_type_list or ()) & set(slots)):
             if getattr(slots[symbol], "module", None) is RefusedLayer:

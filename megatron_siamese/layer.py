@@ -111,6 +111,12 @@ class SiameseTransformerLayer(SiameseSublayerMixin, MLPCallMixin, TransformerLay
             submodules = without_input_norms(submodules)
         check_supported(config, submodules, built_for)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
+        # 0.19 flags a multi-token prediction layer's layer; 0.16 numbers it after the decoder's
+        if kwargs.get("is_mtp_layer") or self.layer_number > config.num_layers:
+            raise UnsupportedConfigError(
+                "SiameseNorm cannot build this layer: it is a multi-token prediction layer's. A SiameseNorm "
+                "model's MTP layers are Megatron's stock layers fed the merged decoder output (docs/design.md): "
+                "build the MTP block from the stock layer spec (megatron_siamese.specs.get_mtp_block_spec).")
 
         def build_norm(spec):
             return build_module(

@@ -143,6 +143,13 @@ def test_layers_siamese_norm_cannot_build_here_are_refused_by_name(megatron_sing
 
 
 @needs_hybrid
+def test_multi_token_prediction_in_a_hybrid_model_is_refused_by_name(megatron_single_rank):
+    case = dataclasses.replace(HYBRID, hybrid_layer_pattern="*-*-*-/*-", mtp_num_layers=1)
+    with pytest.raises(UnsupportedConfigError, match="multi-token prediction is built for GPTModel"):
+        build_seeded_chunks(case, case_config(case, Layout()))
+
+
+@needs_hybrid
 def test_te_stack_is_megatrons_hybrid_spec_with_siamese_layers_and_refuses_without_te(megatron_single_rank):
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 

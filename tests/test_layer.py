@@ -284,6 +284,32 @@ def test_unsupported_configuration_is_refused_at_construction(megatron_single_ra
         assert any(found.startswith(want) for found in problems), (want, problems)
 
 
+def test_a_siamese_layer_inside_a_multi_token_prediction_layer_is_refused(megatron_single_rank):
+    """A SiameseNorm model's MTP layers are stock layers (specs.get_mtp_block_spec); Megatron's
+    MTP block built from the SiameseNorm layer spec instead is refused by name (0.19 flags the
+    layer is_mtp_layer, 0.16 numbers it after the decoder), and the stock one builds."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_siamese.specs import get_mtp_block_spec, get_siamese_block_spec
+
+    config = config_with(mtp_num_layers=1)
+
+    def gpt(mtp_block_spec):
+        return GPTModel(config, get_siamese_block_spec(config), vocab_size=CASE.vocab_size,
+                        max_sequence_length=CASE.seq_length, mtp_block_spec=mtp_block_spec)
+
+    stock = get_mtp_block_spec(config, use_transformer_engine=False)
+    model = gpt(stock)
+    assert type(model.mtp.layers[0]).__name__ == "MultiTokenPredictionLayer"
+    # Megatron's get_gpt_mtp_block_spec takes only TransformerLayer specs: put ours in its slot by hand
+    layer = stock.layer_specs[0]
+    slot = "transformer_layer" if hasattr(layer.submodules, "transformer_layer") else "mtp_model_layer"
+    siamese = dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, **{slot: get_siamese_layer_local_spec()}))
+    with pytest.raises(UnsupportedConfigError, match="it is a multi-token prediction layer's.*get_mtp_block_spec"):
+        gpt(dataclasses.replace(stock, layer_specs=[siamese]))
+
+
 @pytest.mark.filterwarnings("ignore:cuda_graph_scope is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("scope, attention, mlp", [(["attn"], True, False), (["attn", "mlp"], True, True)])
 def test_a_partial_cuda_graph_covers_the_stream_norms_of_what_it_captures(megatron_single_rank, scope, attention, mlp):
