@@ -58,6 +58,9 @@ _REFUSALS = (
      "same structure. Set it to False."),
     (_set("fine_grained_activation_offloading"),
      "fine_grained_activation_offloading offloads the single-stream norm inputs. Set it to False."),
+    (lambda c: c.mtp_num_layers and getattr(c, "mtp_standalone", False),
+     "multi-token prediction on a pipeline stage before the last (mtp_standalone: pipeline_model_parallel_layout "
+     "puts 'm' on a stage of its own) has not been tried with the two streams: put 'm' in the last stage."),
     (lambda c: c.experimental_attention_variant is not None,
      "only standard and multi-latent self-attention are supported: set experimental_attention_variant=None."),
     (_set("qk_l2_norm"),

@@ -243,6 +243,8 @@ UNSUPPORTED = {
                                             cuda_graph_scope=["moe"], moe_expert_capacity_factor=1.0,
                                             moe_pad_expert_input_to_capacity=True),
                                        "Transformer Engine CUDA graphs of the MLP without attention"),
+    "standalone MTP stage": (dict(mtp_num_layers=1, mtp_standalone=True),
+                             "multi-token prediction on a pipeline stage before the last"),
     "Kitchen on the TE spec": (dict(use_kitchen=True, transformer_impl="transformer_engine"),
                                "use_kitchen builds Kitchen's LayerNorm-fused linears"),
 }
