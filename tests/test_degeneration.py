@@ -12,19 +12,30 @@
 * zero Y in the first m layers and X in the rest (and NormX) -> Post-Norm layers then Pre-Norm
   layers, Mix-LN's shape (``post_then_pre_norm``), but not Mix-LN's function.
 
+Zero X holds with multi-token prediction too: the MTP layers are Megatron's stock Pre-Norm ones
+in both models, fed the decoder's output (FinalNorm(NormY(y)) here, FinalNorm(y) there), so the
+degenerate model is Megatron's Pre-Norm GPT with MTP as Megatron-LM builds it, every head's logits,
+loss and every gradient.
+
 docs/research.md ("Degenerations") derives the last two. Each test also plants a fault (a norm
-left unzeroed, the depth scale dropped) and sees the comparison fail.
+left unzeroed, the depth scale dropped, an MTP weight not copied) and sees the comparison fail.
 """
 
 import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-from megatron_siamese.models import build_gpt_chunks
+from megatron_siamese.models import build_gpt_chunks, get_pre_norm_block_spec
 from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
 from megatron_siamese.reference.functional import single_stream_sublayer
 from megatron_siamese.reference.gpt import ReferenceGPT, ReferenceGPTConfig, ReferenceNorm, megatron_to_reference_names
@@ -36,13 +47,18 @@ EXACT = dict(rtol=0.0, atol=1e-12)  # fp64: rounding only
 
 
 def stock_pre_norm(case, config, spec=None):
+    """Megatron's Pre-Norm GPT; with ``mtp_num_layers`` its MTP block as Megatron-LM's GPT builder
+    makes it from the decoder's spec."""
+    spec = spec or get_gpt_layer_local_spec(normalization=config.normalization)
+    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
     model = GPTModel(
         config,
-        spec or get_gpt_layer_local_spec(normalization=config.normalization),
+        spec,
         vocab_size=case.vocab_size,
         max_sequence_length=case.seq_length,
         position_embedding_type=case.position_embedding_type,
         share_embeddings_and_output_weights=case.share_embeddings_and_output_weights,
+        mtp_block_spec=mtp_spec,
     )
     seed_parameters([model], case.seed, 0, 1, case.zero_centered_gamma)
     return model.to(config.params_dtype)
@@ -60,7 +76,8 @@ def degenerate_siamese_from(stock, case, config):
     for name, tensor in state.items():
         if name.endswith("_extra_state"):  # Megatron's per-module extra state, None here
             continue
-        if name in shared:  # embeddings, attention (QK-norms too), MLP or router and experts, InputNorms, FinalNorm
+        if name in shared:  # embeddings, attention (QK-norms too), MLP or router and experts, InputNorms,
+            # FinalNorm, the MTP layers
             tensor.copy_(shared[name])
         elif "x_norm." in name:  # PostNorm of every sublayer and NormX of the merge
             tensor.zero_()
@@ -146,6 +163,137 @@ def test_zero_x_branch_is_stock_pre_norm_with_qk_norm_and_experts(megatron_singl
     assert_exact(logits_of(siamese, batch), expected)
     seed_parameters([siamese], case.seed, 0, 1, case.zero_centered_gamma)
     assert far(logits_of(siamese, batch), expected)
+
+
+# -- zero X with multi-token prediction ---------------------------------------------------------
+
+# MLA the size of the tiny model (no GQA: a key/value head per query head), latent norms and a
+# query latent, plain RoPE
+MLA = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+           v_head_dim=8, num_query_groups=None, qk_layernorm=True, rope_type="rope")
+MTP_CASES = {
+    "mtp-1-layernorm": dict(mtp_num_layers=1),
+    "mtp-2-rmsnorm-untied": dict(mtp_num_layers=2, normalization="RMSNorm", share_embeddings_and_output_weights=False),
+    "mla-mtp-2-rmsnorm": dict(MLA, mtp_num_layers=2, normalization="RMSNorm"),
+}
+# Megatron's cross-entropy casts the logits to fp32: its losses agree to fp32's rounding
+FP32_LOSS = dict(rtol=0.0, atol=4 * torch.finfo(torch.float32).eps)
+
+
+def stock_pre_norm_with_mtp(case, config):
+    """Megatron's Pre-Norm GPT with MTP as Megatron-LM builds it; with MLA from the layers the
+    package builds stock baselines of (``specs.local_stock_layer``: Megatron's local core attention
+    takes no MLA head sizes), the MTP block still Megatron's."""
+    return stock_pre_norm(case, config, get_pre_norm_block_spec(config) if config.multi_latent_attention else None)
+
+
+def heads_and_losses(model, batch, monkeypatch):
+    """A forward with labels: every output-layer call (the main logits, then each MTP depth's,
+    [s, b, v]), Megatron's per-token main loss [b, s] and each depth's MTP loss as GPTModel hands
+    it to MTPLossAutoScaler (scaled per token: mtp_loss_scaling_factor / D * mask * CE / num_tokens)."""
+    heads, mtp_losses = [], []
+    attach = MTPLossAutoScaler.apply
+
+    def recording(hidden, mtp_loss):
+        mtp_losses.append(mtp_loss)
+        return attach(hidden, mtp_loss)
+
+    monkeypatch.setattr(MTPLossAutoScaler, "apply", recording)
+    hook = model.output_layer.register_forward_hook(lambda module, inputs, output: heads.append(output[0]))
+    try:
+        loss = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                     loss_mask=batch["loss_mask"])
+    finally:
+        hook.remove()
+        monkeypatch.setattr(MTPLossAutoScaler, "apply", attach)
+    assert len(heads) == len(mtp_losses) + 1 == model.config.mtp_num_layers + 1
+    return heads[-1:] + heads[:-1], loss, mtp_losses  # Megatron calls the main head last
+
+
+def fp64_objective(heads, labels, config):
+    """The training objective in fp64 from the heads' logits: the main cross-entropy plus
+    mtp_loss_scaling_factor times the depths' mean, depth k predicting the token k further."""
+    main, *depths = heads
+    targets = labels.t()  # [s, b], as the logits
+    total = F.cross_entropy(main.flatten(0, 1), targets.flatten())
+    for k, logits in enumerate(depths, start=1):
+        total = total + config.mtp_loss_scaling_factor / len(depths) * F.cross_entropy(
+            logits[:-k].flatten(0, 1), targets[k:].flatten())
+    return total
+
+
+def shared_gradients(stock, siamese, objectives):
+    """Each weight's gradient in both models (the stock model's names: SiameseNorm's stream norms are its own)."""
+    for model, objective in zip((stock, siamese), objectives):
+        model.zero_grad(set_to_none=True)
+        objective.backward()
+    ours = dict(siamese.named_parameters())
+    return {name: (ours[name].grad, param.grad) for name, param in stock.named_parameters()}
+
+
+@pytest.mark.parametrize("norm", ["siamese", "siamese-layer"])
+@pytest.mark.parametrize("changes", list(MTP_CASES.values()), ids=list(MTP_CASES))
+def test_zero_x_branch_is_stock_pre_norm_with_mtp_exactly(megatron_single_rank, monkeypatch, norm, changes):
+    """fp64, eps = 0: the main and every MTP depth's logits, Megatron's per-token losses and every
+    gradient of the training objective are the stock Pre-Norm + MTP GPT's. Planted faults: the
+    MTP input detached from the decoder moves the decoder's gradients only, an MTP layer's weight
+    not copied its depth's logits only, the merge's NormX left unzeroed every head's."""
+    case = ModelCase(norm=norm, position_embedding_type="learned_absolute", mtp_loss_scaling_factor=0.3, **changes)
+    config = fp64(case, layernorm_epsilon=0.0)
+    stock = stock_pre_norm_with_mtp(case, config)
+    siamese = degenerate_siamese_from(stock, case, config)
+    assert len(siamese.mtp.layers) == len(stock.mtp.layers) == case.mtp_num_layers
+    if case.multi_latent_attention:
+        for model in (stock, siamese):
+            assert type(model.decoder.layers[0].self_attention).__name__ == "LocalMLASelfAttention"
+    batch = microbatches(case)[0]
+    # gradients of the fp64 objective only: Megatron's own (fp32) MTP losses, whose gradient
+    # MTPLossAutoScaler attaches in backward, scaled to nothing
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(0.0, dtype=torch.float64))
+
+    def objective(heads):
+        return fp64_objective(heads, batch["labels"], config)
+
+    expected, expected_loss, expected_mtp = heads_and_losses(stock, batch, monkeypatch)
+    heads, loss, mtp_losses = heads_and_losses(siamese, batch, monkeypatch)
+    for head, expected_head in zip(heads, expected):
+        assert_exact(head.detach(), expected_head.detach())
+    for actual, wanted in zip([loss, *mtp_losses], [expected_loss, *expected_mtp]):
+        torch.testing.assert_close(actual.detach(), wanted.detach(), rtol=FP32_LOSS["rtol"],
+                                   atol=FP32_LOSS["atol"] * float(wanted.detach().abs().max()))
+    gradients = shared_gradients(stock, siamese, [objective(expected), objective(heads)])
+    for name, (grad, expected_grad) in gradients.items():
+        assert expected_grad is not None and expected_grad.abs().max() > 0, f"{name} got no gradient"
+        assert grad is not None, f"{name}: no gradient in the SiameseNorm model"
+        assert_exact(grad, expected_grad)
+
+    # planted: the first MTP layer's input from the decoder detached: the same logits, but the
+    # decoder no longer learns from the MTP losses
+    hook = siamese.mtp.layers[0].hnorm.register_forward_pre_hook(lambda module, args: (args[0].detach(),))
+    heads = heads_and_losses(siamese, batch, monkeypatch)[0]
+    hook.remove()
+    expected = heads_and_losses(stock, batch, monkeypatch)[0]  # a graph to differentiate again
+    for head, expected_head in zip(heads, expected):
+        assert_exact(head.detach(), expected_head.detach())
+    gradients = shared_gradients(stock, siamese, [objective(expected), objective(heads)])
+    assert far(*gradients["decoder.layers.0.mlp.linear_fc2.weight"])
+
+    with torch.no_grad():
+        # planted: the last MTP layer's input projection left as built (not copied)
+        projection = siamese.mtp.layers[-1].eh_proj.weight
+        copied = projection.clone()
+        projection.copy_(0.02 * torch.randn(projection.shape, generator=torch.Generator().manual_seed(7),
+                                            dtype=projection.dtype))
+        heads = heads_and_losses(siamese, batch, monkeypatch)[0]
+        for head, expected_head in zip(heads[:-1], expected[:-1]):  # the heads before it still agree
+            assert_exact(head, expected_head.detach())
+        assert far(heads[-1], expected[-1].detach())
+        projection.copy_(copied)
+        # planted: the merge's NormX left unzeroed (X reaches the main head and every MTP layer's input)
+        merge = siamese.decoder.final_layernorm.merge if norm == "siamese" else siamese.decoder.layers[-1].output_merge
+        merge.x_norm.weight.fill_(1.0)
+        heads = heads_and_losses(siamese, batch, monkeypatch)[0]
+        assert all(far(head, expected_head.detach()) for head, expected_head in zip(heads, expected))
 
 
 # -- zero Y: the X stream alone ------------------------------------------------------------

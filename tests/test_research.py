@@ -39,11 +39,66 @@ def test_upcycling_refuses_weights_it_cannot_place(megatron_single_rank):
         upcycled_state(state, siamese.state_dict(), False)
 
 
+def mtp_losses_of(model, tokens, monkeypatch):
+    """Each MTP depth's per-token loss as GPTModel hands it to MTPLossAutoScaler (the depth's
+    masked cross-entropy, scaled alike in two models of the same flags), and the main loss."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    attach, found = MTPLossAutoScaler.apply, []
+
+    def recording(hidden, mtp_loss):
+        found.append(mtp_loss.detach())
+        return attach(hidden, mtp_loss)
+
+    monkeypatch.setattr(MTPLossAutoScaler, "apply", recording)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+    causal = torch.ones(inputs.shape[1], inputs.shape[1], dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        main = model(inputs, positions, causal, labels=labels)
+    monkeypatch.setattr(MTPLossAutoScaler, "apply", attach)
+    return found, main
+
+
+def test_upcycled_model_computes_the_pre_norm_mtp_losses(megatron_single_rank, monkeypatch):
+    """Two MTP layers carried over: the main and each depth's per-token loss are Pre-Norm's (a tiny eps)."""
+    case = ModelCase(zero_centered_gamma=True, mtp_num_layers=2)
+    config = dataclasses.replace(case_config(case, Layout()), layernorm_epsilon=1e-12)
+    (pre,) = build_gpt_chunks(config, "pre", case.vocab_size, case.seq_length)
+    (siamese,) = build_gpt_chunks(config, "siamese", case.vocab_size, case.seq_length)
+    seed_parameters([pre], case.seed, 0, 1, True)
+    siamese.load_state_dict(upcycled_state(pre.state_dict(), siamese.state_dict(), True))
+    batch = microbatches(case)[0]
+    tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
+    expected_mtp, expected = mtp_losses_of(pre, tokens, monkeypatch)
+    mtp, main = mtp_losses_of(siamese, tokens, monkeypatch)
+    assert len(mtp) == len(expected_mtp) == 2
+    for actual, wanted in zip([main, *mtp], [expected, *expected_mtp]):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5 * float(wanted.abs().max()))
+    # planted: the last MTP layer's weights not carried over
+    seed_parameters([siamese.mtp.layers[-1]], case.seed + 1, 0, 1, True)
+    assert (mtp_losses_of(siamese, tokens, monkeypatch)[0][-1] - expected_mtp[-1]).abs().max() > 1e-3 * float(
+        expected_mtp[-1].abs().max())
+
+
+@pytest.mark.parametrize("held, asked, says", [(1, None, "give --mtp-num-layers 1"), (1, 2, "give --mtp-num-layers 1"),
+                                               (None, 1, "drop --mtp-num-layers")])
+def test_upcycling_refuses_another_number_of_mtp_layers(megatron_single_rank, held, asked, says):
+    def state(norm, mtp_num_layers):
+        config = case_config(ModelCase(mtp_num_layers=mtp_num_layers), Layout())
+        return build_gpt_chunks(config, norm, 128, 16)[0].state_dict()
+
+    with pytest.raises(ValueError, match=f"holds {held or 0} multi-token prediction layers?, the flags describe "
+                                         f"{asked or 0}: {says}"):
+        upcycled_state(state("pre", held), state("siamese", asked), False)
+
+
 TINY = dict(steps=8, warmup_steps=1, eval_interval=8, eval_iters=2, num_layers=4, hidden_size=64,
             seq_length=64, micro_batch_size=4, global_batch_size=8, tp=1, progress=False)
 
 
-def test_upcycle_command_and_analysis_on_trained_checkpoints(tmp_path):
+def test_upcycle_command_and_analysis_on_trained_checkpoints(tmp_path, monkeypatch):
+    from megatron_siamese.inference import session
     from megatron_siamese.research.analysis import analyze, format_tables
     from megatron_siamese.research.upcycle import upcycle
 
@@ -54,6 +109,14 @@ def test_upcycle_command_and_analysis_on_trained_checkpoints(tmp_path):
 
     with pytest.raises(CheckpointError, match=r"another model than the flags describe \(--num-layers"):
         upcycle(dataclasses.replace(args, num_layers=args.num_layers + 2), str(tmp_path / "pre" / "checkpoints"))
+    with pytest.raises(CheckpointError, match=r"another model than the flags describe \(--mtp-num-layers unset -> 1"):
+        upcycle(dataclasses.replace(args, mtp_num_layers=1), str(tmp_path / "pre" / "checkpoints"))
+    with monkeypatch.context() as unrecorded:  # Megatron-LM's checkpoint records no settings: its tensors tell
+        read = session.read_checkpoint
+        unrecorded.setattr(session, "read_checkpoint", lambda path: dataclasses.replace(read(path), settings=None))
+        with pytest.raises(CheckpointError, match="holds 0 multi-token prediction layers, the flags describe 1: "
+                                                  "drop --mtp-num-layers"):
+            upcycle(dataclasses.replace(args, mtp_num_layers=1), str(tmp_path / "pre" / "checkpoints"))
     path = upcycle(args, str(tmp_path / "pre" / "checkpoints"))
     assert path.endswith("iter_0000000")
     # evaluated as is (step 0 of 0 steps left is not allowed, so: the SiameseNorm model at step 0)
@@ -77,6 +140,58 @@ def test_upcycle_command_and_analysis_on_trained_checkpoints(tmp_path):
     assert "effective depth" in table and "drop last 1/4:" in table and "2/4:" in table
     for name in ("contribution.png", "logit_lens.png", "magnitude.png", "depth.png", "pruning.png"):
         assert (tmp_path / "analysis" / name).stat().st_size > 5_000
+
+
+def test_upcycle_carries_the_mtp_layers(tmp_path, corpus_cache, monkeypatch):
+    """A Pre-Norm checkpoint trained with MTP upcycles with its MTP layers' weights as they are and
+    the same MTP losses (up to the eps effect); into another number of MTP layers it is refused,
+    also when the checkpoint records no settings (Megatron-LM's: its tensors tell)."""
+    from conftest import single_rank
+
+    from megatron_siamese.inference import session
+    from megatron_siamese.research.upcycle import upcycle
+    from megatron_siamese.training.checkpoint_files import CheckpointError
+
+    smallest = dict(TINY, steps=2, eval_interval=2, mtp_num_layers=1)
+    train(TrainArgs(**smallest, norm="pre", save_interval=2, cache_dir=corpus_cache, output_dir=str(tmp_path / "pre")))
+    pre_checkpoint = str(tmp_path / "pre" / "checkpoints")
+    args = TrainArgs(**smallest, cache_dir=corpus_cache, output_dir=str(tmp_path / "upcycled"))
+    with pytest.raises(CheckpointError, match=r"another model than the flags describe \(--mtp-num-layers 1 -> unset"):
+        upcycle(dataclasses.replace(args, mtp_num_layers=None), pre_checkpoint)
+    with monkeypatch.context() as unrecorded:  # Megatron-LM's checkpoint records no settings: its tensors tell
+        read = session.read_checkpoint
+        unrecorded.setattr(session, "read_checkpoint", lambda path: dataclasses.replace(read(path), settings=None))
+        for flags in (None, 2):
+            with pytest.raises(CheckpointError, match="it holds 1 multi-token prediction layer, the flags describe "
+                                                      f"{flags or 0}: give --mtp-num-layers 1"):
+                upcycle(dataclasses.replace(args, mtp_num_layers=flags), pre_checkpoint)
+    upcycled = upcycle(args, pre_checkpoint)
+
+    text = b"In the beginning God created the heaven and the earth. And the earth was without form, and void."
+    tokens = torch.tensor([list(text[:args.seq_length + 1])])
+    with single_rank():
+        pre, siamese = session.open_session(pre_checkpoint), session.open_session(upcycled)
+        try:
+            assert siamese.settings.norm == "siamese" and siamese.settings.mtp_num_layers == 1
+            pre_state, siamese_state = pre.chunks[0].state_dict(), siamese.chunks[0].state_dict()
+            mtp_weights = [name for name in pre_state if name.startswith("mtp.") and "_extra_state" not in name]
+            assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight"} <= set(mtp_weights)
+            for name in mtp_weights:
+                torch.testing.assert_close(siamese_state[name], pre_state[name], rtol=0, atol=0, msg=name)
+            (expected,), expected_main = mtp_losses_of(pre.chunks[0], tokens, monkeypatch)
+            (actual,), main = mtp_losses_of(siamese.chunks[0], tokens, monkeypatch)
+            # the eps effect: each normalization of a normalized vector moves it ~eps / variance
+            torch.testing.assert_close(actual.sum(), expected.sum(), rtol=2e-3, atol=0)
+            torch.testing.assert_close(main.mean(), expected_main.mean(), rtol=2e-3, atol=0)
+            # planted: the MTP layer's input projection not carried over (left as initialized)
+            with torch.no_grad():
+                projection = siamese.chunks[0].mtp.layers[0].eh_proj.weight
+                projection.copy_(0.02 * torch.randn(projection.shape, generator=torch.Generator().manual_seed(7)))
+            (planted,), _ = mtp_losses_of(siamese.chunks[0], tokens, monkeypatch)
+            assert abs(float(planted.sum() / expected.sum()) - 1) > 2e-2
+        finally:
+            siamese.close()
+            pre.close()
 
 
 def test_addition_problems_and_scoring():

@@ -9,6 +9,12 @@ same function up to normalizing an already normalized vector, an O(eps / varianc
 (tests/test_research.py: fp32 precision with a small eps, ~1e-3 relative at eps = 1e-5 on a
 trained model). Training continues from there and opens the X branch by itself.
 
+Multi-token prediction layers (``--mtp-num-layers``) are Megatron's stock ones in both models
+(docs/design.md), so they carry over as they are: they read the decoder's output, FinalNorm(NormY(y))
+here where Pre-Norm gave them FinalNorm(y), the same eps effect. The flags must give the
+checkpoint's number of them; another number is refused, also for a checkpoint that records no
+settings (Megatron-LM's), whose MTP layers would otherwise be left out unnoticed.
+
 Works on the model weights of any Megatron torch_dist checkpoint of the stock local or
 Transformer Engine GPT layer (both store their InputNorms under TE's names); anything the
 SiameseNorm GPT has no place for (MoE, QK-norm, MLA, biases it does not expect) is refused.
@@ -17,18 +23,35 @@ SiameseNorm GPT has no place for (MoE, QK-norm, MLA, biases it does not expect) 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+import re
+from typing import Dict, Iterable
 
 import torch
 
 X_BRANCH = ("attn_x_norm.", "mlp_x_norm.", "merge.x_norm.", "output_merge.x_norm.")
 Y_BRANCH = ("attn_y_norm.", "mlp_y_norm.", "merge.y_norm.", "output_merge.y_norm.")
+MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")  # a multi-token prediction layer's weight, as GPTModel names it
+
+
+def mtp_layers(names: Iterable[str]) -> int:
+    """How many multi-token prediction layers the model weights ``names`` hold."""
+    return len({match.group(1) for match in map(MTP_LAYER.match, names) if match})
+
+
+def mtp_mismatch(held: int, asked: int) -> str:
+    """What to change when a Pre-Norm model holding ``held`` MTP layers is upcycled into ``asked``."""
+    change = f"give --mtp-num-layers {held}" if held else "drop --mtp-num-layers"
+    return (f"it holds {held} multi-token prediction layer{'s' if held != 1 else ''}, the flags describe {asked}: "
+            f"{change} (upcycle carries the MTP layers over as they are)")
 
 
 def upcycled_state(pre_norm: Dict[str, torch.Tensor], siamese: Dict[str, torch.Tensor],
                    zero_centered_gamma: bool) -> Dict[str, torch.Tensor]:
     """The SiameseNorm state dict computing (up to eps) what the Pre-Norm state computes."""
     gamma_off, gamma_plain = (-1.0, 0.0) if zero_centered_gamma else (0.0, 1.0)
+    held, asked = mtp_layers(pre_norm), mtp_layers(siamese)
+    if held != asked:
+        raise ValueError(f"cannot upcycle the Pre-Norm model: {mtp_mismatch(held, asked)}")
     unexpected = sorted(k for k in pre_norm if k not in siamese and not k.endswith("_extra_state"))
     if unexpected:
         raise ValueError(
@@ -94,4 +117,15 @@ def upcycle(args, pre_checkpoint: str) -> str:
         raise CheckpointError(f"--load {saved.path} holds a {saved.settings.norm} model: upcycle converts a stock "
                               "Pre-Norm checkpoint (--norm pre, or Megatron-LM's)")
     model_settings(saved, pre_args)
+    held, asked = checkpoint_mtp_layers(saved.path), args.mtp_num_layers or 0
+    if held != asked:  # a checkpoint recording its settings was refused above, listing every difference
+        raise CheckpointError(f"--load {saved.path}: {mtp_mismatch(held, asked)}")
     return run_job(_upcycle_rank, 1, pre_args, siamese_args, pre_checkpoint, needs="upcycle")
+
+
+def checkpoint_mtp_layers(checkpoint: str) -> int:
+    """How many MTP layers a torch_dist checkpoint's model holds, from its tensors' names (torch's
+    .metadata): loading keeps only what the model built asks for, so the flags cannot tell."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return mtp_layers(FileSystemReader(checkpoint).read_metadata().state_dict_metadata)
