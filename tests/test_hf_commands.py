@@ -41,8 +41,12 @@ def train_args(case: ModelCase, layout: Layout, output_dir: str):
     from megatron_siamese.runtime.settings import ModelSettings
     from megatron_siamese.training.args import TrainArgs
 
+    from megatron_siamese.runtime.settings import MLA_SETTINGS
+
     model = {f.name: getattr(case, f.name) for f in dataclasses.fields(ModelSettings)}
     model.update(moe_layer_freq="1", moe_z_loss_coeff=None)  # the check's MoE defaults; these cases are dense
+    if not case.multi_latent_attention:  # nor the check's MLA sizes: the settings refuse them without MLA
+        model.update({name: ModelSettings.__dataclass_fields__[name].default for name in MLA_SETTINGS})
     return TrainArgs(**model, tp=layout.tp, pp=layout.pp, dp=1, output_dir=output_dir,
                      micro_batch_size=1, global_batch_size=1)
 
@@ -201,6 +205,43 @@ def test_bad_input_is_refused_before_anything_is_written(saved, tmp_path, monkey
     with pytest.raises(ExportError, match=r"transformers not installed: pip install 'megatron_siamese\[hf\]'"):
         export(checkpoints, str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path)) == ["gpt2", "stripped"]
+
+
+@pytest.mark.stack_independent  # settings only: refused before any rank starts
+def test_mtp_and_mla_have_no_export_yet_and_say_what_to_do():
+    from megatron_siamese.hf.export import exportable
+    from megatron_siamese.runtime.settings import ModelSettings
+
+    mtp = exportable(ModelSettings(mtp_num_layers=1))
+    assert mtp.startswith("--mtp-num-layers (multi-token prediction) has no export yet ")
+    assert "export a model trained without it" in mtp and "megatron-siamese generate" in mtp
+    mla = exportable(ModelSettings(multi_latent_attention=True, q_lora_rank=16))
+    assert mla.startswith("--multi-latent-attention (multi-latent attention) has no export yet ")
+    assert "export a model trained without it" in mla
+    deepseek_shaped = exportable(ModelSettings(multi_latent_attention=True, num_moe_experts=4, mtp_num_layers=1))
+    assert [problem.split(" has no export yet")[0] for problem in deepseek_shaped.split("; ")] == [
+        "--num-experts (mixture of experts)", "--multi-latent-attention (multi-latent attention)",
+        "--mtp-num-layers (multi-token prediction)"]
+    assert exportable(ModelSettings()) is None
+
+
+@pytest.mark.stack_independent  # a config.json's fields only
+def test_import_refuses_a_config_that_names_mla_or_mtp():
+    """import-hf takes no model flags: a config.json that asks for MLA or MTP layers is refused by
+    name, not built without them."""
+    from megatron_siamese.hf.architecture import ExportError, settings_fields
+
+    dense = dict(model_type="megatron_siamese", vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
+                 num_hidden_layers=2, intermediate_size=64, max_position_embeddings=32, hidden_act="silu",
+                 normalization="RMSNorm", position_embedding_type="rope")
+    assert settings_fields(dense, VOCAB)["num_layers"] == 2
+    for field, named in (("kv_lora_rank", "kv_lora_rank: multi-latent attention has no import"),
+                         ("multi_latent_attention", "multi_latent_attention: multi-latent attention has no import"),
+                         ("num_nextn_predict_layers", "num_nextn_predict_layers: multi-token prediction layers have "
+                                                      "no import"),
+                         ("mtp_num_layers", "mtp_num_layers: multi-token prediction layers have no import")):
+        with pytest.raises(ExportError, match=f"^cannot import this megatron_siamese model exactly: {named}"):
+            settings_fields({**dense, field: 1}, VOCAB)
 
 
 def test_exported_generate_equals_megatron_siamese_generate(saved):

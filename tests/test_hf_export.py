@@ -189,6 +189,21 @@ def test_pre_norm_without_a_stock_equivalent_is_refused(megatron_single_rank, tm
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("change, named", [
+    (dict(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
+          num_query_groups=None), r"^--multi-latent-attention \(multi-latent attention\) has no export yet"),
+    (dict(mtp_num_layers=1), r"^--mtp-num-layers \(multi-token prediction\) has no export yet"),
+], ids=["mla", "mtp"])
+def test_a_built_mla_or_mtp_model_is_refused_by_name(megatron_single_rank, tmp_path, change, named):
+    """``write_directory`` on a model built here (the Python API's route, past ``exportable``)."""
+    import dataclasses
+
+    case = dataclasses.replace(CASES["rmsnorm-swiglu-rope-tied"], **change)
+    with pytest.raises(ExportError, match=named):
+        write_directory(megatron_model(case), case.norm, str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
 def test_batched_left_padded_generate_equals_one_prompt_at_a_time(exported):
     """What lm-eval's batched generation does: prompts of different lengths, left-padded with an
     attention mask, decode as each prompt alone (positions count from the first real token)."""

@@ -165,6 +165,8 @@ def test_bad_input_is_refused_in_one_line(checkpoint, tmp_path):
     assert "more than the 32 the model was trained on" in refused(checkpoint, ["x" * 30], 8)
     assert "--num-attention-heads 4 does not split over --tp 3" in refused(checkpoint, ["x"], 4, layout=Layout(tp=3))
     assert "no virtual pipeline stages" in refused(checkpoint, ["x"], 4, layout=Layout(pp=2, vpp=1))
+    assert "--sp with --tp 2 --ep 1: Megatron's static engine runs sequence parallelism only in MoE layers" in refused(
+        checkpoint, ["x"], 4, layout=Layout(tp=2, sp=True))
     assert "--top-k or --top-p" in refused(checkpoint, ["x"], 4, Sampling(top_k=5, top_p=0.5))
     assert "records no model settings" in refused(str(OLD_CHECKPOINT), ["x"], 4)
     assert "no such file or directory" in refused(str(tmp_path / "missing"), ["x"], 4).lower()
@@ -312,3 +314,51 @@ def test_the_dynamic_engine_over_two_pipeline_stages(checkpoint, uncached):
     """The packed streams cross the stages through the dynamic engine's ragged token batches too
     (the wide receive buffers); TP2 gave the same tokens when run by hand (docs/inference.md)."""
     assert launch(_dynamic_on_rank, 2, checkpoint, Layout(pp=2))[0] == uncached
+
+
+# Multi-token prediction: generation predicts with the decoder and its output layer alone, as
+# Megatron's inference does; its MTP heads stay in the checkpoint, unread.
+MLA = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8,
+           v_head_dim=8, qk_layernorm=True, add_bias_linear=False)
+DEEPSEEK_SHAPED = dict(MLA, num_moe_experts=4, moe_layer_freq="[0,1]", moe_shared_expert_intermediate_size=64)
+
+
+def _save_with_mtp(args, directory, prompts, new_tokens):
+    """An MTP model's checkpoint, and greedy without cache by a model built without MTP layers that
+    holds the same weights (every key but the MTP block's, loaded strictly)."""
+    from megatron_siamese.inference.session import save_model
+    from megatron_siamese.models import build_model_chunks
+    from megatron_siamese.runtime.gpt import MegatronGPT, initialize_model_parallel, transformer_config
+    from megatron_siamese.training.args import padded_vocab_size
+
+    initialize_model_parallel(args.layout, args.seed)
+    chunks = build_model_chunks(transformer_config(args, args.layout), args, padded_vocab_size())
+    path = save_model(chunks, args, directory, step=3)
+    plain = build_model_chunks(transformer_config(args, args.layout, mtp_num_layers=None), args, padded_vocab_size())[0]
+    state = chunks[0].state_dict()
+    assert any(key.startswith("mtp.") for key in state)
+    plain.load_state_dict({key: value for key, value in state.items() if not key.startswith("mtp.")})
+    plain.eval()
+    expected = [greedy_without_cache(plain, prompt, new_tokens) for prompt in prompts]
+    MegatronGPT.close()
+    return path, expected
+
+
+@pytest.mark.parametrize("model, layout", [
+    ({}, Layout(pp=2)),  # the MTP block's stage
+    (MLA, Layout(tp=2)),  # MLA under TP without SP: the rule asking for SP is training's (its gradients)
+    (DEEPSEEK_SHAPED, Layout(tp=2, ep=2, etp=1, sp=True)),  # Megatron's inference turns SP off outside MoE layers
+], ids=["dense", "mla", "mla-moe"])
+def test_generation_from_an_mtp_checkpoint_is_the_model_without_mtp(tmp_path, model, layout):
+    """The MTP checkpoint's greedy continuations are those of the same weights without MTP layers
+    (megatron-core 0.16 failed asking the MTP heads for labels), through the KV cache on every rank
+    of the layout; the weights are saved under another seed than the session builds with, so that
+    a weight left unloaded shows."""
+    args = TrainArgs(**MODEL, **model, mtp_num_layers=1, seed=7, tp=1, pp=1, micro_batch_size=1,
+                     global_batch_size=1, output_dir=str(tmp_path))
+    path, expected = launch(_save_with_mtp, 1, args, str(tmp_path / "checkpoints"), PROMPTS, NEW_TOKENS)[0]
+    assert [r.tokens for r in generate(path, PROMPTS, NEW_TOKENS, layout=layout)] == expected
+    assert len({t for tokens in expected for t in tokens}) > 2  # context-dependent: a wrong weight shows
+    if model.get("multi_latent_attention"):  # Megatron's dynamic engine takes MLA only with FlashMLA's latent cache
+        with pytest.raises(ConfigError, match=r"--engine dynamic with multi-latent attention .*use --engine static"):
+            generate(path, PROMPTS, NEW_TOKENS, engine="dynamic")

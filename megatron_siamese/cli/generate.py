@@ -41,7 +41,8 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
     layout.add_argument("--expert-tensor-parallel-size", "--etp", dest="etp", type=int, default=None,
                         help="tensor-parallel size of the experts (unset: --tp)")
     layout.add_argument("--sequence-parallel", "--sp", dest="sp", action="store_true",
-                        help="sequence parallelism (MoE models under --tp > 1 need it)")
+                        help="sequence parallelism (MoE models under --tp > 1 need it, with --ep > 1: Megatron's "
+                             "static engine runs it in MoE layers only)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of {prompt, text, tokens}")
     return parser
 

@@ -26,6 +26,14 @@ class ExportError(ValueError):
     """A model that cannot be exported as asked; the message says which setting and what to do."""
 
 
+MLA_REFUSED = ("--multi-latent-attention (multi-latent attention) has no export yet (the exported modeling file "
+               "computes standard attention): export a model trained without it, or run this one with "
+               "megatron-siamese generate")
+MTP_REFUSED = ("--mtp-num-layers (multi-token prediction) has no export yet (the exported model has no MTP heads): "
+               "export a model trained without it, or run this one with megatron-siamese generate, which leaves the "
+               "MTP heads out")
+
+
 def _activation(config) -> str:
     activation = {F.silu: "silu", F.gelu: "gelu"}.get(config.activation_func)
     if activation is None:
@@ -42,12 +50,14 @@ def _unexportable(model) -> List[str]:
         problems.append("--num-experts (mixture of experts) has no export yet: export a dense model")
     if model.position_embedding_type not in ("rope", "learned_absolute"):
         problems.append(f"position embedding {model.position_embedding_type!r} has no export (rope or learned_absolute)")
-    if model.position_embedding_type == "rope" and (getattr(model, "rotary_scaling", False)
-                                                     or getattr(model.rotary_pos_emb, "seq_len_interpolation_factor",
-                                                                None)):
+    if getattr(config, "multi_latent_attention", False):  # first: MLA keeps its RoPE, GPTModel has no rotary_pos_emb
+        problems.append(MLA_REFUSED)
+    elif model.position_embedding_type == "rope" and (getattr(model, "rotary_scaling", False)
+                                                       or getattr(model.rotary_pos_emb, "seq_len_interpolation_factor",
+                                                                  None)):
         problems.append("RoPE scaling / sequence-length interpolation has no export")
-    if getattr(config, "multi_latent_attention", False):
-        problems.append("multi-latent attention has no export")
+    if getattr(config, "mtp_num_layers", None):  # its heads' weights have no names in the modeling file
+        problems.append(MTP_REFUSED)
     return problems
 
 
@@ -145,6 +155,9 @@ def llama_config(model) -> Dict[str, object]:
 # -- back: a Hugging Face config.json as this package's model settings ---------------------
 
 _DEFAULT_EPS, _DEFAULT_ROPE_BASE = 1e-5, 10000.0  # what runtime/gpt.py builds (Megatron's defaults)
+# this package's setting names and DeepSeek's config.json names for them
+_MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank")
+_MTP_FIELDS = ("mtp_num_layers", "num_nextn_predict_layers")
 
 
 def settings_fields(hf: Dict[str, object], vocab_size: int) -> Dict[str, object]:
@@ -176,6 +189,12 @@ def settings_fields(hf: Dict[str, object], vocab_size: int) -> Dict[str, object]
          "add_qkv_bias without add_bias_linear: the trainer has no such switch"),
         (llama and (hf.get("attention_bias") or hf.get("mlp_bias")), "Llama biases: the trainer's Pre-Norm has none"),
         (llama and rope.get("rope_type", "default") != "default", f"rope_type {rope.get('rope_type')!r}"),
+        # fields export never writes (it refuses these models): the import would build without them
+        (any(hf.get(name) for name in _MLA_FIELDS),
+         f"{', '.join(name for name in _MLA_FIELDS if hf.get(name))}: multi-latent attention has no import (the "
+         "modeling file computes standard attention)"),
+        (any(hf.get(name) for name in _MTP_FIELDS),
+         f"{', '.join(name for name in _MTP_FIELDS if hf.get(name))}: multi-token prediction layers have no import"),
     ) if bad]
     if wrong:
         raise ExportError(f"cannot import this {model_type} model exactly: {wrong[0]}")

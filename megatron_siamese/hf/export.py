@@ -85,8 +85,12 @@ def exportable(settings) -> Optional[str]:
     if settings.norm not in SCHEMES:
         return (f"the {settings.norm!r} scheme has no export (siamese, siamese-layer, siamese-hybrid, or pre as "
                 "Llama)")
-    if settings.num_moe_experts:
-        return "--num-experts (mixture of experts) has no export yet: export a dense model"
+    unwritten = [problem for present, problem in (  # every one at once: a DeepSeek-shaped model has all three
+        (settings.num_moe_experts, "--num-experts (mixture of experts) has no export yet: export a dense model"),
+        (settings.multi_latent_attention, architecture.MLA_REFUSED),
+        (settings.mtp_num_layers, architecture.MTP_REFUSED)) if present]
+    if unwritten:
+        return "; ".join(unwritten)
     if not (getattr(settings, "siamese_input_norm", True) and getattr(settings, "siamese_depth_scale", True)):
         return ("the component study's ablations (--no-siamese-input-norm, --no-siamese-depth-scale) have no export: "
                 "the exported modeling file computes the full SiameseNorm block")

@@ -21,6 +21,15 @@ before any rank starts. Either engine decodes greedily with Megatron's own sampl
 
 ``greedy_without_cache`` is the check: the same model re-run on the whole sequence at every
 step, no inference context.
+
+Multi-token prediction heads are a training objective: generation predicts with the decoder and
+its output layer alone, as Megatron's inference does (0.19 skips the heads in inference mode;
+0.16's GPTModel would run them and ask for labels). ``generate`` builds the model without them
+and leaves their weights in the checkpoint unread (``open_session(with_mtp=False)``).
+Multi-latent attention runs on the static engine (under TP without SP too: the rule that asks
+for SP is about training's gradients); Megatron's dynamic engine takes MLA only with its FlashMLA
+latent cache, so ``--engine dynamic`` is refused for it. Megatron's static engine runs SP only
+for MoE layers under expert parallelism, so there ``--sp`` without ``--ep`` > 1 is refused.
 """
 
 from __future__ import annotations
@@ -122,6 +131,11 @@ def _wrapper_class():
 
 
 ENGINES = ("static", "dynamic")
+# Megatron's MLA asserts cache_mla_latents under the dynamic engine, and that latent cache runs
+# FlashMLA's kernels with blocks of 64 tokens, which dynamic.py does not set up
+MLA_DYNAMIC_REFUSED = ("--engine dynamic with multi-latent attention (--multi-latent-attention): Megatron's dynamic "
+                       "engine attends over MLA only through its FlashMLA latent cache, which generate does not set "
+                       "up; use --engine static")
 
 
 def engine_problem(engine: str) -> Optional[str]:
@@ -173,6 +187,9 @@ def build_engine(session, max_requests: int, sampling: Sampling, engine: str = "
 
     if len(session.chunks) != 1:
         raise ConfigError(["Megatron's inference wrapper runs no virtual pipeline stages: generate without --vpp"])
+    if session.chunks[0].config.mtp_num_layers:  # megatron-core 0.16 would run the heads and want labels
+        raise ConfigError(["generation runs the model without its multi-token prediction layers: "
+                           "open the session with open_session(..., with_mtp=False)"])
     if engine not in ENGINES:
         raise ConfigError([engine_problem(engine)])
     model, length = session.chunks[0], session.settings.seq_length
@@ -230,9 +247,9 @@ def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, samp
 
 
 def greedy_without_cache(model, prompt: str, max_new_tokens: int) -> List[int]:
-    """Greedy continuation by re-running ``model`` (one rank, TP = PP = 1) on the whole sequence at
-    every step, no inference context: what the KV-cached engine must reproduce token for token
-    (it stops at end-of-document, as Megatron's controller does)."""
+    """Greedy continuation by re-running ``model`` (one rank, TP = PP = 1, built without MTP
+    layers) on the whole sequence at every step, no inference context: what the KV-cached engine
+    must reproduce token for token (it stops at end-of-document, as Megatron's controller does)."""
     from megatron_siamese import device
 
     tokenizer = InferenceTokenizer()
@@ -258,7 +275,8 @@ def _generate_rank(checkpoint: str, layout: Layout, prompts: List[str], max_new_
                    engine: str = "static"):
     from megatron_siamese.inference.session import open_session
 
-    session = open_session(checkpoint, layout, seed=sampling.seed, fused_ops=False if _on_cpu() else None)
+    session = open_session(checkpoint, layout, seed=sampling.seed, with_mtp=False,
+                           fused_ops=False if _on_cpu() else None)
     try:
         return generate_on_ranks(session, prompts, max_new_tokens, sampling, engine)
     finally:
@@ -289,11 +307,18 @@ def generate(checkpoint: str, prompts: Sequence[str], max_new_tokens: int = 32, 
     found += layout_problems(settings, layout)
     if layout.vpp is not None:
         found.append("Megatron's inference wrapper runs no virtual pipeline stages: generate without --vpp")
+    if engine == "static" and layout.sp and (layout.tp == 1 or layout.ep == 1):  # else Megatron's controller
+        # raises on the ranks (its static path; the dynamic one has its own SP handling)
+        found.append(f"--sp with --tp {layout.tp} --ep {layout.ep}: Megatron's static engine runs sequence parallelism "
+                     "only in MoE layers under --tp > 1 and --ep > 1 (it turns SP off elsewhere): drop --sp, or for "
+                     "a MoE model under --tp add --ep 2 or more")
     if layout.dp != 1 or layout.cp != 1:
         found.append(f"generate runs one model replica: use --dp 1 (got layout {layout.name})")
     refused_engine = engine_problem(engine)
     if refused_engine:
         found.append(refused_engine)
+    if engine == "dynamic" and settings.multi_latent_attention:
+        found.append(MLA_DYNAMIC_REFUSED)
     if found:
         raise ConfigError(found)
     return run_job(_generate_rank, layout.world_size, checkpoint, layout, list(prompts), max_new_tokens, sampling,

@@ -105,12 +105,13 @@ def model_settings(saved: SavedCheckpoint, settings: Optional[ModelSettings] = N
 
 def layout_problems(settings: ModelSettings, layout: Layout, world_size: Optional[int] = None) -> List[str]:
     """What of ``settings``' model does not split over ``layout`` (and, given, a job of
-    ``world_size`` ranks that is not the layout's): one line each, empty when it fits."""
+    ``world_size`` ranks that is not the layout's): one line each, empty when it fits. Rules
+    about gradients do not apply (multi-latent attention runs under TP without SP here)."""
     from megatron_siamese.runtime.divisibility import split_problems
     from megatron_siamese.training.args import padded_vocab_size
 
     found = split_problems(settings, layout, vocab_size=padded_vocab_size(), micro_batch_size=1,
-                           global_batch_size=layout.dp)
+                           global_batch_size=layout.dp, training=False)
     if world_size is not None and world_size != layout.world_size:
         found.append(f"the layout {layout.name} uses {layout.world_size} ranks, the job has {world_size}")
     return found
@@ -118,9 +119,12 @@ def layout_problems(settings: ModelSettings, layout: Layout, world_size: Optiona
 
 class ModelSession:
     """This rank's chunks of a checkpoint's model under a layout, in eval mode; Megatron's
-    process groups for that layout stay up until ``close``."""
+    process groups for that layout stay up until ``close``. ``with_mtp=False`` builds and loads
+    the model without its multi-token prediction layers (``settings`` still name them), as
+    inference runs it."""
 
-    def __init__(self, saved: SavedCheckpoint, settings: ModelSettings, layout: Layout, seed: int = 1234):
+    def __init__(self, saved: SavedCheckpoint, settings: ModelSettings, layout: Layout, seed: int = 1234,
+                 with_mtp: bool = True):
         from megatron_siamese import device
         from megatron_siamese.models import build_model_chunks
         from megatron_siamese.runtime.gpt import initialize_model_parallel, transformer_config
@@ -136,7 +140,9 @@ class ModelSession:
         if self._owns_groups:
             initialize_model_parallel(layout, seed)
         try:
-            self.config = transformer_config(settings, layout)
+            # without mtp_num_layers in the config GPTModel builds no MTP block and its output
+            # wants no labels; dist_checkpointing then leaves the checkpoint's MTP keys unread
+            self.config = transformer_config(settings, layout, **({} if with_mtp else {"mtp_num_layers": None}))
             chunks = build_model_chunks(self.config, settings, self.vocab_size)
             if device.uses_cuda():
                 chunks = [chunk.to(device.current()) for chunk in chunks]
@@ -211,11 +217,12 @@ def _groups_for(layout: Layout) -> bool:
 
 
 def open_session(checkpoint: str, layout: Layout = Layout(), settings: Optional[ModelSettings] = None,
-                 seed: int = 1234, **changes) -> ModelSession:
+                 seed: int = 1234, with_mtp: bool = True, **changes) -> ModelSession:
     """On each rank of a joined job (e.g. inside ``run_job``): this rank's chunks of the model in
     ``checkpoint`` under ``layout`` (whose world size must be the job's). ``settings``: for a
-    checkpoint that records none, or to insist on a model; ``changes``: settings the weights do
-    not depend on (e.g. ``fused_ops=False``)."""
+    checkpoint that records none, or to insist on a model; ``with_mtp=False``: without its
+    multi-token prediction layers (``ModelSession``); ``changes``: settings the weights do not
+    depend on (e.g. ``fused_ops=False``)."""
     saved = read_checkpoint(checkpoint)
     chosen = model_settings(saved, settings, **changes)
     problems = layout_problems(chosen, layout, torch.distributed.get_world_size())
@@ -223,7 +230,7 @@ def open_session(checkpoint: str, layout: Layout = Layout(), settings: Optional[
         from megatron_siamese.runtime.registry import ConfigError
 
         raise ConfigError(problems)
-    return ModelSession(saved, chosen, layout, seed)
+    return ModelSession(saved, chosen, layout, seed, with_mtp)
 
 
 def save_model(chunks: List[torch.nn.Module], args, directory: str, step: int = 0) -> str:

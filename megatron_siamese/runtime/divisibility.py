@@ -131,10 +131,11 @@ def _moe_shape_problems(model: ModelSettings) -> List[str]:
 
 def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, micro_batch_size: int,
                    global_batch_size: int, global_batch_flag: str = "--global-batch-size",
-                   spell: Callable[[str, int], str] = short_flag) -> List[str]:
+                   spell: Callable[[str, int], str] = short_flag, training: bool = True) -> List[str]:
     """What of ``model`` and its batch does not split over ``layout``: heads, query groups, MLP
     width and vocabulary over TP, layers (or the hybrid pattern) over the pipeline stages, the
-    global batch over microbatches x DP. ``spell`` names a layout size in the messages."""
+    global batch over microbatches x DP. ``spell`` names a layout size in the messages.
+    ``training=False``: forward passes only (the rules about gradients left out)."""
     found = []
     tp, heads, groups = layout.tp, model.num_attention_heads, model.num_query_groups
     if _positive(tp, heads) and heads % tp:
@@ -147,7 +148,7 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
     if _positive(tp, ffn) and ffn % tp:
         found.append(f"the MLP width {ffn} (--ffn-hidden-size) does not split over {spell('tp', tp)}: use a "
                      "tensor-parallel size that divides it, or a width that is a multiple of it")
-    if model.multi_latent_attention and tp > 1 and not layout.sp:  # its duplicated down projections (mla.py)
+    if training and model.multi_latent_attention and tp > 1 and not layout.sp:  # its duplicated down projections
         found.append(f"--multi-latent-attention under tensor parallelism ({spell('tp', tp)}) needs sequence "
                      "parallelism: its down projections are duplicated over TP, and their gradients are summed over "
                      "TP only under SP; add it (--sp, or 'sp' in a layout name)")
