@@ -367,10 +367,9 @@ def test_model_bench_rehearsal_runs_megatrons_step_on_cpu(tmp_path):
     for label, kernels in (("siamese_fused", "verified"), ("siamese_fused_tiled", "tiled"), ("siamese_joined", "verified")):
         assert default[label]["kernels"] == kernels and len(default[label]["ratios"]) == 2
         assert len(recompute[label]["ms_repeats"]) == 2  # SiameseNorm recomputes its stream norms on CPU
-    # Megatron's own layer needs Transformer Engine to recompute its norms (its CheckpointWithoutOutput()
-    # takes fp8=False for FP8 on, on 0.16.1 and 0.19.2): the row records that error, not a time
-    assert "ms" not in recompute["stock"]
-    assert recompute["stock"]["error"] == "NameError: name 'FP8GlobalStateManager' is not defined"
+    # Megatron's own layer recomputes its norms too (the CPU shim answers CheckpointWithoutOutput()'s
+    # FP8 questions that Transformer Engine answers on a GPU): a time, not an error
+    assert len(recompute["stock"]["ms_repeats"]) == 2 and "error" not in recompute["stock"]
     assert "Transformer Engine" in record["stopped_at_gpu"]
 
 

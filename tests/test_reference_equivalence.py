@@ -19,7 +19,7 @@ from megatron_siamese.reference.gpt import (
     ReferenceGPTConfig,
     megatron_to_reference_names,
 )
-from megatron_siamese.reference import single_stream as reference_single_stream
+from megatron_siamese.reference import single_stream_layer as reference_single_stream_layer
 from megatron_siamese.reference.functional import SINGLE_STREAM_SCHEMES
 from megatron_siamese.reference.moe import ReferenceMoE, ReferenceRouter
 from megatron_siamese.reference.single_stream import ReferenceSingleStreamGPT
@@ -497,7 +497,7 @@ def _residual_from_the_normalized_input(monkeypatch, reference):
         x = normed + dropout(out if bias is None else out + bias)
         return x if output_norm is None else output_norm(x)
 
-    monkeypatch.setattr(reference_single_stream, "single_stream_sublayer", sublayer)
+    monkeypatch.setattr(reference_single_stream_layer, "single_stream_sublayer", sublayer)
 
 
 BASELINE_PLANTED = {  # bug in the reference -> the variant it shows in

@@ -18,6 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_siamese import specs, te
 from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
+from megatron_siamese.core_attention import LocalCoreAttention
 from megatron_siamese.layer import SiameseTransformerLayer
 from megatron_siamese.models import build_gpt_chunks
 from megatron_siamese.norms import ChannelScale, QKNormPerConfig, TorchNorm
@@ -52,10 +53,12 @@ def test_local_spec_is_megatrons_with_the_layer_and_norm_slots_replaced():
     for field in dataclasses.fields(stock):
         if field.name not in replaced:
             assert described(getattr(siamese, field.name)) == described(getattr(stock, field.name)), field.name
-    # ... its attention with QK-norm decided when a layer is built (the config's qk_layernorm)
+    # ... its attention with QK-norm decided when a layer is built (the config's qk_layernorm), and
+    # the package's core attention (MLA's head sizes, context parallelism) in Megatron's local one's slot
     attention = dataclasses.replace(stock.self_attention, submodules=dataclasses.replace(
         stock.self_attention.submodules, q_layernorm=QKNormPerConfig.spec(TorchNorm),
-        k_layernorm=QKNormPerConfig.spec(TorchNorm)))
+        k_layernorm=QKNormPerConfig.spec(TorchNorm), core_attention=LocalCoreAttention))
+    assert stock.self_attention.submodules.core_attention in LocalCoreAttention.__mro__
     assert described(siamese.self_attention) == described(attention)
     assert siamese.sharded_state_dict_keys_map == {
         "input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}

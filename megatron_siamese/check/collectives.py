@@ -38,7 +38,7 @@ from megatron_siamese.plan.traffic import (  # the plan predicts by the same rul
     SEND,
     sent_bytes,
 )
-from megatron_siamese.runtime import cpu_shim
+from megatron_siamese.runtime.emulation import emulated_collective
 
 
 def _nbytes(tensors) -> int:
@@ -128,7 +128,7 @@ class CollectiveCounter:
 
         def counted(group, *args, **kwargs):
             size = group.size()
-            emulated = cpu_shim.emulated_collective()
+            emulated = emulated_collective()
             if emulated is None:
                 counter.calls.append((counter.kind_of(group, op), op, size, sent_bytes(op, payload_of(*args, **kwargs), size)))
             elif not emulated[2]:  # the CPU shim's stand-in for a collective gloo lacks: the real one, once

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megatron_siamese.reference.norm import ReferenceNorm
 from megatron_siamese.reference.rope import apply_mla_rotary, mla_rotary_cos_sin, yarn_get_mscale
 
 
@@ -45,8 +46,6 @@ class ReferenceMLA(nn.Module):
     def __init__(self, config):
         """``config``: a ReferenceGPTConfig with ``multi_latent_attention``."""
         super().__init__()
-        from megatron_siamese.reference.gpt import ReferenceNorm  # gpt.py builds this module
-
         self.config = config
         heads, hidden = config.num_attention_heads, config.hidden_size
         q_head = config.qk_head_dim + config.qk_pos_emb_head_dim

@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from megatron_siamese.reference.functional import PRE_NORM
-from megatron_siamese.reference.gpt import ReferenceNorm
 from megatron_siamese.reference.moe import moe_layers
-from megatron_siamese.reference.single_stream import ReferenceSingleStreamLayer
+from megatron_siamese.reference.norm import ReferenceNorm
+from megatron_siamese.reference.single_stream_layer import ReferenceSingleStreamLayer
 
 
 def roll_left(t: Tensor) -> Tensor:

@@ -60,6 +60,9 @@ What ``install()`` changes, and only while it is installed:
 It refuses to install when CUDA is available: on a GPU machine Megatron must run on
 the GPU, never through this shim. Only the launcher (``runtime/launch.py``, for gloo
 ranks), the Megatron-LM CPU runner (``runtime/megatron_lm.py``) and the tests install it.
+
+It is long because install() must undo exactly what it did: every stand-in above is registered in
+one table and restored from it, so splitting them over modules would split that bookkeeping.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_siamese import device
+from megatron_siamese.runtime.emulation import standing_in_for
 
 ENV_VAR = "MEGATRON_SIAMESE_CPU_SHIM"  # set in the ranks it is installed in (inherited by their helpers)
 
@@ -301,27 +305,6 @@ def _inference_replacements() -> Dict[Tuple[Any, str], Any]:
     return {(communication_utils, "_is_cuda"): is_a_tensor}
 
 
-_emulating = threading.local()
-
-
-@contextlib.contextmanager
-def _standing_in_for(op: str, payload: int):
-    """While the shim emulates collective ``op`` on ``payload`` bytes with other calls: what a count
-    of collectives should book instead of those calls (``check/collectives.py``: the real
-    collective's bytes, not the emulation's)."""
-    _emulating.current = [op, payload, False]
-    try:
-        yield
-    finally:
-        _emulating.current = None
-
-
-def emulated_collective() -> Optional[List[Any]]:
-    """``[op, payload bytes, booked]`` of the collective an emulation running now stands in for
-    (a counter sets ``booked`` once it has booked it), or None."""
-    return getattr(_emulating, "current", None)
-
-
 def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
     """What Megatron's MoE layers and token dispatchers need beyond the above on CPU/gloo."""
     from megatron.core.tensor_parallel import mappings
@@ -344,7 +327,7 @@ def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
         padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
         padded[: input_.shape[0]] = input_
         row = input_[:1].numel() * input_.element_size()
-        with _standing_in_for("all_gather", sum(sizes) * row):
+        with standing_in_for("all_gather", sum(sizes) * row):
             gathered = original_gather(padded.contiguous(), group, None, False)
         return torch.cat([piece[:size] for piece, size in zip(gathered.chunk(len(sizes)), sizes)])
 
@@ -353,7 +336,7 @@ def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
             return original_scatter(input_, group, input_split_sizes, use_global_buffer)
         # gloo has no uneven reduce_scatter: the sum of the whole tensor, then this rank's rows
         summed = input_.clone()
-        with _standing_in_for("reduce_scatter", input_.numel() * input_.element_size()):
+        with standing_in_for("reduce_scatter", input_.numel() * input_.element_size()):
             torch.distributed.all_reduce(summed, group=group)
         sizes = [int(size) for size in input_split_sizes]
         start = sum(sizes[: group.rank()])
