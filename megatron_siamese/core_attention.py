@@ -7,20 +7,53 @@ attention keys of ``qk_head_dim + qk_pos_emb_head_dim`` and values of ``v_head_d
 local one refuses ("unexpected keyword argument 'k_channels'", megatron-core 0.16.1 and 0.19.2).
 ``LocalCoreAttention`` is Megatron's own with those sizes: the scores take whatever head size Q
 and K carry, the output is ``v_channels`` per head. Without them it is Megatron's module, unchanged.
+
+**Context parallelism** (``ContextParallelCoreAttention``, which ``LocalCoreAttention`` builds when
+the config asks for CP): exact, by all-gathering keys and values. Under context parallelism each
+rank holds two of every sequence's ``2 cp`` chunks (``context_parallel.py``). Transformer Engine exchanges keys and values in a ring (or all-to-all)
+and needs CUDA; Megatron's local ``DotProductAttention`` refuses CP. Here every rank all-gathers
+the keys and values of its CP group (their query groups, before any GQA repeat) and attends its
+own queries over the whole sequence: the same softmax over the same keys as on one rank, so the
+same result up to summation order. The gather's backward is a reduce-scatter, which hands each
+rank the sum of every rank's gradient for its own keys and values.
+
+The gathered keys are in rank order, not sequence order: the mask, not the keys, is put in that
+order (``context_parallel.gathered_positions``). A causal mask comes from the positions; a given
+mask (``[b, 1, s/cp, s]``, its query rows split as Megatron-LM's batches have it, or whole)
+has its key columns reordered. RoPE was applied before, at each token's own position (the rotary
+embedding takes each rank's chunks itself).
+
+It costs what all-gather attention costs: every rank holds the whole sequence's keys and values
+and an ``[s/cp, s]`` score matrix per head. That is the point on CPU (it checks everything CP
+touches outside the attention); on GPUs Transformer Engine's attention stays, and what only it
+can show (its ring and all-to-all exchanges, FP8) awaits GPUs (docs/parallelism.md).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
+from torch import Tensor
+
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megatron_siamese.context_parallel import gathered_positions, positions_on_rank
+from megatron_siamese.support import UnsupportedConfigError
 
 
 class LocalCoreAttention(DotProductAttention):
     """Megatron's local core attention with K and V head sizes of their own (``k_channels``,
     ``v_channels``, as MLA passes them); the softmax scale is MLA's own (``softmax_scale``) or
-    ``1 / sqrt(k_channels)``."""
+    ``1 / sqrt(k_channels)``. Under context parallelism (``config.context_parallel_size`` > 1) it
+    builds ``ContextParallelCoreAttention``: the spec objects exist before any config, so the
+    choice is made here, when a layer is built."""
+
+    def __new__(cls, config, *args, **kwargs):
+        if cls is LocalCoreAttention and config.context_parallel_size > 1:
+            cls = ContextParallelCoreAttention
+        return super().__new__(cls)
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -35,3 +68,66 @@ class LocalCoreAttention(DotProductAttention):
         if v_channels is not None:  # the output: v_channels per head of this rank
             self.hidden_size_per_attention_head = v_channels
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+
+class ContextParallelCoreAttention(LocalCoreAttention):
+    """``LocalCoreAttention`` under context parallelism: this rank's queries over the CP group's
+    all-gathered keys and values. Built by ``LocalCoreAttention`` itself when the config asks
+    for CP (the local specs name only that class)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, *args,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):
+        problem = _unsupported(config, cp_comm_type)
+        if problem:
+            raise UnsupportedConfigError(f"the local context-parallel attention cannot run this: {problem}")
+        # Megatron's module asserts context_parallel_size == 1: built on a copy that says so
+        single = copy.copy(config)
+        single.context_parallel_size = 1
+        super().__init__(single, layer_number, attn_mask_type, attention_type, *args, pg_collection=pg_collection,
+                         **kwargs)
+        self.config = config
+        from megatron.core import parallel_state
+        from megatron.core.transformer.enums import AttnMaskType
+
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+        # the mask is always given (in gathered order): a causal kernel would assume s_query == s_key
+        self.scale_mask_softmax.attn_mask_type = AttnMaskType.padding
+        self.causal = attn_mask_type == AttnMaskType.causal
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if packed_seq_params is not None:
+            raise UnsupportedConfigError("the local context-parallel attention has no packed (THD) sequences")
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        key = gather_from_sequence_parallel_region(key.contiguous(), group=self.cp_group)
+        value = gather_from_sequence_parallel_region(value.contiguous(), group=self.cp_group)
+        mask = self.gathered_mask(attention_mask, query.size(0) * cp, cp, rank, query.device)
+        return super().forward(query, key, value, mask, attention_bias=attention_bias)
+
+    def gathered_mask(self, attention_mask: Optional[Tensor], seq_length: int, cp: int, rank: int,
+                      device) -> Optional[Tensor]:
+        """The mask of this rank's queries over the gathered keys (True: masked out)."""
+        keys = gathered_positions(seq_length, cp).to(device)
+        if attention_mask is None:
+            if not self.causal:
+                return None
+            queries = positions_on_rank(seq_length, cp, rank).to(device)
+            return (keys[None, :] > queries[:, None])[None, None]
+        if attention_mask.size(-2) == seq_length:  # a whole-sequence mask: this rank's query rows
+            attention_mask = attention_mask.index_select(-2, positions_on_rank(seq_length, cp, rank).to(device))
+        return attention_mask.index_select(-1, keys)
+
+
+def _unsupported(config, cp_comm_type: Optional[str]) -> Optional[str]:
+    """What of ``config`` this attention does not compute (None: it does)."""
+    if cp_comm_type not in (None, "p2p", "all_gather"):  # p2p: Megatron's default name for TE's ring
+        return (f"cp_comm_type {cp_comm_type!r} (hierarchical a2a/a2a+p2p is Transformer Engine's): leave "
+                "--cp-comm-type at p2p or all_gather")
+    if getattr(config, "window_size", None) is not None:
+        return "sliding-window attention (window_size): the local attention builds its window from local positions"
+    if getattr(config, "hybrid_context_parallel", False):
+        return "hybrid_context_parallel (Transformer Engine's)"
+    return None

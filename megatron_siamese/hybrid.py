@@ -61,7 +61,7 @@ from megatron_siamese import device
 from megatron_siamese.merge import SiameseFinalNorm
 from megatron_siamese.norms import TorchNorm
 from megatron_siamese.siamese_sublayer import SiameseSublayerMixin
-from megatron_siamese.specs import siamese_layer_from
+from megatron_siamese.specs import local_stock_layer, siamese_layer_from
 from megatron_siamese.support import UnsupportedConfigError, check_supported
 
 SUPPORTED_SYMBOLS = (Symbols.ATTENTION, Symbols.MLP, Symbols.MAMBA, Symbols.GDN)
@@ -218,7 +218,8 @@ def get_siamese_hybrid_stack_spec() -> ModuleSpec:
     """Local modules: '*' and '-' layers split out of Megatron's local GPT layer spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    stock = get_gpt_layer_local_spec()
+    # the package's local core attention (context parallelism too), as every local GPT layer has it
+    stock = local_stock_layer(get_gpt_layer_local_spec())
     stock_moe = get_gpt_layer_local_spec(num_experts=1)  # only "MoE or not" is read: the config sizes it
     norms = dict(input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     needs_te = "use siamese_hybrid_te_stack_spec (Transformer Engine) on a GPU machine"

@@ -18,7 +18,7 @@ def statuses(rows):
 def test_cpu_matrix_passes():
     rows = run_check(ModelCase(), DEFAULT_LAYOUTS, "siamese")
     assert len(rows) >= 13
-    assert statuses(rows) == {name: ("SKIP" if name.startswith("cp") else "PASS") for name in DEFAULT_LAYOUTS}
+    assert statuses(rows) == {name: "PASS" for name in DEFAULT_LAYOUTS}
 
 
 def test_stock_spec_control_passes():
@@ -94,7 +94,7 @@ def test_stream_norms_left_out_of_fsdp_fail_the_fsdp2_layouts_only():
 
 # The baselines and the ablation in one job (its ranks start once): each model under its layouts,
 # and planted faults that must fail exactly the layouts they break.
-RUNNABLE = tuple(name for name in DEFAULT_LAYOUTS if not name.startswith("cp"))
+RUNNABLE = tuple(DEFAULT_LAYOUTS)  # context parallelism included: the local attention runs it on CPU
 BASELINE_SUBJECTS = {
     "hybridnorm": Subject(ModelCase(norm="hybridnorm"), "hybridnorm", RUNNABLE),
     # half the layers Post-Norm: pipeline stages (and virtual stages) cut the model between them
@@ -193,6 +193,46 @@ def test_mtp_embedding_left_unsynced_fails_pipeline_layouts_only(deepseek_rows):
     rows = deepseek_rows["mtp-embedding-unsynced"]
     assert {layout: row.status for layout, row in rows.items()} == {"tp2-sp": "PASS", "pp2": "FAIL", "pp2-vpp2": "FAIL"}
     assert all("embedding" in rows[layout].detail for layout in ("pp2", "pp2-vpp2"))
+
+
+# Context parallelism beyond the CPU matrix (which has cp2, tp2-cp2-sp, pp2-cp2, dp2-cp2-do) in
+# one job: the hybrid variant, MoE with the experts over the CP ranks, MLA, virtual stages, FSDP2
+# and recompute; and the planted faults, each failing exactly the CP layouts.
+CP_SUBJECTS = {
+    "hybrid-variant": Subject(ModelCase(norm="siamese-hybrid"), "siamese-hybrid", ("cp2", "tp2-cp2-sp")),
+    "moe": Subject(MOE_CASE, "siamese", ("cp2-ep2", "tp2-cp2-ep2-sp")),
+    "mla": Subject(ModelCase(**_MLA), "siamese", ("cp2", "tp2-cp2-sp")),
+    "more": Subject(ModelCase(), "siamese", ("pp2-vpp2-cp2", "dp2-cp2-fsdp2", "cp2-full", "cp2-sel")),
+    "stream-norms-reduced-over-dp-only": Subject(ModelCase(fault="stream-norms-reduced-over-dp-only"), "siamese",
+                                                 ("dp2", "cp2", "tp2-cp2-sp")),
+    "cp-contiguous-chunks": Subject(ModelCase(fault="cp-contiguous-chunks"), "siamese", ("dp2", "cp2", "pp2-cp2")),
+    "cp-keys-in-sequence-order": Subject(ModelCase(fault="cp-keys-in-sequence-order"), "siamese", ("dp2", "cp2")),
+}
+
+
+@pytest.fixture(scope="module")
+def cp_rows():
+    rows = run_checks(list(CP_SUBJECTS.values()))
+    return {name: {row.layout: row for row in subject_rows} for name, subject_rows in zip(CP_SUBJECTS, rows)}
+
+
+@pytest.mark.parametrize("name", ["hybrid-variant", "moe", "mla", "more"])
+def test_context_parallel_layouts_pass(cp_rows, name):
+    rows = cp_rows[name]
+    assert {layout: row.status for layout, row in rows.items()} == dict.fromkeys(CP_SUBJECTS[name].layouts, "PASS"), \
+        {layout: row.detail for layout, row in rows.items() if row.status != "PASS"}
+
+
+@pytest.mark.parametrize("fault, shows", [
+    ("stream-norms-reduced-over-dp-only", "_norm"),  # the losses exact, the stream norms' gradients not
+    ("cp-contiguous-chunks", "losses"),
+    ("cp-keys-in-sequence-order", "losses"),
+])
+def test_context_parallel_faults_fail_the_cp_layouts_only(cp_rows, fault, shows):
+    rows = cp_rows[fault]
+    assert {layout: row.status for layout, row in rows.items()} == {
+        layout: "FAIL" if "cp" in layout else "PASS" for layout in CP_SUBJECTS[fault].layouts}
+    assert all(shows in row.detail for row in rows.values() if row.status == "FAIL")
 
 
 def test_cli_exit_status_and_table(capfd):  # rank 0 prints the rows: capfd sees its output, capsys would not

@@ -285,6 +285,25 @@ def test_train_and_check_refuse_a_split_with_the_same_rule():
 
 
 @stack_independent
+def test_train_and_check_refuse_a_context_parallel_split_with_the_same_rule():
+    with pytest.raises(ConfigError) as refused:
+        TrainArgs(seq_length=102, cp=2)
+    assert refused.value.problems == ["--seq-length 102 must be a multiple of 2 x --cp 2 = 4 (context parallelism "
+                                      "cuts each sequence into 2 cp chunks, two per rank)"]
+    assert check.problems(ModelCase(seq_length=20), ["cp4"]) == [
+        "layout cp4: --seq-length 20 must be a multiple of 2 x cp4 = 8 (context parallelism cuts each sequence into "
+        "2 cp chunks, two per rank)"]
+    with pytest.raises(ConfigError) as refused:
+        TrainArgs(seq_length=36, cp=2, tp=4, sp=True, num_query_groups=4)
+    assert refused.value.problems == [
+        "each CP rank's 18 tokens (--seq-length 36 / --cp 2) must split over --tp 4 under sequence parallelism: "
+        "use a sequence length that is a multiple of 16"]
+    with pytest.raises(ConfigError, match="--mtp-num-layers under context parallelism"):
+        TrainArgs(cp=2, mtp_num_layers=1)
+    TrainArgs(seq_length=128, cp=4, tp=2, sp=True)  # 32 tokens a CP rank, 16 a TP rank
+
+
+@stack_independent
 def test_hybrid_patterns_are_read_in_one_place():
     pattern = HybridPattern("*-M*|*-M*/*-")
     assert (pattern.main, pattern.mtp, pattern.layers) == ("*-M*|*-M*", "*-", "*-M**-M*")
@@ -305,14 +324,14 @@ def test_every_setting_naming_a_transformer_config_field_reaches_it(monkeypatch)
                    gated_linear_unit=False, add_bias_linear=True, zero_centered_gamma=True, init_method_std=0.01,
                    fused_ops=False, boundary_ops=False, transformer_impl="transformer_engine", fp8="e4m3",
                    fp8_recipe="tensorwise",
-                   tp=4, pp=2, vpp=2, num_layers=4, sp=True,
+                   tp=4, pp=2, vpp=2, cp=2, num_layers=4, sp=True,
                    num_moe_experts=8, moe_router_topk=3, moe_ffn_hidden_size=96, moe_shared_expert_intermediate_size=32,
                    moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.001, moe_router_load_balancing_type="seq_aux_loss", moe_router_pre_softmax=True, qk_layernorm=True,
                    moe_token_dispatcher_type="allgather", moe_grouped_gemm=True)
     args = TrainArgs(**changed)
     # TransformerConfig asks Transformer Engine's version for FP8 with MoE; it is not installed here
     monkeypatch.setattr("megatron.core.transformer.transformer_config.is_te_min_version", lambda *_: True)
-    layout = dataclasses.replace(args.layout, cp=2, ep=2, etp=1)  # no setting sets cp yet
+    layout = dataclasses.replace(args.layout, ep=2, etp=1)
     # the schemes' own settings, which TrainArgs refuses beside another scheme's (next test), all at once
     # ... and multi-latent attention's and multi-token prediction's (MLA has no query groups: TrainArgs
     # refuses them together), MLA's reaching MLATransformerConfig's fields of their names

@@ -63,6 +63,25 @@ def test_checkpoint_reshards_with_the_same_validation_loss(tmp_path, cache, save
     assert abs(trained.val_losses[4] - math.log(320)) > 0.3
 
 
+def test_context_parallel_training_is_one_ranks_and_its_checkpoints_move_to_cp1_and_back(tmp_path, cache):
+    """--cp 2 (on CPU the local context-parallel attention: keys and values all-gathered) trains
+    with one rank's losses; its step-4 checkpoint continues at cp1 as the cp2 run did, and that
+    run's step-8 checkpoint evaluates at cp2 as it did at cp1."""
+    one = run(tmp_path, cache, "cp1", tp=1)
+    cp2 = run(tmp_path, cache, "cp2", tp=1, cp=2, save_interval=4)
+    assert "layout=tp1 pp1 cp2 dp1" in format_summary(cp2)
+    for step in range(1, 9):
+        assert cp2.train_losses[step] == pytest.approx(one.train_losses[step], rel=1e-5), step
+    at_cp1 = run(tmp_path, cache, "at-cp1", tp=1, save_interval=4,
+                 load=str(tmp_path / "cp2" / "checkpoints" / "iter_0000004"))
+    for step in range(5, 9):
+        assert at_cp1.train_losses[step] == pytest.approx(cp2.train_losses[step], rel=1e-5), step
+    back = run(tmp_path, cache, "back", tp=1, cp=2, load=str(tmp_path / "at-cp1" / "checkpoints"))
+    assert back.steps_done == 8 and not back.train_losses  # loaded at its last step: evaluated only
+    assert back.val_losses[8] == pytest.approx(at_cp1.val_losses[8], rel=1e-5)
+    assert abs(cp2.train_losses[8] - cp2.train_losses[4]) > 0.05  # the steps compared moved the model
+
+
 def test_fsdp2_checkpoints_resume_bit_identically_and_reshard_to_other_layouts_and_back(tmp_path, cache):
     """torch FSDP2 (--use-torch-fsdp2, dp2): a run resumed from its own step-4 checkpoint repeats
     the straight run bitwise; the same checkpoint, optimizer state included, continues at TP2

@@ -35,9 +35,6 @@ from megatron_siamese.runtime.layout import Layout, parse_layout
 
 def unavailable_reason(layout: Layout, spec: str, world_size: int, biases: bool = True) -> Optional[str]:
     """Why a layout cannot run here at all (reported as SKIP, never as PASS)."""
-    if layout.cp > 1:
-        return ("context parallelism needs Transformer Engine's attention "
-                "(megatron-core's local DotProductAttention refuses CP)")
     if spec == "stock" and biases and layout.recompute.recomputes("mlp"):
         return ("stock Megatron's selective 'mlp' recompute with biases recurses forever: its checkpoint returns the "
                 "bias Parameter, which becomes its own grad_fn (docs/design.md)")

@@ -178,6 +178,60 @@ def _mtp_embedding_unsynced() -> None:
     _patch(finalize, "_allreduce_word_embedding_grads", allreduce)
 
 
+def _stream_norms_reduced_over_data_parallel_only() -> None:
+    """The stream norms' gradients averaged over the data-parallel ranks alone, as a hand-made
+    reduction over ``get_data_parallel_group()`` (which leaves context parallelism out) would:
+    each CP rank keeps the gradient of its own chunks of the sequence (Megatron-LM#1528's kind)."""
+    import torch
+
+    import megatron.core.distributed as distributed
+    from megatron.core import parallel_state
+
+    from megatron_siamese.layer import SiameseTransformerLayer
+
+    original = distributed.finalize_model_grads
+
+    def finalize(model, *args, **kwargs):
+        norms = [norm for chunk in model for layer in chunk.modules() if isinstance(layer, SiameseTransformerLayer)
+                 for norm in (layer.attn_x_norm, layer.attn_y_norm, layer.mlp_x_norm, layer.mlp_y_norm)]
+        local = [(param, param.main_grad.clone()) for norm in norms for param in norm.parameters()]
+        result = original(model, *args, **kwargs)
+        group = parallel_state.get_data_parallel_group()
+        for param, grad in local:
+            torch.distributed.all_reduce(grad, group=group)
+            param.main_grad.copy_(grad / group.size())
+        return result
+
+    _patch(distributed, "finalize_model_grads", finalize)
+
+
+def _cp_contiguous_chunks() -> None:
+    """Each context-parallel rank given a contiguous piece of the sequence, the naive split,
+    while Megatron's rotary embedding and the context-parallel attention expect chunks r and
+    2 cp - 1 - r."""
+    from megatron_siamese import context_parallel
+
+    def batch_on_rank(batch, cp, rank):
+        pieces = {}
+        for name, tensor in batch.items():
+            dim = 2 if name == "attention_mask" else 1
+            size = tensor.size(dim) // cp
+            pieces[name] = tensor.narrow(dim, rank * size, size)
+        return pieces if cp > 1 else batch
+
+    _patch(context_parallel, "batch_on_rank", batch_on_rank)
+
+
+def _cp_keys_in_sequence_order() -> None:
+    """The context-parallel attention masking the all-gathered keys as if they were in sequence
+    order, not in the ranks' order of their chunks (r, 2 cp - 1 - r)."""
+    import torch
+
+    from megatron_siamese import core_attention
+
+    _patch(core_attention, "gathered_positions", lambda seq_length, cp: torch.arange(seq_length))
+
+
 FAULTS: Dict[str, Callable[[], None]] = {
     "local-depth-scale": _local_depth_scale,
     "no-sp-flag": _norms_without_sequence_parallel_flag,
@@ -189,6 +243,9 @@ FAULTS: Dict[str, Callable[[], None]] = {
     "baseline-local-layer-number": _baseline_placement_by_local_layer_number,
     "mla-column-parallel-down-projections": _mla_column_parallel_down_projections,
     "mtp-embedding-unsynced": _mtp_embedding_unsynced,
+    "stream-norms-reduced-over-dp-only": _stream_norms_reduced_over_data_parallel_only,
+    "cp-contiguous-chunks": _cp_contiguous_chunks,
+    "cp-keys-in-sequence-order": _cp_keys_in_sequence_order,
 }
 
 

@@ -134,8 +134,9 @@ def problems(args: PlanArgs) -> List[str]:
                      "--transformer-impl transformer_engine (Megatron's local modules compute it unfused)")
     if args.cp > 1:
         if args.transformer_impl != "transformer_engine":
-            found.append("context parallelism needs Transformer Engine's attention (Megatron's local "
-                         "DotProductAttention refuses it): add --transformer-impl transformer_engine")
+            found.append("plan counts context parallelism with Transformer Engine's attention; the local specs' "
+                         "all-gather attention (CPU) keeps the whole sequence's keys and values, not counted yet: "
+                         "add --transformer-impl transformer_engine")
         if args.seq_length % (2 * args.cp):
             found.append(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size = "
                          f"{2 * args.cp} (context parallelism splits each sequence into 2 cp balanced chunks)")

@@ -158,11 +158,32 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
                      f"size dividing it ({divisors}, ...)")
     found += _stage_problems(model, layout, spell)
     found += expert_problems(model, layout, spell)
+    found += context_problems(model, layout, spell)
     found += fsdp_problems(layout)
     dp = layout.dp
     if _positive(micro_batch_size, global_batch_size, dp) and global_batch_size % (micro_batch_size * dp):
         found.append(f"{global_batch_flag} {global_batch_size} must be a multiple of --micro-batch-size x "
                      f"{spell('dp', dp)} = {micro_batch_size * dp}")
+    return found
+
+
+def context_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, int], str] = short_flag) -> List[str]:
+    """What of ``model``'s sequence ``layout``'s context parallelism cannot split (part of ``split_problems``)."""
+    cp, seq = layout.cp, model.seq_length
+    if cp == 1:
+        return []
+    found = []
+    if _positive(seq) and seq % (2 * cp):
+        found.append(f"--seq-length {seq} must be a multiple of 2 x {spell('cp', cp)} = {2 * cp} (context "
+                     "parallelism cuts each sequence into 2 cp chunks, two per rank)")
+    elif layout.sp and _positive(seq) and (seq // cp) % layout.tp:
+        found.append(f"each CP rank's {seq // cp} tokens (--seq-length {seq} / {spell('cp', cp)}) must split over "
+                     f"{spell('tp', layout.tp)} under sequence parallelism: use a sequence length that is a multiple "
+                     f"of {2 * cp * layout.tp}")
+    if model.mtp_num_layers is not None:
+        found.append(f"--mtp-num-layers under context parallelism ({spell('cp', cp)}): multi-token prediction rolls "
+                     "its labels across the CP ranks' chunks and scores each rank's share apart, which is not the "
+                     "one-rank loss (Megatron's own MTP too); train it without CP")
     return found
 
 

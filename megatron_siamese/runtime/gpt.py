@@ -112,13 +112,33 @@ def pipeline_communication(chunks: Sequence[torch.nn.Module], config) -> dict:
 
 
 def loss_func(loss_mask: Tensor, output: Tensor):
-    loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+    """The microbatch's mean token loss. Under context parallelism each rank holds part of the
+    tokens: its loss is its tokens' sum over the whole sequence's count, which Megatron's
+    schedule multiplies by the CP size and DDP averages over DP x CP, so the gradient is the
+    whole sequence's mean loss's (exactly, however the loss mask falls on the chunks); the
+    reported loss is that mean, the same on every CP rank."""
+    from megatron.core import parallel_state
+
+    total, count = (output.float() * loss_mask).sum(), loss_mask.sum().float()
+    if parallel_state.get_context_parallel_world_size() > 1:
+        whole = torch.stack([total.detach(), count])
+        torch.distributed.all_reduce(whole, group=parallel_state.get_context_parallel_group())
+        loss = total / whole[1]
+        return loss, {"loss": whole[0] / whole[1]}
+    loss = total / count
     return loss, {"loss": loss.detach().clone()}  # the schedule rescales `loss` in place
 
 
 def forward_step(data_iterator, model):
-    """Megatron's forward-step contract: a microbatch of tokens/labels/positions/mask/loss mask."""
+    """Megatron's forward-step contract: a microbatch of tokens/labels/positions/mask/loss mask
+    (the whole sequence: under context parallelism this rank's chunks are taken here)."""
+    from megatron.core import parallel_state
+
+    from megatron_siamese.context_parallel import batch_on_rank
+
     batch = {k: v.to(device.current()) for k, v in next(data_iterator).items()}
+    batch = batch_on_rank(batch, parallel_state.get_context_parallel_world_size(),
+                          parallel_state.get_context_parallel_rank())
     # the loss mask also scores multi-token prediction's depths (rolled with the labels), as in pretrain_gpt.py
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                    loss_mask=batch["loss_mask"])

@@ -4,6 +4,9 @@ Plain data and arithmetic, no torch or Megatron import: the command line builds 
 in the launching process and a bad value is refused in a fraction of a second, each problem
 on one line saying what to change (``ConfigError``). Library users get the same list when
 they construct ``TrainArgs``.
+
+It is long because every setting of a run is declared here, with its default and its help text,
+beside the checks that read several of them together (recompute, expert layout, FSDP).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class TrainArgs(ModelSettings):
     vpp: Optional[int] = setting(None, group=PARALLELISM, flag=("--num-virtual-stages-per-pipeline-rank", "--vpp"),
                                  minimum=1, layout="vpp",
                                  help="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
+    cp: int = setting(1, group=PARALLELISM, flag=("--context-parallel-size", "--cp"), minimum=1, layout="cp",
+                      help="context-parallel size: each sequence split over this many ranks (2 cp chunks, two per "
+                           "rank; the local attention all-gathers keys and values, Transformer Engine's runs its ring)")
     dp: int = setting(1, group=PARALLELISM, flag=("--data-parallel-size", "--dp"), minimum=1, layout="dp",
                       help="data-parallel size")
     ep: int = setting(1, group=PARALLELISM, flag=("--expert-model-parallel-size", "--ep"), minimum=1, layout="ep",

@@ -64,8 +64,10 @@ def format_summary(summary: RunSummary) -> str:
                 f"left to train): val loss {shown(summary.val_losses)}")
     lines = [
         f"norm={summary.args['norm']} steps={summary.steps_done} "
-        f"layout=tp{summary.args['tp']} pp{summary.args['pp']} dp{summary.args['dp']}"
+        f"layout=tp{summary.args['tp']} pp{summary.args['pp']}"
+        + (f" cp{summary.args['cp']}" if summary.args.get("cp", 1) > 1 else "") + f" dp{summary.args['dp']}"
         + (f" ep{summary.args['ep']}" if summary.args.get("ep", 1) > 1 else "")
+        + (" sp" if summary.args.get("sp") else "")
         + (" torch-fsdp2" if summary.args.get("use_torch_fsdp2") else "")
         + (f" megatron-fsdp {summary.args.get('data_parallel_sharding_strategy')}"
            if summary.args.get("use_megatron_fsdp") else ""),
