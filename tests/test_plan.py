@@ -390,6 +390,8 @@ REFUSALS = {
     "flash without TE": (["--transformer-impl", "local", "--attention-backend", "flash"],
                          "add --transformer-impl transformer_engine"),
     "CP split": (["--cp", "3"], "must be a multiple of 2 x --context-parallel-size = 6"),
+    "CP in TE's unfused attention": (["--cp", "2", "--attention-backend", "unfused"],
+                                     "Transformer Engine runs CP in its flash or fused attention"),
     "EP dispatcher": (["--num-experts", "16", "--ep", "4", "--moe-token-dispatcher-type", "allgather",
                        "--disable-bias-linear"], "use --moe-token-dispatcher-type alltoall"),
     "InputNorm ablation": (["--no-siamese-input-norm"], "ablation --no-siamese-input-norm is not modeled"),

@@ -139,6 +139,25 @@ def _block_recompute_taken_as_uniform(monkeypatch):
         dataclasses.replace(settings, method="uniform") if settings.full else settings, layers))
 
 
+def _cp_attention_counted_as_one_ranks(monkeypatch):
+    """The local context-parallel attention counted as if each rank attended over its own chunks:
+    the gathered keys and values, the scores over the whole sequence and the mask left out."""
+    original = plan_activations._attention
+    monkeypatch.setattr(plan_activations, "_attention", lambda shape, layout, tokens, impl: original(
+        shape, dataclasses.replace(layout, cp=1), tokens, impl))
+
+
+def _cp_gradient_scatter_left_out(monkeypatch):
+    """The keys' and values' gradients not reduce-scattered back to their CP ranks."""
+    original = traffic.Traffic.add
+
+    def add(self, kind, op, payload, group, times=1):
+        if not (kind == "cp" and op == traffic.REDUCE_SCATTER):
+            original(self, kind, op, payload, group, times)
+
+    monkeypatch.setattr(traffic.Traffic, "add", add)
+
+
 def _differences(layout, variant):
     return variant.endswith(" - stock") and "moe" not in layout  # MoE activations: by the routers' choices
 
@@ -178,6 +197,12 @@ PLANTED = {  # the fault, the terms it drops, the cases they must fail in, and t
         _moe_recomputed_by_mlp, "activations", _in("ep2-sel+moe", differences=False), None),
     "core attention recompute left out": (
         _core_attention_recompute_left_out, "activations", _in("sel=core_attn", differences=False), None),
+    "cp attention counted as one rank's": (
+        # under core_attn recompute the gathered keys are only part of one layer's recomputation: may
+        _cp_attention_counted_as_one_ranks, "activations",
+        lambda layout, variant: _in("cp2", differences=False)(layout, variant) and "core_attn" not in layout,
+        _in("cp2", differences=False)),
+    "cp gradient scatter left out": (_cp_gradient_scatter_left_out, "cp", _in("cp2", differences=False), None),
     "block recompute taken as uniform": (
         _block_recompute_taken_as_uniform, "activations", _in("fullblock", differences=False), _in("fullblock")),
 }

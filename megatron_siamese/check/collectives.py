@@ -15,8 +15,8 @@ Over the tensor-parallel group, all-reduces are booked as ``tp`` and all-gathers
 reduce-scatters as ``sp`` (sequence parallelism turns the former into the latter); the tied
 embedding's gradient all-reduce between the first and last pipeline stage, and every send (for
 two stages Megatron sends one way over the whole job's group), is ``pp``; the
-data-parallel and expert-data-parallel groups' traffic is ``dp``; the expert-parallel groups'
-is ``ep``; anything else (a gradient norm's scalar) is ``other``. Where the CPU shim emulates a
+data-parallel and expert-data-parallel groups' traffic is ``dp`` (with CP, the DP x CP group's
+too); the expert-parallel groups' is ``ep``; the context-parallel group's ``cp``; anything else (a gradient norm's scalar) is ``other``. Where the CPU shim emulates a
 collective gloo lacks (the alltoall dispatcher's uneven gather and scatter over expert TP), the
 collective it stands for is booked, not the calls that emulate it.
 """
@@ -90,6 +90,7 @@ def group_kinds() -> Dict[int, str]:
         ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
         ("dp", lambda: ps.get_expert_data_parallel_group()),
         ("ep", lambda: ps.get_expert_model_parallel_group()),
+        ("cp", lambda: ps.get_context_parallel_group()),
         ("ep", lambda: ps.get_expert_tensor_and_model_parallel_group()),
         ("tp", lambda: ps.get_expert_tensor_parallel_group()),
     ]

@@ -62,6 +62,9 @@ CASES: Tuple[Tuple[ModelCase, str], ...] = (
     + _both(ModelCase(**_NO_BIAS), "sel", "sel=mlp") + _both(ModelCase(), "sel=core_attn", "fullblock1")
     + ((ModelCase(), "sel=layernorm"), (ModelCase(), "full2"))
     + _both(MOE_CASE, "ep2-sel") + _both(_SHARED, "ep2-sel=moe", "tp2-ep2-sp-sel=moe") + ((_SHARED, "ep2-sel=shared_experts"),)
+    # context parallelism through the local specs' attention (keys and values all-gathered over CP)
+    + _both(ModelCase(), "cp2", "tp2-cp2-sp", "cp2-sel=core_attn") + _both(ModelCase(**_MHA), "cp2")
+    + tuple((ModelCase(), name) for name in ("pp2-cp2", "dp2-cp2-do", "cp2-full"))
 )
 
 

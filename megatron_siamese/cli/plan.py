@@ -74,7 +74,7 @@ def run(options: argparse.Namespace) -> int:
     print(format_plan(plan, args.gpu_memory))
     print("not counted: the CUDA context, NCCL's buffers, the allocator's fragmentation and the step's "
           "temporaries (leave a few GiB)")
-    if args.layout.cp > 1:  # Transformer Engine's ring of K/V chunks, its own choice of exchange; stock's for both
+    if args.layout.cp > 1 and args.attention == "flash":  # TE's ring of K/V chunks, its own exchange; stock's for both
         print(f"not counted in bytes sent: context parallelism's K/V exchange inside attention (--cp {args.layout.cp}), "
               "the same for stock and SiameseNorm (the attention is stock's)")
     if options.json:

@@ -16,7 +16,10 @@ modules, counted as storages: a view keeps its whole storage):
   projection's output freed) and keeps the probabilities ``T (a / tp) s`` (torch's softmax in
   fp32 keeps its fp32 output beside the 16-bit copy: 6 bytes an element in bf16; Megatron's fused
   masked softmax only the copy); flash attention keeps its fp32 log-sum-exp (``T a / tp``)
-  instead; dropout adds its masks;
+  instead; dropout adds its masks; under context parallelism the local specs' attention
+  (``core_attention.py``) keeps the CP group's all-gathered K and V (``cp`` times as long; repeated
+  to every head under GQA), scores of its ``s / cp`` queries over all ``s`` keys, and its mask
+  over them (a bool per sample, query and key), made anew by each layer;
 * dense MLP: ``linear_fc1``'s output as the activation keeps it and ``linear_fc2``'s input: GELU
   ``2 T f / tp``; a gated unit ``3 T f / tp`` fused (Transformer Engine, bias-SwiGLU), ``5 T f / tp``
   in Megatron's local composition (the gate's output and the linear half are kept apart);
@@ -156,10 +159,15 @@ def _attention(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementatio
     core = scores * (b + (0 if impl.softmax_fusion or b == STAT else STAT))
     if impl.attention_dropout > 0:  # its mask, and its output the next matmul keeps
         core += scores * (impl.dropout_mask_bytes + b)
-    if not gqa:
+    if layout.cp > 1:  # the local context-parallel attention's mask over the gathered keys, made by each layer
+        core += tokens.whole * tokens.seq * layout.cp  # a bool per sample, query and key
+    if not gqa and layout.cp == 1:
         return AttentionKept(checkpointed + core, checkpointed, core)
-    repeated = tokens.whole * 2 * heads * d * b  # K and V repeated; Q is the checkpoint's own
-    return AttentionKept(rest + tokens.whole * 3 * heads * d * b + core, checkpointed, core + repeated)
+    # K and V new tensors of the whole sequence: repeated to every head (GQA), all-gathered over CP
+    # (the local CP attention: the QKV projection's output then kept only by a Q that is a view of it)
+    q = heads if gqa or shape.rope else heads + 2 * groups
+    kv = tokens.whole * layout.cp * 2 * (heads if gqa else groups) * d * b
+    return AttentionKept(rest + tokens.whole * q * d * b + kv + core, checkpointed, core + kv)
 
 
 def _mlp_internals(shape: Shape, rows: int, width: int, impl: Implementation) -> float:

@@ -133,10 +133,9 @@ def problems(args: PlanArgs) -> List[str]:
         found.append(f"--attention-backend {args.attention_backend} is Transformer Engine's attention: add "
                      "--transformer-impl transformer_engine (Megatron's local modules compute it unfused)")
     if args.cp > 1:
-        if args.transformer_impl != "transformer_engine":
-            found.append("plan counts context parallelism with Transformer Engine's attention; the local specs' "
-                         "all-gather attention (CPU) keeps the whole sequence's keys and values, not counted yet: "
-                         "add --transformer-impl transformer_engine")
+        if args.transformer_impl == "transformer_engine" and args.attention == "unfused":
+            found.append(f"--attention-backend {args.attention_backend} under context parallelism: Transformer "
+                         "Engine runs CP in its flash or fused attention; use --attention-backend flash, fused or auto")
         if args.seq_length % (2 * args.cp):
             found.append(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size = "
                          f"{2 * args.cp} (context parallelism splits each sequence into 2 cp balanced chunks)")

@@ -75,7 +75,8 @@ def gpu_costs(inputs: PlanInputs, variant: str, rank: int) -> GpuCosts:
                     root_weights=_root_elements(chunk, shape, scheme, layout) * inputs.param_bytes)
                for i, (chunk, chunk_params) in enumerate(zip(chunks, params))]
     sent = step_traffic(shape, layout, chunks, params, variant, tokens_of(shape, layout, inputs.micro_batch),
-                        inputs.impl.bytes, inputs.microbatches, inputs.sharding, buffers)
+                        inputs.impl.bytes, inputs.microbatches, inputs.sharding, buffers,
+                        gathered_kv=inputs.impl.attention == "unfused")
     return GpuCosts(rank, sum(s.weights for s in states), sum(s.grads for s in states),
                     sum(s.optimizer for s in states), activations, pipeline, sent, gathered)
 

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 from megatron_siamese.plan.activations import STOCK
 from megatron_siamese.plan.gpus import human
 from megatron_siamese.plan.per_gpu import HELD, GpuCosts, PlanInputs, every_rank, most_loaded
+from megatron_siamese.plan.traffic import KINDS
 
 NAMES = {STOCK: "stock Pre-Norm", "joined": "SiameseNorm joined", "apart": "SiameseNorm apart",
          "pytorch": "SiameseNorm PyTorch"}
@@ -18,7 +19,9 @@ LABELS = dict(weights="weights", grads="gradients", optimizer="optimizer state",
               activations="activations kept for backward", pipeline="pipeline buffers", memory="total")
 assert set(LABELS) == {*HELD, "memory"}, "a label for each term a GPU holds"
 SENT = (("tp", "TP all-reduce"), ("sp", "SP all-gather, reduce-scatter"), ("pp", "PP p2p, tied embedding"),
-        ("dp", "DP"), ("ep", "EP all-to-all"))
+        ("dp", "DP"), ("ep", "EP all-to-all"), ("cp", "CP K/V gathers (local attn)"))
+assert {kind for kind, _ in SENT} == set(KINDS), "a row for each kind of traffic"
+
 
 
 @dataclass

@@ -30,7 +30,12 @@ microbatch's hidden states on a rank (``T = s b / cp``), per microbatch:
   routing probabilities, the experts' outputs back) and 3 backward of ``Ts k`` token copies
   (a balanced router), and an all-gather of the tokens per expert; under expert TP the routed
   copies are all-gathered and reduce-scattered over it, 2 + 2 a microbatch; the forward ones
-  again where the experts are recomputed (full, or selective "moe").
+  again where the experts are recomputed (full, or selective "moe");
+* CP, with the local specs' attention (``gathered_kv``: keys and values all-gathered over the CP
+  group, ``core_attention.py``): per layer 2 all-gathers of the whole sequence's K and V forward
+  (again when the core attention is recomputed: full, or selective "core_attn") and 2 reduce-scatters of their gradients backward,
+  ``s b g d / tp`` elements each; on the last stage the loss's sum and token count, all-reduced
+  per microbatch. Transformer Engine's ring or all-to-all exchange is its own and not counted.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from megatron_siamese.plan.shapes import Parameter, Shape
 from megatron_siamese.plan.states import DataParallelSharding, dense_dp_size, expert_dp_size
 from megatron_siamese.runtime.layout import Layout
 
-KINDS = ("tp", "sp", "pp", "dp", "ep")
+KINDS = ("tp", "sp", "pp", "dp", "ep", "cp")
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, ALL_TO_ALL, SEND, RECV = (
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
 # a TP-split sublayer's collectives per microbatch: without SP the output projection's all-reduce
@@ -79,8 +84,8 @@ def _replays(shape: Shape, layout: Layout, index: int, layer: int) -> Dict[str, 
     """How many times a layer's sublayers run forward again in backward (0 or 1): the attention,
     a dense MLP or an MoE layer's routed experts, its shared expert."""
     again = layer_recompute(layout.recompute, shape.is_moe(layer), index)
-    return dict(attention=int(again.whole), mlp=int(again.whole or again.mlp),
-                shared=int(again.whole or again.shared_expert))
+    return dict(attention=int(again.whole), core_attention=int(again.whole or again.core_attention),
+                mlp=int(again.whole or again.mlp), shared=int(again.whole or again.shared_expert))
 
 
 def _tensor_parallel(traffic: Traffic, shape: Shape, layout: Layout, chunks: List[Chunk], tokens: Tokens,
@@ -127,7 +132,7 @@ def _summed_over_tp(params: List[Parameter], layout: Layout) -> int:
 
 def step_traffic(shape: Shape, layout: Layout, chunks: List[Chunk], params: List[List[Parameter]], variant: str,
                  tokens: Tokens, activation_bytes: int, microbatches: int, sharding: DataParallelSharding,
-                 buffers: List[Dict[str, float]]) -> Dict[str, float]:
+                 buffers: List[Dict[str, float]], gathered_kv: bool = False) -> Dict[str, float]:
     """The bytes this GPU sends in one step, by kind. ``params``: each chunk's parameters;
     ``buffers``: each chunk's gradient and weight buffer bytes, dense and expert
     (``grads``, ``weights``, ``expert_grads``, ``expert_weights``)."""
@@ -150,7 +155,22 @@ def step_traffic(shape: Shape, layout: Layout, chunks: List[Chunk], params: List
                        microbatches)
     if layout.ep > 1:
         _expert_parallel(traffic, shape, layout, chunks, tokens, activation_bytes, microbatches)
+    if layout.cp > 1 and gathered_kv:
+        _context_parallel(traffic, shape, layout, chunks, tokens, activation_bytes, microbatches)
     return traffic.sent
+
+
+def _context_parallel(traffic: Traffic, shape: Shape, layout: Layout, chunks: List[Chunk], tokens: Tokens,
+                      activation_bytes: int, microbatches: int) -> None:
+    cp = layout.cp
+    keys = tokens.whole * cp * max(shape.groups // layout.tp, 1) * shape.head_dim * activation_bytes
+    for chunk in chunks:
+        for index, layer in enumerate(chunk.layers):
+            forwards = microbatches * (1 + _replays(shape, layout, index, layer)["core_attention"])
+            traffic.add("cp", ALL_GATHER, keys, cp, 2 * forwards)
+            traffic.add("cp", REDUCE_SCATTER, keys, cp, 2 * microbatches)
+        if chunk.last:
+            traffic.add("cp", ALL_REDUCE, 2 * STAT, cp, microbatches)
 
 
 def _data_parallel(traffic: Traffic, grads: float, weights: float, dp: int, sharding: DataParallelSharding,
