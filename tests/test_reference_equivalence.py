@@ -123,32 +123,40 @@ def fp64_backward(model, batches):
     (sum(losses) / len(batches)).backward()
 
 
-def differences(model, reference, batches):
-    """{what: why} for the logits of the first microbatch and every gradient of the step over
-    ``batches`` that differ between the Megatron model and the reference (empty: they agree).
-    The step is Megatron's schedule, or ``fp64_backward`` for a double model."""
-    found = {}
+class Differences(dict):
+    """{what: why} of what differs between a Megatron model and the reference (empty: they agree)."""
 
-    def compare(name, actual, expected):
+    def compare(self, name, actual, expected):
         try:
             assert_close_fp32(actual, expected, name)
         except AssertionError as error:
-            found[name] = " ".join(str(error).split())
+            self[name] = " ".join(str(error).split())
 
+    def gradients(self, model, reference, batches):
+        """The reference's step over ``batches`` (its objective, averaged) and every gradient
+        compared with the Megatron model's, which has taken its step already."""
+        objective = sum(reference.objective(b["tokens"], b["labels"], b["position_ids"]) for b in batches)
+        (objective / len(batches)).backward()
+        grads = megatron_to_reference_names({name: p.grad for name, p in model.named_parameters()},
+                                            len(model.decoder.layers))
+        reference_grads = {name: p.grad for name, p in reference.named_parameters()}
+        assert grads.keys() == reference_grads.keys()
+        for name, grad in grads.items():
+            if grad is None or grad.abs().max() == 0 or reference_grads[name] is None:
+                self[name] = "got no gradient"
+            else:
+                self.compare(name, grad, reference_grads[name])
+
+
+def differences(model, reference, batches):
+    """What differs in the logits of the first microbatch and every gradient of the step over
+    ``batches``. The step is Megatron's schedule, or ``fp64_backward`` for a double model."""
+    found = Differences()
     first = batches[0]
-    compare("logits", model(first["tokens"], first["position_ids"], first["attention_mask"]),
-            reference(first["tokens"], first["position_ids"]))
+    found.compare("logits", model(first["tokens"], first["position_ids"], first["attention_mask"]),
+                  reference(first["tokens"], first["position_ids"]))
     (fp64_backward if model.config.params_dtype == torch.float64 else megatron_backward)(model, batches)
-    objective = sum(reference.objective(b["tokens"], b["labels"], b["position_ids"]) for b in batches)
-    (objective / len(batches)).backward()
-    grads = megatron_to_reference_names({name: p.grad for name, p in model.named_parameters()}, len(model.decoder.layers))
-    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
-    assert grads.keys() == reference_grads.keys()
-    for name, grad in grads.items():
-        if grad is None or grad.abs().max() == 0 or reference_grads[name] is None:
-            found[name] = "got no gradient"
-        else:
-            compare(name, grad, reference_grads[name])
+    found.gradients(model, reference, batches)
     return found
 
 

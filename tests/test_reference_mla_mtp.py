@@ -26,7 +26,7 @@ from megatron_siamese.runtime.gpt import forward_step, transformer_config
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.support import UnsupportedConfigError
 
-from test_reference_equivalence import MOE, PATHS, RECOMPUTE, assert_close_fp32, build_pair
+from test_reference_equivalence import MOE, PATHS, RECOMPUTE, Differences, build_pair
 from test_reference_equivalence import differences as fp64_differences
 
 SCHEMES = ["siamese", "siamese-layer"]
@@ -99,37 +99,20 @@ def differences(model, reference, batches, monkeypatch):
     ``loss[i]`` (microbatch i's), ``mtp[i][k]`` (its depth k + 1 loss), ``logits`` (the first
     microbatch's; only without MTP: megatron-core 0.16's GPTModel cannot run MTP without labels)
     and every gradient (empty: they agree)."""
-    found = {}
-
-    def compare(name, actual, expected):
-        try:
-            assert_close_fp32(actual, expected, name)
-        except AssertionError as error:
-            found[name] = " ".join(str(error).split())
-
+    found = Differences()
     first = batches[0]
     if not model.config.mtp_num_layers:
-        compare("logits", model(first["tokens"], first["position_ids"], first["attention_mask"]),
-                reference(first["tokens"], first["position_ids"]))
+        found.compare("logits", model(first["tokens"], first["position_ids"], first["attention_mask"]),
+                      reference(first["tokens"], first["position_ids"]))
     losses, mtp = megatron_step(model, batches, monkeypatch)
     with torch.no_grad():
         expected = [reference.losses(b["tokens"], b["labels"], b["position_ids"]) for b in batches]
     for i, (main, depth_losses) in enumerate(expected):
-        compare(f"loss[{i}]", losses[i], main.mean())
+        found.compare(f"loss[{i}]", losses[i], main.mean())
         assert len(mtp[i]) == len(depth_losses)
         for k, depth_loss in enumerate(depth_losses):
-            compare(f"mtp[{i}][{k}]", mtp[i][k], depth_loss)
-    objective = sum(reference.objective(b["tokens"], b["labels"], b["position_ids"]) for b in batches)
-    (objective / len(batches)).backward()
-    grads = megatron_to_reference_names({name: p.grad for name, p in model.named_parameters()},
-                                        len(model.decoder.layers))
-    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
-    assert grads.keys() == reference_grads.keys()
-    for name, grad in grads.items():
-        if grad is None or grad.abs().max() == 0 or reference_grads[name] is None:
-            found[name] = "got no gradient"
-        else:
-            compare(name, grad, reference_grads[name])
+            found.compare(f"mtp[{i}][{k}]", mtp[i][k], depth_loss)
+    found.gradients(model, reference, batches)
     return found
 
 
