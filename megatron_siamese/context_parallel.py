@@ -9,7 +9,9 @@ over the group in rank order, a tensor's sequence is then ``[c0, c(2cp-1), c1, c
 context-parallel attention (``core_attention.py``) masks its keys without reordering them.
 
 Megatron's own batch splitter changed its signature between 0.16 and 0.19 (0.19's takes the
-world size when given no group); ``batch_on_rank`` is the one the package uses, for both.
+world size when given no group) and does not split packed (THD) batches (Transformer Engine's
+CUDA partitioner does); ``batch_on_rank`` is the one the package uses, for both, and splits a
+packed batch per document (``document_positions_on_rank``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def check_divisible(seq_length: int, cp: int) -> None:
 
 def positions_on_rank(seq_length: int, cp: int, rank: int) -> Tensor:
     """The sequence positions of CP rank ``rank``'s tokens, in the order it holds them: chunk
-    ``rank`` then chunk ``2 cp - 1 - rank``."""
+    ``rank`` then chunk ``2 cp - 1 - rank`` (without CP: every position)."""
+    if cp == 1:
+        return torch.arange(seq_length)
     check_divisible(seq_length, cp)
     chunk = seq_length // (2 * cp)
     return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
@@ -44,22 +48,55 @@ def gathered_positions(seq_length: int, cp: int) -> Tensor:
     return torch.cat([positions_on_rank(seq_length, cp, rank) for rank in range(cp)])
 
 
+def document_positions_on_rank(cu_seqlens: Tensor, cp: int, rank: int) -> Tensor:
+    """Packed (THD) sequences: the packed positions of CP rank ``rank``'s tokens. Each document
+    (``cu_seqlens``: its bounds) is cut into ``2 cp`` chunks of its own, and the rank holds each
+    document's chunks ``rank`` and ``2 cp - 1 - rank``, documents in order: the partition
+    Transformer Engine's THD attention and Megatron's THD RoPE (``_get_thd_freqs_on_this_cp_rank``)
+    assume."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    uneven = [length for length in lengths if cp > 1 and length % (2 * cp)]
+    if uneven:
+        raise ValueError(f"packed documents of {uneven} tokens do not cut into 2 x cp = {2 * cp} equal chunks: under "
+                         "context parallelism pad each document to a multiple of 2 cp")
+    return torch.cat([start + positions_on_rank(length, cp, rank) for start, length in zip(bounds, lengths)])
+
+
+def gathered_document_positions(cu_seqlens: Tensor, cp: int) -> Tensor:
+    """The packed position of each row of a THD tensor all-gathered over the CP group."""
+    return torch.cat([document_positions_on_rank(cu_seqlens, cp, rank) for rank in range(cp)])
+
+
+def document_mask(queries: Tensor, keys: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """``[1, 1, q, k]``, True where a query may not attend a key (Megatron's convention): a key of
+    another document, or a later one. ``queries``, ``keys``: packed positions."""
+    ends = cu_seqlens[1:].to(queries.device)
+    query_document = torch.bucketize(queries, ends, right=True)
+    key_document = torch.bucketize(keys, ends, right=True)
+    return ((query_document[:, None] != key_document[None, :]) | (keys[None, :] > queries[:, None]))[None, None]
+
+
 def batch_on_rank(batch: Dict[str, Tensor], cp: int, rank: int) -> Dict[str, Tensor]:
     """CP rank ``rank``'s part of a microbatch: its two chunks of every per-token tensor, and of
     the attention mask its query rows (each query still sees every key). Unknown keys are
     refused: a tensor split the wrong way would train on other tokens without a word."""
     if cp == 1:
         return batch
-    unknown = sorted(set(batch) - set(_SEQUENCE_DIM) - {"attention_mask"})
+    unknown = sorted(set(batch) - set(_SEQUENCE_DIM) - {"attention_mask", "cu_seqlens"})
     if unknown:
         raise ValueError(f"cannot split {unknown} over context-parallel ranks: only {sorted(_SEQUENCE_DIM)} and "
                          "attention_mask have a known sequence dimension")
+    packed = batch.get("cu_seqlens")
+    if packed is not None and batch.get("attention_mask") is not None:
+        raise ValueError("a packed (THD) batch masks by its documents (cu_seqlens): give it no attention_mask")
     split = {}
     for name, tensor in batch.items():
-        dim = _MASK_QUERY_DIM if name == "attention_mask" else _SEQUENCE_DIM[name]
-        if tensor is None:
-            split[name] = None
+        if tensor is None or name == "cu_seqlens":  # the documents' bounds stay whole (as TE takes them)
+            split[name] = tensor
             continue
-        index = positions_on_rank(tensor.size(dim), cp, rank).to(tensor.device)
+        dim = _MASK_QUERY_DIM if name == "attention_mask" else _SEQUENCE_DIM[name]
+        index = (positions_on_rank(tensor.size(dim), cp, rank) if packed is None
+                 else document_positions_on_rank(packed, cp, rank)).to(tensor.device)
         split[name] = tensor.index_select(dim, index)
     return split

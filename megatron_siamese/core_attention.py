@@ -35,11 +35,19 @@ import copy
 import math
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_siamese.context_parallel import gathered_positions, positions_on_rank
+from megatron_siamese.context_parallel import (
+    document_mask,
+    document_positions_on_rank,
+    gathered_document_positions,
+    gathered_positions,
+    positions_on_rank,
+)
 from megatron_siamese.support import UnsupportedConfigError
 
 
@@ -69,6 +77,42 @@ class LocalCoreAttention(DotProductAttention):
             self.hidden_size_per_attention_head = v_channels
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
+        documents = packed_documents(packed_seq_params)
+        positions = torch.arange(query.size(0), device=query.device)
+        return self.attend_packed(query, key, value, document_mask(positions, positions, documents), attention_bias)
+
+    def attend_packed(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor, attention_bias) -> Tensor:
+        """Packed (THD) ``[t, heads, d]`` queries, keys and values as one sample of ``t`` tokens,
+        ``mask`` (the documents') honoured whatever the softmax's mask type (a causal kernel would
+        ignore it); ``[t, 1, heads x d]`` out, as Megatron's attention reshapes TE's output."""
+        softmax = self.scale_mask_softmax
+        mask_type, softmax.attn_mask_type = softmax.attn_mask_type, AttnMaskType.padding
+        try:
+            return DotProductAttention.forward(self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
+                                               attention_bias=attention_bias)
+        finally:
+            softmax.attn_mask_type = mask_type
+
+
+def packed_documents(packed_seq_params) -> Tensor:
+    """The documents' bounds of a packed (THD) self-attention batch, or a refusal of what the local
+    attention does not compute (another format, padded documents, keys unlike the queries)."""
+    if packed_seq_params.qkv_format != "thd":
+        raise UnsupportedConfigError(f"the local attention takes packed sequences in the thd format, not "
+                                     f"{packed_seq_params.qkv_format!r}")
+    documents = packed_seq_params.cu_seqlens_q
+    others = [packed_seq_params.cu_seqlens_kv, packed_seq_params.cu_seqlens_q_padded,
+              packed_seq_params.cu_seqlens_kv_padded]
+    if any(other is not None and not torch.equal(other.to(documents.device), documents) for other in others):
+        raise UnsupportedConfigError("the local attention takes packed self-attention without padding between "
+                                     "documents: cu_seqlens_kv and the padded bounds must equal cu_seqlens_q")
+    return documents
+
 
 class ContextParallelCoreAttention(LocalCoreAttention):
     """``LocalCoreAttention`` under context parallelism: this rank's queries over the CP group's
@@ -87,7 +131,6 @@ class ContextParallelCoreAttention(LocalCoreAttention):
                          **kwargs)
         self.config = config
         from megatron.core import parallel_state
-        from megatron.core.transformer.enums import AttnMaskType
 
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
@@ -99,11 +142,14 @@ class ContextParallelCoreAttention(LocalCoreAttention):
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-        if packed_seq_params is not None:
-            raise UnsupportedConfigError("the local context-parallel attention has no packed (THD) sequences")
         cp, rank = self.cp_group.size(), self.cp_group.rank()
         key = gather_from_sequence_parallel_region(key.contiguous(), group=self.cp_group)
         value = gather_from_sequence_parallel_region(value.contiguous(), group=self.cp_group)
+        if packed_seq_params is not None:  # each document split over the ranks on its own
+            documents = packed_documents(packed_seq_params)
+            queries = document_positions_on_rank(documents, cp, rank).to(query.device)
+            keys = gathered_document_positions(documents, cp).to(query.device)
+            return self.attend_packed(query, key, value, document_mask(queries, keys, documents), attention_bias)
         mask = self.gathered_mask(attention_mask, query.size(0) * cp, cp, rank, query.device)
         return super().forward(query, key, value, mask, attention_bias=attention_bias)
 

@@ -207,6 +207,12 @@ CP_SUBJECTS = {
                                                  ("dp2", "cp2", "tp2-cp2-sp")),
     "cp-contiguous-chunks": Subject(ModelCase(fault="cp-contiguous-chunks"), "siamese", ("dp2", "cp2", "pp2-cp2")),
     "cp-keys-in-sequence-order": Subject(ModelCase(fault="cp-keys-in-sequence-order"), "siamese", ("dp2", "cp2")),
+    # packed (THD) microbatches: each document attends only to itself, split per document under CP
+    "packed": Subject(ModelCase(packed_sequences=True), "siamese",
+                      ("tp2-sp", "pp2", "cp2", "tp2-cp2-sp", "pp2-cp2", "dp2-cp2-do")),
+    "packed-moe": Subject(dataclasses.replace(MOE_CASE, packed_sequences=True), "siamese", ("ep2", "cp2-ep2")),
+    "packed-cp-contiguous-chunks": Subject(ModelCase(packed_sequences=True, fault="cp-contiguous-chunks"), "siamese",
+                                           ("dp2", "cp2")),
 }
 
 
@@ -216,7 +222,7 @@ def cp_rows():
     return {name: {row.layout: row for row in subject_rows} for name, subject_rows in zip(CP_SUBJECTS, rows)}
 
 
-@pytest.mark.parametrize("name", ["hybrid-variant", "moe", "mla", "more"])
+@pytest.mark.parametrize("name", ["hybrid-variant", "moe", "mla", "more", "packed", "packed-moe"])
 def test_context_parallel_layouts_pass(cp_rows, name):
     rows = cp_rows[name]
     assert {layout: row.status for layout, row in rows.items()} == dict.fromkeys(CP_SUBJECTS[name].layouts, "PASS"), \
@@ -227,6 +233,7 @@ def test_context_parallel_layouts_pass(cp_rows, name):
     ("stream-norms-reduced-over-dp-only", "_norm"),  # the losses exact, the stream norms' gradients not
     ("cp-contiguous-chunks", "losses"),
     ("cp-keys-in-sequence-order", "losses"),
+    ("packed-cp-contiguous-chunks", "losses"),
 ])
 def test_context_parallel_faults_fail_the_cp_layouts_only(cp_rows, fault, shows):
     rows = cp_rows[fault]

@@ -5,7 +5,14 @@ uses them is checked against one rank in test_check.py (cp layouts, and a plante
 import pytest
 import torch
 
-from megatron_siamese.context_parallel import batch_on_rank, gathered_positions, positions_on_rank
+from megatron_siamese.context_parallel import (
+    batch_on_rank,
+    document_mask,
+    document_positions_on_rank,
+    gathered_document_positions,
+    gathered_positions,
+    positions_on_rank,
+)
 
 pytestmark = pytest.mark.stack_independent
 
@@ -43,5 +50,38 @@ def test_a_batch_is_split_per_token_and_the_mask_by_query_rows():
 
 
 def test_a_tensor_of_unknown_layout_is_refused_not_split_along_a_guess():
-    with pytest.raises(ValueError, match=r"cannot split \['cu_seqlens'\]"):
-        batch_on_rank(dict(tokens=torch.zeros(1, 8), cu_seqlens=torch.tensor([0, 8])), 2, 0)
+    with pytest.raises(ValueError, match=r"cannot split \['segment_ids'\]"):
+        batch_on_rank(dict(tokens=torch.zeros(1, 8), segment_ids=torch.zeros(1, 8)), 2, 0)
+
+
+def test_packed_documents_are_each_split_into_their_own_2cp_chunks():
+    bounds = torch.tensor([0, 4, 12, 16])  # documents of 4, 8 and 4 tokens
+    assert document_positions_on_rank(bounds, 1, 0).tolist() == list(range(16))
+    assert document_positions_on_rank(bounds, 2, 0).tolist() == [0, 3, 4, 5, 10, 11, 12, 15]
+    assert document_positions_on_rank(bounds, 2, 1).tolist() == [1, 2, 6, 7, 8, 9, 13, 14]
+    assert sorted(gathered_document_positions(bounds, 2).tolist()) == list(range(16))
+    with pytest.raises(ValueError, match=r"packed documents of \[4, 4\] tokens do not cut into 2 x cp = 8"):
+        document_positions_on_rank(bounds, 4, 0)
+
+
+def test_a_document_attends_to_itself_only_causally():
+    bounds = torch.tensor([0, 2, 5])
+    positions = torch.arange(5)
+    allowed = ~document_mask(positions, positions, bounds)[0, 0]
+    assert allowed.int().tolist() == [[1, 0, 0, 0, 0],
+                                      [1, 1, 0, 0, 0],
+                                      [0, 0, 1, 0, 0],
+                                      [0, 0, 1, 1, 0],
+                                      [0, 0, 1, 1, 1]]
+    # queries and keys in any order (a CP rank's chunks over the gathered rows): the same pairs
+    queries, keys = torch.tensor([4, 0]), torch.tensor([2, 3, 0, 1, 4])
+    assert (~document_mask(queries, keys, bounds)[0, 0]).int().tolist() == [[1, 1, 0, 0, 1], [0, 0, 1, 0, 0]]
+
+
+def test_a_packed_batch_is_split_per_document_and_keeps_its_bounds():
+    bounds = torch.tensor([0, 4, 12, 16], dtype=torch.int32)
+    batch = dict(tokens=torch.arange(16)[None], labels=torch.arange(16)[None] + 100, cu_seqlens=bounds)
+    part = batch_on_rank(batch, 2, 1)
+    assert part["tokens"].tolist() == [[1, 2, 6, 7, 8, 9, 13, 14]] and part["cu_seqlens"] is bounds
+    with pytest.raises(ValueError, match="give it no attention_mask"):
+        batch_on_rank(dict(batch, attention_mask=torch.zeros(1, 1, 16, 16, dtype=torch.bool)), 2, 0)

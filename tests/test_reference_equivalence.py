@@ -24,7 +24,7 @@ from megatron_siamese.reference.functional import SINGLE_STREAM_SCHEMES
 from megatron_siamese.reference.moe import ReferenceMoE, ReferenceRouter
 from megatron_siamese.reference.single_stream import ReferenceSingleStreamGPT
 from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, config_overrides, microbatches
-from megatron_siamese.runtime.gpt import transformer_config
+from megatron_siamese.runtime.gpt import packed_sequence_params, transformer_config
 from megatron_siamese.runtime.layout import Layout
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -132,11 +132,12 @@ class Differences(dict):
         except AssertionError as error:
             self[name] = " ".join(str(error).split())
 
-    def gradients(self, model, reference, batches):
-        """The reference's step over ``batches`` (its objective, averaged) and every gradient
-        compared with the Megatron model's, which has taken its step already."""
-        objective = sum(reference.objective(b["tokens"], b["labels"], b["position_ids"]) for b in batches)
-        (objective / len(batches)).backward()
+    def gradients(self, model, reference, batches, objective=None):
+        """The reference's step over ``batches`` (``objective`` of each, default the reference's
+        own, averaged) and every gradient compared with the Megatron model's, which has taken its
+        step already."""
+        objective = objective or (lambda b: reference.objective(b["tokens"], b["labels"], b["position_ids"]))
+        (sum(objective(b) for b in batches) / len(batches)).backward()
         grads = megatron_to_reference_names({name: p.grad for name, p in model.named_parameters()},
                                             len(model.decoder.layers))
         reference_grads = {name: p.grad for name, p in reference.named_parameters()}
@@ -171,6 +172,57 @@ def test_logits_and_gradients_match_reference(megatron_single_rank, variant, pat
     case = dataclasses.replace(VARIANTS[variant], **PATHS[path])
     model, reference = build_pair(case)
     assert_matches_reference(model, reference, microbatches(case)[:1])
+
+
+def documents(batch):
+    """A packed batch's documents: (tokens, labels, positions) of each, ``[1, n]``."""
+    bounds = batch["cu_seqlens"].tolist()
+    return [tuple(batch[key][:, start:end] for key in ("tokens", "labels", "position_ids"))
+            for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def packed_differences(model, reference, batches):
+    """A packed (THD) batch through the Megatron model against the reference run on each of its
+    documents alone: the first batch's logits, and every gradient of the mean token loss."""
+    found = Differences()
+    first = batches[0]
+    found.compare("logits", model(first["tokens"], first["position_ids"], None,
+                                  packed_seq_params=packed_sequence_params(first["cu_seqlens"])),
+                  torch.cat([reference(tokens, positions) for tokens, _, positions in documents(first)], dim=1))
+    megatron_backward(model, batches)
+
+    def objective(batch):  # the batch's mean token loss from its documents' means
+        total = batch["tokens"].numel()
+        return sum(reference.objective(tokens, labels, positions) * tokens.numel() / total
+                   for tokens, labels, positions in documents(batch))
+
+    found.gradients(model, reference, batches, objective)
+    return found
+
+
+PACKED = {"rope-gqa": ModelCase(packed_sequences=True),
+          "learned-mha-rmsnorm": ModelCase(packed_sequences=True, position_embedding_type="learned_absolute",
+                                           num_query_groups=4, normalization="RMSNorm"),
+          "hybrid": ModelCase(packed_sequences=True, norm="siamese-hybrid")}
+
+
+@pytest.mark.parametrize("variant", sorted(PACKED))
+def test_packed_documents_each_match_the_reference_run_alone(megatron_single_rank, variant):
+    """THD: a microbatch's two samples of three documents each, one packed row (PackedSeqParams);
+    the local attention masks by document, RoPE (or learned positions) restarts per document."""
+    model, reference = build_pair(PACKED[variant])
+    found = packed_differences(model, reference, microbatches(PACKED[variant])[:2])
+    assert not found, found
+
+
+def test_packed_documents_that_see_each_other_are_caught(megatron_single_rank, monkeypatch):
+    from megatron_siamese import context_parallel, core_attention
+
+    causal_only = lambda queries, keys, bounds: context_parallel.document_mask(queries, keys, bounds[[0, -1]])
+    monkeypatch.setattr(core_attention, "document_mask", causal_only)
+    model, reference = build_pair(PACKED["rope-gqa"])
+    found = packed_differences(model, reference, microbatches(PACKED["rope-gqa"])[:1])
+    assert "logits" in found and len(found) > 5
 
 
 RECOMPUTE = {"layernorm": dict(recompute_granularity="selective", recompute_modules=["layernorm"]),

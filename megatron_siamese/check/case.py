@@ -49,6 +49,16 @@ class ModelCase(ModelSettings):
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     bias_activation_fusion: bool = False
+    # packed (THD) microbatches: each sample holds three documents (a quarter, a half and a quarter
+    # of the sequence), the micro-batch's samples flattened into one row (PackedSeqParams), each
+    # document attending only to itself
+    packed_sequences: bool = False
+
+    @property
+    def document_lengths(self):
+        """Each sample's documents under ``packed_sequences``."""
+        quarter = self.seq_length // 4
+        return [quarter, self.seq_length - 2 * quarter, quarter]
 
 
 # The check's MoE model: 4 experts, top-2, aux loss and z-loss, Megatron's alltoall dispatcher

@@ -214,6 +214,9 @@ def _cp_contiguous_chunks() -> None:
     def batch_on_rank(batch, cp, rank):
         pieces = {}
         for name, tensor in batch.items():
+            if tensor is None or name == "cu_seqlens":  # a packed batch's bounds stay whole
+                pieces[name] = tensor
+                continue
             dim = 2 if name == "attention_mask" else 1
             size = tensor.size(dim) // cp
             pieces[name] = tensor.narrow(dim, rank * size, size)

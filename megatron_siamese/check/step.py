@@ -79,6 +79,8 @@ def microbatches(case: ModelCase) -> List[Dict[str, Tensor]]:
     tokens = torch.randint(0, case.vocab_size, shape, generator=generator)
     positions = torch.arange(case.seq_length).expand(case.micro_batch_size, -1)
     causal = torch.ones(case.seq_length, case.seq_length, dtype=torch.bool).triu(1)
+    if case.packed_sequences:
+        return [packed(t, case) for t in tokens]
     return [
         dict(
             tokens=t[:, :-1].contiguous(),
@@ -89,6 +91,20 @@ def microbatches(case: ModelCase) -> List[Dict[str, Tensor]]:
         )
         for t in tokens
     ]
+
+
+def packed(tokens: Tensor, case: ModelCase) -> Dict[str, Tensor]:
+    """A microbatch's samples ``[b, s + 1]`` as one packed (THD) row of ``b s`` tokens: their
+    documents' bounds (``cu_seqlens``) and each document's own positions, no attention mask."""
+    lengths = case.document_lengths * case.micro_batch_size
+    bounds = torch.tensor([0] + lengths).cumsum(0)
+    return dict(
+        tokens=tokens[:, :-1].reshape(1, -1),
+        labels=tokens[:, 1:].reshape(1, -1),
+        position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+        loss_mask=torch.ones(1, int(bounds[-1])),
+        cu_seqlens=bounds.to(torch.int32),
+    )
 
 
 def config_overrides(case: ModelCase) -> dict:

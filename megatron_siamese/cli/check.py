@@ -85,6 +85,10 @@ def add_case_flags(parser: argparse.ArgumentParser) -> None:
         data.add_argument("--" + name.replace("_", "-"), type=int, default=CASE_DEFAULTS[name],
                           help="the global batch: --num-microbatches of --micro-batch-size random sequences over "
                                "--vocab-size tokens, from --seed" if name == "vocab_size" else "see --vocab-size")
+    data.add_argument("--packed-sequences", action="store_true",
+                      help="packed (THD) microbatches: each sequence three documents (a quarter, a half, a quarter "
+                           "of --seq-length), a microbatch's sequences one row, each document attending only to "
+                           "itself (Megatron's PackedSeqParams)")
 
 
 def add_parser(commands, name: str) -> argparse.ArgumentParser:
@@ -140,7 +144,24 @@ def problems(case: ModelCase, layouts: List[str]) -> List[str]:
 def _split_problems(case: ModelCase, layout: Layout) -> List[str]:
     return split_problems(case, layout, vocab_size=case.vocab_size, micro_batch_size=case.micro_batch_size,
                           global_batch_size=case.micro_batch_size * case.num_microbatches,
-                          global_batch_flag="--micro-batch-size x --num-microbatches =", spell=layout_part)
+                          global_batch_flag="--micro-batch-size x --num-microbatches =",
+                          spell=layout_part) + packed_problems(case, layout)
+
+
+def packed_problems(case: ModelCase, layout: Layout) -> List[str]:
+    """What keeps ``--packed-sequences`` from cutting the check's sequences into documents that
+    ``layout`` can split (each document into 2 cp chunks under context parallelism)."""
+    if not case.packed_sequences:
+        return []
+    if case.mtp_num_layers:
+        return ["--packed-sequences with --mtp-num-layers: multi-token prediction's rolled labels would cross "
+                "documents; check MTP without packing"]
+    quarter, cp = case.seq_length // 4, layout.cp
+    if case.seq_length % 4 or quarter % (2 * cp):
+        return [f"--packed-sequences cuts each --seq-length {case.seq_length} sequence into documents of a quarter, "
+                f"a half and a quarter{', each cut into 2 x cp chunks' if cp > 1 else ''}: use a --seq-length that "
+                f"is a multiple of {8 * cp if cp > 1 else 4}"]
+    return []
 
 
 def fit_problems(layouts: List[str], world: Optional[int]) -> List[str]:
@@ -199,7 +220,8 @@ def chosen_layouts(requested: Optional[str], case: ModelCase,
 def run(options: argparse.Namespace) -> int:
     from megatron_siamese.runtime import launchers
 
-    given = {name: getattr(options, name) for name in CASE_SETTINGS + SIZES if hasattr(options, name)}
+    given = {name: getattr(options, name) for name in CASE_SETTINGS + SIZES + ("packed_sequences",)
+             if hasattr(options, name)}
     given.setdefault(GROUPS_UNLESS_MLA, None if given["multi_latent_attention"] else CASE_DEFAULTS[GROUPS_UNLESS_MLA])
     case = ModelCase(norm=SPECS[options.spec], **given)
     launch = launchers.detect()  # LaunchError: the launcher's variables contradict one another
@@ -224,7 +246,8 @@ def run(options: argparse.Namespace) -> int:
         where = "spawned here" if launch is None else launch.describe()
         print(f"SiameseNorm parallel correctness check: spec={options.spec} model={case.model} dtype={case.dtype}"
               f"{f' fp8={case.fp8}/{case.fp8_recipe}' if case.fp8 else ''} impl={case.transformer_impl} "
-              f"layers={case.num_layers} hidden={case.hidden_size} microbatches={case.num_microbatches}; {where}")
+              f"layers={case.num_layers} hidden={case.hidden_size} microbatches={case.num_microbatches}"
+              f"{' packed (THD) documents ' + str(case.document_lengths) if case.packed_sequences else ''}; {where}")
         print(f"tolerance ({'fp8' if case.fp8 else case.dtype}): {tolerance_of(case).describe()}; "
               "errors shown are max|a-b| / max|ref|")
         if left_out:  # the model's sizes rule them out: say so, or a user may think them checked

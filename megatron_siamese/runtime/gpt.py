@@ -131,7 +131,8 @@ def loss_func(loss_mask: Tensor, output: Tensor):
 
 def forward_step(data_iterator, model):
     """Megatron's forward-step contract: a microbatch of tokens/labels/positions/mask/loss mask
-    (the whole sequence: under context parallelism this rank's chunks are taken here)."""
+    (the whole sequence: under context parallelism this rank's chunks are taken here), or a packed
+    row of documents (``cu_seqlens`` their bounds, no mask: the attention masks by document)."""
     from megatron.core import parallel_state
 
     from megatron_siamese.context_parallel import batch_on_rank
@@ -139,10 +140,22 @@ def forward_step(data_iterator, model):
     batch = {k: v.to(device.current()) for k, v in next(data_iterator).items()}
     batch = batch_on_rank(batch, parallel_state.get_context_parallel_world_size(),
                           parallel_state.get_context_parallel_rank())
+    documents = batch.get("cu_seqlens")  # a packed (THD) microbatch: one row of whole documents
     # the loss mask also scores multi-token prediction's depths (rolled with the labels), as in pretrain_gpt.py
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-                   loss_mask=batch["loss_mask"])
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                   loss_mask=batch["loss_mask"],
+                   packed_seq_params=None if documents is None else packed_sequence_params(documents))
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def packed_sequence_params(cu_seqlens: Tensor):
+    """Megatron's ``PackedSeqParams`` (THD) for one packed row of documents bounded by ``cu_seqlens``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = cu_seqlens.to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
 
 
 def unwrap(chunk):
@@ -236,7 +249,8 @@ class MegatronGPT:
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=len(microbatches),
-            seq_length=self.settings.seq_length,
+            # the microbatches' own shape (a packed row of documents: [1, b s], not [b, s])
+            seq_length=microbatches[0]["tokens"].shape[1],
             micro_batch_size=microbatches[0]["tokens"].shape[0],
             forward_only=forward_only,
             **self.pipeline_kwargs,
