@@ -82,6 +82,22 @@ def test_context_parallel_training_is_one_ranks_and_its_checkpoints_move_to_cp1_
     assert abs(cp2.train_losses[8] - cp2.train_losses[4]) > 0.05  # the steps compared moved the model
 
 
+def test_documents_kept_apart_train_alike_at_cp1_and_cp2(tmp_path, cache):
+    """Megatron-LM's --reset-position-ids --reset-attention-mask --eod-mask-loss over short
+    documents (several to a sequence): the dataset's block-diagonal mask reaches the attention
+    (the losses move off the run without it) and context parallelism splits it as one rank has it."""
+    documents = [f"{i} plus {i + 1} is {2 * i + 1}; so it is written.\n" for i in range(400)]
+    prefix = build_indexed_dataset(documents, str(tmp_path / "short"), ByteTokenizer())
+    apart = dict(tp=1, data_prefix=prefix, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    one = run(tmp_path, cache, "one", **apart)
+    cp2 = run(tmp_path, cache, "cp2", cp=2, **apart)
+    for step in range(1, 9):
+        assert cp2.train_losses[step] == pytest.approx(one.train_losses[step], rel=1e-5), step
+    # the same tokens scored, documents seeing each other: the mask alone moves the losses
+    joined = run(tmp_path, cache, "joined", tp=1, data_prefix=prefix, reset_position_ids=True, eod_mask_loss=True)
+    assert all(abs(joined.train_losses[step] - one.train_losses[step]) > 1e-3 for step in (1, 8))
+
+
 def test_fsdp2_checkpoints_resume_bit_identically_and_reshard_to_other_layouts_and_back(tmp_path, cache):
     """torch FSDP2 (--use-torch-fsdp2, dp2): a run resumed from its own step-4 checkpoint repeats
     the straight run bitwise; the same checkpoint, optimizer state included, continues at TP2

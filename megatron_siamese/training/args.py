@@ -205,6 +205,15 @@ class TrainArgs(ModelSettings):
     task: str = setting("lm", group=DATA, flag="--task", choices=TASKS,
                         help="lm (the corpus), or synthetic addition (sum written normally or reversed; TP = PP = 1)")
     addition_digits: int = setting(3, group=DATA, flag="--addition-digits", help="operand digits (addition tasks)")
+    # documents packed into a sequence kept apart, as Megatron-LM's flags of these names do (GPTDataset)
+    reset_position_ids: bool = setting(False, group=DATA, flag="--reset-position-ids", action="store_true",
+                                       help="each document's positions start at 0 (Megatron-LM's)")
+    reset_attention_mask: bool = setting(
+        False, group=DATA, flag="--reset-attention-mask", action="store_true",
+        help="each document of a sequence attends only to itself (Megatron-LM's: the dataset's block-diagonal "
+             "mask, which the local attention honours, under context parallelism too)")
+    eod_mask_loss: bool = setting(False, group=DATA, flag="--eod-mask-loss", action="store_true",
+                                  help="no loss on end-of-document tokens (Megatron-LM's)")
 
     # what a run tells while it trains (training/run_log.py); metrics.jsonl and settings.json are always written
     progress: Optional[bool] = setting(
@@ -307,6 +316,15 @@ def problems(args: TrainArgs) -> List[str]:
 
     if args.task != "lm" and (args.tp, args.pp) != (1, 1):
         found.append("the addition tasks' greedy evaluation runs on one rank: use --tp 1 --pp 1")
+    documents_apart = [flag for flag, on in (("--reset-position-ids", args.reset_position_ids),
+                                             ("--reset-attention-mask", args.reset_attention_mask),
+                                             ("--eod-mask-loss", args.eod_mask_loss)) if on]
+    if documents_apart and args.task != "lm":
+        found.append(f"{' '.join(documents_apart)} shape the corpus's sequences: the addition tasks have their own")
+    if args.reset_attention_mask and args.transformer_impl == "transformer_engine":
+        found.append("--reset-attention-mask with --transformer-impl transformer_engine: TE's causal attention ignores "
+                     "the dataset's mask, so documents would see each other (as in Megatron-LM); use the local "
+                     "modules, or packed (THD) batches")
     if args.model == "hybrid":
         if args.norm != "siamese":
             found.append(f"--model hybrid builds SiameseNorm layers only: use --norm siamese (got --norm {args.norm})")

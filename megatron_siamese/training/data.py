@@ -33,8 +33,12 @@ def build_gpt_datasets(
     valid_samples: int,
     cache_dir: str,
     split: str = SPLIT,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
 ) -> Tuple[GPTDataset, GPTDataset]:
-    """Train and validation GPTDatasets over the indexed dataset at ``prefix``."""
+    """Train and validation GPTDatasets over the indexed dataset at ``prefix``; the ``reset_*``
+    and ``eod_mask_loss`` flags as Megatron-LM's (documents of a sequence kept apart)."""
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -42,9 +46,9 @@ def build_gpt_datasets(
         split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
         create_attention_mask=True,
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, None], lambda: True, config)

@@ -81,7 +81,7 @@ def data_readers(args: TrainArgs, tokenizer):
         valid_samples=args.eval_iters * args.global_batch_size,
         # Megatron writes index caches on global rank 0 only: elsewhere they must be in memory
         cache_dir=os.path.join(args.cache_dir, "indices") if shared_cache else "",
-    )
+        **{name: getattr(args, name) for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")})
     dp_rank = parallel_state.get_data_parallel_rank()
     # every microbatch's ids are checked against the tokenizer's (the padded rows are no tokens)
     vocab = tokenizer.vocab_size
