@@ -213,6 +213,8 @@ CP_SUBJECTS = {
     "packed-moe": Subject(dataclasses.replace(MOE_CASE, packed_sequences=True), "siamese", ("ep2", "cp2-ep2")),
     "packed-cp-contiguous-chunks": Subject(ModelCase(packed_sequences=True, fault="cp-contiguous-chunks"), "siamese",
                                            ("dp2", "cp2")),
+    "packed-cp-keys-in-sequence-order": Subject(ModelCase(packed_sequences=True, fault="cp-keys-in-sequence-order"),
+                                                "siamese", ("dp2", "tp2-cp2-sp")),
 }
 
 
@@ -234,6 +236,7 @@ def test_context_parallel_layouts_pass(cp_rows, name):
     ("cp-contiguous-chunks", "losses"),
     ("cp-keys-in-sequence-order", "losses"),
     ("packed-cp-contiguous-chunks", "losses"),
+    ("packed-cp-keys-in-sequence-order", "losses"),
 ])
 def test_context_parallel_faults_fail_the_cp_layouts_only(cp_rows, fault, shows):
     rows = cp_rows[fault]

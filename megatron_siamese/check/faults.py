@@ -227,12 +227,13 @@ def _cp_contiguous_chunks() -> None:
 
 def _cp_keys_in_sequence_order() -> None:
     """The context-parallel attention masking the all-gathered keys as if they were in sequence
-    order, not in the ranks' order of their chunks (r, 2 cp - 1 - r)."""
+    order, not in the ranks' order of their chunks (r, 2 cp - 1 - r; of each document, packed)."""
     import torch
 
     from megatron_siamese import core_attention
 
     _patch(core_attention, "gathered_positions", lambda seq_length, cp: torch.arange(seq_length))
+    _patch(core_attention, "gathered_document_positions", lambda cu_seqlens, cp: torch.arange(int(cu_seqlens[-1])))
 
 
 FAULTS: Dict[str, Callable[[], None]] = {
