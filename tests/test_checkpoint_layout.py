@@ -126,11 +126,11 @@ def pretrain_gpt(checkpoints, data_prefix, *extra):
                                                         "--num-layers", SIZES["layers"]], checkpoints, data_prefix, *extra)
 
 
-def megatron_lm(tree, script, model, checkpoints, data_prefix, *extra):
-    """Megatron-LM's ``script`` in ``tree`` on one CPU process, the model named by ``model`` (its
-    --spec and layers) and SIZES; returns the completed process."""
+def megatron_lm(tree, script, model, checkpoints, data_prefix, *extra, ranks=1):
+    """Megatron-LM's ``script`` in ``tree`` on ``ranks`` CPU processes, the model named by
+    ``model`` (its --spec and layers) and SIZES; returns the completed process."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", ranks,
         "-m", "megatron_siamese.runtime.megatron_lm", script, *model, "--distributed-backend", "gloo",
         "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
         "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
@@ -269,6 +269,21 @@ def test_the_trainer_resumes_a_checkpoint_of_pretrain_gpt(tmp_path, cache, corpu
 MLA = ["--multi-latent-attention", "--q-lora-rank", 16, "--kv-lora-rank", 16, "--qk-head-dim", 8,
        "--qk-pos-emb-head-dim", 8, "--v-head-dim", 8, "--qk-layernorm"]
 MTP = ["--mtp-num-layers", 1]
+
+
+@needs_megatron_lm
+def test_pretrain_gpt_at_cp2_is_its_cp1_run(tmp_path, corpus):
+    """Our spec in Megatron-LM's script under --context-parallel-size 2 (the package's CP
+    attention): every iteration's loss and gradient norm those of the same run at CP 1 (the CPU
+    runner keeps the jit warm-up's random draws out of the weights' initialisation)."""
+    model = ["--spec", "megatron_siamese.specs", "siamese_layer_spec", "--num-layers", SIZES["layers"]]
+    one = megatron_lm(MEGATRON_LM, "pretrain_gpt.py", model, tmp_path / "cp1", corpus)
+    two = megatron_lm(MEGATRON_LM, "pretrain_gpt.py", model, tmp_path / "cp2", corpus,
+                      "--context-parallel-size", "2", ranks=2)
+    assert_ok(one), assert_ok(two)
+    theirs, ours = megatron_lm_iterations(two.stdout + two.stderr), megatron_lm_iterations(one.stdout + one.stderr)
+    assert sorted(theirs) == list(range(1, SIZES["iters"] + 1))
+    assert_same_steps(theirs, ours, theirs, theirs)
 
 
 def with_mtp_spec_fix(tree, directory: Path) -> Path:

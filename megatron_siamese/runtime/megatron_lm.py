@@ -67,8 +67,28 @@ def main() -> None:
     except ImportError:
         pass
     _keep_built_dataset_helpers()
+    _warm_up_without_drawing_the_init()
     _serve_on_localhost()
     runpy.run_path(script, run_name="__main__")
+
+
+def _warm_up_without_drawing_the_init() -> None:
+    """Its start-up warms up the jit fusions on ``torch.rand`` tensors of ``seq_length / cp``
+    rows, before the model is built. On a GPU those draws come from CUDA's generator; served on
+    CPU they come from the generator the model's weights are then drawn from, so every layout
+    with another CP size (or TP under SP) built another model: a CP 2 run was not the CP 1 run
+    split. The warm-up keeps its own RNG state here."""
+    try:
+        from megatron.training import initialize
+    except ImportError:
+        return
+    warm_up = initialize._warmup_jit_function
+
+    def warm_up_on_forked_rng():
+        with torch.random.fork_rng(devices=[]):
+            warm_up()
+
+    initialize._warmup_jit_function = warm_up_on_forked_rng
 
 
 def _keep_built_dataset_helpers() -> None:
