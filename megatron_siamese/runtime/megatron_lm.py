@@ -84,9 +84,9 @@ def _warm_up_without_drawing_the_init() -> None:
         return
     warm_up = initialize._warmup_jit_function
 
-    def warm_up_on_forked_rng():
+    def warm_up_on_forked_rng(*args, **kwargs):  # 0.19's takes the parallel sizes
         with torch.random.fork_rng(devices=[]):
-            warm_up()
+            return warm_up(*args, **kwargs)
 
     initialize._warmup_jit_function = warm_up_on_forked_rng
 
