@@ -13,7 +13,11 @@ timed with the verified and the tiled CUDA kernels in turn, REPEATS times over; 
 SiameseNorm model with its sublayers joined by the boundary ops (``siamese_joined``,
 ``siamese_boundary_ops=True``); each time the median of ITERS CUDA-event-timed steps.
 Peak memory per variant is the largest of its timed steps' peaks (weights, gradients and
-optimizer state included: they are allocated by then). Rows are shaped like the layer benches':
+optimizer state included: they are allocated by then). The bf16 rows also carry
+``megatron-siamese plan``'s prediction for the same shape (``plan``: per variant its weights,
+gradients, optimizer state, activations and total, MiB; stock, joined and apart as the plan names
+them) and each variant's ``peak_over_plan``: the plan's GPU rows beside a measured peak (the plan
+does not model FP8, so the FP8 rows have none). Rows are shaped like the layer benches':
 {precision, recompute, stock: {ms, ms_repeats, peak_mib}, siamese_fused: {..., ratio_to_stock,
 memory_ratio_to_stock, kernels}, siamese_fused_tiled: {...}, siamese_joined: {...}}.
 
@@ -30,8 +34,12 @@ recompute settings), then validates the TE / FP8 configs and stops where TE modu
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Optional
 
 from common import (PRECISIONS, NeedsGPU, cuda_kernels, one_rank, repeated, require_gpu, seconds_left, step_main,
@@ -47,6 +55,10 @@ ROWS = (("bf16", "none"), ("fp8-delayed", "none"), ("fp8-tensorwise", "none"), (
         ("fp8-tensorwise", "layernorm"))
 REHEARSAL_ROWS = (("bf16", "none"), ("bf16", "layernorm"))
 STOCK_TE = "pre-te"
+# the plan's name for the variant each label times (apart: the sublayers' own dual_norm / dual_residual)
+PLAN_VARIANT = {"stock": "stock", "siamese_fused": "apart", "siamese_fused_tiled": "apart", "siamese_joined": "joined"}
+PLAN_RECOMPUTE = {"none": [], "layernorm": ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"]}
+PLAN_TERMS = ("weights", "grads", "optimizer", "activations", "memory")
 
 
 @dataclass(frozen=True)
@@ -176,9 +188,31 @@ def reset_fp8_state() -> None:
     getattr(FP8GlobalStateManager, "reset", lambda: None)()
 
 
+def planned(size: Size, impl: str, recompute: str) -> dict:
+    """``megatron-siamese plan``'s costs for this shape on one GPU, bf16, flash attention (what the
+    TE rows run): {variant: {term: MiB}}, run as a user runs it (the CLI, its JSON)."""
+    flags = ["--num-layers", size.num_layers, "--hidden-size", size.hidden_size, "--num-attention-heads",
+             size.num_attention_heads, "--ffn-hidden-size", size.ffn_hidden_size, "--seq-length", size.seq_length,
+             "--vocab-size", size.vocab, "--micro-batch-size", size.micro_batch, "--global-batch-size",
+             size.micro_batch, "--tensor-model-parallel-size", 1, "--bf16", "--normalization", "RMSNorm", "--swiglu",
+             "--position-embedding-type", "rope", "--disable-bias-linear", "--transformer-impl", impl,
+             "--attention-backend", "flash" if impl == "transformer_engine" else "local", *PLAN_RECOMPUTE[recompute]]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "plan.json"
+        done = subprocess.run([sys.executable, "-m", "megatron_siamese.cli", "plan", *map(str, flags), "--json",
+                               str(path)], capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            return {"error": (done.stderr or done.stdout)[-800:]}
+        stages = json.loads(path.read_text())["stages"]
+    return {variant: {term: round(stages[variant][0][term] / 2**20, 1) for term in PLAN_TERMS}
+            for variant in stages}
+
+
 def measure_row(size: Size, impl: str, precision: str, recompute: str, rehearse: bool) -> dict:
     row = {"precision": precision, "recompute": recompute, "impl": impl, "layers": size.num_layers,
            "hidden": size.hidden_size, "seq": size.seq_length, "micro_batch": size.micro_batch}
+    if precision == "bf16":
+        row["plan"] = planned(size, impl, recompute)
     stock_norm = STOCK_TE if impl == "transformer_engine" else "pre"
     measured = {}
     for variant in (replace(STOCK_VARIANT, norm=stock_norm), *SIAMESE_VARIANTS):
@@ -196,6 +230,9 @@ def measure_row(size: Size, impl: str, precision: str, recompute: str, rehearse:
             continue
         record = repeated(timing["ms"], stock.get("ms") if label != "stock" else None)
         record["peak_mib"] = timing["peak_mib"]
+        plan = row.get("plan", {}).get(PLAN_VARIANT[label])
+        if plan and timing["peak_mib"]:
+            record.update(plan_variant=PLAN_VARIANT[label], peak_over_plan=round(timing["peak_mib"] / plan["memory"], 4))
         if label != "stock":
             variant = next(v for v in SIAMESE_VARIANTS if label in v.labels)
             record["kernels"] = variant.kernels[variant.labels.index(label)]
@@ -225,12 +262,20 @@ def validate_te_configs(size: Size) -> None:
     from megatron_siamese.runtime.gpt import transformer_config
     from megatron_siamese.runtime.layout import Layout
 
+    from megatron.core import parallel_state
+
     register_stock_te_scheme()
-    for precision, recompute in ROWS:
-        for norm in (STOCK_TE, "siamese"):
-            config = transformer_config(settings(size, norm, "transformer_engine", precision), Layout(),
-                                        **RECOMPUTE[recompute])
-            scheme(norm).block_spec(config, None)
+    # the block specs ask Megatron's parallel state for this rank's pipeline stage: the bench's
+    # only one, set by Megatron's own override while no process group exists yet
+    parallel_state.set_pipeline_model_parallel_rank(0)
+    try:
+        for precision, recompute in ROWS:
+            for norm in (STOCK_TE, "siamese"):
+                config = transformer_config(settings(size, norm, "transformer_engine", precision), Layout(),
+                                            **RECOMPUTE[recompute])
+                scheme(norm).block_spec(config, None)
+    finally:
+        parallel_state.set_pipeline_model_parallel_rank(None)
 
 
 def model_bench(rehearse: bool) -> dict:

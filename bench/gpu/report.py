@@ -23,6 +23,7 @@ TARGETS = {  # issue 16's targets
     "te_layer_ratio": {2048: 1.03, 4096: 1.02},  # SiameseNorm TE layer / stock TE layer, by hidden size
     "local_layer_ratio": 1.05,
     "model_step_ratio": 1.03,
+    "plan_peak_share": 0.05,  # issue 40: the plan's per-GPU total within 5% of torch.cuda.max_memory_allocated
 }
 
 
@@ -224,6 +225,26 @@ def model_bench(figures: Figures, bench: dict) -> None:
                         f"{slash(timing['ratios'], '{:.3f}x')}; {memory}",
                         f"step <= {TARGETS['model_step_ratio']}x; memory reported",
                         all(r <= TARGETS["model_step_ratio"] for r in timing["ratios"]))
+        plan_peaks(figures, row, prefix)
+
+
+def plan_peaks(figures: Figures, row: dict, prefix: str) -> None:
+    """``megatron-siamese plan``'s per-GPU total beside each variant's measured peak (bf16 rows)."""
+    plan = row.get("plan", {})
+    if "error" in plan:
+        figures.add(f"{prefix} plan", f"plan failed: {plan['error'][-200:]}", "plan runs", False)
+        return
+    for label, timing in row.items():
+        if not isinstance(timing, dict) or "peak_over_plan" not in timing:
+            continue
+        variant = plan[timing["plan_variant"]]
+        terms = ", ".join(f"{term} {variant[term] / 1024:.2f}" for term in ("weights", "grads", "optimizer",
+                                                                           "activations"))
+        figures.add(f"{prefix} {label}: plan's peak",
+                    f"measured {timing['peak_mib'] / 1024:.2f} GiB vs plan {variant['memory'] / 1024:.2f} GiB "
+                    f"({terms}) = {timing['peak_over_plan']:.3f}x",
+                    f"within {TARGETS['plan_peak_share']:.0%}",
+                    abs(timing["peak_over_plan"] - 1) <= TARGETS["plan_peak_share"])
 
 
 def figures(steps: dict, rehearsal: bool) -> List[str]:
