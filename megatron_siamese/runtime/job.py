@@ -92,6 +92,14 @@ def _init_group(size: int, tag: str) -> None:
     store.wait([f"formed/{other}" for other in range(size)])
 
 
+def restart_count() -> int:
+    """How many times torchrun restarted this job's workers (``--max-restarts``; 0 elsewhere).
+    Its agent's store outlives a restart, so each attempt forms its groups under a prefix of its
+    own: the new ranks would otherwise read the dead ranks' gloo addresses, still in the store
+    under the same keys, and fail with "Connection refused" (or wait on a peer that reads them)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def join(launch: Launch, timeout_s: float) -> None:
     """Join ``launch``'s job: the rendezvous (the launching process's store for ranks spawned by
     ``launch``, else env://; every rank within ``timeout_s``, else an error saying how many
@@ -113,6 +121,7 @@ def join(launch: Launch, timeout_s: float) -> None:
                                                is_master=False, timeout=timedelta(seconds=timeout_s))
         else:
             store, _, _ = next(torch.distributed.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+            store = torch.distributed.PrefixStore(f"attempt/{restart_count()}", store)
     except (RuntimeError, OSError) as error:  # torch's DistStoreError is a RuntimeError
         raise JoinError(
             f"rank {launch.rank} of the {launch.describe()} did not meet the others within {timeout_s:.0f}s "
