@@ -27,9 +27,9 @@ class SiameseOptions:
     siamese_boundary_ops: Optional[bool] = None
     """Join a layer's two sublayers with the fused boundary ops (entry_norm, residual_dual_norm,
     dual_residual: 7 passes over the tokens per sublayer forward instead of 10; docs/kernels.md)
-    instead of a dual_norm and a dual_residual per sublayer: None uses them on the CPU and not
-    yet on CUDA (their CUDA kernels have not run on a GPU), True everywhere the fused ops run
-    (and fails where they cannot), False never. Both compute the same function. Without this
+    instead of a dual_norm and a dual_residual per sublayer: None uses them wherever the fused
+    ops run (CPU and CUDA; their CUDA kernels passed on an H200, 2026-12-04), True the same but
+    fails where they cannot, False never. Both compute the same function. Without this
     field MEGATRON_SIAMESE_BOUNDARY_OPS=1/0 decides."""
 
     siamese_input_norm: bool = True

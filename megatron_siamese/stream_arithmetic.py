@@ -175,9 +175,6 @@ class StreamArithmetic:
                 )
             elif self.requested:
                 raise self._forced_error(self.refusal)
-        # hybrid_dual_norm's CUDA kernels have not run on a GPU yet (docs/kernels.md): on CUDA the
-        # hybrid variant uses them only when the fused ops are insisted on
-        self.cuda_opt_in = any(type(norm) is ChannelScale for norm in stream_norms)
         self._by_device: Dict[str, Arithmetic] = {}
         self.boundary_requested = boundary_ops_requested(config)
         self._joins_by_device: Dict[str, bool] = {}
@@ -197,8 +194,6 @@ class StreamArithmetic:
             chosen = self.torch
             if self.fused is not None:
                 reason = ops.unavailable_reason(device.type)
-                if reason is None and device.type == "cuda" and self.cuda_opt_in and not self.requested:
-                    reason = "unverified"  # the PyTorch path, as said in __init__
                 if reason is None:
                     chosen = self.fused
                 elif self.requested:
@@ -208,8 +203,9 @@ class StreamArithmetic:
 
     def joins(self, device: torch.device) -> bool:
         """Whether a layer's two sublayers run joined by the boundary ops on ``device``: where the
-        fused ops run and the setting allows (on CUDA only when insisted on: their CUDA kernels
-        have not run on a GPU yet). Insisting where the fused ops do not run is an error."""
+        fused ops run and the setting allows (on CUDA too since their kernels passed the CUDA
+        tests and compute-sanitizer on an H200, 2026-12-04, docs/kernels.md). Insisting where the
+        fused ops do not run is an error."""
         joined = self._joins_by_device.get(device.type)
         if joined is None:
             fused = isinstance(self.on(device), FusedStreamArithmetic)
@@ -218,6 +214,6 @@ class StreamArithmetic:
                     f"the boundary ops were requested (siamese_boundary_ops=True or {BOUNDARY_OPS_ENV}=1) but the "
                     f"fused ops do not run here ({self.refusal or 'siamese_fused_ops=False'}). Set "
                     f"siamese_boundary_ops=False (or {BOUNDARY_OPS_ENV}=0), or enable the fused ops.")
-            joined = fused and (self.boundary_requested or (self.boundary_requested is None and device.type != "cuda"))
+            joined = fused and self.boundary_requested is not False
             self._joins_by_device[device.type] = joined
         return joined
