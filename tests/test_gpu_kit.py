@@ -213,6 +213,8 @@ def test_source_hash_follows_what_the_extension_is_compiled_from(tmp_path):
     assert "no git checkout" in recorded["commit"]["why"]
     given = driver.provenance(tmp_path, given="abc123+dirty")["commit"]  # run.sh --commit, as a session passes it
     assert (given["head"], given["dirty"]) == ("abc123", True)
+    # in a git checkout too (the device's copy once carried an older commit's .git): --commit wins
+    assert driver.provenance(driver.ROOT, given="abc123")["commit"]["head"] == "abc123"
     with open(tmp_path / "csrc" / "ops.cpp", "a") as source:
         source.write("\n// a change\n")
     assert kit_abi.source_hash(tmp_path) != original

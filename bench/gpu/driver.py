@@ -98,32 +98,38 @@ def selected(tiers: List[int], only: Optional[List[str]]) -> List[Step]:
 
 
 def provenance(root: Path = ROOT, given: Optional[str] = None) -> dict:
-    """What this run ran: the commit (git rev-parse HEAD, when ``root`` is a git checkout; else
-    ``given``, "SHA" or "SHA+dirty", from --commit), whether the tree differs from it, the kit's
-    commit, and kit_abi.py's hash of the extension's sources."""
+    """What this run ran: the commit (``given``, "SHA" or "SHA+dirty", from --commit, which the
+    launching session pastes; else git rev-parse HEAD where ``root`` is a git checkout), whether
+    the tree differs from it, the kit's commit, and kit_abi.py's hash of the extension's sources.
+    --commit wins over git: the device tool's copy once carried a .git of an older commit."""
     import kit_abi  # noqa: E402 - bench/gpu is on the path (above)
 
-    def git(*args) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
-                              timeout=30).stdout.strip()
-
     record = {"source_hash": kit_abi.source_hash(root)}
-    try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
-            raise RuntimeError(f"{root} is inside another git checkout, not one of its own")
-        record["commit"] = {"head": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        why = error.stderr.strip() if isinstance(error, subprocess.CalledProcessError) else str(error)
-        if given:
-            head, _, flag = given.partition("+")
-            record["commit"] = {"head": head, "dirty": flag == "dirty", "from": "--commit"}
-        else:
-            record["commit"] = {"head": None, "dirty": None, "why": f"no git checkout here: {why}"[:300]}
+    if given:
+        head, _, flag = given.partition("+")
+        record["commit"] = {"head": head, "dirty": flag == "dirty", "from": "--commit"}
+    else:
+        record["commit"] = git_commit(root)
     try:
         record["commit"]["kit"] = json.loads((root / ".gpu-kit" / "manifest.json").read_text()).get("commit")
     except (OSError, ValueError):
         record["commit"]["kit"] = None
     return record
+
+
+def git_commit(root: Path) -> dict:
+    """HEAD of the git checkout ``root`` and whether its tree differs, or why there is none."""
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            raise RuntimeError(f"{root} is inside another git checkout, not one of its own")
+        return {"head": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        why = error.stderr.strip() if isinstance(error, subprocess.CalledProcessError) else str(error)
+        return {"head": None, "dirty": None, "why": f"no git checkout here: {why}"[:300]}
 
 
 class Run:

@@ -1,8 +1,9 @@
 """Tier 2: the Transformer Engine SiameseNorm GPT computes what the local one computes (bf16).
 
     te-vs-local   one small GPT built twice, with Megatron's local modules and with Transformer
-                  Engine's, the same weights (the local InputNorms loaded into TE's fused
-                  LayerNorm-Linear under the names Megatron's own key map gives them); logits
+                  Engine's, the same weights under the same names (the TE spec keeps the
+                  InputNorms as modules of their own, feeding TE's plain linears; only its
+                  checkpoint keys take the fused LayerNorm-Linear's names); logits
                   and every parameter's gradient compared normwise, max |te - local| / max |local|.
                   Passed when each is within Transformer Engine's bf16 tolerance (rtol 1.6e-2)
                   or, where bf16 rounding alone exceeds that, when TE's error against the same
@@ -32,15 +33,6 @@ def relative_error(value, reference) -> float:
     return float((value - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
 
 
-def te_names(name: str) -> str:
-    """A local-spec parameter name as the Transformer Engine spec names it (Megatron's key map)."""
-    from megatron_siamese.specs import get_siamese_layer_local_spec
-
-    for old, new in get_siamese_layer_local_spec().submodules.sharded_state_dict_keys_map.items():
-        name = name.replace(old, new)
-    return name
-
-
 def compare(case, rehearse: bool) -> dict:
     """Runs in a rank: both models, same weights, logits and gradients side by side."""
     import torch
@@ -51,7 +43,7 @@ def compare(case, rehearse: bool) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     (local,) = build_seeded_chunks(case, case_config(case, Layout()))
-    state = {te_names(name): tensor for name, tensor in local.state_dict().items()}
+    state = local.state_dict()
     te_case = dataclasses.replace(case, transformer_impl="transformer_engine")
     te_config = case_config(te_case, Layout())
     require_gpu(rehearse, "building the Transformer Engine GPT (TE's modules assert CUDA when constructed)")
@@ -76,10 +68,9 @@ def compare(case, rehearse: bool) -> dict:
             logits = model(*inputs)
         results[label] = (logits, {name: p.grad for name, p in model.named_parameters()})
     def errors_against(reference: str, model: str) -> dict:
-        names = (lambda name: name) if model == "local" else te_names
         found = {"logits": relative_error(results[model][0], results[reference][0])}
         for name, grad in results[reference][1].items():
-            found[f"grad {name}"] = relative_error(results[model][1][names(name)], grad)
+            found[f"grad {name}"] = relative_error(results[model][1][name], grad)
         return found
 
     errors = errors_against("local", "te")
