@@ -87,3 +87,26 @@ def watch(pid: int, signum: int = signal.SIGKILL) -> bool:
 
     threading.Thread(target=wait, name="megatron-siamese-watch-launcher", daemon=True).start()
     return True
+
+
+def _die_with_parent_now() -> None:
+    die_with_parent(signal.SIGKILL)
+
+
+def checkpoint_writer_dies_with_its_rank() -> None:
+    """Megatron's checkpoint writer (dist_checkpointing's ``filesystem_async``) keeps its results
+    queue in a multiprocessing manager, a process it spawns at a rank's first save and nothing
+    ends once the rank is gone: a rank SIGKILLed under torchrun (which stops a failed worker's
+    process group only while the worker lives) left it and its resource tracker running for
+    good. This gives the writer its queue from a manager that gets SIGKILL when its rank dies
+    (the tracker then sees its last holder go and exits); Megatron uses a queue already there."""
+    from multiprocessing import get_context
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=get_context("spawn"))
+    manager.start(initializer=_die_with_parent_now)
+    filesystem_async._results_queue = manager.Queue()  # its proxy keeps the manager alive

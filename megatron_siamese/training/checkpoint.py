@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from megatron_siamese.runtime import orphans
 from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.training import megatron_lm_args
 from megatron_siamese.training.args import VOCAB_MULTIPLE
@@ -169,6 +170,7 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
             shutil.rmtree(path)
         os.makedirs(path, exist_ok=True)
     trainer.saved_before = True
+    orphans.checkpoint_writer_dies_with_its_rank()
     torch.distributed.barrier()
     try:
         dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path,
