@@ -38,7 +38,9 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
 
 def run(options: argparse.Namespace) -> int:
     args = flags.train_args(options)  # ConfigError: every problem, before anything starts
-    from megatron_siamese.training.preflight import loads_its_empty_save_directory
+    from megatron_siamese.training.preflight import loads_its_empty_save_directory, resume_hint
+
+    load = args.load
 
     if loads_its_empty_save_directory(args):  # a requeued job's first attempt, as Megatron-LM starts it
         import dataclasses
@@ -64,7 +66,10 @@ def run(options: argparse.Namespace) -> int:
     from megatron_siamese.training.run_log import results_line
     from megatron_siamese.training.trainer import format_summary, train
 
-    summary = train(args)
+    try:
+        summary = train(args)
+    except launch.RankFailed as failure:  # a lost rank: say where the run goes on from
+        raise launch.RankFailed(f"{failure}{resume_hint(args, load)}", failure.details) from None
     if summary is None:  # a rank of a launched job other than 0: rank 0 reports
         return 0
     if summary.stopped:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import List
+from typing import List, Optional
 
 from megatron_siamese.training import checkpoint_files, checkpoint_settings, scalar_loggers
 from megatron_siamese.training.args import TrainArgs
@@ -29,6 +29,19 @@ _SCHEDULE = (("max_lr", lambda a: a.lr, "--lr", lambda a: 1), ("min_lr", lambda 
 def checkpoint_dir(args: TrainArgs) -> str:
     """Where the run saves: --save, else OUTPUT_DIR/checkpoints."""
     return args.save or os.path.join(args.output_dir, checkpoint_files.RUN_CHECKPOINTS)
+
+
+def resume_hint(args: TrainArgs, load: Optional[str]) -> str:
+    """After a lost rank: the newest complete checkpoint the run saved, and how to go on from it.
+    ``load`` is the command's --load (the same command resumes where it loads what it saves:
+    Megatron-LM's --save X --load X)."""
+    directory = checkpoint_dir(args)
+    steps = checkpoint_files.complete_steps(directory)
+    if not steps:
+        return ""
+    same = load is not None and os.path.realpath(load) == os.path.realpath(directory)
+    how = "the same command resumes from it" if same else f"add --load {directory} to resume from it"
+    return f"; the newest complete checkpoint is step {max(steps)} in {directory}: {how}"
 
 
 def loads_its_empty_save_directory(args: TrainArgs) -> bool:
