@@ -181,6 +181,16 @@ class TrainArgs(ModelSettings):
                                   help="resume from a run's directory (its checkpoints), a checkpoints directory (its "
                                        "latest_checkpointed_iteration.txt) or one iter_<N> in it, ours or Megatron-LM's, "
                                        "at any TP/PP layout; --train-iters equal to its step only evaluates it")
+    # Megatron-LM's names; its --ckpt-fully-parallel-save is on by default (ours is off: see docs/training.md)
+    ckpt_fully_parallel_save: bool = setting(
+        False, group=CHECKPOINTS, flag="--ckpt-fully-parallel-save", action=argparse.BooleanOptionalAction,
+        help="the data-parallel ranks share the writing of what they hold alike (Megatron's "
+             "FullyParallelSaveStrategyWrapper): each writes a part of the replicated shards instead of the first "
+             "data-parallel rank writing them all")
+    ckpt_fully_parallel_load: bool = setting(
+        False, group=CHECKPOINTS, flag="--ckpt-fully-parallel-load", action="store_true",
+        help="with --load: the data-parallel ranks share the reading of the replicated shards and exchange them "
+             "(Megatron's FullyParallelLoadStrategyWrapper): fewer reads of a shared file system, more traffic")
     no_load_optim: bool = setting(False, group=CHECKPOINTS, flag="--no-load-optim", action="store_true",
                                   help="with --load: the weights and step only, a fresh optimizer (e.g. where the "
                                        "saved optimizer state cannot follow a layout change)")

@@ -174,7 +174,8 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
     torch.distributed.barrier()
     try:
         dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path,
-                                content_metadata=_content_metadata(_metadata(trainer)))
+                                content_metadata=_content_metadata(_metadata(trainer)),
+                                **_fully_parallel(trainer.args.ckpt_fully_parallel_save, "save"))
     except (Exception, CheckpointException) as error:
         failure = save_failure(error, directory, name, rank0)
         if failure is error:
@@ -185,6 +186,28 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
         write_latest(directory, trainer.step)
     torch.distributed.barrier()
     return path
+
+
+def _fully_parallel(wanted: bool, direction: str, checkpoint: Optional[str] = None) -> dict:
+    """``dist_checkpointing.save``'s or ``load``'s strategy for --ckpt-fully-parallel-save / -load, as
+    Megatron-LM builds it: the default torch_dist strategy wrapped to share the replicated shards
+    over the data-parallel group (with context parallelism's ranks, which hold the same weights)."""
+    if not wanted:
+        return {}
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if direction == "save":
+        return {"sharded_strategy": FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)}
+    return {"sharded_strategy": FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(checkpoint), group)}
 
 
 def save_failure(error: BaseException, directory: str, name: str, rank0: bool) -> BaseException:
@@ -358,7 +381,8 @@ def load(trainer, path: str) -> int:
         _materialize_optimizer_state(trainer.optimizer)
     try:
         loaded = dist_checkpointing.load(
-            sharded_state_dict(trainer, is_loading=True, model_only=weights_only), checkpoint
+            sharded_state_dict(trainer, is_loading=True, model_only=weights_only), checkpoint,
+            **_fully_parallel(trainer.args.ckpt_fully_parallel_load, "load", checkpoint)
         )
     except (Exception, CheckpointException) as error:
         damaged = damaged_shards(checkpoint)  # the files looked sound before: read every item now
