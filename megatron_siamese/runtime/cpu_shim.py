@@ -69,15 +69,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
 from megatron_siamese import device
 from megatron_siamese.runtime.emulation import standing_in_for
+from megatron_siamese.runtime import cpu_optimizer
 
 ENV_VAR = "MEGATRON_SIAMESE_CPU_SHIM"  # set in the ranks it is installed in (inherited by their helpers)
 
@@ -295,29 +295,6 @@ def _attention_replacements() -> Dict[Tuple[Any, str], Any]:
     return found
 
 
-def _optimizer_replacements() -> Dict[Tuple[Any, str], Any]:
-    """Megatron's optimizers (TE's or apex's FusedAdam / FusedSGD) and its gradient norm, clipping
-    and scaling (their multi-tensor kernels) are CUDA kernels whenever TE or apex imports, which
-    it does wherever it is installed, also on a machine without a usable GPU ("CUDA driver
-    version is insufficient"): the torch optimizers and Megatron's own torch implementations,
-    which it falls back to without them, on the CPU (the same update and the same norms)."""
-    import importlib
-
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
-    from megatron.core.optimizer import optimizer as optimizer_module
-
-    optimizers = importlib.import_module("megatron.core.optimizer")  # the package; its name is shadowed above
-    found = {(optimizers, "USING_PYTORCH_OPTIMIZER"): True, (optimizers, "Adam"): torch.optim.AdamW,
-             (optimizers, "SGD"): torch.optim.SGD}
-    local = {"multi_tensor_applier": utils.local_multi_tensor_applier,
-             "l2_norm_impl": utils.local_multi_tensor_l2_norm,
-             "multi_tensor_scale_impl": utils.local_multi_tensor_scale}
-    found.update({(module, name): function for module in (clip_grads, optimizer_module)
-                  for name, function in local.items() if hasattr(module, name)})
-    return found
-
-
 def _inference_replacements() -> Dict[Tuple[Any, str], Any]:
     """Megatron's inference stack: its pipeline broadcasts assert that a tensor is on CUDA."""
     from megatron.core.inference import communication_utils
@@ -426,7 +403,7 @@ def install() -> None:
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0)
         replacements = {**_device_replacements(), **_cuda_rng_replacements(generator), **_moe_replacements(),
-                        **_inference_replacements(), **_fsdp_replacements(), **_optimizer_replacements(), **_recompute_replacements(),
+                        **_inference_replacements(), **_fsdp_replacements(), **cpu_optimizer.replacements(), **_recompute_replacements(),
                         **_attention_replacements()}
         originals: List[Tuple[Any, str, Any]] = []
         for (owner, name), replacement in replacements.items():

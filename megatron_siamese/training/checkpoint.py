@@ -33,7 +33,7 @@ import torch
 
 from megatron_siamese.runtime import orphans
 from megatron_siamese.runtime.registry import ConfigError
-from megatron_siamese.training import megatron_lm_args
+from megatron_siamese.training import checkpoint_strategy, megatron_lm_args
 from megatron_siamese.training.args import VOCAB_MULTIPLE
 from megatron_siamese.training.checkpoint_files import (
     MODEL_CLASS,
@@ -175,7 +175,7 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
     try:
         dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path,
                                 content_metadata=_content_metadata(_metadata(trainer)),
-                                **_fully_parallel(trainer.args.ckpt_fully_parallel_save, "save"))
+                                **checkpoint_strategy.fully_parallel(trainer.args.ckpt_fully_parallel_save, "save"))
     except (Exception, CheckpointException) as error:
         failure = save_failure(error, directory, name, rank0)
         if failure is error:
@@ -186,28 +186,6 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
         write_latest(directory, trainer.step)
     torch.distributed.barrier()
     return path
-
-
-def _fully_parallel(wanted: bool, direction: str, checkpoint: Optional[str] = None) -> dict:
-    """``dist_checkpointing.save``'s or ``load``'s strategy for --ckpt-fully-parallel-save / -load, as
-    Megatron-LM builds it: the default torch_dist strategy wrapped to share the replicated shards
-    over the data-parallel group (with context parallelism's ranks, which hold the same weights)."""
-    if not wanted:
-        return {}
-    from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.serialization import (
-        get_default_load_sharded_strategy,
-        get_default_save_sharded_strategy,
-    )
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelLoadStrategyWrapper,
-        FullyParallelSaveStrategyWrapper,
-    )
-
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if direction == "save":
-        return {"sharded_strategy": FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)}
-    return {"sharded_strategy": FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(checkpoint), group)}
 
 
 def save_failure(error: BaseException, directory: str, name: str, rank0: bool) -> BaseException:
@@ -382,7 +360,7 @@ def load(trainer, path: str) -> int:
     try:
         loaded = dist_checkpointing.load(
             sharded_state_dict(trainer, is_loading=True, model_only=weights_only), checkpoint,
-            **_fully_parallel(trainer.args.ckpt_fully_parallel_load, "load", checkpoint)
+            **checkpoint_strategy.fully_parallel(trainer.args.ckpt_fully_parallel_load, "load", checkpoint)
         )
     except (Exception, CheckpointException) as error:
         damaged = damaged_shards(checkpoint)  # the files looked sound before: read every item now
