@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -66,3 +67,10 @@ def cli_here(*args, env: Optional[Dict[str, str]] = None) -> subprocess.Complete
     done = subprocess.CompletedProcess(["megatron-siamese", *argv], code, out.getvalue(), err.getvalue())
     done.seconds = time.monotonic() - start
     return done
+
+
+def train_losses(output) -> Dict[int, float]:
+    """{step: training loss} of the run in ``output`` (a pathlib.Path), as its metrics.jsonl holds
+    them at its end (a resumed run rewrites the steps after its checkpoint)."""
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}

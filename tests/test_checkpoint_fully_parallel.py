@@ -5,9 +5,7 @@ Saved at dp 2 with it, each rank writes its part of the replicated weights; with
 data-parallel rank writes them all (the other writes no file). Either checkpoint resumes, with
 or without the fully parallel load, to the same losses, bitwise."""
 
-import json
-
-from cli_runs import cli_here
+from cli_runs import cli_here, train_losses
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "100000", "--no-progress",
@@ -31,8 +29,7 @@ def written_by_rank(checkpoint):
 
 
 def losses_after_resume(output):
-    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss"] for row in rows if "loss" in row and row["step"] > SAVED_AT]
+    return [loss for step, loss in sorted(train_losses(output).items()) if step > SAVED_AT]
 
 
 def test_fully_parallel_save_shares_the_writing_and_either_checkpoint_resumes_alike(tmp_path, corpus_cache):

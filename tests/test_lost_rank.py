@@ -15,14 +15,13 @@ bitwise). The steps redone are those since the last save: killed after step 12 w
 restarts from Megatron's checkpoints, so the file runs on each stack (torch 2.13 and 2.14 restart
 differently: docs/training.md, "When a rank is lost")."""
 
-import json
 import re
 import signal
 import sys
 
 import psutil
 import pytest
-from cli_runs import cli_here
+from cli_runs import cli_here, train_losses
 from job_runs import jobs  # noqa: F401  (the fixture)
 
 from megatron_siamese.runtime.launch import free_port
@@ -43,10 +42,7 @@ def train_args(output, cache):
 
 
 def losses(output):
-    """Every step's training loss, as the run's metrics.jsonl holds them at its end (a resumed
-    run rewrites the steps after its checkpoint)."""
-    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    found = {row["step"]: row["loss"] for row in rows if "loss" in row and "step" in row}
+    found = train_losses(output)
     return [found.get(step) for step in range(1, STEPS + 1)]
 
 
