@@ -232,7 +232,8 @@ def measure_row(size: Size, impl: str, precision: str, recompute: str, rehearse:
         record["peak_mib"] = timing["peak_mib"]
         plan = row.get("plan", {}).get(PLAN_VARIANT[label])
         if plan and timing["peak_mib"]:
-            record.update(plan_variant=PLAN_VARIANT[label], peak_over_plan=round(timing["peak_mib"] / plan["memory"], 4))
+            record.update(plan_variant=PLAN_VARIANT[label],
+                          peak_over_plan=round(timing["peak_mib"] / plan["memory"], 4))
         if label != "stock":
             variant = next(v for v in SIAMESE_VARIANTS if label in v.labels)
             record["kernels"] = variant.kernels[variant.labels.index(label)]

@@ -76,8 +76,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from megatron_siamese import device
-from megatron_siamese.runtime.emulation import standing_in_for
 from megatron_siamese.runtime import cpu_optimizer
+from megatron_siamese.runtime.emulation import standing_in_for
 
 ENV_VAR = "MEGATRON_SIAMESE_CPU_SHIM"  # set in the ranks it is installed in (inherited by their helpers)
 
@@ -403,8 +403,8 @@ def install() -> None:
         generator = torch.Generator(device="cpu")
         generator.manual_seed(0)
         replacements = {**_device_replacements(), **_cuda_rng_replacements(generator), **_moe_replacements(),
-                        **_inference_replacements(), **_fsdp_replacements(), **cpu_optimizer.replacements(), **_recompute_replacements(),
-                        **_attention_replacements()}
+                        **_inference_replacements(), **_fsdp_replacements(), **_recompute_replacements(),
+                        **_attention_replacements(), **cpu_optimizer.replacements()}
         originals: List[Tuple[Any, str, Any]] = []
         for (owner, name), replacement in replacements.items():
             originals.append((owner, name, getattr(owner, name, _ABSENT)))
