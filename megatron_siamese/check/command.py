@@ -100,6 +100,7 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
     first ranks; rank 0 judges and prints each row. Every rank returns all rows."""
     import torch
 
+    from megatron_siamese.runtime.hangs import CollectiveTimeout
     from megatron_siamese.runtime.job import RegroupError, console, gather_to_rank0, on_first_ranks
 
     world = torch.distributed.get_world_size()
@@ -114,8 +115,8 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
         result, error = None, None
         if not reason:
             try:
-                result = on_first_ranks(layout.world_size, layout_step, faulty, layout)
-            except RegroupError:  # the job's own failure, not the layout's: it ends the check
+                result = on_first_ranks(layout.world_size, _watched_layout_step, name, faulty, layout)
+            except (RegroupError, CollectiveTimeout):  # the job's own failure, not the layout's: it ends the check
                 raise
             except Exception as raised:  # a crashed layout is a failed layout, with its reason
                 error = (str(raised).strip().splitlines() or [type(raised).__name__])[-1][:200]
@@ -135,6 +136,14 @@ def check_job(case: ModelCase, layouts: Sequence[Tuple[str, Layout]], spec: str,
     shared = [rows]
     torch.distributed.broadcast_object_list(shared, src=0)
     return shared[0]
+
+
+def _watched_layout_step(name: str, case: ModelCase, layout: Layout):
+    """``layout_step`` on the layout's ranks; a rank that hangs in it ends the check, named with the layout."""
+    from megatron_siamese.runtime.hangs import watched
+
+    with watched(f"layout {name}"):
+        return layout_step(case, layout)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,7 @@ def run(options: argparse.Namespace) -> int:
             print(table)
         return 0
     from megatron_siamese.runtime import launch
+    from megatron_siamese.runtime.hangs import CollectiveTimeout
 
     launch.start_rank_server()  # the ranks' imports overlap the trainer's below
     from megatron_siamese.training.run_log import results_line
@@ -70,6 +71,8 @@ def run(options: argparse.Namespace) -> int:
         summary = train(args)
     except launch.RankFailed as failure:  # a lost rank: say where the run goes on from
         raise launch.RankFailed(f"{failure}{resume_hint(args, load)}", failure.details) from None
+    except CollectiveTimeout as hung:  # under torchrun or srun: this rank's own words, and the same hint
+        raise CollectiveTimeout(f"{hung}{resume_hint(args, load)}") from hung
     if summary is None:  # a rank of a launched job other than 0: rank 0 reports
         return 0
     if summary.stopped:

@@ -15,6 +15,7 @@ import signal
 import time
 from typing import Optional
 
+from megatron_siamese.runtime.hangs import STACK_SIGNAL, CollectiveTimeout
 from megatron_siamese.runtime.job import CONSOLE, Failure, RankReport
 
 
@@ -70,6 +71,20 @@ def dead_rank(procs, logs) -> Optional[RankFailed]:
     return None
 
 
+def _ask_for_stacks(procs, wait_s: float = 1.0) -> None:
+    """Have these ranks print every thread's Python stack into their output (``hangs.STACK_SIGNAL``)."""
+    asked = False
+    for proc in procs:
+        if proc.pid is not None and proc.exitcode is None:
+            try:
+                os.kill(proc.pid, STACK_SIGNAL)
+                asked = True
+            except ProcessLookupError:
+                pass
+    if asked:
+        time.sleep(wait_s)  # faulthandler writes at once; give the file a moment
+
+
 # How a rank fails when a peer went away first: on the broken connection (gloo's "Connection
 # closed by peer ... Check the logs of the remote worker", a reset, a refused connect, the
 # rendezvous store's "Failed to recv, got 0 bytes. Connection was likely closed"), or where the
@@ -111,12 +126,14 @@ def cause(rank: int, report: Failure, results, procs, logs, pending: int, wait_s
             rank, report = other.rank, other.value
             deadline = min(deadline, time.monotonic() + 1.0)  # the cause: only a death would say more
     summary = f"rank {rank} of {world_size} failed: {report.summary}"
+    silent = sorted(set(range(world_size)) - set(heard))
     if _PEER_GONE.search(report.summary):
-        silent = sorted(set(range(world_size)) - set(heard))
         summary += (f" (no rank died or reported another error within {wait_s:.0f} s"
                     f"{'; still running: ranks ' + ', '.join(map(str, silent)) if silent else ''})")
+    if report.summary.startswith(CollectiveTimeout.__name__):  # the ranks that never came: where they hang
+        _ask_for_stacks(procs[r] for r in silent)
     details = [f"(the job's rendezvous store: {rendezvous})\n" if rendezvous else "", report.traceback + tail(logs[rank])]
     for other in sorted(set(range(world_size)) - {rank}):
         said = f"reported: {heard[other].summary}\n{heard[other].traceback}" if other in heard else "no report"
-        details.append(f"-- rank {other}: {said}\n{tail(logs[other])}")
+        details.append(f"-- rank {other}: {said}\n{tail(logs[other], CRASH_TAIL_LINES if other in silent else 40)}")
     return RankFailed(summary, "\n".join(filter(None, details)))

@@ -20,6 +20,7 @@ import torch
 
 from megatron_siamese import device
 from megatron_siamese.runtime import cpu_shim, launchers
+from megatron_siamese.runtime.hangs import CollectiveTimeout
 from megatron_siamese.runtime.launchers import JoinError, Launch, LaunchError
 
 # the joined job: its launch, backend, timeout, the rendezvous store the process groups
@@ -143,6 +144,12 @@ def group_timeout_minutes() -> float:
 MEGATRON_GROUP_TIMEOUT_MINUTES = 30  # parallel_state.initialize_model_parallel's default
 
 
+def store_of_these_groups(prefix: str):
+    """The job's rendezvous store under ``prefix``, for the process groups formed now (each
+    ``on_first_ranks`` forms new ones): it outlives them, and answers after they broke."""
+    return torch.distributed.PrefixStore(f"{prefix}/{_job['generation']}", _job["store"])
+
+
 def leave() -> None:
     """Leave the joined job (tear down torch.distributed)."""
     if torch.distributed.is_initialized():
@@ -168,7 +175,8 @@ def on_first_ranks(size: int, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on the job's first ``size`` ranks, torch.distributed's default group being
     just them; the other ranks wait and get None. Every rank of the job must call it (the
     groups are re-formed over the job's rendezvous store; ``RegroupError`` if they cannot be).
-    An error in ``fn`` is raised on its ranks after the job is whole again."""
+    An error in ``fn`` is raised on its ranks after the job is whole again, except a
+    ``CollectiveTimeout`` (a rank hangs: the job cannot be whole again), raised at once."""
     launch = joined()
     world = launch.world_size
     if size > world:
@@ -184,6 +192,8 @@ def on_first_ranks(size: int, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             value = fn(*args)
         except Exception as raised:  # re-raised once the job is whole: the others must not wait forever
+            if isinstance(raised, CollectiveTimeout):  # a rank hangs: the job cannot be whole again
+                raise
             error = raised
         finally:
             torch.distributed.destroy_process_group()

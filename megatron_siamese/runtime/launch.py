@@ -39,7 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_siamese import device
-from megatron_siamese.runtime import job, launchers, orphans, stop_signals
+from megatron_siamese.runtime import hangs, job, launchers, orphans, stop_signals
 from megatron_siamese.runtime.failure_reports import INTERRUPTED, RankFailed, cause, next_result
 from megatron_siamese.runtime.job import Failure, RankReport
 from megatron_siamese.runtime.launchers import Launch, LaunchError
@@ -93,6 +93,7 @@ def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher
         os.dup2(log, 1)
         os.dup2(log, 2)
     faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) leaves each thread's Python stack in the rank's output
+    faulthandler.register(hangs.STACK_SIGNAL, all_threads=True)  # and a hung rank's, asked for (failure_reports)
     silence_known_notices()
     try:
         torch.set_num_threads(1)
@@ -174,8 +175,12 @@ def launch(
     quiet_ranks: Iterable[int] = (),
     graceful_stop: bool = False,
     echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    reports_within_s: Optional[float] = None,
 ) -> List[Any]:
-    """Spawn ``world_size`` ranks here, run ``fn(*args)`` on each; their values in rank order."""
+    """Spawn ``world_size`` ranks here, run ``fn(*args)`` on each; their values in rank order.
+    ``timeout_s``: how long ranks wait for one another (to meet, in a collective); the launcher
+    waits ``reports_within_s`` (default ``timeout_s``; infinite for a training run, whose
+    ranks time out by themselves) for all of them to report."""
     if (backend or device.backend()) != device.backend():
         raise ValueError(f"backend {backend} asked for, but this machine runs {device.backend()}")
     ctx = _context(device.backend())
@@ -204,7 +209,7 @@ def launch(
             proc.start()
         try:
             for reported in range(1, world_size + 1):
-                report = next_result(results, procs, timeout_s, logs)
+                report = next_result(results, procs, timeout_s if reports_within_s is None else reports_within_s, logs)
                 if not report.ok:
                     if report.value.summary == INTERRUPTED:
                         raise KeyboardInterrupt

@@ -150,8 +150,8 @@ class TrainArgs(ModelSettings):
                               help="validation batches per evaluation")
     distributed_timeout_minutes: float = setting(
         60.0, group=TRAINING, flag="--distributed-timeout-minutes", minimum=0.01,
-        help="under torchrun or srun: how long a rank waits for the others (to join, in a collective, for a "
-             "checkpoint) before the job fails")
+        help="how long a rank waits for the others (to join, in a collective, for a checkpoint) before the job "
+             "fails, naming the collective and any rank that never came (Megatron-LM's flag)")
 
     output_dir: str = setting("runs/default", group=CHECKPOINTS, flag="--output-dir",
                               help="the run's directory: checkpoints (OUTPUT_DIR/checkpoints), settings.json, "

@@ -28,7 +28,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron_siamese import device
-from megatron_siamese.runtime import job, job_lock, launch, launchers, stop_signals
+from megatron_siamese.runtime import hangs, job, job_lock, launch, launchers, stop_signals
 from megatron_siamese.runtime.gpt import MegatronGPT
 from megatron_siamese.training import checkpoint
 from megatron_siamese.training.megatron_lm_args import ADAM_BETAS, LR_DECAY_STYLE
@@ -254,32 +254,33 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     timed_steps, timed_seconds = 0, 0.0
     first_step = trainer.step
     while trainer.step < last_step:
-        t0 = time.perf_counter()
-        stats = trainer.train_step()
-        elapsed = time.perf_counter() - t0
-        if trainer.step > first_step + 1:  # the first step includes one-time setup costs
-            timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
-        summary.train_losses[trainer.step] = stats["loss"]
-        if "router" in stats:
-            summary.router_stats[trainer.step] = stats["router"]
-        log.step(trainer.step, stats, elapsed)
-        if not math.isfinite(stats["loss"]):
-            summary.diverged = True
-            break
-        stop = _agreed_stop(args, started)
-        if stop is None and args.exit_interval and trainer.step % args.exit_interval == 0:
-            stop = f"--exit-interval {args.exit_interval}"  # the same step on every rank: no collective
-        if trainer.step % args.eval_interval == 0 or trainer.step == last_step:
-            summary.val_losses[trainer.step] = trainer.evaluate()
-            log.evaluated(trainer.step, summary.val_losses[trainer.step])
-        if (args.save_interval and trainer.step % args.save_interval == 0) or (
-            (trainer.step == last_step and may_save(args)) or (stop and stop_saves)
-        ):
-            summary.checkpoints.append(checkpoint.save(trainer, directory))
-            log.saved(summary.checkpoints[-1])
-        if stop:
-            summary.stopped, summary.stop_reason = True, stop
-            break
+        with hangs.watched(f"step {trainer.step + 1}"):  # a hung rank named, not waited on forever
+            t0 = time.perf_counter()
+            stats = trainer.train_step()
+            elapsed = time.perf_counter() - t0
+            if trainer.step > first_step + 1:  # the first step includes one-time setup costs
+                timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
+            summary.train_losses[trainer.step] = stats["loss"]
+            if "router" in stats:
+                summary.router_stats[trainer.step] = stats["router"]
+            log.step(trainer.step, stats, elapsed)
+            if not math.isfinite(stats["loss"]):
+                summary.diverged = True
+                break
+            stop = _agreed_stop(args, started)
+            if stop is None and args.exit_interval and trainer.step % args.exit_interval == 0:
+                stop = f"--exit-interval {args.exit_interval}"  # the same step on every rank: no collective
+            if trainer.step % args.eval_interval == 0 or trainer.step == last_step:
+                summary.val_losses[trainer.step] = trainer.evaluate()
+                log.evaluated(trainer.step, summary.val_losses[trainer.step])
+            if (args.save_interval and trainer.step % args.save_interval == 0) or (
+                (trainer.step == last_step and may_save(args)) or (stop and stop_saves)
+            ):
+                summary.checkpoints.append(checkpoint.save(trainer, directory))
+                log.saved(summary.checkpoints[-1])
+            if stop:
+                summary.stopped, summary.stop_reason = True, stop
+                break
     if trainer.step not in summary.val_losses and not summary.diverged and not summary.stopped:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
         log.evaluated(trainer.step, summary.val_losses[trainer.step])
@@ -387,8 +388,9 @@ def train(args: TrainArgs) -> Optional[RunSummary]:
         lock = _checked_before_start(args)
         before = _existing_checkpoints(args)
         try:
-            return launch.run_job(train_rank, args.world_size, args, timeout_s=24 * 3600,
-                                  quiet_ranks=range(1, args.world_size), graceful_stop=True, needs=needs)
+            return launch.run_job(train_rank, args.world_size, args, timeout_s=60 * args.distributed_timeout_minutes,
+                                  reports_within_s=math.inf, quiet_ranks=range(1, args.world_size),
+                                  graceful_stop=True, needs=needs)
         except KeyboardInterrupt:  # the ranks were stopped at once
             _unfinished_checkpoint_removed(checkpoint_dir(args), before)
             raise

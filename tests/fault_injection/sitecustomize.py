@@ -1,9 +1,13 @@
-"""A full disk for tests, in every process of a run (this directory on PYTHONPATH).
+"""Faults for tests, in every process of a run (this directory on PYTHONPATH): a full disk, a hung rank.
 
 With ``MEGATRON_SIAMESE_TEST_ENOSPC=<text>``, ``os.fsync`` of a checkpoint shard file whose path
 contains the text fails with ENOSPC, as a full disk fails a write (Megatron's torch_dist writer
 fsyncs every shard file it wrote), and from then on ``os.statvfs`` reports no free space (megatron-core
-0.19's writer keeps only the error's class, so a full disk is recognized by its free space)."""
+0.19's writer keeps only the error's class, so a full disk is recognized by its free space).
+
+With ``MEGATRON_SIAMESE_TEST_HANG=<rank>:<n>``, that rank of the job sleeps inside its n-th call
+of ``torch.distributed.all_reduce`` and never returns: a rank that hangs inside a step, while the
+others wait for it in that collective. Every other rank drops the wrapper at its first call."""
 
 import os
 
@@ -29,3 +33,24 @@ if _PART:
                                   found.f_ffree, found.f_favail, found.f_flag, found.f_namemax))
 
     os.fsync, os.statvfs = _full_disk_fsync, _full_disk_statvfs
+
+_HANG = os.environ.get("MEGATRON_SIAMESE_TEST_HANG")
+if _HANG:
+    import time
+
+    import torch.distributed
+
+    _hung_rank, _hung_call = (int(part) for part in _HANG.split(":"))
+    _all_reduce, _calls = torch.distributed.all_reduce, []
+
+    def _all_reduce_that_hangs(*args, **kwargs):
+        if torch.distributed.get_rank() != _hung_rank:
+            torch.distributed.all_reduce = _all_reduce  # this rank never hangs: out of its stacks
+            return _all_reduce(*args, **kwargs)
+        _calls.append(None)
+        if len(_calls) == _hung_call:
+            while True:
+                time.sleep(60)
+        return _all_reduce(*args, **kwargs)
+
+    torch.distributed.all_reduce = _all_reduce_that_hangs
