@@ -89,8 +89,12 @@ def watch(pid: int, signum: int = signal.SIGKILL) -> bool:
     return True
 
 
-def _die_with_parent_now() -> None:
+def _checkpoint_writer_manager() -> None:
+    """The writer's manager: dies with its rank, and imports what the writer's results are made of
+    now, while its rank waits for it to start, rather than at the first result it is sent (seconds
+    of importing torch: an --async-save's writer would wait that long to report)."""
     die_with_parent(signal.SIGKILL)
+    import torch.distributed.checkpoint  # noqa: F401
 
 
 def checkpoint_writer_dies_with_its_rank() -> None:
@@ -108,5 +112,5 @@ def checkpoint_writer_dies_with_its_rank() -> None:
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
     manager = SyncManager(ctx=get_context("spawn"))
-    manager.start(initializer=_die_with_parent_now)
+    manager.start(initializer=_checkpoint_writer_manager)
     filesystem_async._results_queue = manager.Queue()  # its proxy keeps the manager alive

@@ -191,6 +191,10 @@ class TrainArgs(ModelSettings):
         False, group=CHECKPOINTS, flag="--ckpt-fully-parallel-load", action="store_true",
         help="with --load: the data-parallel ranks share the reading of the replicated shards and exchange them "
              "(Megatron's FullyParallelLoadStrategyWrapper): fewer reads of a shared file system, more traffic")
+    async_save: bool = setting(
+        False, group=CHECKPOINTS, flag="--async-save", action="store_true",
+        help="write each checkpoint from a process forked per save while training goes on (Megatron's async "
+             "torch_dist save); it is complete, and the tracker names it, once every rank's writer is done")
     no_load_optim: bool = setting(False, group=CHECKPOINTS, flag="--no-load-optim", action="store_true",
                                   help="with --load: the weights and step only, a fresh optimizer (e.g. where the "
                                        "saved optimizer state cannot follow a layout change)")

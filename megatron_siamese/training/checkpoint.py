@@ -27,13 +27,13 @@ import errno
 import os
 import shutil
 import time
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from megatron_siamese.runtime import orphans
 from megatron_siamese.runtime.registry import ConfigError
-from megatron_siamese.training import checkpoint_strategy, megatron_lm_args
+from megatron_siamese.training import async_save, checkpoint_strategy, megatron_lm_args
 from megatron_siamese.training.args import VOCAB_MULTIPLE
 from megatron_siamese.training.checkpoint_files import (
     MODEL_CLASS,
@@ -172,20 +172,45 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
     trainer.saved_before = True
     orphans.checkpoint_writer_dies_with_its_rank()
     torch.distributed.barrier()
+    in_background = getattr(trainer.args, "async_save", False) and not model_only
     try:
-        dist_checkpointing.save(sharded_state_dict(trainer, is_loading=False, model_only=model_only), path,
-                                content_metadata=_content_metadata(_metadata(trainer)),
-                                **checkpoint_strategy.fully_parallel(trainer.args.ckpt_fully_parallel_save, "save"))
+        request = dist_checkpointing.save(
+            sharded_state_dict(trainer, is_loading=False, model_only=model_only), path,
+            content_metadata=_content_metadata(_metadata(trainer)),
+            **checkpoint_strategy.fully_parallel(trainer.args.ckpt_fully_parallel_save, "save"),
+            **(async_save.save_keywords() if in_background else {}))
     except (Exception, CheckpointException) as error:
-        failure = save_failure(error, directory, name, rank0)
-        if failure is error:
-            raise
-        raise failure from None
-    torch.distributed.barrier()  # every rank's shards are written: the checkpoint is complete
-    if rank0:
-        write_latest(directory, trainer.step)
-    torch.distributed.barrier()
+        raise _failed(error, directory, name, rank0) from None
+    step = trainer.step
+    if in_background:  # complete once every rank's writer is done (complete_async_saves)
+        async_save.schedule(request, lambda: _complete(directory, step), path)
+    else:
+        _complete(directory, step)
     return path
+
+
+def _complete(directory: str, step: int) -> None:
+    torch.distributed.barrier()  # every rank's shards are written: the checkpoint is complete
+    if torch.distributed.get_rank() == 0:
+        write_latest(directory, step)
+    torch.distributed.barrier()
+
+
+def complete_async_saves(blocking: bool) -> List[str]:
+    """The --async-save checkpoints completed now (every rank calls it at the same points;
+    ``blocking`` waits for all of them): their paths. A failed write raises as ``save`` does."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    path = async_save.oldest_pending()
+    try:
+        return async_save.finish(blocking)
+    except (Exception, CheckpointException) as error:
+        raise _failed(error, os.path.dirname(path), os.path.basename(path), torch.distributed.get_rank() == 0) from None
+
+
+def _failed(error: BaseException, directory: str, name: str, rank0: bool) -> BaseException:
+    failure = save_failure(error, directory, name, rank0)
+    return error if failure is error else failure
 
 
 def save_failure(error: BaseException, directory: str, name: str, rank0: bool) -> BaseException:

@@ -260,6 +260,9 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             elapsed = time.perf_counter() - t0
             if trainer.step > first_step + 1:  # the first step includes one-time setup costs
                 timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
+            for path in checkpoint.complete_async_saves(blocking=False):  # --async-save's, written meanwhile
+                summary.checkpoints.append(path)
+                log.saved(path)
             summary.train_losses[trainer.step] = stats["loss"]
             if "router" in stats:
                 summary.router_stats[trainer.step] = stats["router"]
@@ -276,11 +279,18 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             if (args.save_interval and trainer.step % args.save_interval == 0) or (
                 (trainer.step == last_step and may_save(args)) or (stop and stop_saves)
             ):
-                summary.checkpoints.append(checkpoint.save(trainer, directory))
-                log.saved(summary.checkpoints[-1])
+                path = checkpoint.save(trainer, directory)
+                if args.async_save:
+                    echo(f"saving {path} in the background")
+                else:
+                    summary.checkpoints.append(path)
+                    log.saved(path)
             if stop:
                 summary.stopped, summary.stop_reason = True, stop
                 break
+    for path in checkpoint.complete_async_saves(blocking=True):
+        summary.checkpoints.append(path)
+        log.saved(path)
     if trainer.step not in summary.val_losses and not summary.diverged and not summary.stopped:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
         log.evaluated(trainer.step, summary.val_losses[trainer.step])

@@ -7,7 +7,10 @@ fsyncs every shard file it wrote), and from then on ``os.statvfs`` reports no fr
 
 With ``MEGATRON_SIAMESE_TEST_HANG=<rank>:<n>``, that rank of the job sleeps inside its n-th call
 of ``torch.distributed.all_reduce`` and never returns: a rank that hangs inside a step, while the
-others wait for it in that collective. Every other rank drops the wrapper at its first call."""
+others wait for it in that collective. Every other rank drops the wrapper at its first call.
+
+With ``MEGATRON_SIAMESE_TEST_SLOW_SAVE=<text>``, ``os.fsync`` of a checkpoint shard file whose
+path contains the text never returns: a checkpoint writer still writing when the job is killed."""
 
 import os
 
@@ -33,6 +36,20 @@ if _PART:
                                   found.f_ffree, found.f_favail, found.f_flag, found.f_namemax))
 
     os.fsync, os.statvfs = _full_disk_fsync, _full_disk_statvfs
+
+_SLOW = os.environ.get("MEGATRON_SIAMESE_TEST_SLOW_SAVE")
+if _SLOW:
+    import time
+
+    _plain_fsync = os.fsync
+
+    def _fsync_that_never_ends(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        while path.endswith(".distcp") and _SLOW in path:
+            time.sleep(60)
+        return _plain_fsync(fd)
+
+    os.fsync = _fsync_that_never_ends
 
 _HANG = os.environ.get("MEGATRON_SIAMESE_TEST_HANG")
 if _HANG:
