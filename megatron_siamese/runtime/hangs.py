@@ -33,12 +33,15 @@ from typing import Iterator, List, Optional
 
 import torch
 
+from megatron_siamese.runtime import job
+from megatron_siamese.runtime.job import GroupsBroken
+
 _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms")  # gloo's transport, for every collective and p2p op
 STACK_SIGNAL = signal.SIGRTMIN + 1  # every thread's Python stack (faulthandler), in ranks the launcher started
 GRACE_CAP_S = 10.0  # ranks waiting in the same collective time out within seconds of each other
 
 
-class CollectiveTimeout(RuntimeError):
+class CollectiveTimeout(GroupsBroken):
     """A collective of this rank timed out: one line naming it, the unit of work and the
     ranks that never came."""
 
@@ -75,8 +78,6 @@ def _never_came(timeout_s: float) -> Optional[List[int]]:
     """Mark this rank as timed out in the job's store, wait for the others of the default group
     to do the same, and return those that did not (None if the store cannot say)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    from megatron_siamese.runtime import job
-
     try:
         store = job.store_of_these_groups("timeouts")
         store.append("ranks", f"{rank} ")
@@ -125,8 +126,6 @@ def _arm(timeout_s: float) -> bool:
 def watched(what: str) -> Iterator[None]:
     """One unit of work every rank of the joined job does together (``what``: "step 13",
     "layout tp2-dp2"); see the module's docstring."""
-    from megatron_siamese.runtime import job
-
     launch = job.joined()
     timeout_s = job.group_timeout_minutes() * 60
     spawned = launch is not None and launch.launcher == "spawn"  # its launcher asks a hung rank for its stack

@@ -20,7 +20,6 @@ import torch
 
 from megatron_siamese import device
 from megatron_siamese.runtime import cpu_shim, launchers
-from megatron_siamese.runtime.hangs import CollectiveTimeout
 from megatron_siamese.runtime.launchers import JoinError, Launch, LaunchError
 
 # the joined job: its launch, backend, timeout, the rendezvous store the process groups
@@ -157,6 +156,10 @@ def leave() -> None:
     _job.clear()
 
 
+class GroupsBroken(RuntimeError):
+    """The job's process groups are broken for good (``hangs.CollectiveTimeout``: a rank hangs)."""
+
+
 class RegroupError(RuntimeError):
     """The job's process groups could not be formed again (``on_first_ranks``): the job's
     failure, never ``fn``'s, however a caller treats ``fn``'s errors."""
@@ -175,8 +178,8 @@ def on_first_ranks(size: int, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on the job's first ``size`` ranks, torch.distributed's default group being
     just them; the other ranks wait and get None. Every rank of the job must call it (the
     groups are re-formed over the job's rendezvous store; ``RegroupError`` if they cannot be).
-    An error in ``fn`` is raised on its ranks after the job is whole again, except a
-    ``CollectiveTimeout`` (a rank hangs: the job cannot be whole again), raised at once."""
+    An error in ``fn`` is raised on its ranks after the job is whole again, except
+    ``GroupsBroken`` (a rank hangs: the job cannot be whole again), raised at once."""
     launch = joined()
     world = launch.world_size
     if size > world:
@@ -192,7 +195,7 @@ def on_first_ranks(size: int, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             value = fn(*args)
         except Exception as raised:  # re-raised once the job is whole: the others must not wait forever
-            if isinstance(raised, CollectiveTimeout):  # a rank hangs: the job cannot be whole again
+            if isinstance(raised, GroupsBroken):  # a rank hangs: the job cannot be whole again
                 raise
             error = raised
         finally:

@@ -29,10 +29,10 @@ from megatron_siamese.runtime.layout import (
     Layout,
     Recompute,
     fsdp_refusals,
-    recompute_problem,
 )
 from megatron_siamese.runtime.registry import ConfigError, Switch, definitions, field_problems, setting  # noqa: F401
 from megatron_siamese.runtime.settings import ModelSettings, model_class_problems, scheme_setting_problems
+from megatron_siamese.training import recompute_flags
 from megatron_siamese.training.fsdp_checkpoint import gated_mlp_problem
 
 ADDITION_TASKS = {"addition": False, "addition-reversed": True}  # task name: the sum written reversed
@@ -323,7 +323,7 @@ def problems(args: TrainArgs) -> List[str]:
         found.append("--use-distributed-optimizer shards optimizer state over data-parallel ranks: it needs --dp > 1")
     found += _expert_layout_problems(args)
     found += _fsdp_problems(args)
-    found += recompute_problems(args)
+    found += recompute_flags.problems(args)
     found += shape_problems(args)
     found += split_problems(args, _layout_to_split(args), vocab_size=args.padded_vocab,
                             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)
@@ -347,52 +347,6 @@ def problems(args: TrainArgs) -> List[str]:
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         found.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
                      "pass one")
-    return found
-
-
-_RECOMPUTE_FLAGS = {"recompute_granularity": "--recompute-granularity", "recompute_method": "--recompute-method",
-                    "recompute_num_layers": "--recompute-num-layers", "recompute_modules": "--recompute-modules"}
-
-
-def recompute_problems(args: TrainArgs) -> List[str]:
-    """What of the recompute flags Megatron refuses or cannot honour here, in the flags' words:
-    Megatron's rules (``recompute_problem``), a module the installed megatron-core lacks, and a
-    module with nothing to recompute in this model."""
-    from megatron_siamese.versions import installed_megatron_core, release
-
-    if args.recompute != "none" and args.recompute_granularity is not None:
-        return [f"--recompute {args.recompute} and --recompute-granularity {args.recompute_granularity} both say how "
-                "to recompute: pass one (--recompute is the package's preset of Megatron-LM's flags)"]
-    modules = args.recompute_modules or ()
-    problem = recompute_problem(args.recompute_granularity, args.recompute_method, args.recompute_num_layers, modules,
-                                spell=_RECOMPUTE_FLAGS.get)
-    if problem:
-        return [problem]
-    recompute = args.recomputation
-    found = []
-    installed = installed_megatron_core()
-    lacking = [module for module in recompute.modules if release(installed) < RECOMPUTE_MODULES[module]]
-    if lacking:
-        found.append(f"--recompute-modules {' '.join(lacking)}: megatron-core {installed} has no such module (it came "
-                     f"in {'.'.join(map(str, RECOMPUTE_MODULES[lacking[0]]))}): drop it")
-    pointless = {
-        "moe": (not args.num_moe_experts, "MoE layers: add --num-experts N"),
-        "moe_act": (not args.moe_grouped_gemm, "grouped-GEMM experts (Megatron's rule): add --moe-grouped-gemm"),
-        "shared_experts": (not args.moe_shared_expert_intermediate_size,
-                           "a shared expert: add --moe-shared-expert-intermediate-size"),
-        "mla_up_proj": (True, "multi-latent attention's up-projections (Megatron's rule), which this model has not"),
-        "gdn_norm_out": (args.model != "hybrid" or "G" not in (args.hybrid_layer_pattern or ""),
-                         "a HybridModel's gated delta net ('G') layers"),
-    }
-    for module in recompute.modules:
-        missing, what = pointless.get(module, (False, ""))
-        if missing:
-            found.append(f"--recompute-modules {module} recomputes {what}")
-    if recompute.full and recompute.method == "uniform" and args.num_layers > 0:
-        per_chunk = args.num_layers // (args.pp * (args.vpp or 1)) or args.num_layers
-        if per_chunk % recompute.num_layers:
-            found.append(f"--recompute-method uniform recomputes each model chunk's {per_chunk} layers in groups of "
-                         f"--recompute-num-layers {recompute.num_layers}, which must divide them")
     return found
 
 
@@ -423,7 +377,6 @@ def _fsdp_problems(args: TrainArgs) -> List[str]:
                      "add --use-megatron-fsdp")
     if args.fsdp == "none":
         return found
-    flag = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-megatron-fsdp"
     saving = [spelled for spelled, given in (("--save", args.save), ("--save-interval", args.save_interval),
                                              ("--stop-step", args.stop_step),
                                              ("--exit-interval", args.exit_interval),

@@ -23,21 +23,18 @@ outside its try block, dies, and the parent waits forever); psutil is a dependen
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
-import time
 from typing import List, Optional
 
 import torch
 
 from megatron_siamese.runtime import orphans
 from megatron_siamese.runtime.registry import ConfigError
-from megatron_siamese.training import async_save, checkpoint_strategy, megatron_lm_args
+from megatron_siamese.training import async_save, checkpoint_strategy, megatron_lm_args, save_failures
 from megatron_siamese.training.args import VOCAB_MULTIPLE
 from megatron_siamese.training.checkpoint_files import (
     MODEL_CLASS,
-    TRACKER,
     CheckpointError,
     brings_training_state,
     checked,
@@ -152,7 +149,7 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
     upcycled one); loading it starts a fresh optimizer, like Megatron-LM's ``--no-load-optim``.
     With --overwrite, the run's first save first removes the old run's checkpoints. A leftover
     ``iter_<N>`` (a save that never finished) is replaced, never mixed with. A failed save
-    (a full disk: ``save_failure``) leaves the tracker file on the last complete checkpoint.
+    (a full disk: ``save_failures``) leaves the tracker file on the last complete checkpoint.
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import CheckpointException
@@ -180,7 +177,7 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
             **checkpoint_strategy.fully_parallel(trainer.args.ckpt_fully_parallel_save, "save"),
             **(async_save.save_keywords() if in_background else {}))
     except (Exception, CheckpointException) as error:
-        raise _failed(error, directory, name, rank0) from None
+        raise save_failures.failed(error, directory, name, rank0) from None
     step = trainer.step
     if in_background:  # complete once every rank's writer is done (complete_async_saves)
         async_save.schedule(request, lambda: _complete(directory, step), path)
@@ -205,58 +202,7 @@ def complete_async_saves(blocking: bool) -> List[str]:
     try:
         return async_save.finish(blocking)
     except (Exception, CheckpointException) as error:
-        raise _failed(error, os.path.dirname(path), os.path.basename(path), torch.distributed.get_rank() == 0) from None
-
-
-def _failed(error: BaseException, directory: str, name: str, rank0: bool) -> BaseException:
-    failure = save_failure(error, directory, name, rank0)
-    return error if failure is error else failure
-
-
-def save_failure(error: BaseException, directory: str, name: str, rank0: bool) -> BaseException:
-    """A CheckpointError for a full disk (rank 0 removes the partial directory), else ``error``.
-
-    Rank 0 coordinates torch's writer and holds every rank's write errors; the others only learn
-    that the save failed, so they give rank 0's one line a moment to be the one reported.
-    """
-    full = _disk_full(error, directory)
-    if rank0:
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-    elif full is None:
-        time.sleep(3.0)
-        return CheckpointError(f"saving {name} to {directory} failed on another rank (rank 0 says why)")
-    if full is None:
-        return error
-    try:
-        kept = os.path.basename(resolve(directory))
-    except CheckpointError:
-        kept = None
-    return CheckpointError(f"disk full while saving {name} to {directory}: {full}; "
-                           + (f"{TRACKER} still names {kept}" if kept else "no complete checkpoint was saved before")
-                           + ": free space, then resume with --load (or save elsewhere: --output-dir)")
-
-
-def _disk_full(error: BaseException, directory: str) -> Optional[str]:
-    """What says the disk is full: an ENOSPC anywhere in ``error`` (torch's writer wraps each
-    rank's), or (almost) no space left on the device (e.g. torch.save's "unexpected pos")."""
-    seen, pending = set(), [error]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return f"{os.strerror(errno.ENOSPC)} ({current.filename or directory})"
-        if "No space left on device" in str(current):
-            return f"{os.strerror(errno.ENOSPC)} ({directory})"
-        pending += [current.__cause__, current.__context__]
-        pending += [failure[0] if isinstance(failure, tuple) else failure
-                    for failure in (getattr(current, "failures", None) or {}).values()]
-    try:  # megatron-core 0.19's writer keeps only the error's class: the device then says it
-        free = shutil.disk_usage(directory).free
-    except OSError:
-        return None
-    return f"{os.strerror(errno.ENOSPC)} ({free} bytes free)" if free < 16 * 2**20 else None
+        raise save_failures.failed(error, os.path.dirname(path), os.path.basename(path), torch.distributed.get_rank() == 0) from None
 
 
 def _chained(optimizer) -> list:

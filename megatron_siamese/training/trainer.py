@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-import shutil
 import signal
 import time
 from dataclasses import asdict
@@ -28,9 +27,9 @@ from typing import Dict, Optional
 import torch
 
 from megatron_siamese import device
-from megatron_siamese.runtime import hangs, job, job_lock, launch, launchers, stop_signals
+from megatron_siamese.runtime import hangs, job, launch, launchers, stop_signals
 from megatron_siamese.runtime.gpt import MegatronGPT
-from megatron_siamese.training import checkpoint
+from megatron_siamese.training import checkpoint, output_guard
 from megatron_siamese.training.megatron_lm_args import ADAM_BETAS, LR_DECAY_STYLE
 from megatron_siamese.training.args import ADDITION_TASKS, ConfigError, TrainArgs, padded_vocab_size
 from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
@@ -312,71 +311,16 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     return summary
 
 
-def _checked_before_start(args: TrainArgs) -> Optional[job_lock.Lock]:
-    """The output directory locked for this job and the preflight checks: by the process that
-    speaks for the job (a spawned job's launcher, or rank 0 of a launched one, which then tells
-    the others). Returns the lock (held by that process, for the whole run: release it at the
-    end). --overwrite removes the old checkpoints at the first save (``checkpoint.save``), not
-    here: a run that saves none keeps them."""
-    from megatron_siamese.training.preflight import preflight
-
-    in_job = job.joined() is not None
-    speaks = not in_job or torch.distributed.get_rank() == 0
-    lock, problems = None, []
-    if speaks:
-        try:
-            lock = job_lock.hold(args.output_dir)
-            problems = preflight(args)
-        except job_lock.InUse as error:  # before the other checks: they would judge a run in progress
-            problems = [str(error)]
-    if in_job:
-        shared = [problems]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        problems = shared[0]
-    if problems:
-        if lock is not None:
-            lock.abandon()  # a refused run leaves nothing behind, not even the directory it asked for
-        raise ConfigError(problems)
-    if in_job:
-        torch.distributed.barrier()
-    return lock
-
-
-def _unfinished_checkpoint_removed(directory: str, before: set) -> None:
-    """After a stop at once: the checkpoint this run was writing, if the tracker file does not
-    name it (saves are one at a time and the tracker moves to each only once it is complete, so
-    that is the newest checkpoint directory this run made), is removed: a half-written
-    checkpoint must not stand in the next run's way."""
-    from megatron_siamese.training import checkpoint_files
-
-    made = [path for step, path in checkpoint_files.step_dirs(directory) if path not in before]
-    if not made:
-        return
-    try:
-        tracked = checkpoint_files.resolve(directory)
-    except checkpoint_files.CheckpointError:
-        tracked = None
-    if tracked is None or os.path.realpath(tracked) != os.path.realpath(made[-1]):
-        shutil.rmtree(made[-1], ignore_errors=True)
-
-
-def _existing_checkpoints(args: TrainArgs) -> set:
-    from megatron_siamese.training import checkpoint_files
-    from megatron_siamese.training.preflight import checkpoint_dir
-
-    return {path for _, path in checkpoint_files.step_dirs(checkpoint_dir(args))}
-
-
 def _launched_train_rank(args: TrainArgs) -> Optional[RunSummary]:
     from megatron_siamese.training.preflight import checkpoint_dir
 
-    lock = _checked_before_start(args)
-    before = _existing_checkpoints(args) if torch.distributed.get_rank() == 0 else set()
+    lock = output_guard.checked_before_start(args)
+    before = output_guard.existing_checkpoints(args) if torch.distributed.get_rank() == 0 else set()
     try:
         return train_rank(args)
     except KeyboardInterrupt:
         if torch.distributed.get_rank() == 0:
-            _unfinished_checkpoint_removed(checkpoint_dir(args), before)
+            output_guard.unfinished_checkpoints_removed(checkpoint_dir(args), before)
         raise
     finally:
         if lock is not None:
@@ -395,14 +339,14 @@ def train(args: TrainArgs) -> Optional[RunSummary]:
 
     needs = f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp}"
     if job.joined() is None and launchers.detect() is None:
-        lock = _checked_before_start(args)
-        before = _existing_checkpoints(args)
+        lock = output_guard.checked_before_start(args)
+        before = output_guard.existing_checkpoints(args)
         try:
             return launch.run_job(train_rank, args.world_size, args, timeout_s=60 * args.distributed_timeout_minutes,
                                   reports_within_s=math.inf, quiet_ranks=range(1, args.world_size),
                                   graceful_stop=True, needs=needs)
         except KeyboardInterrupt:  # the ranks were stopped at once
-            _unfinished_checkpoint_removed(checkpoint_dir(args), before)
+            output_guard.unfinished_checkpoints_removed(checkpoint_dir(args), before)
             raise
         finally:
             if lock is not None:
