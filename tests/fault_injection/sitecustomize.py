@@ -10,7 +10,11 @@ of ``torch.distributed.all_reduce`` and never returns: a rank that hangs inside 
 others wait for it in that collective. Every other rank drops the wrapper at its first call.
 
 With ``MEGATRON_SIAMESE_TEST_SLOW_SAVE=<text>``, ``os.fsync`` of a checkpoint shard file whose
-path contains the text never returns: a checkpoint writer still writing when the job is killed."""
+path contains the text never returns: a checkpoint writer still writing when the job is killed.
+
+With ``MEGATRON_SIAMESE_TEST_READS=<file>``, every read of a torch_dist checkpoint's shards
+(torch's ``FileSystemReader.read_data``) appends "<rank> <bytes>" to that file: what each rank
+read of the shard files (rank -1: a process outside the job's groups)."""
 
 import os
 
@@ -71,3 +75,19 @@ if _HANG:
         return _all_reduce(*args, **kwargs)
 
     torch.distributed.all_reduce = _all_reduce_that_hangs
+
+_READS = os.environ.get("MEGATRON_SIAMESE_TEST_READS")
+if _READS:
+    import torch.distributed
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    _read_data = FileSystemReader.read_data
+
+    def _counted_read_data(self, plan, planner):
+        read = sum(self.storage_data[item.storage_index].length for item in plan.items)
+        with open(_READS, "a") as log:
+            # -1: a process outside the job (the launcher reading a checkpoint's settings before the ranks start)
+            log.write(f"{torch.distributed.get_rank() if torch.distributed.is_initialized() else -1} {read}\n")
+        return _read_data(self, plan, planner)
+
+    FileSystemReader.read_data = _counted_read_data
