@@ -191,13 +191,15 @@ def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path, corpus_cache, job
 # -- Megatron-LM's exit flags --------------------------------------------------------------
 
 def test_exit_interval_stops_after_a_step_divisible_by_it_and_saves(tmp_path, corpus_cache):
-    checkpoints = tmp_path / "checkpoints"
-    done = cli_here(*train_args(tmp_path, corpus_cache, "--exit-interval", "3"))
+    checkpoints = tmp_path / "saved"  # --save's directory, which the stop's line names for --load
+    done = cli_here(*train_args(tmp_path, corpus_cache, "--exit-interval", "3", "--save", checkpoints))
     assert done.returncode == 0 and "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
-    assert stopped_line(done.stderr)[:2] == (3, "--exit-interval 3")
+    step, reason, _, load = stopped_line(done.stderr)
+    assert (step, reason, load) == (3, "--exit-interval 3", str(checkpoints))
     assert_complete_latest(checkpoints, 3)
     # resumed from 3, a step divisible by 3 is 6 (Megatron-LM's: the iteration number, not the steps run)
-    done = cli_here(*train_args(tmp_path, corpus_cache, "--exit-interval", "3", "--load", checkpoints))
+    done = cli_here(*train_args(tmp_path, corpus_cache, "--exit-interval", "3", "--save", checkpoints,
+                                "--load", load))
     assert done.returncode == 0, done.stderr[-3000:]
     assert stopped_line(done.stderr)[:2] == (6, "--exit-interval 3")
     assert tracked(checkpoints) == 6

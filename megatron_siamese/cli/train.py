@@ -76,13 +76,13 @@ def run(options: argparse.Namespace) -> int:
     if summary is None:  # a rank of a launched job other than 0: rank 0 reports
         return 0
     if summary.stopped:
-        why = f" ({summary.stop_reason})" if summary.stop_reason else ""
-        if summary.checkpoints:
-            print(f"stopped at step {summary.steps_done}{why}: checkpoint saved to {summary.checkpoints[-1]} "
-                  f"(resume with --load {args.output_dir}/checkpoints)", file=sys.stderr)
-        else:
-            from megatron_siamese.training.preflight import checkpoint_dir, foreign_checkpoints
+        from megatron_siamese.training.preflight import checkpoint_dir, foreign_checkpoints
 
+        why = f" ({summary.stop_reason})" if summary.stop_reason else ""
+        if summary.checkpoints:  # where --save put them (OUTPUT_DIR/checkpoints without it)
+            print(f"stopped at step {summary.steps_done}{why}: checkpoint saved to {summary.checkpoints[-1]} "
+                  f"(resume with --load {checkpoint_dir(args)})", file=sys.stderr)
+        else:
             print(f"stopped at step {summary.steps_done}{why}: not saved, {checkpoint_dir(args)} holds another run's "
                   f"checkpoints ({', '.join(foreign_checkpoints(args))}; --overwrite replaces them)", file=sys.stderr)
         return 0

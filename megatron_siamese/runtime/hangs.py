@@ -36,7 +36,9 @@ import torch
 from megatron_siamese.runtime import job
 from megatron_siamese.runtime.job import GroupsBroken
 
-_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms")  # gloo's transport, for every collective and p2p op
+# gloo's transport, for every collective and p2p op; NCCL's watchdog, where it raises rather than aborts
+# (its words from torch's ProcessGroupNCCL, not yet seen on a GPU here)
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms|ran for \d+ milliseconds before timing out")
 STACK_SIGNAL = signal.SIGRTMIN + 1  # every thread's Python stack (faulthandler), in ranks the launcher started
 GRACE_CAP_S = 10.0  # ranks waiting in the same collective time out within seconds of each other
 
