@@ -177,7 +177,10 @@ def save(trainer, directory: str, model_only: bool = False) -> str:
             **checkpoint_strategy.fully_parallel(trainer.args.ckpt_fully_parallel_save, "save"),
             **(async_save.save_keywords() if in_background else {}))
     except (Exception, CheckpointException) as error:
-        raise save_failures.failed(error, directory, name, rank0) from None
+        failure = save_failures.failed(error, directory, name, rank0)
+        if failure is error:
+            raise
+        raise failure from None
     step = trainer.step
     if in_background:  # complete once every rank's writer is done (complete_async_saves)
         async_save.schedule(request, lambda: _complete(directory, step), path)
@@ -202,7 +205,11 @@ def complete_async_saves(blocking: bool) -> List[str]:
     try:
         return async_save.finish(blocking)
     except (Exception, CheckpointException) as error:
-        raise save_failures.failed(error, os.path.dirname(path), os.path.basename(path), torch.distributed.get_rank() == 0) from None
+        failure = save_failures.failed(error, os.path.dirname(path), os.path.basename(path),
+                                       torch.distributed.get_rank() == 0)
+        if failure is error:
+            raise
+        raise failure from None
 
 
 def _chained(optimizer) -> list:

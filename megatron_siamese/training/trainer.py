@@ -252,6 +252,12 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
     start = time.perf_counter()
     timed_steps, timed_seconds = 0, 0.0
     first_step = trainer.step
+
+    def completed_saves(blocking: bool) -> None:
+        for path in checkpoint.complete_async_saves(blocking):
+            summary.checkpoints.append(path)
+            log.saved(path)
+
     while trainer.step < last_step:
         with hangs.watched(f"step {trainer.step + 1}"):  # a hung rank named, not waited on forever
             t0 = time.perf_counter()
@@ -259,9 +265,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             elapsed = time.perf_counter() - t0
             if trainer.step > first_step + 1:  # the first step includes one-time setup costs
                 timed_steps, timed_seconds = timed_steps + 1, timed_seconds + elapsed
-            for path in checkpoint.complete_async_saves(blocking=False):  # --async-save's, written meanwhile
-                summary.checkpoints.append(path)
-                log.saved(path)
+            completed_saves(blocking=False)  # --async-save's, written meanwhile
             summary.train_losses[trainer.step] = stats["loss"]
             if "router" in stats:
                 summary.router_stats[trainer.step] = stats["router"]
@@ -287,9 +291,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
             if stop:
                 summary.stopped, summary.stop_reason = True, stop
                 break
-    for path in checkpoint.complete_async_saves(blocking=True):
-        summary.checkpoints.append(path)
-        log.saved(path)
+    completed_saves(blocking=True)
     if trainer.step not in summary.val_losses and not summary.diverged and not summary.stopped:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
         log.evaluated(trainer.step, summary.val_losses[trainer.step])
