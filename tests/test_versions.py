@@ -74,3 +74,16 @@ def test_a_field_outside_the_reviewed_table_is_refused_when_set(megatron_single_
     monkeypatch.setattr(reviewed_settings, "REVIEWED", reviewed_settings.REVIEWED | {"hidden_dropout"})
     check_supported(TransformerConfig(**shape, hidden_dropout=0.2))
 
+
+
+@pytest.mark.stack_independent
+def test_a_plain_install_has_what_the_default_check_needs():
+    """``pip install megatron_siamese`` without extras passes the default ``check`` (issue 49): its
+    Megatron-FSDP layouts need einops (Megatron-FSDP builds its device mesh with it), psutil keeps
+    torch_dist's checkpoint writers from hanging."""
+    import re
+    from importlib.metadata import requires
+
+    plain = {re.split(r"[<>=~!; \[]", requirement)[0].lower() for requirement in requires("megatron_siamese")
+             if "extra ==" not in requirement}
+    assert {"torch", "megatron-core", "einops", "psutil"} <= plain, plain

@@ -32,6 +32,10 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+# transformers 5.24 renamed the KV cache's argument and output field from ``past_key_values`` to ``cache``
+# (the old name warns); the model speaks the installed release's name both ways, so neither side is told off
+CACHE = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 POSITIONS = ("rope", "learned_absolute")
@@ -42,7 +46,7 @@ class SiameseNormConfig(PretrainedConfig):
     """The model's shape and numerics (Megatron's meaning for every field named like its own)."""
 
     model_type = "megatron_siamese"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE]
 
     def __init__(
         self,
@@ -298,16 +302,17 @@ class SiameseNormModel(SiameseNormPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, use_cache=None, past_key_values=None, **kwargs) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
+        cache = past_key_values if cache is None else cache  # the name transformers < 5.24 passes
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s = hidden.shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             if attention_mask is not None and attention_mask.dim() == 2:  # left padding: count real tokens
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
@@ -319,9 +324,9 @@ class SiameseNormModel(SiameseNormPreTrainedModel):
         mask = self._mask(attention_mask, b, s, past, hidden.device)
         x = y = hidden
         for layer in self.layers:
-            x, y = layer(x, y, angles, self.rotary, mask, past_key_values)
+            x, y = layer(x, y, angles, self.rotary, mask, cache)
         out = self.norm(self.norm_x(x) + self.norm_y(y))
-        return BaseModelOutputWithPast(last_hidden_state=out, past_key_values=past_key_values if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=out, **{CACHE: cache if use_cache else None})
 
     @staticmethod
     def _mask(attention_mask, b: int, s: int, past: int, device) -> torch.Tensor:
@@ -357,10 +362,12 @@ class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, past_key_values=None,
+                **kwargs) -> CausalLMOutputWithPast:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                             cache=past_key_values if cache is None else cache, inputs_embeds=inputs_embeds,
+                             use_cache=use_cache)
         hidden = outputs.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
@@ -369,7 +376,7 @@ class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE: getattr(outputs, CACHE)})
 
 
 SiameseNormConfig.register_for_auto_class()
