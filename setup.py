@@ -7,6 +7,8 @@ the torch you run with, and build isolation would fetch a different torch.
 The CPU extension is always built. The CUDA kernels are added when torch was built with
 CUDA and a CUDA toolkit is found (``TORCH_CUDA_ARCH_LIST`` selects the architectures, e.g.
 "9.0" for H100/H200); ``MEGATRON_SIAMESE_CPU_ONLY=1`` skips them.
+``MEGATRON_SIAMESE_SANITIZE=address`` builds the CPU extension with AddressSanitizer (for
+scripts/sanitize.sh, which loads it in a process that preloads the sanitizer's runtime).
 """
 
 import os
@@ -25,6 +27,13 @@ def extension_modules():
         # at::vec picks its AVX2 implementation from these; every x86-64 server CPU of the
         # last decade has them (the package refuses the fused op on CPUs without AVX2).
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    sanitize = os.environ.get("MEGATRON_SIAMESE_SANITIZE")
+    if sanitize not in (None, "", "address"):
+        raise SystemExit(f"MEGATRON_SIAMESE_SANITIZE={sanitize}: only 'address' is supported")
+    if sanitize:  # the CPU kernels, every access checked; no CUDA (they run only where the sanitizer cannot)
+        cxx = [flag for flag in cxx if flag != "-O3"] + ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address"]
+        return [CppExtension("megatron_siamese._C", sources, extra_compile_args=cxx,
+                             extra_link_args=["-fopenmp", "-fsanitize=address"])]
     build_cuda = (
         torch.version.cuda is not None
         and CUDA_HOME is not None

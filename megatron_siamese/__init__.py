@@ -14,9 +14,11 @@ Megatron-LM: ``pretrain_gpt.py --spec megatron_siamese.specs siamese_layer_spec`
 
 from importlib import import_module
 
+from megatron_siamese import extension_file
 from megatron_siamese.versions import check_megatron_core
 
 check_megatron_core()  # before anything touches Megatron: a clear message, not a TypeError mid-forward
+extension_file.install()  # MEGATRON_SIAMESE_EXTENSION: another build of the extension (a sanitizer's)
 
 __version__ = "0.1.0"
 

@@ -1,66 +1,14 @@
 """The parallel correctness check: the CPU matrix passes, and planted bugs make it fail."""
 
 import dataclasses
-import functools
-import warnings
 
 import pytest
 
-from megatron_siamese.check import command
 from megatron_siamese.check.case import MOE_CASE
-from megatron_siamese.check.command import DEFAULT_LAYOUTS, Subject
+from megatron_siamese.check.command import DEFAULT_LAYOUTS, Subject, run_check, run_checks
 from megatron_siamese.cli import main as cli_main
 from megatron_siamese.check.step import ModelCase
-from megatron_siamese.runtime.failure_reports import RankFailed
 from megatron_siamese.versions import installed_megatron_core, release
-
-
-def checked_again_after_a_segfault(run):
-    """``run`` (a check of layouts in one job), run once more in fresh ranks if a rank of its job
-    dies of SIGSEGV. Issue 44's fence: once, on CI, a rank died so in the first Megatron-FSDP layout
-    of a job on mcore019, never reproduced since (docs/testing.md). Every layout is still checked
-    and any other failure, or a second crash, fails the test; the crash's stacks go to the warnings
-    summary of the run's log."""
-
-    @functools.wraps(run)
-    def fenced(*args, **kwargs):
-        try:
-            return run(*args, **kwargs)
-        except RankFailed as failure:
-            if "killed by SIGSEGV" not in str(failure):
-                raise
-            warnings.warn(f"{failure}; checked again in fresh ranks (issue 44's fence). The crash:\n{failure.details}")
-            return run(*args, **kwargs)
-
-    return fenced
-
-
-run_check = checked_again_after_a_segfault(command.run_check)
-run_checks = checked_again_after_a_segfault(command.run_checks)
-
-
-@pytest.mark.stack_independent
-def test_the_fence_reruns_after_a_segfault_only_and_only_once():
-    calls = []
-
-    def crashing(*failures):
-        def run():
-            calls.append(None)
-            if len(calls) <= len(failures):
-                raise RankFailed(failures[len(calls) - 1], "the rank's stacks")
-            return "rows"
-        return checked_again_after_a_segfault(run)
-
-    segfault = "rank 0 was killed by SIGSEGV before reporting"
-    with pytest.warns(UserWarning, match="SIGSEGV before reporting; checked again(.|\n)*the rank's stacks"):
-        assert crashing(segfault)() == "rows"
-    calls.clear()
-    with pytest.raises(RankFailed, match="SIGSEGV"), pytest.warns(UserWarning):
-        crashing(segfault, segfault)()
-    calls.clear()
-    with pytest.raises(RankFailed, match="SIGABRT"):
-        crashing("rank 1 was killed by SIGABRT before reporting")()
-    assert len(calls) == 1
 
 
 def statuses(rows):

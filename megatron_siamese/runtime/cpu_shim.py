@@ -42,14 +42,12 @@ What ``install()`` changes, and only while it is installed:
   and an all-reduce followed by this rank's slice (the same sums); and megatron-core 0.16.1's
   router, built without Transformer Engine, gets the ``te_general_gemm = None`` it leaves
   undefined;
-* Megatron's fully sharded data parallelism: its torch FSDP2 wrapper
-  (``TorchFullyShardedDataParallel``) and Megatron-FSDP's adapter (``FullyShardedDataParallel``)
-  build their device meshes with ``DeviceMesh.from_group(..., "cuda")``; asked for CUDA, those
-  meshes are made on the CPU (torch's ``fully_shard`` then keeps the parameters where they are,
-  and DTensor runs its collectives over gloo). Megatron-FSDP waits on its gradient-reduce events
-  (``Event.wait``: a no-op, as every stand-in stream's; safe because the reduce-scatter they
-  follow is synchronous, and its async parameter all-gathers are waited on their ``Work`` before
-  a bucket is used or freed: read in 0.19.2's param_and_grad_buffer.py), and megatron-core 0.16.1's adapter asks
+* Megatron's fully sharded data parallelism (cpu_fsdp.py): the device meshes its torch FSDP2
+  wrapper and Megatron-FSDP's adapter build for CUDA are made on the CPU, and Megatron-FSDP's
+  parameter all-gathers finish before they return (no collective left running on gloo's worker
+  thread beside the rank's own work: docs/testing.md, "Memory safety in the ranks"). Megatron-FSDP
+  waits on its gradient-reduce events (``Event.wait``: a no-op, as every stand-in stream's; safe
+  because the reduce-scatter they follow is synchronous), and megatron-core 0.16.1's adapter asks
   ``isinstance(module, TELinear)`` under TP, which without Transformer Engine is a MagicMock that
   ``isinstance`` refuses: there it is a class no module is an instance of (and in multi-latent
   attention, which asks the same of its output projection);
@@ -76,7 +74,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from megatron_siamese import device
-from megatron_siamese.runtime import cpu_optimizer
+from megatron_siamese.runtime import cpu_fsdp, cpu_optimizer
 from megatron_siamese.runtime.emulation import standing_in_for
 
 ENV_VAR = "MEGATRON_SIAMESE_CPU_SHIM"  # set in the ranks it is installed in (inherited by their helpers)
@@ -243,25 +241,12 @@ def _device_replacements() -> Dict[Tuple[Any, str], Any]:
     return replacements
 
 
-class _MeshOnCpu:
-    """Stands in for ``DeviceMesh`` where Megatron's FSDP wrappers name it: the meshes they build
-    for CUDA are built on the CPU (the ranks' gloo groups are the same groups)."""
-
-    @staticmethod
-    def from_group(group, device_type: str, *args: Any, **kwargs: Any):
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh.from_group(group, "cpu" if _names_cuda(device_type) else device_type, *args, **kwargs)
-
-
 def _fsdp_replacements() -> Dict[Tuple[Any, str], Any]:
-    """Megatron's torch-FSDP2 wrapper and Megatron-FSDP's adapter: their meshes on the CPU."""
+    """Megatron's FSDP wrappers on the CPU (cpu_fsdp.py), and the TE class Megatron-FSDP's adapter asks for."""
     import importlib
 
-    torch_fsdp2, adapter = (importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel"),
-                            importlib.import_module("megatron.core.distributed.fsdp.mcore_fsdp_adapter"))
-    replacements = {(torch_fsdp2, "DeviceMesh"): _MeshOnCpu, (adapter, "DeviceMesh"): _MeshOnCpu}
-    return {**replacements, **_no_te_classes(adapter)}
+    adapter = importlib.import_module("megatron.core.distributed.fsdp.mcore_fsdp_adapter")
+    return {**cpu_fsdp.replacements(), **_no_te_classes(adapter)}
 
 
 def _no_te_classes(*modules) -> Dict[Tuple[Any, str], Any]:
