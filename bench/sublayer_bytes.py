@@ -187,7 +187,7 @@ def earlier_te_layer_spec(spec):
         mlp=_with_fc1(sub.mlp, LayerNormColumnParallelLinear), sharded_state_dict_keys_map={}))
 
 
-def build_layer(variant: Variant, spec_kind: str, hidden: int, seq: int):
+def build_layer(variant: Variant, spec_kind: str, hidden: int, seq: int, dtype: str = "bf16"):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_siamese.check.step import ModelCase, case_config
@@ -195,7 +195,7 @@ def build_layer(variant: Variant, spec_kind: str, hidden: int, seq: int):
     from megatron_siamese.runtime.layout import Layout
 
     case = ModelCase(hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=8, num_query_groups=8,
-                     seq_length=seq, add_bias_linear=False, num_layers=4, dtype="bf16", normalization="LayerNorm",
+                     seq_length=seq, add_bias_linear=False, num_layers=4, dtype=dtype, normalization="LayerNorm",
                      fused_ops=variant.fused_ops, boundary_ops=variant.boundary_ops,
                      transformer_impl="transformer_engine" if spec_kind == "te" else "local")
     config = case_config(case, Layout())
@@ -207,7 +207,7 @@ def build_layer(variant: Variant, spec_kind: str, hidden: int, seq: int):
         spec = scheme(variant.norm).block_spec(config, None).layer_specs[0]
     if variant.earlier_te:
         spec = earlier_te_layer_spec(spec)
-    return build_module(spec, config=config, layer_number=2).to(torch.bfloat16), config
+    return build_module(spec, config=config, layer_number=2).to(config.params_dtype), config
 
 
 NORM_SLOTS = ("input_layernorm", "pre_mlp_layernorm", "attn_x_norm", "attn_y_norm", "mlp_x_norm", "mlp_y_norm")

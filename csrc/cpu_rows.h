@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
+#include <vector>
 #include <type_traits>
 #include <utility>
 
@@ -344,19 +346,61 @@ inline void single_norm_backward_row(const S* x, int64_t h, A mean, A rstd, cons
   });
 }
 
-// Adds per-block partials [blocks, n] into out[n], blocks in order.
+// A row of A values written into ``dest`` (n elements) in dest's own dtype.
 template <typename A>
-inline void sum_partials(const std::vector<A>& partials, int64_t blocks, int64_t n, A* out) {
-  for (int64_t block = 0; block < blocks; ++block) {
-    const A* part = partials.data() + block * n;
-    for (int64_t i = 0; i < n; ++i) out[i] += part[i];
+inline void store_row(const A* row, int64_t n, torch::Tensor& dest) {
+  SIAMESE_DISPATCH(dest.scalar_type(), "store_row", [&] { convert_row(dest.data_ptr<scalar_t>(), row, n); });
+}
+
+// Sums per-block partials [blocks, slots * h] in block order (deterministic for a given thread
+// count) and writes slot i's sum into dests[i] in its dtype (skipped where undefined).
+template <typename A>
+inline void write_sums(const std::vector<A>& partials, int64_t blocks, int64_t h,
+                       const std::vector<torch::Tensor>& dests) {
+  const int64_t slots = static_cast<int64_t>(dests.size());
+  std::vector<A> sum(h);
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    if (!dests[slot].defined()) continue;
+    std::fill(sum.begin(), sum.end(), A(0));
+    for (int64_t block = 0; block < blocks; ++block) {
+      const A* part = partials.data() + block * slots * h + slot * h;
+      for (int64_t i = 0; i < h; ++i) sum[i] += part[i];
+    }
+    torch::Tensor dest = dests[slot];
+    store_row(sum.data(), h, dest);
   }
 }
 
+// Weight vectors as rows of A, read from each tensor's own dtype: an A tensor (not a zero-centred
+// gamma) in place, any other widened once per call into rows this object holds (a zero-centred
+// gamma as 1 + w). No tensor is made and no operator dispatched.
 template <typename A>
-const A* data_or_null(const torch::Tensor& t) {
-  return t.defined() ? t.data_ptr<A>() : nullptr;
-}
+class AccRows {
+ public:
+  explicit AccRows(int64_t h) : h_(h) {}
+
+  const A* row(const torch::Tensor& t, bool plus_one = false) {
+    if (!t.defined()) return nullptr;
+    if (t.scalar_type() == c10::CppTypeToScalarType<A>::value && !plus_one) return t.data_ptr<A>();
+    rows_.emplace_back(h_);
+    A* out = rows_.back().data();
+    SIAMESE_DISPATCH(t.scalar_type(), "widen_row", [&] { convert_row(out, t.data_ptr<scalar_t>(), h_); });
+    if (plus_one)
+      for (int64_t i = 0; i < h_; ++i) out[i] += A(1);
+    return out;
+  }
+
+  // NormWeights' six norm weights (the gammas, not c1, as 1 + w when zero-centred)
+  WeightPointers<A> norms(const NormWeights& w) {
+    const bool zc = w.zero_centered;
+    return {row(w.x_gamma, zc && !w.channel_scale), row(w.x_beta), row(w.y_gamma, zc), row(w.y_beta),
+            row(w.in_gamma, zc), row(w.in_beta)};
+  }
+
+ private:
+  int64_t h_;
+  std::deque<std::vector<A>> rows_;  // stable addresses
+};
 
 }  // namespace cpu
 }  // namespace megatron_siamese

@@ -36,6 +36,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace megatron_siamese {
 
@@ -47,9 +48,10 @@ constexpr int64_t kBoundaryStatsPerRow = 8;
 // residual_dual_norm's weight gradients: PostNorm_prev's gamma and beta, then dual_norm's six.
 constexpr int64_t kBoundaryWeightGrads = 8;
 
-// The norms' affine parameters as the kernels apply them: contiguous, in the accumulation
-// type (fp32; fp64 for double streams), gamma already 1 + w for zero-centred weights.
-// Betas (and the input norm) may be undefined.
+// The norms' affine parameters as the ops received them: contiguous, each in its own dtype (the
+// streams' or float32), gammas stored zero-centred when ``zero_centered`` (applied as 1 + w).
+// Betas (and the input norm) may be undefined. The CPU kernels read them so; the CUDA kernels
+// still take them widened (``widened``, WidenedKernels below).
 //
 // channel_scale: hybrid_dual_norm's X side. x_gamma is c1 (stored as is, not zero-centred),
 // x_beta and the input norm are undefined, and x is not normalized: its statistics are the
@@ -65,6 +67,7 @@ struct NormWeights {
   torch::Tensor x_gamma, x_beta, y_gamma, y_beta, in_gamma, in_beta;
   torch::Tensor prev_gamma, prev_beta;
   bool rms = false;
+  bool zero_centered = false;  // every gamma (not c1) is stored as w, applied as 1 + w
   bool channel_scale = false;
   bool base_is_streams = false;
   bool has_input_norm() const { return in_gamma.defined(); }
@@ -72,7 +75,8 @@ struct NormWeights {
   bool base_keeps_x() const { return channel_scale || base_is_streams; }
 };
 
-// NormWeights' tensors as pointers of the accumulation type A (null where undefined).
+// NormWeights' tensors as pointers of the accumulation type A (null where undefined), for weights
+// already widened to A.
 template <typename A>
 struct WeightPointers {
   const A *gx, *bx, *gy, *by, *gi, *bi;
@@ -120,17 +124,20 @@ inline at::ScalarType accumulation_type(const torch::Tensor& t) {
 // One device's kernel launchers, for dual_norm and (NormWeights::channel_scale) for
 // hybrid_dual_norm, their entry forms (base undefined in the forward; base_is_streams in the
 // backward, whose grad_base is then [rows, width] or undefined), dual_residual and
-// residual_dual_norm. Outputs are allocated by the host layer: base, normed and stats [rows, 6]
-// ([rows, 8] for residual_dual_norm); grad_streams and weight_grads [6, h] ([8, h]; zeroed, rows
-// of absent weights stay zero); packed; grad_out and grad_bias [h] (zeroed; undefined without a
-// bias). Optional inputs (bias in the accumulation type, mask, grad_base) may be undefined.
-#define MEGATRON_SIAMESE_KERNELS                                                                      \
+// residual_dual_norm. Outputs are allocated by the host layer, uninitialized, and the kernels
+// write all of them: base, normed and stats [rows, 6] ([rows, 8] for residual_dual_norm);
+// grad_streams; weight_grads, one [h] tensor per weight slot in dual_norm's order (x_weight,
+// x_bias, y_weight, y_bias, in_weight, in_bias; residual_dual_norm: prev_x_weight, prev_x_bias,
+// then those six), each in its weight's dtype, undefined for absent weights; packed; grad_out;
+// grad_bias [h] in the bias's dtype (undefined without a bias). Optional inputs (bias in its own
+// dtype, mask, grad_base) may be undefined. ``WeightGrads``: std::vector<torch::Tensor>.
+#define MEGATRON_SIAMESE_KERNELS(WeightGrads)                                                        \
   static void dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w,     \
                         double eps, torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats); \
   static void dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,   \
                                  const torch::Tensor& streams, const torch::Tensor& stats,           \
                                  const StreamRows& g, const NormWeights& w,                          \
-                                 torch::Tensor& grad_streams, torch::Tensor& weight_grads);          \
+                                 torch::Tensor& grad_streams, WeightGrads& weight_grads);            \
   static void dual_residual(const torch::Tensor& base, const torch::Tensor& out,                     \
                             const torch::Tensor& bias, const torch::Tensor& mask, double scale,      \
                             double inv_c, torch::Tensor& packed);                                    \
@@ -146,14 +153,18 @@ inline at::ScalarType accumulation_type(const torch::Tensor& t) {
       const torch::Tensor& out, const torch::Tensor& bias, const torch::Tensor& mask,                \
       const torch::Tensor& stats, double scale, double inv_c, const StreamRows& g,                   \
       const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& grad_out,                    \
-      torch::Tensor& grad_bias, torch::Tensor& weight_grads);
+      torch::Tensor& grad_bias, WeightGrads& weight_grads);
 
 struct CpuKernels {
-  MEGATRON_SIAMESE_KERNELS
+  MEGATRON_SIAMESE_KERNELS(std::vector<torch::Tensor>)
 };
 
-struct CudaKernels {  // defined only in builds with CUDA (dual_norm_cuda.cu, WITH_CUDA)
-  MEGATRON_SIAMESE_KERNELS
+// The CUDA kernels' own interface (dual_norm_cuda.cu, residual_norm_cuda.cu; only in builds with
+// CUDA), weight_grads a tensor: weights and bias widened to the accumulation type (gammas already
+// 1 + w), the weight gradients into one [6, h] ([8, h]) accumulation-type tensor and grad_bias in
+// the accumulation type, both zeroed. WidenedKernels (widened_kernels.h) gives them the interface above.
+struct CudaAccKernels {
+  MEGATRON_SIAMESE_KERNELS(torch::Tensor)
 };
 
 }  // namespace megatron_siamese

@@ -53,7 +53,7 @@ void forward_rows(const T* streams, const StreamRows& g, const WeightPointers<A>
 template <typename T, typename A>
 void backward_rows(const T* grad_base, int64_t base_width, const T* grad_normed, const T* streams, const A* stats,
                    const StreamRows& g, const WeightPointers<A>& w, NormKind k, bool base_keeps_x, T* grad_streams,
-                   A* weight_grads) {
+                   const std::vector<torch::Tensor>& weight_grads) {
   const int64_t h = g.hidden, width = g.width(), rows = g.rows;
   const auto [blocks, rows_per_block] = row_blocks(rows);
   std::vector<A> partials(blocks * 6 * h, A(0));
@@ -84,7 +84,7 @@ void backward_rows(const T* grad_base, int64_t base_width, const T* grad_normed,
       }
     }
   });
-  sum_partials(partials, blocks, 6 * h, weight_grads);
+  write_sums(partials, blocks, h, weight_grads);
 }
 
 // -- dual_residual -------------------------------------------------------------------------
@@ -116,16 +116,17 @@ void residual_rows(const T* base, const T* out, const A* bias, const bool* mask,
 
 template <typename T, typename A>
 void residual_backward_rows(const T* grad, const bool* mask, A scale, A inv_c, int64_t rows, int64_t h,
-                            T* grad_out, A* grad_bias) {
+                            T* grad_out, torch::Tensor& grad_bias) {
   using Vec = at::vec::Vectorized<A>;
   const auto [blocks, rows_per_block] = row_blocks(rows);
-  std::vector<A> partials(grad_bias ? blocks * h : 0, A(0));
+  const bool with_bias = grad_bias.defined();
+  std::vector<A> partials(with_bias ? blocks * h : 0, A(0));
   at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
     std::vector<A> scratch(3 * h);
     A *gz = scratch.data(), *gy = gz + h, *keep = gy + h;
     const Vec c(inv_c);
     for (int64_t block = block_begin; block < block_end; ++block) {
-      A* part = grad_bias ? partials.data() + block * h : nullptr;
+      A* part = with_bias ? partials.data() + block * h : nullptr;
       const int64_t end = std::min(rows, (block + 1) * rows_per_block);
       for (int64_t r = block * rows_per_block; r < end; ++r) {
         convert_row(gz, grad + r * 2 * h, h);
@@ -141,7 +142,7 @@ void residual_backward_rows(const T* grad, const bool* mask, A scale, A inv_c, i
       }
     }
   });
-  if (grad_bias) sum_partials(partials, blocks, h, grad_bias);
+  if (with_bias) write_sums(partials, blocks, h, {grad_bias});
 }
 
 NormKind kind_of(const NormWeights& w) { return {w.has_input_norm(), w.rms, w.channel_scale}; }
@@ -154,7 +155,8 @@ void CpuKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, co
                            torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
-    forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), g, pointers_of<A>(w), kind_of(w), static_cast<A>(eps),
+    AccRows<A> weights(g.hidden);
+    forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), g, weights.norms(w), kind_of(w), static_cast<A>(eps),
                               base.defined() ? base.data_ptr<scalar_t>() : nullptr, normed.data_ptr<scalar_t>(),
                               stats.data_ptr<A>());
   });
@@ -162,13 +164,15 @@ void CpuKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, co
 
 void CpuKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
                                     const torch::Tensor& streams, const torch::Tensor& stats, const StreamRows& g,
-                                    const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
+                                    const NormWeights& w, torch::Tensor& grad_streams,
+                                    std::vector<torch::Tensor>& weight_grads) {
   SIAMESE_DISPATCH(streams.scalar_type(), "dual_norm_backward_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
+    AccRows<A> weights(g.hidden);
     backward_rows<scalar_t, A>(grad_base.defined() ? grad_base.data_ptr<scalar_t>() : nullptr,
-                               grad_base.defined() ? grad_base.size(1) : 0, grad_normed.data_ptr<scalar_t>(),
-                               streams.data_ptr<scalar_t>(), stats.data_ptr<A>(), g, pointers_of<A>(w), kind_of(w),
-                               w.base_keeps_x(), grad_streams.data_ptr<scalar_t>(), weight_grads.data_ptr<A>());
+                               grad_base.defined() ? grad_base.size(-1) : 0, grad_normed.data_ptr<scalar_t>(),
+                               streams.data_ptr<scalar_t>(), stats.data_ptr<A>(), g, weights.norms(w), kind_of(w),
+                               w.base_keeps_x(), grad_streams.data_ptr<scalar_t>(), weight_grads);
   });
 }
 
@@ -176,9 +180,10 @@ void CpuKernels::dual_residual(const torch::Tensor& base, const torch::Tensor& o
                                const torch::Tensor& mask, double scale, double inv_c, torch::Tensor& packed) {
   SIAMESE_DISPATCH(out.scalar_type(), "dual_residual_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
-    residual_rows<scalar_t, A>(base.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), data_or_null<A>(bias),
+    AccRows<A> rows(out.size(-1));
+    residual_rows<scalar_t, A>(base.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows.row(bias),
                                mask.defined() ? mask.data_ptr<bool>() : nullptr, static_cast<A>(scale),
-                               static_cast<A>(inv_c), out.size(0), out.size(1), packed.data_ptr<scalar_t>());
+                               static_cast<A>(inv_c), out.numel() / out.size(-1), out.size(-1), packed.data_ptr<scalar_t>());
   });
 }
 
@@ -187,9 +192,8 @@ void CpuKernels::dual_residual_backward(const torch::Tensor& grad, const torch::
   SIAMESE_DISPATCH(grad.scalar_type(), "dual_residual_backward_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     residual_backward_rows<scalar_t, A>(grad.data_ptr<scalar_t>(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
-                                        static_cast<A>(scale), static_cast<A>(inv_c), grad_out.size(0),
-                                        grad_out.size(1), grad_out.data_ptr<scalar_t>(),
-                                        grad_bias.defined() ? grad_bias.data_ptr<A>() : nullptr);
+                                        static_cast<A>(scale), static_cast<A>(inv_c), grad_out.numel() / grad_out.size(-1),
+                                        grad_out.size(-1), grad_out.data_ptr<scalar_t>(), grad_bias);
   });
 }
 

@@ -17,7 +17,7 @@
 // These are the "verified" generation (they passed every CUDA test on an H200, 2026-12-01)
 // and the default. MEGATRON_SIAMESE_CUDA_KERNELS=tiled routes every op to the tiled kernels
 // (tiled_kernels.cu) where they cover the row, and to the general kernels
-// (general_kernels.cuh) elsewhere: CudaKernels::* at the end of this file.
+// (general_kernels.cuh) elsewhere: CudaAccKernels::* at the end of this file.
 //
 // hybrid_dual_norm (NormWeights::channel_scale) runs the general kernels under both
 // generations: the verified ones stay exactly as the GPU run verified them, and a runtime
@@ -546,7 +546,7 @@ void general_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_
     auto stream = c10::cuda::getCurrentCUDAStream();
     auto terms = torch::empty({g.rows, 2}, weight_grads.options());
     const scalar_t* gb = grad_base.defined() ? grad_base.data_ptr<scalar_t>() : nullptr;
-    const int64_t base_width = grad_base.defined() ? grad_base.size(1) : 0;
+    const int64_t base_width = grad_base.defined() ? grad_base.size(-1) : 0;
     general::backward_rows_kernel<scalar_t, A><<<general::row_grid(g.rows), general::kThreads, 0, stream>>>(
         gb, base_width, grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(), stats.data_ptr<A>(), params,
         grad_streams.data_ptr<scalar_t>(), terms.data_ptr<A>());
@@ -618,7 +618,7 @@ bool tiled_residual_fits(const torch::Tensor& t, int64_t h, tiled::DType& type,
 
 // -- launchers -----------------------------------------------------------------------------
 
-void CudaKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps,
+void CudaAccKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps,
                             torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats) {
   const c10::cuda::CUDAGuard guard(streams.device());
   const KernelGeneration generation = cuda_kernel_generation();  // checks the setting for every op
@@ -641,7 +641,7 @@ void CudaKernels::dual_norm(const torch::Tensor& streams, const StreamRows& g, c
   });
 }
 
-void CudaKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
+void CudaAccKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
                                      const torch::Tensor& streams, const torch::Tensor& stats, const StreamRows& g,
                                      const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& weight_grads) {
   const c10::cuda::CUDAGuard guard(streams.device());
@@ -672,10 +672,10 @@ void CudaKernels::dual_norm_backward(const torch::Tensor& grad_base, const torch
   });
 }
 
-void CudaKernels::dual_residual(const torch::Tensor& base, const torch::Tensor& out, const torch::Tensor& bias,
+void CudaAccKernels::dual_residual(const torch::Tensor& base, const torch::Tensor& out, const torch::Tensor& bias,
                                 const torch::Tensor& mask, double scale, double inv_c, torch::Tensor& packed) {
   const c10::cuda::CUDAGuard guard(out.device());
-  const int64_t rows = out.size(0), h = out.size(1);
+  const int64_t h = out.size(-1), rows = out.numel() / h;
   tiled::DType type;
   if (cuda_kernel_generation() == KernelGeneration::kTiled && tiled_residual_fits(out, h, type, {&base, &out, &bias, &mask, &packed})) {
     tiled::residual(type, base.data_ptr(), out.data_ptr(), float_or_null(bias),
@@ -697,10 +697,10 @@ void CudaKernels::dual_residual(const torch::Tensor& base, const torch::Tensor& 
 
 // Launched as dual_residual is (tiled kernels where they fit, else the general ones); the two ops'
 // arguments differ, so the launches are written out for each.
-void CudaKernels::dual_residual_backward(const torch::Tensor& grad, const torch::Tensor& mask, double scale,
+void CudaAccKernels::dual_residual_backward(const torch::Tensor& grad, const torch::Tensor& mask, double scale,
                                          double inv_c, torch::Tensor& grad_out, torch::Tensor& grad_bias) {
   const c10::cuda::CUDAGuard guard(grad.device());
-  const int64_t rows = grad_out.size(0), h = grad_out.size(1);
+  const int64_t h = grad_out.size(-1), rows = grad_out.numel() / h;
   tiled::DType type;
   if (cuda_kernel_generation() == KernelGeneration::kTiled && tiled_residual_fits(grad, h, type, {&grad, &mask, &grad_out})) {
     const int device = current_device();

@@ -10,6 +10,9 @@
 
 #include "dual_norm.h"
 #include "launch_plan.h"
+#ifdef WITH_CUDA
+#include "widened_kernels.h"
+#endif
 
 namespace megatron_siamese {
 namespace {
@@ -20,24 +23,32 @@ torch::Tensor defined_or_empty(const OptionalTensor& t) {
   return t.has_value() && t->defined() ? *t : torch::Tensor();
 }
 
+// The streams are [..., width]: rows of every leading index; outputs keep the leading shape.
 StreamRows check_streams(const torch::Tensor& streams, int64_t hidden, const char* op) {
-  TORCH_CHECK(streams.dim() == 2, op, ": streams must be 2-D [rows, width], got ", streams.sizes());
+  TORCH_CHECK(streams.dim() >= 1, op, ": streams must be [..., width], got a scalar");
   TORCH_CHECK(streams.is_contiguous(), op, ": streams must be contiguous");
   TORCH_CHECK(hidden > 0, op, ": hidden must be positive, got ", hidden);
-  const int64_t width = streams.size(1);
+  const int64_t width = streams.size(-1);
   TORCH_CHECK(width == hidden || width == 2 * hidden, op,
               ": streams width must be hidden (first layer) or 2 * hidden (packed [x | y]); got width ", width,
               " for hidden ", hidden);
   auto dtype = streams.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble, op,
               ": streams must be float32, bfloat16, float16 or float64, got ", dtype);
-  return StreamRows{streams.size(0), hidden, width == 2 * hidden};
+  return StreamRows{streams.numel() / width, hidden, width == 2 * hidden};
 }
 
-// A weight vector as the kernels read it: [h], on the streams' device, in the accumulation
-// type, contiguous; a gamma gets its +1 when stored zero-centred.
+// The streams' leading shape with another last dimension.
+std::vector<int64_t> rows_of(const torch::Tensor& streams, int64_t last) {
+  auto shape = streams.sizes().vec();
+  shape.back() = last;
+  return shape;
+}
+
+// A weight vector as the kernels read it: [h], on the streams' device, in the streams' dtype or
+// float32 (read as it is: no cast), contiguous.
 torch::Tensor prepared(const OptionalTensor& t, const torch::Tensor& streams, int64_t hidden, const char* op,
-                       const char* name, bool is_gamma, bool zero_centered_gamma) {
+                       const char* name) {
   torch::Tensor w = defined_or_empty(t);
   if (!w.defined()) return w;
   TORCH_CHECK(w.dim() == 1 && w.size(0) == hidden, op, ": ", name, " must have shape [", hidden, "], got ",
@@ -46,8 +57,7 @@ torch::Tensor prepared(const OptionalTensor& t, const torch::Tensor& streams, in
               streams.device());
   TORCH_CHECK(w.scalar_type() == streams.scalar_type() || w.scalar_type() == at::kFloat, op, ": ", name,
               " must be in the streams' dtype (", streams.scalar_type(), ") or float32, got ", w.scalar_type());
-  w = w.to(accumulation_type(streams));
-  return (is_gamma && zero_centered_gamma ? w + 1 : w).contiguous();
+  return w.contiguous();
 }
 
 NormWeights prepare_weights(const torch::Tensor& streams, int64_t hidden, const torch::Tensor& x_weight,
@@ -56,13 +66,14 @@ NormWeights prepare_weights(const torch::Tensor& streams, int64_t hidden, const 
                             const OptionalTensor& in_bias, bool rms, bool zero_centered_gamma) {
   constexpr const char* op = "dual_norm";
   NormWeights w;
-  w.x_gamma = prepared(x_weight, streams, hidden, op, "x_weight", true, zero_centered_gamma);
-  w.y_gamma = prepared(y_weight, streams, hidden, op, "y_weight", true, zero_centered_gamma);
-  w.in_gamma = prepared(in_weight, streams, hidden, op, "in_weight", true, zero_centered_gamma);
-  w.x_beta = prepared(x_bias, streams, hidden, op, "x_bias", false, false);
-  w.y_beta = prepared(y_bias, streams, hidden, op, "y_bias", false, false);
-  w.in_beta = prepared(in_bias, streams, hidden, op, "in_bias", false, false);
+  w.x_gamma = prepared(x_weight, streams, hidden, op, "x_weight");
+  w.y_gamma = prepared(y_weight, streams, hidden, op, "y_weight");
+  w.in_gamma = prepared(in_weight, streams, hidden, op, "in_weight");
+  w.x_beta = prepared(x_bias, streams, hidden, op, "x_bias");
+  w.y_beta = prepared(y_bias, streams, hidden, op, "y_bias");
+  w.in_beta = prepared(in_bias, streams, hidden, op, "in_bias");
   w.rms = rms;
+  w.zero_centered = zero_centered_gamma;
   const bool biased = w.x_beta.defined();
   TORCH_CHECK(biased == w.y_beta.defined() && (!w.has_input_norm() || biased == w.in_beta.defined()),
               "dual_norm: give biases for all norms or for none");
@@ -78,10 +89,11 @@ NormWeights prepare_hybrid_weights(const torch::Tensor& streams, int64_t hidden,
                                    bool zero_centered_gamma) {
   constexpr const char* op = "hybrid_dual_norm";
   NormWeights w;
-  w.x_gamma = prepared(x_scale, streams, hidden, op, "x_scale", false, false);
-  w.y_gamma = prepared(y_weight, streams, hidden, op, "y_weight", true, zero_centered_gamma);
-  w.y_beta = prepared(y_bias, streams, hidden, op, "y_bias", false, false);
+  w.x_gamma = prepared(x_scale, streams, hidden, op, "x_scale");
+  w.y_gamma = prepared(y_weight, streams, hidden, op, "y_weight");
+  w.y_beta = prepared(y_bias, streams, hidden, op, "y_bias");
   w.rms = rms;
+  w.zero_centered = zero_centered_gamma;  // y's gamma; c1 is a plain scale
   w.channel_scale = true;
   TORCH_CHECK(!(rms && w.y_beta.defined()), "hybrid_dual_norm: RMSNorm has no bias");
   return w;
@@ -93,21 +105,21 @@ template <class Kernels>
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> norm_forward(const torch::Tensor& streams,
                                                                      const StreamRows& geometry,
                                                                      const NormWeights& weights, double eps) {
-  auto base = weights.base_is_streams ? torch::Tensor()
-                                      : torch::empty({geometry.rows, 2 * geometry.hidden}, streams.options());
-  auto normed = torch::empty({geometry.rows, geometry.hidden}, streams.options());
+  auto base = weights.base_is_streams ? torch::Tensor() : torch::empty(rows_of(streams, 2 * geometry.hidden), streams.options());
+  auto normed = torch::empty(rows_of(streams, geometry.hidden), streams.options());
   auto stats = torch::empty({geometry.rows, kStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
   if (geometry.rows > 0) Kernels::dual_norm(streams, geometry, weights, eps, base, normed, stats);
   return {base, normed, stats};
 }
 
-// Checks a gradient that the backward ops take beside the streams: [rows, cols], the streams'
-// device and dtype. Optional ones (grad_base of the entry and boundary ops) may be undefined.
+// Checks a gradient that the backward ops take beside the streams: the streams' leading shape and
+// ``cols`` wide, their device and dtype. Optional ones (grad_base of the entry and boundary ops)
+// may be undefined.
 void check_gradient(const char* op, const char* name, const torch::Tensor& grad, const torch::Tensor& streams,
-                    int64_t rows, int64_t cols, const char* shape) {
+                    int64_t cols, const char* shape) {
   if (!grad.defined()) return;
-  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == rows && grad.size(1) == cols, op, ": ", name, " must be ", shape,
-              ", got ", grad.sizes());
+  TORCH_CHECK(grad.sizes() == c10::IntArrayRef(rows_of(streams, cols)), op, ": ", name, " must be ", shape,
+              " (the streams' leading shape), got ", grad.sizes());
   TORCH_CHECK(grad.device() == streams.device(), op, ": tensors must be on one device");
   TORCH_CHECK(grad.scalar_type() == streams.scalar_type(), op, ": ", name, " (", grad.scalar_type(),
               ") must be in the streams' dtype (", streams.scalar_type(), ")");
@@ -121,38 +133,50 @@ void check_stats(const char* op, const torch::Tensor& stats, const torch::Tensor
   TORCH_CHECK(stats.device() == streams.device(), op, ": tensors must be on one device");
 }
 
-// The backward of the norm ops: grad_streams and weight gradients [6, h] in dual_norm's order.
+// One [h] gradient per weight, in its dtype, in the order of ``slots`` (undefined where a weight is
+// absent), for the kernels; and the present ones alone, in that order, for the op's caller.
+struct WeightGrads {
+  std::vector<torch::Tensor> slots, present;
+};
+
+WeightGrads weight_grads_for(std::initializer_list<const torch::Tensor*> weights) {
+  WeightGrads g;
+  for (const torch::Tensor* w : weights) {
+    g.slots.push_back(w->defined() ? torch::empty_like(*w) : torch::Tensor());
+    if (w->defined()) g.present.push_back(g.slots.back());
+  }
+  return g;
+}
+
+// The backward of the norm ops: grad_streams and the present weights' gradients in dual_norm's order.
 // grad_base: base's gradient [rows, 2h], or for the entry ops (base_is_streams) the streams'
 // pass-through gradient [rows, width], which may be undefined (no such path).
 template <class Kernels>
-std::tuple<torch::Tensor, torch::Tensor> norm_backward(const char* op, const torch::Tensor& grad_base,
+std::tuple<torch::Tensor, std::vector<torch::Tensor>> norm_backward(const char* op, const torch::Tensor& grad_base,
                                                        const torch::Tensor& grad_normed, const torch::Tensor& streams,
                                                        const torch::Tensor& stats, const StreamRows& geometry,
                                                        const NormWeights& weights) {
   const int64_t hidden = geometry.hidden;
   if (weights.base_is_streams) {
-    check_gradient(op, "grad_streams_through", grad_base, streams, geometry.rows, geometry.width(),
-                   "the streams' shape");
+    check_gradient(op, "grad_streams_through", grad_base, streams, geometry.width(), "the streams' shape");
   } else {
     TORCH_CHECK(grad_base.defined(), op, ": grad_base is required");
-    check_gradient(op, "grad_base", grad_base, streams, geometry.rows, 2 * hidden, "[rows, 2 * hidden]");
+    check_gradient(op, "grad_base", grad_base, streams, 2 * hidden, "[..., 2 * hidden]");
   }
   TORCH_CHECK(grad_normed.defined(), op, ": grad_normed is required");
-  check_gradient(op, "grad_normed", grad_normed, streams, geometry.rows, hidden, "[rows, hidden]");
+  check_gradient(op, "grad_normed", grad_normed, streams, hidden, "[..., hidden]");
   check_stats(op, stats, streams, geometry.rows, kStatsPerRow);
   auto gb = grad_base.defined() ? grad_base.contiguous() : grad_base;
   auto gn = grad_normed.contiguous();
   auto grad_streams = torch::empty_like(streams);
-  auto weight_grads = torch::zeros({6, hidden}, streams.options().dtype(accumulation_type(streams)));
-  if (geometry.rows > 0)
-    Kernels::dual_norm_backward(gb, gn, streams, stats, geometry, weights, grad_streams, weight_grads);
-  return {grad_streams, weight_grads};
-}
-
-// dual_norm's weight-gradient rows x_weight, y_weight, y_bias: the hybrid ops' c1, y_weight, y_bias
-torch::Tensor hybrid_rows(const torch::Tensor& weight_grads) {
-  const auto rows = torch::tensor({0, 2, 3}, weight_grads.options().dtype(at::kLong));
-  return weight_grads.index_select(0, rows);
+  WeightGrads grads = weight_grads_for({&weights.x_gamma, &weights.x_beta, &weights.y_gamma, &weights.y_beta,
+                                        &weights.in_gamma, &weights.in_beta});
+  if (geometry.rows > 0) {
+    Kernels::dual_norm_backward(gb, gn, streams, stats, geometry, weights, grad_streams, grads.slots);
+  } else {
+    for (auto& g : grads.present) g.zero_();  // no rows: no gradient
+  }
+  return {grad_streams, grads.present};
 }
 
 template <class Kernels>
@@ -168,7 +192,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> dual_norm(
 }
 
 template <class Kernels>
-std::tuple<torch::Tensor, torch::Tensor> dual_norm_backward(
+std::tuple<torch::Tensor, std::vector<torch::Tensor>> dual_norm_backward(
     const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
     const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_weight, const OptionalTensor& x_bias,
     const torch::Tensor& y_weight, const OptionalTensor& y_bias, const OptionalTensor& in_weight,
@@ -190,15 +214,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> hybrid_dual_norm(
 }
 
 template <class Kernels>
-std::tuple<torch::Tensor, torch::Tensor> hybrid_dual_norm_backward(
+std::tuple<torch::Tensor, std::vector<torch::Tensor>> hybrid_dual_norm_backward(
     const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
     const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_scale, const torch::Tensor& y_weight,
     const OptionalTensor& y_bias, bool rms, bool zero_centered_gamma) {
   const StreamRows geometry = check_streams(streams, hidden, "hybrid_dual_norm_backward");
-  auto [grad_streams, weight_grads] = norm_backward<Kernels>(
-      "hybrid_dual_norm_backward", grad_base, grad_normed, streams, stats, geometry,
-      prepare_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms, zero_centered_gamma));
-  return {grad_streams, hybrid_rows(weight_grads)};
+  return norm_backward<Kernels>("hybrid_dual_norm_backward", grad_base, grad_normed, streams, stats, geometry,
+                                prepare_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms,
+                                                       zero_centered_gamma));
 }
 
 template <class Kernels>
@@ -216,7 +239,7 @@ std::tuple<torch::Tensor, torch::Tensor> entry_norm(const torch::Tensor& streams
 }
 
 template <class Kernels>
-std::tuple<torch::Tensor, torch::Tensor> entry_norm_backward(
+std::tuple<torch::Tensor, std::vector<torch::Tensor>> entry_norm_backward(
     const OptionalTensor& grad_streams_through, const torch::Tensor& grad_normed, const torch::Tensor& streams,
     const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_weight, const OptionalTensor& x_bias,
     const torch::Tensor& y_weight, const OptionalTensor& y_bias, const OptionalTensor& in_weight,
@@ -242,29 +265,28 @@ std::tuple<torch::Tensor, torch::Tensor> hybrid_entry_norm(const torch::Tensor& 
 }
 
 template <class Kernels>
-std::tuple<torch::Tensor, torch::Tensor> hybrid_entry_norm_backward(
+std::tuple<torch::Tensor, std::vector<torch::Tensor>> hybrid_entry_norm_backward(
     const OptionalTensor& grad_streams_through, const torch::Tensor& grad_normed, const torch::Tensor& streams,
     const torch::Tensor& stats, int64_t hidden, const torch::Tensor& x_scale, const torch::Tensor& y_weight,
     const OptionalTensor& y_bias, bool rms, bool zero_centered_gamma) {
   const StreamRows geometry = check_streams(streams, hidden, "hybrid_entry_norm_backward");
   NormWeights weights = prepare_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms, zero_centered_gamma);
   weights.base_is_streams = true;
-  auto [grad_streams, weight_grads] = norm_backward<Kernels>(
-      "hybrid_entry_norm_backward", defined_or_empty(grad_streams_through), grad_normed, streams, stats, geometry,
-      weights);
-  return {grad_streams, hybrid_rows(weight_grads)};
+  return norm_backward<Kernels>("hybrid_entry_norm_backward", defined_or_empty(grad_streams_through), grad_normed,
+                                streams, stats, geometry, weights);
 }
 
-// residual_dual_norm's inputs besides the streams: the sublayer's output, its bias (in the
-// accumulation type) and dropout mask, checked against the streams.
+// residual_dual_norm's inputs besides the streams: the sublayer's output, its bias (in its own
+// dtype) and dropout mask, checked against the streams.
 struct ResidualInputs {
   torch::Tensor out, bias, mask;
 };
 
 ResidualInputs check_residual_inputs(const char* op, const torch::Tensor& streams, const StreamRows& g,
                                      const torch::Tensor& out, const OptionalTensor& bias, const OptionalTensor& mask) {
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == g.rows && out.size(1) == g.hidden, op, ": out must be [rows, hidden] = [",
-              g.rows, ", ", g.hidden, "], got ", out.sizes());
+  TORCH_CHECK(out.sizes() == c10::IntArrayRef(rows_of(streams, g.hidden)), op,
+              ": out must be the streams' leading shape and hidden wide, ", c10::IntArrayRef(rows_of(streams, g.hidden)),
+              ", got ", out.sizes());
   TORCH_CHECK(out.device() == streams.device(), op, ": out is on ", out.device(), ", the streams on ",
               streams.device());
   TORCH_CHECK(out.scalar_type() == streams.scalar_type(), op, ": out (", out.scalar_type(),
@@ -278,12 +300,11 @@ ResidualInputs check_residual_inputs(const char* op, const torch::Tensor& stream
     TORCH_CHECK(r.bias.scalar_type() == streams.scalar_type() || r.bias.scalar_type() == at::kFloat, op,
                 ": bias must be in the streams' dtype (", streams.scalar_type(), ") or float32, got ",
                 r.bias.scalar_type());
-    r.bias = r.bias.to(accumulation_type(streams)).contiguous();
+    r.bias = r.bias.contiguous();
   }
   if (r.mask.defined()) {
-    TORCH_CHECK(r.mask.scalar_type() == at::kBool && r.mask.dim() == 2 && r.mask.size(0) == g.rows &&
-                    r.mask.size(1) == g.hidden,
-                op, ": mask must be bool [rows, hidden]");
+    TORCH_CHECK(r.mask.scalar_type() == at::kBool && r.mask.sizes() == r.out.sizes(), op,
+                ": mask must be bool with out's shape");
     TORCH_CHECK(r.mask.device() == streams.device(), op, ": mask is on ", r.mask.device(), ", the streams on ",
                 streams.device());
     r.mask = r.mask.contiguous();
@@ -301,8 +322,8 @@ NormWeights prepare_boundary_weights(const char* op, const torch::Tensor& stream
                                      bool zero_centered_gamma) {
   NormWeights w = prepare_weights(streams, hidden, x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, rms,
                                   zero_centered_gamma);
-  w.prev_gamma = prepared(prev_x_weight, streams, hidden, op, "prev_x_weight", true, zero_centered_gamma);
-  w.prev_beta = prepared(prev_x_bias, streams, hidden, op, "prev_x_bias", false, false);
+  w.prev_gamma = prepared(prev_x_weight, streams, hidden, op, "prev_x_weight");
+  w.prev_beta = prepared(prev_x_bias, streams, hidden, op, "prev_x_bias");
   TORCH_CHECK(w.prev_gamma.defined() || !w.prev_beta.defined(), op, ": prev_x_bias without prev_x_weight");
   TORCH_CHECK(!w.prev_gamma.defined() || w.prev_beta.defined() == w.x_beta.defined(), op,
               ": give biases for all norms or for none");
@@ -321,15 +342,15 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> residual_dual_norm(
   const ResidualInputs r = check_residual_inputs(op, streams, g, out, bias, mask);
   const NormWeights w = prepare_boundary_weights(op, streams, hidden, prev_x_weight, prev_x_bias, x_weight, x_bias,
                                                  y_weight, y_bias, in_weight, in_bias, rms, zero_centered_gamma);
-  auto base = torch::empty({g.rows, 2 * hidden}, streams.options());
-  auto normed = torch::empty({g.rows, hidden}, streams.options());
+  auto base = torch::empty(rows_of(streams, 2 * hidden), streams.options());
+  auto normed = torch::empty(rows_of(streams, hidden), streams.options());
   auto stats = torch::empty({g.rows, kBoundaryStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
   if (g.rows > 0) Kernels::residual_dual_norm(streams, r.out, r.bias, r.mask, scale, inv_c, g, w, eps, base, normed, stats);
   return {base, normed, stats};
 }
 
 template <class Kernels>
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> residual_dual_norm_backward(
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tensor>> residual_dual_norm_backward(
     const OptionalTensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams,
     const torch::Tensor& out, const OptionalTensor& bias, const OptionalTensor& mask, const torch::Tensor& stats,
     double scale, double inv_c, int64_t hidden, const OptionalTensor& prev_x_weight, const OptionalTensor& prev_x_bias,
@@ -342,38 +363,42 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> residual_
   const NormWeights w = prepare_boundary_weights(op, streams, hidden, prev_x_weight, prev_x_bias, x_weight, x_bias,
                                                  y_weight, y_bias, in_weight, in_bias, rms, zero_centered_gamma);
   const torch::Tensor gb = defined_or_empty(grad_base);
-  check_gradient(op, "grad_base", gb, streams, g.rows, 2 * hidden, "[rows, 2 * hidden]");
-  check_gradient(op, "grad_normed", grad_normed, streams, g.rows, hidden, "[rows, hidden]");
+  check_gradient(op, "grad_base", gb, streams, 2 * hidden, "[..., 2 * hidden]");
+  check_gradient(op, "grad_normed", grad_normed, streams, hidden, "[..., hidden]");
   check_stats(op, stats, streams, g.rows, kBoundaryStatsPerRow);
-  const auto acc = streams.options().dtype(accumulation_type(streams));
   auto grad_streams = torch::empty_like(streams);
-  auto grad_out = torch::empty({g.rows, hidden}, streams.options());
-  auto grad_bias = torch::zeros({r.bias.defined() ? hidden : 0}, acc);
-  auto weight_grads = torch::zeros({kBoundaryWeightGrads, hidden}, acc);
+  auto grad_out = torch::empty(rows_of(streams, hidden), streams.options());
+  auto grad_bias = r.bias.defined() ? torch::empty_like(r.bias)
+                                    : torch::empty({0}, streams.options().dtype(accumulation_type(streams)));
+  WeightGrads grads = weight_grads_for({&w.prev_gamma, &w.prev_beta, &w.x_gamma, &w.x_beta, &w.y_gamma, &w.y_beta,
+                                        &w.in_gamma, &w.in_beta});
   if (g.rows > 0) {
     torch::Tensor bias_grad = r.bias.defined() ? grad_bias : torch::Tensor();
     Kernels::residual_dual_norm_backward(gb.defined() ? gb.contiguous() : gb, grad_normed.contiguous(), streams,
                                          r.out, r.bias, r.mask, stats, scale, inv_c, g, w, grad_streams, grad_out,
-                                         bias_grad, weight_grads);
+                                         bias_grad, grads.slots);
+  } else {
+    grad_bias.zero_();
+    for (auto& grad : grads.present) grad.zero_();
   }
-  return {grad_streams, grad_out, grad_bias, weight_grads};
+  return {grad_streams, grad_out, grad_bias, grads.present};
 }
 
 template <class Kernels>
 torch::Tensor dual_residual(const torch::Tensor& base, const torch::Tensor& out, const OptionalTensor& bias,
                             const OptionalTensor& mask, double scale, double inv_c) {
-  TORCH_CHECK(out.dim() == 2 && base.dim() == 2 && base.size(0) == out.size(0) && base.size(1) == 2 * out.size(1),
-              "dual_residual: base must be [rows, 2h] and out [rows, h]; got ", base.sizes(), " and ",
+  TORCH_CHECK(out.dim() >= 1 && base.sizes() == c10::IntArrayRef(rows_of(out, 2 * out.size(-1))),
+              "dual_residual: base must be [..., 2h] and out [..., h] (one leading shape); got ", base.sizes(), " and ",
               out.sizes());
   TORCH_CHECK(base.scalar_type() == out.scalar_type(), "dual_residual: base and out dtypes differ");
   TORCH_CHECK(base.device() == out.device(), "dual_residual: base and out are on different devices");
   torch::Tensor b = defined_or_empty(bias), m = defined_or_empty(mask);
   if (b.defined()) {
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == out.size(1), "dual_residual: bias must be [h]");
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == out.size(-1), "dual_residual: bias must be [h]");
     TORCH_CHECK(b.scalar_type() == out.scalar_type() || b.scalar_type() == at::kFloat, "dual_residual: bias must be in ",
                 "out's dtype (", out.scalar_type(), ") or float32, got ", b.scalar_type());
     TORCH_CHECK(b.device() == out.device(), "dual_residual: bias is on ", b.device(), ", out on ", out.device());
-    b = b.to(accumulation_type(out)).contiguous();
+    b = b.contiguous();
   }
   if (m.defined()) {
     TORCH_CHECK(m.scalar_type() == at::kBool && m.sizes() == out.sizes(),
@@ -389,21 +414,24 @@ torch::Tensor dual_residual(const torch::Tensor& base, const torch::Tensor& out,
 
 template <class Kernels>
 std::tuple<torch::Tensor, torch::Tensor> dual_residual_backward(const torch::Tensor& grad, const OptionalTensor& mask,
-                                                                double scale, double inv_c, bool has_bias) {
-  TORCH_CHECK(grad.dim() == 2 && grad.size(1) % 2 == 0, "dual_residual_backward: grad must be [rows, 2h], got ",
+                                                                double scale, double inv_c,
+                                                                std::optional<at::ScalarType> bias_dtype) {
+  TORCH_CHECK(grad.dim() >= 1 && grad.size(-1) % 2 == 0, "dual_residual_backward: grad must be [..., 2h], got ",
               grad.sizes());
-  const int64_t rows = grad.size(0), h = grad.size(1) / 2;
+  const int64_t h = grad.size(-1) / 2, rows = h > 0 ? grad.numel() / (2 * h) : 0;
   torch::Tensor m = defined_or_empty(mask);
   if (m.defined()) {
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.size(0) == rows && m.size(1) == h,
-                "dual_residual_backward: mask must be bool [rows, h]");
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.sizes() == c10::IntArrayRef(rows_of(grad, h)),
+                "dual_residual_backward: mask must be bool [..., h] (grad's leading shape)");
     m = m.contiguous();
   }
-  auto grad_out = torch::empty({rows, h}, grad.options());
-  auto grad_bias = torch::zeros({has_bias ? h : 0}, grad.options().dtype(accumulation_type(grad)));
+  auto grad_out = torch::empty(rows_of(grad, h), grad.options());
+  auto grad_bias = torch::empty({bias_dtype ? h : 0}, grad.options().dtype(bias_dtype.value_or(accumulation_type(grad))));
   if (rows * h > 0) {
-    torch::Tensor bias_grad = has_bias ? grad_bias : torch::Tensor();
+    torch::Tensor bias_grad = bias_dtype ? grad_bias : torch::Tensor();
     Kernels::dual_residual_backward(grad.contiguous(), m, scale, inv_c, grad_out, bias_grad);
+  } else {
+    grad_bias.zero_();
   }
   return {grad_out, grad_bias};
 }
@@ -435,47 +463,46 @@ TORCH_LIBRARY(megatron_siamese, m) {
       "dual_norm(Tensor streams, int hidden, Tensor x_weight, Tensor? x_bias, Tensor y_weight, "
       "Tensor? y_bias, Tensor? in_weight, Tensor? in_bias, float eps, bool rms, "
       "bool zero_centered_gamma) -> (Tensor base, Tensor normed, Tensor stats)");
-  // Gradients w.r.t. streams, and weight gradients [6, h] (fp32; fp64 for double) in the order x_weight,
-  // x_bias, y_weight, y_bias, in_weight, in_bias (rows of absent tensors are zero).
+  // Gradients w.r.t. streams, and the weights' gradients (each in its weight's dtype) for the
+  // weights given, in the order x_weight, x_bias, y_weight, y_bias, in_weight, in_bias.
   m.def(
       "dual_norm_backward(Tensor grad_base, Tensor grad_normed, Tensor streams, Tensor stats, "
       "int hidden, Tensor x_weight, Tensor? x_bias, Tensor y_weight, Tensor? y_bias, "
       "Tensor? in_weight, Tensor? in_bias, bool rms, bool zero_centered_gamma) -> "
-      "(Tensor grad_streams, Tensor weight_grads)");
+      "(Tensor grad_streams, Tensor[] weight_grads)");
   // The hybrid variant's attention side: base [N, 2h] = [x | y] (the X stream keeps x),
   // normed [N, h] = x_scale * x + PreNorm(y) (no InputNorm), stats [N, 6] as dual_norm's (x's
   // are the identity's: mean 0, rstd 1). x_scale (c1) is a plain scale, never zero-centred.
   m.def(
       "hybrid_dual_norm(Tensor streams, int hidden, Tensor x_scale, Tensor y_weight, Tensor? y_bias, "
       "float eps, bool rms, bool zero_centered_gamma) -> (Tensor base, Tensor normed, Tensor stats)");
-  // Gradients w.r.t. streams, and weight gradients [3, h] (fp32; fp64 for double) in the order
-  // x_scale, y_weight, y_bias (zero without y_bias).
+  // Gradients w.r.t. streams, and the weights' gradients in the order x_scale, y_weight, y_bias.
   m.def(
       "hybrid_dual_norm_backward(Tensor grad_base, Tensor grad_normed, Tensor streams, Tensor stats, "
       "int hidden, Tensor x_scale, Tensor y_weight, Tensor? y_bias, bool rms, bool zero_centered_gamma) -> "
-      "(Tensor grad_streams, Tensor weight_grads)");
+      "(Tensor grad_streams, Tensor[] weight_grads)");
   // out_packed = base + [z * inv_c | z], z = (out + bias) * mask * scale.
   m.def(
       "dual_residual(Tensor base, Tensor out, Tensor? bias, Tensor? mask, float scale, "
       "float inv_c) -> Tensor");
-  // (grad_out, grad_bias) from the packed output's gradient; grad_bias is fp32 (fp64) [h] (empty
-  // when has_bias is false). grad_base is the incoming gradient itself.
+  // (grad_out, grad_bias) from the packed output's gradient; grad_bias is [h] in bias_dtype (empty
+  // without a bias). grad_base is the incoming gradient itself.
   m.def(
       "dual_residual_backward(Tensor grad, Tensor? mask, float scale, float inv_c, "
-      "bool has_bias) -> (Tensor grad_out, Tensor grad_bias)");
+      "ScalarType? bias_dtype) -> (Tensor grad_out, Tensor grad_bias)");
   // A layer's first sublayer: dual_norm's normed and stats, no base (the streams pass through to
   // the boundary op, which recomputes u from them).
   m.def(
       "entry_norm(Tensor streams, int hidden, Tensor x_weight, Tensor? x_bias, Tensor y_weight, "
       "Tensor? y_bias, Tensor? in_weight, Tensor? in_bias, float eps, bool rms, "
       "bool zero_centered_gamma) -> (Tensor normed, Tensor stats)");
-  // Gradients w.r.t. the streams (their pass-through gradient, [N, width], added after the norms'
-  // backward) and weight gradients [6, h] in dual_norm's order.
+  // Gradients w.r.t. the streams (their pass-through gradient, the streams' shape, added after the
+  // norms' backward) and the weights' gradients as dual_norm_backward's.
   m.def(
       "entry_norm_backward(Tensor? grad_streams_through, Tensor grad_normed, Tensor streams, Tensor stats, "
       "int hidden, Tensor x_weight, Tensor? x_bias, Tensor y_weight, Tensor? y_bias, "
       "Tensor? in_weight, Tensor? in_bias, bool rms, bool zero_centered_gamma) -> "
-      "(Tensor grad_streams, Tensor weight_grads)");
+      "(Tensor grad_streams, Tensor[] weight_grads)");
   // The hybrid variant's attention side as a layer's first sublayer: hybrid_dual_norm without base.
   m.def(
       "hybrid_entry_norm(Tensor streams, int hidden, Tensor x_scale, Tensor y_weight, Tensor? y_bias, "
@@ -483,7 +510,7 @@ TORCH_LIBRARY(megatron_siamese, m) {
   m.def(
       "hybrid_entry_norm_backward(Tensor? grad_streams_through, Tensor grad_normed, Tensor streams, "
       "Tensor stats, int hidden, Tensor x_scale, Tensor y_weight, Tensor? y_bias, bool rms, "
-      "bool zero_centered_gamma) -> (Tensor grad_streams, Tensor weight_grads)");
+      "bool zero_centered_gamma) -> (Tensor grad_streams, Tensor[] weight_grads)");
   // The boundary between two sublayers of a layer: the first's residual update from the layer's
   // streams (u = PostNorm_prev(x), or x without prev_x_weight; x' = u + z * inv_c, y' = y + z,
   // z = (out + bias) * mask * scale) and the second's norms of [x' | y']: base [N, 2h] =
@@ -493,14 +520,14 @@ TORCH_LIBRARY(megatron_siamese, m) {
       "int hidden, Tensor? prev_x_weight, Tensor? prev_x_bias, Tensor x_weight, Tensor? x_bias, "
       "Tensor y_weight, Tensor? y_bias, Tensor? in_weight, Tensor? in_bias, float eps, bool rms, "
       "bool zero_centered_gamma) -> (Tensor base, Tensor normed, Tensor stats)");
-  // Gradients w.r.t. the streams, out, bias (fp32 [h]; empty without a bias) and the weights
-  // [8, h] (fp32): prev_x_weight, prev_x_bias, then dual_norm's six.
+  // Gradients w.r.t. the streams, out, bias ([h] in its dtype; empty without a bias) and the weights
+  // given (each in its dtype), in the order prev_x_weight, prev_x_bias, then dual_norm's six.
   m.def(
       "residual_dual_norm_backward(Tensor? grad_base, Tensor grad_normed, Tensor streams, Tensor out, "
       "Tensor? bias, Tensor? mask, Tensor stats, float scale, float inv_c, int hidden, "
       "Tensor? prev_x_weight, Tensor? prev_x_bias, Tensor x_weight, Tensor? x_bias, Tensor y_weight, "
       "Tensor? y_bias, Tensor? in_weight, Tensor? in_bias, bool rms, bool zero_centered_gamma) -> "
-      "(Tensor grad_streams, Tensor grad_out, Tensor grad_bias, Tensor weight_grads)");
+      "(Tensor grad_streams, Tensor grad_out, Tensor grad_bias, Tensor[] weight_grads)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_siamese, CPU, m) {

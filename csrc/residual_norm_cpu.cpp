@@ -40,7 +40,7 @@ inline void residual_row(const T* x, const T* y, const T* out, const A* bias, co
 
 struct Residual {
   const void* out;
-  const void* bias;  // A, or null
+  const void* bias;  // A (widened: AccRows), or null
   const bool* mask;  // or null
   double scale, inv_c;
 };
@@ -57,9 +57,9 @@ struct BoundaryRows {
   const bool has_prev;
   const NormKind k;
 
-  BoundaryRows(const StreamRows& g, const Residual& res, const NormWeights& weights)
-      : g(g), res(res), h(g.hidden), width(g.width()), w(pointers_of<A>(weights)),
-        gp(data_or_null<A>(weights.prev_gamma)), bp(data_or_null<A>(weights.prev_beta)),
+  BoundaryRows(const StreamRows& g, const Residual& res, const NormWeights& weights, AccRows<A>& acc)
+      : g(g), res(res), h(g.hidden), width(g.width()), w(acc.norms(weights)),
+        gp(acc.row(weights.prev_gamma, weights.zero_centered)), bp(acc.row(weights.prev_beta)),
         has_prev(weights.prev_gamma.defined()), k{weights.has_input_norm(), weights.rms, false} {}
 
   // Row r's x2 = u + z / c and y2 = y + z, its dropout factors in keep; u from x with PostNorm_prev's
@@ -72,9 +72,9 @@ struct BoundaryRows {
 };
 
 template <typename T, typename A>
-void forward_rows(const T* streams, const StreamRows& g, const Residual& res, const NormWeights& weights, A eps,
-                  T* base, T* normed, A* stats) {
-  const BoundaryRows<T, A> rows(g, res, weights);
+void forward_rows(const T* streams, const StreamRows& g, const Residual& res, const NormWeights& weights,
+                  AccRows<A>& acc, A eps, T* base, T* normed, A* stats) {
+  const BoundaryRows<T, A> rows(g, res, weights, acc);
   const int64_t h = rows.h, width = rows.width;
   at::parallel_for(0, g.rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> scratch(5 * h);
@@ -100,10 +100,10 @@ constexpr int64_t kPartRows = kBoundaryWeightGrads + 1;
 
 template <typename T, typename A>
 void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, const A* stats, const StreamRows& g,
-                   const Residual& res, const NormWeights& weights, T* grad_streams, T* grad_out, A* grad_bias,
-                   A* weight_grads) {
+                   const Residual& res, const NormWeights& weights, AccRows<A>& acc, T* grad_streams, T* grad_out,
+                   const torch::Tensor& grad_bias, const std::vector<torch::Tensor>& weight_grads) {
   using Vec = at::vec::Vectorized<A>;
-  const BoundaryRows<T, A> boundary(g, res, weights);
+  const BoundaryRows<T, A> boundary(g, res, weights, acc);
   const int64_t h = boundary.h, width = boundary.width, rows = g.rows;
   const A *gp = boundary.gp, *bp = boundary.bp, *bias = static_cast<const A*>(res.bias);
   const auto [blocks, rows_per_block] = row_blocks(rows);
@@ -152,16 +152,15 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
       }
     }
   });
-  std::vector<A> totals(kPartRows * h, A(0));
-  sum_partials(partials, blocks, kPartRows * h, totals.data());
-  std::copy(totals.begin(), totals.begin() + kBoundaryWeightGrads * h, weight_grads);
-  if (grad_bias) std::copy(totals.end() - h, totals.end(), grad_bias);
+  std::vector<torch::Tensor> sums = weight_grads;  // the partial rows' order: the weights, then the bias
+  sums.push_back(grad_bias);
+  write_sums(partials, blocks, h, sums);
 }
 
-Residual residual_of(const torch::Tensor& out, const torch::Tensor& bias, const torch::Tensor& mask, double scale,
+// ``bias``: widened to the accumulation type (AccRows::row), or null.
+Residual residual_of(const torch::Tensor& out, const void* bias, const torch::Tensor& mask, double scale,
                      double inv_c) {
-  return {out.data_ptr(), bias.defined() ? bias.data_ptr() : nullptr,
-          mask.defined() ? mask.data_ptr<bool>() : nullptr, scale, inv_c};
+  return {out.data_ptr(), bias, mask.defined() ? mask.data_ptr<bool>() : nullptr, scale, inv_c};
 }
 
 }  // namespace
@@ -172,8 +171,9 @@ void CpuKernels::residual_dual_norm(const torch::Tensor& streams, const torch::T
                                     torch::Tensor& stats) {
   SIAMESE_DISPATCH(streams.scalar_type(), "residual_dual_norm_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
-    forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), g, residual_of(out, bias, mask, scale, inv_c), w,
-                              static_cast<A>(eps), base.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(),
+    AccRows<A> acc(g.hidden);
+    forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), g, residual_of(out, acc.row(bias), mask, scale, inv_c), w,
+                              acc, static_cast<A>(eps), base.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(),
                               stats.data_ptr<A>());
   });
 }
@@ -184,14 +184,15 @@ void CpuKernels::residual_dual_norm_backward(const torch::Tensor& grad_base, con
                                              const torch::Tensor& stats, double scale, double inv_c,
                                              const StreamRows& g, const NormWeights& w, torch::Tensor& grad_streams,
                                              torch::Tensor& grad_out, torch::Tensor& grad_bias,
-                                             torch::Tensor& weight_grads) {
+                                             std::vector<torch::Tensor>& weight_grads) {
   SIAMESE_DISPATCH(streams.scalar_type(), "residual_dual_norm_backward_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
+    AccRows<A> acc(g.hidden);
     backward_rows<scalar_t, A>(grad_base.defined() ? grad_base.data_ptr<scalar_t>() : nullptr,
                                grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(), stats.data_ptr<A>(), g,
-                               residual_of(out, bias, mask, scale, inv_c), w, grad_streams.data_ptr<scalar_t>(),
-                               grad_out.data_ptr<scalar_t>(), grad_bias.defined() ? grad_bias.data_ptr<A>() : nullptr,
-                               weight_grads.data_ptr<A>());
+                               residual_of(out, acc.row(bias), mask, scale, inv_c), w, acc,
+                               grad_streams.data_ptr<scalar_t>(), grad_out.data_ptr<scalar_t>(), grad_bias,
+                               weight_grads);
   });
 }
 

@@ -37,7 +37,7 @@ general::Boundary<T, A> boundary_of(const torch::Tensor& out, const torch::Tenso
 }  // namespace
 
 // The CPU twins (residual_norm_cpu.cpp) have these signatures: one host layer, a kernel set per device.
-void CudaKernels::residual_dual_norm(const torch::Tensor& streams, const torch::Tensor& out, const torch::Tensor& bias,
+void CudaAccKernels::residual_dual_norm(const torch::Tensor& streams, const torch::Tensor& out, const torch::Tensor& bias,
                                      const torch::Tensor& mask, double scale, double inv_c, const StreamRows& g,
                                      const NormWeights& w, double eps, torch::Tensor& base, torch::Tensor& normed,
                                      torch::Tensor& stats) {
@@ -54,7 +54,7 @@ void CudaKernels::residual_dual_norm(const torch::Tensor& streams, const torch::
   });
 }
 
-void CudaKernels::residual_dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
+void CudaAccKernels::residual_dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
                                               const torch::Tensor& streams, const torch::Tensor& out,
                                               const torch::Tensor& bias, const torch::Tensor& mask,
                                               const torch::Tensor& stats, double scale, double inv_c,

@@ -286,11 +286,12 @@ def test_bad_input_is_refused_by_name(device):
         return op(args["streams"], args["out"], args["bias"], args["mask"], SCALE, INV_C, 16, *args["weights"], EPS,
                   False, False)
 
-    with pytest.raises(RuntimeError, match=r"residual_dual_norm: out must be \[rows, hidden\] = \[4, 16\]"):
+    with pytest.raises(RuntimeError, match=r"residual_dual_norm: out must be the streams' leading shape and hidden "
+                                           r"wide, \[4, 16\], got \[3, 16\]"):
         call(out=out[:3])
     with pytest.raises(RuntimeError, match=r"residual_dual_norm: out \(Half\) must be in the streams' dtype"):
         call(out=out.half())
-    with pytest.raises(RuntimeError, match=r"residual_dual_norm: mask must be bool \[rows, hidden\]"):
+    with pytest.raises(RuntimeError, match=r"residual_dual_norm: mask must be bool with out's shape"):
         call(mask=mask.float())
     with pytest.raises(RuntimeError, match="residual_dual_norm: prev_x_bias without prev_x_weight"):
         call(weights=[None] + weights[1:])
@@ -303,7 +304,8 @@ def test_bad_input_is_refused_by_name(device):
     with pytest.raises(RuntimeError, match="residual_dual_norm_backward: stats must be the forward's"):
         backward(base, normed, streams, out, bias, mask, stats[:, :6].contiguous(), SCALE, INV_C, 16, *weights, False,
                  False)
-    with pytest.raises(RuntimeError, match=r"residual_dual_norm_backward: grad_normed must be \[rows, hidden\]"):
+    with pytest.raises(RuntimeError, match=r"residual_dual_norm_backward: grad_normed must be \[\.\.\., hidden\] "
+                                           r"\(the streams' leading shape\), got \[4, 32\]"):
         backward(base, base, streams, out, bias, mask, stats, SCALE, INV_C, 16, *weights, False, False)
     with pytest.raises(RuntimeError, match=r"entry_norm_backward: grad_streams_through must be the streams' shape"):
         torch.ops.megatron_siamese.entry_norm_backward(normed, normed, streams, stats[:, :6].contiguous(), 16,

@@ -21,21 +21,12 @@ def accumulation(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def weight_grads(ctx, weights, grads, first_input: int) -> list:
-    """The norm weights' gradients an op's backward returns, from the rows of its one accumulation
-    buffer: each in its weight's dtype and a tensor of its own (a view would keep the whole buffer,
-    the unused rows too, alive as long as the gradient: FSDP2 holds it until its reduce-scatter),
-    None where ``ctx`` needs none (the weights are the op's inputs from ``first_input`` on)."""
-    return [None if w is None or not ctx.needs_input_grad[first_input + i] else g.to(w.dtype, copy=True)
-            for i, (w, g) in enumerate(zip(weights, grads))]
-
-
 def check_streams(streams: Tensor, hidden: int, op: str = "dual_norm") -> None:
-    torch._check(streams.dim() == 2, lambda: f"{op}: streams must be 2-D [rows, width], got {tuple(streams.shape)}")
+    torch._check(streams.dim() >= 1, lambda: f"{op}: streams must be [..., width], got a scalar")
     torch._check(hidden > 0, lambda: f"{op}: hidden must be positive, got {hidden}")
-    torch._check(streams.shape[1] in (hidden, 2 * hidden),
+    torch._check(streams.shape[-1] in (hidden, 2 * hidden),
                  lambda: f"{op}: streams width must be hidden (first layer) or 2 * hidden (packed "
-                         f"[x | y]); got width {streams.shape[1]} for hidden {hidden}")
+                         f"[x | y]); got width {streams.shape[-1]} for hidden {hidden}")
     torch._check(streams.dtype in FLOATS,
                  lambda: f"{op}: streams must be float32, bfloat16, float16 or float64, got {streams.dtype}")
 
@@ -62,14 +53,24 @@ def check_weights(streams: Tensor, hidden: int, rms: bool, **weights: Optional[T
                  lambda: "dual_norm: in_bias without in_weight")
 
 
+def rows(streams: Tensor) -> int:
+    """How many rows the streams [..., width] hold."""
+    return streams.numel() // streams.shape[-1]
+
+
+def leading(tensor: Tensor, last: int) -> tuple:
+    """``tensor``'s leading shape with ``last`` as its last dimension."""
+    return (*tensor.shape[:-1], last)
+
+
+def statistics(streams: Tensor, per_row: int) -> Tensor:
+    return streams.new_empty((rows(streams), per_row), dtype=accumulation(streams))
+
+
 def norm_outputs(streams: Tensor, hidden: int):
     """(base, normed, stats) as both norm ops return them."""
-    rows = streams.shape[0]
-    return (
-        streams.new_empty((rows, 2 * hidden)),
-        streams.new_empty((rows, hidden)),
-        streams.new_empty((rows, 6), dtype=accumulation(streams)),
-    )
+    return streams.new_empty(leading(streams, 2 * hidden)), streams.new_empty(leading(streams, hidden)), \
+        statistics(streams, 6)
 
 
 def check_hybrid_weights(streams: Tensor, hidden: int, x_scale, y_weight, y_bias, rms: bool) -> None:
@@ -92,12 +93,11 @@ def check_hybrid_norm_call(op: str, streams: Tensor, hidden: int, x_scale, y_wei
     check_hybrid_weights(streams, hidden, x_scale, y_weight, y_bias, rms)
 
 
-def register_norm_fakes(op: str, check: Callable, outputs: Callable, backward_outputs: Callable,
-                        weight_rows: int) -> None:
+def register_norm_fakes(op: str, check: Callable, outputs: Callable, backward_outputs: Callable) -> None:
     """The fakes of a norm op with ``dual_norm``'s or ``hybrid_dual_norm``'s arguments (``check``
     checks them by ``op``'s name; ``outputs(streams, hidden)`` shapes its outputs) and of its
     ``*_backward``: ``backward_outputs(op_backward, grad, grad_normed, streams, stats, hidden,
-    weight_rows)``, ``weight_rows`` being the op's weight count."""
+    weights)``, ``weights`` being the op's weight arguments (None where absent)."""
 
     @torch.library.register_fake(f"megatron_siamese::{op}")
     def forward(streams, hidden, *weights_and_flags):
@@ -106,4 +106,9 @@ def register_norm_fakes(op: str, check: Callable, outputs: Callable, backward_ou
 
     @torch.library.register_fake(f"megatron_siamese::{op}_backward")
     def backward(grad, grad_normed, streams, stats, hidden, *weights_and_flags):
-        return backward_outputs(f"{op}_backward", grad, grad_normed, streams, stats, hidden, weight_rows)
+        return backward_outputs(f"{op}_backward", grad, grad_normed, streams, stats, hidden, weights_and_flags[:-2])
+
+
+def weight_grad_outputs(weights) -> list:
+    """The backward ops' weight gradients: one per weight given, in its dtype."""
+    return [torch.empty_like(w) for w in weights if w is not None]
