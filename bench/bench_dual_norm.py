@@ -4,7 +4,7 @@
     python bench/bench_dual_norm.py --device cuda   # GPU: GPU_CASES (or --shapes / --dtypes)
 
 On a GPU the fused column runs the CUDA kernels MEGATRON_SIAMESE_CUDA_KERNELS names (verified,
-the default, or tiled); bench/gpu/kernels.py times both generations in one process.
+the default, or tiled); bench/gpu/kernel_bench.py times both generations in one process.
 
 Three implementations of the same math, measured in one run:
   eager    the PyTorch composition the layer uses without the extension (TorchSublayer)

@@ -195,6 +195,16 @@ def test_scripts_parse():
     assert process.returncode == 0 and "--tier" in process.stdout and "--rehearse" in process.stdout
 
 
+def test_the_kit_on_the_path_shadows_no_package_transformers_probes():
+    """The driver puts bench/gpu on sys.path, here and in every rank this process starts. A module
+    there named like a package Transformers probes for (Hugging Face's ``kernels``: 5.25 imports it
+    whenever it is found) broke every export test after the kit had been loaded (CI, 2026-12-05)."""
+    pytest.importorskip("transformers")
+    process = subprocess.run([sys.executable, "-c", "import transformers.modeling_utils"], capture_output=True,
+                             text=True, env={**os.environ, "PYTHONPATH": str(BENCH)}, timeout=120)
+    assert process.returncode == 0, process.stderr[-2000:]
+
+
 def test_source_hash_follows_what_the_extension_is_compiled_from(tmp_path):
     shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
     setup_py = (ROOT / "setup.py").read_text()
@@ -376,22 +386,22 @@ def test_model_bench_rehearsal_runs_megatrons_step_on_cpu(tmp_path):
 
 
 def test_kernel_bench_rows_per_generation(monkeypatch):
-    """kernels.py's rows for one case on CPU (eager standing in for torch.compile, which would
+    """kernel_bench.py's rows for one case on CPU (eager standing in for torch.compile, which would
     take a minute here): per pass one row per kernel generation, in today's row shape."""
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    kernels = load("kernels")
+    kernel_bench = load("kernel_bench")
     import bench_dual_norm as bench
 
     impls = {"eager": bench.eager_sublayer, "compile": bench.eager_sublayer}
-    rows = kernels.bench_case(bench, impls, (16, 64, "bf16"), "cpu", repeat=1, copy=1e10, profile=True)
+    rows = kernel_bench.bench_case(bench, impls, (16, 64, "bf16"), "cpu", repeat=1, copy=1e10, profile=True)
     assert [(r["pass"], r["kernels"]) for r in rows] == [("fwd", "verified"), ("fwd+bwd", "verified"),
                                                          ("fwd", "tiled"), ("fwd+bwd", "tiled")]
     for row in rows:
         assert {"shape", "dtype", "pass", "fused_share_of_copy", "compile_over_fused", "repeat"} <= set(row)
         assert any("dual_norm" in k["name"] for k in row["profile"])
     assert os.environ.get("MEGATRON_SIAMESE_CUDA_KERNELS") is None  # the generation is set only while timed
-    summaries, errors = kernels.sanitizer_lines("\n".join([
+    summaries, errors = kernel_bench.sanitizer_lines("\n".join([
         "========= COMPUTE-SANITIZER", "========= Invalid __global__ read of size 4 bytes",
         "=========     at dual_norm_forward+0x40", "=========", "========= ERROR SUMMARY: 1 error", "1 passed"]))
     assert summaries == ["========= ERROR SUMMARY: 1 error"]

@@ -1,7 +1,7 @@
 """What the GPU kit's measurement steps share: their command line, one rank of Megatron, timing.
 
 Every step is a function ``step(rehearse: bool) -> dict`` in one of the step modules
-(kernels.py, layers.py, model_bench.py, training.py, te_parity.py), run by the driver as its
+(kernel_bench.py, layers.py, model_bench.py, training.py, te_parity.py), run by the driver as its
 own process:
 
     python bench/gpu/<module>.py <step> --result FILE [--rehearse]

@@ -15,7 +15,7 @@
                         as a share of a copy measured in the same process, and the fused ops'
                         kernels with their device time (torch.profiler, repeat 1)
 
-    python bench/gpu/kernels.py kernel-bench --result out.json [--rehearse]
+    python bench/gpu/kernel_bench.py kernel-bench --result out.json [--rehearse]
 """
 
 from __future__ import annotations
