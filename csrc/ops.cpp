@@ -139,10 +139,12 @@ struct WeightGrads {
   std::vector<torch::Tensor> slots, present;
 };
 
+// Outputs come from torch::empty, not empty_like (which dispatches empty_strided too): one operator
+// per allocation, for a host-bound layer; every tensor they are shaped after is contiguous.
 WeightGrads weight_grads_for(std::initializer_list<const torch::Tensor*> weights) {
   WeightGrads g;
   for (const torch::Tensor* w : weights) {
-    g.slots.push_back(w->defined() ? torch::empty_like(*w) : torch::Tensor());
+    g.slots.push_back(w->defined() ? torch::empty(w->sizes(), w->options()) : torch::Tensor());
     if (w->defined()) g.present.push_back(g.slots.back());
   }
   return g;
@@ -168,7 +170,7 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> norm_backward(const char* 
   check_stats(op, stats, streams, geometry.rows, kStatsPerRow);
   auto gb = grad_base.defined() ? grad_base.contiguous() : grad_base;
   auto gn = grad_normed.contiguous();
-  auto grad_streams = torch::empty_like(streams);
+  auto grad_streams = torch::empty(streams.sizes(), streams.options());
   WeightGrads grads = weight_grads_for({&weights.x_gamma, &weights.x_beta, &weights.y_gamma, &weights.y_beta,
                                         &weights.in_gamma, &weights.in_beta});
   if (geometry.rows > 0) {
@@ -366,9 +368,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tenso
   check_gradient(op, "grad_base", gb, streams, 2 * hidden, "[..., 2 * hidden]");
   check_gradient(op, "grad_normed", grad_normed, streams, hidden, "[..., hidden]");
   check_stats(op, stats, streams, g.rows, kBoundaryStatsPerRow);
-  auto grad_streams = torch::empty_like(streams);
+  auto grad_streams = torch::empty(streams.sizes(), streams.options());
   auto grad_out = torch::empty(rows_of(streams, hidden), streams.options());
-  auto grad_bias = r.bias.defined() ? torch::empty_like(r.bias)
+  auto grad_bias = r.bias.defined() ? torch::empty(r.bias.sizes(), r.bias.options())
                                     : torch::empty({0}, streams.options().dtype(accumulation_type(streams)));
   WeightGrads grads = weight_grads_for({&w.prev_gamma, &w.prev_beta, &w.x_gamma, &w.x_beta, &w.y_gamma, &w.y_beta,
                                         &w.in_gamma, &w.in_beta});
@@ -407,7 +409,7 @@ torch::Tensor dual_residual(const torch::Tensor& base, const torch::Tensor& out,
     m = m.contiguous();
   }
   auto base_c = base.contiguous();
-  auto packed = torch::empty_like(base_c);
+  auto packed = torch::empty(base_c.sizes(), base_c.options());
   if (out.numel() > 0) Kernels::dual_residual(base_c, out.contiguous(), b, m, scale, inv_c, packed);
   return packed;
 }
