@@ -1,9 +1,10 @@
 """The fused SiameseNorm ops from csrc/, as torch.library custom ops.
 
-``torch.ops.megatron_siamese.dual_norm`` / ``hybrid_dual_norm`` / ``dual_residual`` (and their
-backward ops) are defined in C++ (csrc/ops.cpp) with CPU and, when built with CUDA, CUDA kernels.
-``megatron_siamese.ops.fused`` registers their fake (meta) implementations and autograd, so
-they work under autograd, ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)``.
+``torch.ops.megatron_siamese.dual_norm`` / ``hybrid_dual_norm`` / ``dual_residual``, the boundary
+ops (``entry_norm``, ``residual_dual_norm``, ``layer_entry``, ...) and their backward ops are
+defined in C++ (csrc/ops.cpp) with CPU and, when built with CUDA, CUDA kernels, and their autograd
+in C++ too (csrc/autograd.cpp). ``megatron_siamese.ops.fused`` registers their fake (meta)
+implementations, so they work under ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def load_error() -> Optional[str]:
             f"the megatron_siamese._C extension is not built ({error}); install the package with "
             "`pip install --no-build-isolation -e .`"
         )
-    from megatron_siamese.ops import fused  # noqa: F401  (fake and autograd registrations)
+    from megatron_siamese.ops import fused  # noqa: F401  (the fake registrations)
 
     return None
 
