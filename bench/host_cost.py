@@ -85,18 +85,22 @@ def dispatched_ops(layer, config, inputs, grad) -> int:
 class Case:
     """One variant's layer and inputs, ready to run forward + backward again and again."""
 
-    def __init__(self, variant, spec_kind: str, dtype: str, hidden: int, seq: int, batch: int):
-        self.variant = variant
-        self.layer, self.config = build_layer(variant, spec_kind, hidden, seq, dtype)
+    def __init__(self, variant, spec_kind: str, dtype: str, hidden: int, seq: int, batch: int,
+                 device: str = "cpu"):
+        self.variant, self.device = variant, torch.device(device)
+        layer, self.config = build_layer(variant, spec_kind, hidden, seq, dtype)
+        self.layer = layer.to(self.device)
         width = hidden if variant.norm == "pre" else 2 * hidden
         dtype = self.config.params_dtype
-        self.inputs = torch.randn(seq, batch, width, dtype=dtype, requires_grad=True)
-        self.grad = torch.randn(seq, batch, width, dtype=dtype)
+        self.inputs = torch.randn(seq, batch, width, dtype=dtype, device=self.device, requires_grad=True)
+        self.grad = torch.randn(seq, batch, width, dtype=dtype, device=self.device)
 
     def step(self) -> float:
         start = time.perf_counter()
         _, backward = run_layer(self.layer, self.config, self.inputs, self.grad)
         backward()
+        if self.device.type == "cuda":  # at this shape the kernels finish behind their launches
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def counts(self):
@@ -106,16 +110,19 @@ class Case:
         return dispatched_ops(self.layer, self.config, self.inputs, self.grad), nodes
 
 
-def measure(spec_kind: str, dtype: str, args) -> dict:
+def measure(spec_kind: str, dtype: str, hidden: int = 64, seq: int = 8, batch: int = 1, repeats: int = 200,
+            device: str = "cpu") -> dict:
+    """One spec and dtype: {variant: ms, ops, nodes, python_nodes and their ratios to stock}. On
+    "cuda" (the GPU kit's host-cost step) the same layers run there, each pass synchronized."""
     from te_stand_ins import stood_in
 
     with (stood_in() if spec_kind == "te" else contextlib.nullcontext()):
-        cases = [Case(v, spec_kind, dtype, args.hidden, args.seq, args.batch) for v in VARIANTS]
+        cases = [Case(v, spec_kind, dtype, hidden, seq, batch, device) for v in VARIANTS]
         for case in cases:  # warm-up: first calls build caches, load kernels
             for _ in range(5):
                 case.step()
         times = {case.variant.name: [] for case in cases}
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for case in cases:
                 times[case.variant.name].append(case.step())
         rows = {}
@@ -146,7 +153,8 @@ def main():
           f"median of {args.repeats} interleaved repeats")
     for spec_kind in ("local", "te"):
         for dtype in ("fp32", "bf16"):
-            rows = results[f"{spec_kind}/{dtype}"] = measure(spec_kind, dtype, args)
+            rows = results[f"{spec_kind}/{dtype}"] = measure(spec_kind, dtype, args.hidden, args.seq, args.batch,
+                                                             args.repeats)
             title = "local spec" if spec_kind == "local" else "TE spec's op structure (TE stood in)"
             print(f"\n{title}, {dtype}")
             print(f"{'variant':<16} {'host ms':>8} {'vs stock':>9} {'ops':>5} {'vs stock':>9} {'nodes':>6} {'Python':>7}")

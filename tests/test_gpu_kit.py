@@ -367,6 +367,17 @@ def test_moe_training_rehearsal_trains_an_moe_model_and_reads_its_routers(tmp_pa
     assert "Transformer Engine" in record["stopped_at_gpu"]
 
 
+def test_host_cost_rehearsal_counts_the_layers_in_a_rank(tmp_path):
+    """The host-cost step's CPU form: bench/host_cost.py's layers in one rank (on the GPU the same,
+    on cuda), every spec, dtype and variant, with stock's counts to compare against."""
+    record = step_rehearsal("layers.py", "host-cost", tmp_path)
+    assert set(record["rows"]) == {"local/fp32", "local/bf16", "te/fp32", "te/bf16"}
+    for variants in record["rows"].values():
+        assert set(variants) == {"stock", "siamese-torch", "siamese-apart", "siamese-joined"}
+        assert variants["stock"]["ops_ratio"] == 1.0 and variants["siamese-joined"]["ops"] > variants["stock"]["ops"]
+        assert all(row["ms"] > 0 and row["python_nodes"] <= row["nodes"] for row in variants.values())
+
+
 def test_model_bench_rehearsal_runs_megatrons_step_on_cpu(tmp_path):
     """The model bench at a tiny size with the local modules: MegatronGPT's schedule step timed
     for stock and SiameseNorm (both kernel generations, twice), with layernorm recompute too;
@@ -420,6 +431,9 @@ def synthetic_results() -> dict:
                 **({"profile": [{"name": "void megatron_siamese::dual_norm_fwd<c10::BFloat16, 8>(float*, int)",
                                  "us": 512.5, "launches": 1.0}]} if repeat == 1 else {})}
 
+    def host(ms, ops, python):  # a bench/host_cost.py row, its stock 1.0 ms and 746 ops
+        return {"ms": ms, "ops": ops, "nodes": 37, "python_nodes": python, "time_ratio": ms, "ops_ratio": ops / 746}
+
     def timing(ms, ratios=None, **extra):
         record = {"ms": sum(ms) / len(ms), "ms_repeats": ms, **extra}
         return dict(record, ratios=ratios, ratio_to_stock=max(ratios)) if ratios else record
@@ -461,6 +475,9 @@ def synthetic_results() -> dict:
                      "siamese_fused": timing([153.0, 156.0], [1.02, 1.033], peak_mib=43008.0, kernels="verified",
                                              memory_ratio_to_stock=1.05)}]}),
                 "te-vs-local": ok({**parity(0.007, True), "hybrid": parity(0.03, False)}),
+                "host-cost": ok({"rows": {"local/bf16": {
+                    "stock": host(1.0, 746, 8), "siamese-torch": host(1.3, 1078, 8),
+                    "siamese-apart": host(1.06, 752, 8), "siamese-joined": host(1.04, 755, 8)}}}),
             }}
 
 
@@ -492,6 +509,9 @@ def test_report_renders_every_field_against_the_targets():
     assert "1.020x / 1.033x" in lines[model] and "1.050x" in lines[model] and verdict(model) == "**missed**"
     assert verdict("TE vs local, bf16") == "met" and verdict("TE vs local, bf16, hybrid variant") == "**missed**"
     assert "logits 0.03" in lines["TE vs local, bf16, hybrid variant"]
+    assert verdict("host cost local/bf16 siamese-joined") == "met"
+    assert verdict("host cost local/bf16 siamese-apart") == "**missed**"  # 1.06x the host time of stock
+    assert "ops 755 vs 746 = 1.012x" in lines["host cost local/bf16 siamese-joined"]
 
 
 def test_report_renders_the_first_runs_files():

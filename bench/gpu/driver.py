@@ -71,6 +71,8 @@ STEPS = (
     Step("kernel-bench", "kernel_bench.py", 1, 300, needs=KIT, expected_s=130, min_s=60),
     Step("layer-bench", "layers.py", 1, 150, needs=KIT, expected_s=35, min_s=40),
     Step("train-bf16", "training.py", 1, 240, needs=KIT, expected_s=85, min_s=110),
+    # new (issue 50): the CPU's host-cost bench with its layers on the GPU; never run there yet
+    Step("host-cost", "layers.py", 1, 90, needs=KIT, expected_s=30, min_s=40),
     Step("te-extension", "setup_steps.py", 2, 420, needs=("install-kit",), expected_s=22),
     Step("te-layer-bench", "layers.py", 2, 180, needs=TE, te=True, expected_s=50, min_s=40),
     Step("model-bench", "model_bench.py", 2, 330, needs=TE, te=True, expected_s=210, min_s=90),

@@ -6,6 +6,8 @@
     te-layer-bench   tier 2, Transformer Engine modules at the same shapes (16 / 32 heads), bf16,
                      FP8 delayed and FP8 current (tensorwise) scaling, SiameseNorm with the
                      fused ops per generation; targets <= 1.03x at h 2048, <= 1.02x at h 4096
+    host-cost        tier 1, bench/host_cost.py's layers (h 64, seq 8) on the GPU: host time, ops
+                     and autograd nodes beside stock; targets <= 1.05x time, <= 1.10x ops
 
 Both layers are built from their specs exactly as a GPTModel builds them, with global layer
 number 2 of 4 (so SiameseNorm gets packed [s, b, 2h] streams, as every layer but the first
@@ -28,8 +30,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from common import (PRECISIONS, NeedsGPU, cuda_kernels, one_rank, repeated, require_gpu, seconds_left, step_main,
-                    time_ms)
+from common import (PRECISIONS, ROOT, NeedsGPU, cuda_kernels, one_rank, repeated, require_gpu, seconds_left,
+                    step_main, time_ms)
 
 LAYER_NUMBER, NUM_LAYERS = 2, 4
 ITERS, WARMUP, REPEATS = 20, 5, 2
@@ -223,7 +225,29 @@ def te_layer_bench(rehearse: bool) -> dict:
     return {**result, "iters": ITERS, "warmup": WARMUP, "repeats": REPEATS}
 
 
-STEPS = {"layer-bench": layer_bench, "te-layer-bench": te_layer_bench}
+def host_rows(device: str, repeats: int) -> dict:
+    """bench/host_cost.py's rows, in this rank: {"local/bf16": {variant: row}, ...}."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    import host_cost
+
+    return {f"{spec}/{dtype}": host_cost.measure(spec, dtype, repeats=repeats, device=device)
+            for spec in ("local", "te") for dtype in ("fp32", "bf16")}
+
+
+def host_cost_step(rehearse: bool) -> dict:
+    """host-cost (tier 1): the CPU's host-cost bench (docs/kernels.md, "The host's share") with
+    its layers on the GPU, each pass synchronized: at h 64 the kernels finish behind their
+    launches, so the time is the host's. The TE spec's op structure is stood in, as on CPU."""
+    if not rehearse:
+        require_gpu(False, "the host-cost bench")
+    repeats = HOST_COST_REHEARSAL_REPEATS if rehearse else HOST_COST_REPEATS
+    rows = one_rank(host_rows, "cpu" if rehearse else "cuda", repeats)
+    return {"rows": rows, "repeats": repeats, "hidden": 64, "seq": 8}
+
+
+HOST_COST_REPEATS, HOST_COST_REHEARSAL_REPEATS = 200, 3
+STEPS = {"layer-bench": layer_bench, "te-layer-bench": te_layer_bench, "host-cost": host_cost_step}
 
 if __name__ == "__main__":
     sys.exit(step_main(STEPS))

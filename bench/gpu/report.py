@@ -24,6 +24,8 @@ TARGETS = {  # issue 16's targets
     "local_layer_ratio": 1.05,
     "model_step_ratio": 1.03,
     "plan_peak_share": 0.05,  # issue 40: the plan's per-GPU total within 5% of torch.cuda.max_memory_allocated
+    "host_time_ratio": 1.05,  # issue 50: a layer's host time / stock's at h 64 (bench/host_cost.py)
+    "host_ops_ratio": 1.10,  # ... operators dispatched / stock's
 }
 
 
@@ -247,6 +249,24 @@ def plan_peaks(figures: Figures, row: dict, prefix: str) -> None:
                     abs(timing["peak_over_plan"] - 1) <= TARGETS["plan_peak_share"])
 
 
+def host_cost(figures: Figures, rows: dict) -> None:
+    """bench/host_cost.py's rows on the GPU: each SiameseNorm variant's host time and operators
+    against stock's, and its Python autograd nodes against stock's."""
+    for case, variants in rows.items():
+        stock = variants["stock"]
+        for name, row in variants.items():
+            if name in ("stock", "siamese-torch"):
+                continue
+            figures.add(f"host cost {case} {name}",
+                        f"{row['ms']:.3f} vs stock {stock['ms']:.3f} ms = {row['time_ratio']:.3f}x; ops "
+                        f"{row['ops']} vs {stock['ops']} = {row['ops_ratio']:.3f}x; Python nodes "
+                        f"{row['python_nodes']} vs {stock['python_nodes']}",
+                        f"<= {TARGETS['host_time_ratio']}x time, <= {TARGETS['host_ops_ratio']}x ops, Python "
+                        f"nodes <= stock's",
+                        row["time_ratio"] <= TARGETS["host_time_ratio"] and row["ops_ratio"] <= TARGETS["host_ops_ratio"]
+                        and row["python_nodes"] <= stock["python_nodes"])
+
+
 def figures(steps: dict, rehearsal: bool) -> List[str]:
     table = Figures(rehearsal)
     tests = result(steps, "kernel-tests")
@@ -259,6 +279,7 @@ def figures(steps: dict, rehearsal: bool) -> List[str]:
     for step in ("layer-bench", "te-layer-bench"):
         layer_bench(table, result(steps, step).get("rows", []))
     model_bench(table, result(steps, "model-bench"))
+    host_cost(table, result(steps, "host-cost").get("rows", {}))
     train = result(steps, "train-bf16")
     if "final_val_loss" in train:
         table.add(f"bf16 training, ~{train['estimated_parameters'] / 1e6:.0f}M params, {train['steps']} steps",
