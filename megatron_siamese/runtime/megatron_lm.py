@@ -32,11 +32,19 @@ SERVER_HOST_ENV = "MEGATRON_SIAMESE_SERVER_HOST"  # where a text generation serv
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
+    script = os.path.abspath(sys.argv[1])
+    sys.argv = [script, *sys.argv[2:]]
+    sys.path.insert(0, os.path.dirname(script))  # its megatron.training, before the patches below
+    serve_megatron_training_on_cpu()
+    _serve_on_localhost()
+    runpy.run_path(script, run_name="__main__")
+
+
+def serve_megatron_training_on_cpu() -> None:
+    """The CPU shim, and what Megatron-LM's training loop (not megatron-core) asks of CUDA served
+    on CPU: it asserts CUDA and reads device properties and memory statistics."""
     os.environ[cpu_shim.ENV_VAR] = "1"
     cpu_shim.install()
-    # Megatron-LM's training loop (not megatron-core) asserts CUDA and reads device
-    # properties and memory statistics; with the shim installed the rest of what it asks
-    # of CUDA is served on CPU.
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1  # it sets up model parallelism only with a device
     torch.cuda.set_device = lambda *args, **kwargs: None
@@ -57,9 +65,6 @@ def main() -> None:
         original_loader_init(self, *args, **{**kwargs, "pin_memory": False})
 
     torch.utils.data.DataLoader.__init__ = loader_init
-    script = os.path.abspath(sys.argv[1])
-    sys.argv = [script, *sys.argv[2:]]
-    sys.path.insert(0, os.path.dirname(script))
     try:  # its legacy fused-kernel hook only probes nvcc's version (and needs CUDA_HOME)
         from megatron.legacy import fused_kernels
 
@@ -68,8 +73,25 @@ def main() -> None:
         pass
     _keep_built_dataset_helpers()
     _warm_up_without_drawing_the_init()
-    _serve_on_localhost()
-    runpy.run_path(script, run_name="__main__")
+    _build_loaders_without_drawing_dropout()
+
+
+def _build_loaders_without_drawing_dropout() -> None:
+    """On CPU, dropout draws from torch's CPU generator, and so does each ``iter(DataLoader)`` (its
+    base seed). ``pretrain()`` restores a checkpoint's RNG state before it builds the data
+    iterators, so a resumed run drew other dropout masks than the uninterrupted one. The
+    iterators are built on a forked RNG state (0.17+: ``megatron.training`` in the wheel)."""
+    try:
+        from megatron.training import training
+    except ImportError:
+        return
+    build = training.build_train_valid_test_data_iterators
+
+    def build_on_forked_rng(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return build(*args, **kwargs)
+
+    training.build_train_valid_test_data_iterators = build_on_forked_rng
 
 
 def _warm_up_without_drawing_the_init() -> None:

@@ -1,0 +1,153 @@
+"""Megatron's own training loop with the SiameseNorm layer: ``megatron.training.pretrain`` and
+Megatron-LM's flags, our model provider, forward step and dataset provider (megatron-core >= 0.17,
+whose wheel ships ``megatron.training``).
+
+    torchrun --nproc-per-node 2 -m megatron_siamese.runtime.pretrain --tensor-model-parallel-size 2 \\
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
+        --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 --mock-data \\
+        --tokenizer-type NullTokenizer --vocab-size 512 --train-iters 10 --lr 1e-3 --log-interval 1
+
+Every flag is Megatron-LM's and means what it means there. The layer is
+``megatron_siamese.specs.siamese_layer_spec`` (``siamese_te_layer_spec`` with
+``--transformer-impl transformer_engine``), or the ``--spec MODULE NAME`` given. Data:
+``--mock-data`` or ``--data-path`` (a Megatron indexed dataset). Without a GPU it runs on CPU
+with gloo, through the CPU shim (megatron_lm.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from functools import partial
+
+# read by torch at import: before anything imports it (as runtime/megatron_lm.py does)
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+import torch  # noqa: E402
+
+from megatron_siamese import device  # noqa: E402
+
+NEEDS = "megatron-core >= 0.17 (its wheel ships megatron.training; 0.19.2 is tested)"
+
+
+def require_megatron_training() -> None:
+    try:
+        importlib.import_module("megatron.training.argument_utils")
+    except ImportError as missing:
+        from importlib.metadata import version
+
+        raise SystemExit(f"megatron_siamese.runtime.pretrain runs Megatron's own training loop, which needs {NEEDS}; "
+                         f"this environment has megatron-core {version('megatron-core')} ({missing}). "
+                         "Upgrade megatron-core (Python >= 3.12), or train with `megatron-siamese train`.")
+
+
+def layer_spec(args):
+    """``--spec MODULE NAME`` as Megatron-LM reads it, else ours for ``--transformer-impl``."""
+    if args.spec:
+        module, name = args.spec
+        return getattr(importlib.import_module(module), name)
+    from megatron_siamese import specs
+
+    return specs.siamese_te_layer_spec if args.transformer_impl == "transformer_engine" else specs.siamese_layer_spec
+
+
+def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None):
+    """A GPTModel with the SiameseNorm layer (what ``pretrain()``'s ``get_model`` calls)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    return GPTModel(config=config or core_transformer_config_from_args(args), transformer_layer_spec=layer_spec(args),
+                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process,
+                    fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                    rotary_base=args.rotary_base, pg_collection=pg_collection, vp_stage=vp_stage)
+
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron's (summed loss, tokens, logged values) contract for its loss averaging."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().detach().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    """Each rank of a stage that needs the batch reads it itself (every rank builds the dataset,
+    cheap at this size), so no tensor-parallel broadcast is needed."""
+    from megatron.training.utils.common_utils import is_first_or_last_pipeline_stage
+
+    vp_stage = getattr(model, "vp_stage", None)
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return model(None, None, None), partial(loss_func, None)
+    batch = {key: (value.cuda() if value is not None else None) for key, value in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils.common_utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+                              blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
+                              tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
+                              reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+                              create_attention_mask=args.create_attention_mask_in_dataloader)
+    dataset = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(dataset, train_val_test_num_samples, lambda: True, config).build()
+
+
+datasets_provider.is_distributed = True  # every rank builds its own (pretrain_gpt.py's flag)
+
+
+def refuse_what_this_step_lacks(args) -> None:
+    if args.context_parallel_size > 1:
+        raise SystemExit("megatron_siamese.runtime.pretrain: --context-parallel-size > 1 is not wired here yet (the "
+                         "batch is not split over CP ranks); use `megatron-siamese train` for context parallelism.")
+
+
+# what a CPU run needs that a GPU run does not (no NCCL; no TE or apex for the fused norm and the
+# gradient-accumulation fusion; no TE layers): added unless the command line says otherwise
+CPU_FLAGS = (("--distributed-backend", "gloo"), ("--transformer-impl", "local"), ("--no-persist-layer-norm",),
+             ("--no-gradient-accumulation-fusion",))
+
+
+def main() -> None:
+    require_megatron_training()
+    gpu = device.uses_cuda()
+    if not gpu:
+        from megatron_siamese.runtime.megatron_lm import serve_megatron_training_on_cpu
+
+        serve_megatron_training_on_cpu()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    if not gpu:
+        given = set(sys.argv)
+        added = [flag for flag in CPU_FLAGS if not {flag[0], flag[0].replace("--no-", "--")} & given]
+        sys.argv += [word for flag in added for word in flag]
+        if added and os.environ.get("RANK", "0") == "0":
+            print("megatron_siamese.runtime.pretrain: no GPU, so on CPU with "
+                  + " ".join(word for flag in added for word in flag), flush=True)
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    refuse_what_this_step_lacks(args)
+    pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
+             forward_step, model_provider=model_provider)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

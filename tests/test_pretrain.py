@@ -1,0 +1,64 @@
+"""Megatron's own training loop with our layer (megatron_siamese/runtime/pretrain.py), under torchrun on CPU:
+TP, PP and DP layouts train; a TP 2 run saved and resumed logs the losses of the run it
+interrupted; megatron-core 0.16.1, whose wheel has no megatron.training, refuses it by version."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_siamese.runtime.launch import free_port
+
+HAS_TRAINING = importlib.util.find_spec("megatron.training") is not None
+needs_training = pytest.mark.skipif(not HAS_TRAINING, reason="megatron-core < 0.17: no megatron.training")
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data",
+         "--vocab-size", "512", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000"]
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+VALIDATION = re.compile(r"validation loss at iteration \d+ on validation set \| lm loss value: ([0-9.E+-]+)")
+
+
+def pretrain(*flags, ranks=2):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+               str(free_port()), "-m", "megatron_siamese.runtime.pretrain", *MODEL, *flags]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    return process.stdout
+
+
+def losses(log):
+    return {int(step): loss for step, loss in ITERATION.findall(log)}
+
+
+@needs_training
+@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], []], ids=["pp2", "dp2"])
+def test_a_layout_trains_in_megatrons_loop(layout):
+    log = pretrain("--train-iters", "2", *layout)
+    assert "no GPU, so on CPU with --distributed-backend gloo --transformer-impl local" in log
+    assert sorted(losses(log)) == [1, 2] and all(0 < float(loss) < 7 for loss in losses(log).values())
+
+
+@needs_training
+def test_a_resumed_run_logs_the_losses_of_the_run_it_interrupted(tmp_path):
+    """TP 2 with dropout: saved at 4 and stopped, resumed to 8. Megatron logs the second line after
+    any start as the mean of two iterations (its loss sums are not reset at the first line), so
+    iteration 6 is left out of the comparison."""
+    tp2 = ["--tensor-model-parallel-size", "2", "--train-iters", "8"]
+    whole = pretrain(*tp2)
+    pretrain(*tp2, "--save", str(tmp_path), "--save-interval", "4", "--exit-interval", "4")
+    resumed = pretrain(*tp2, "--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "4")
+    assert "successfully loaded checkpoint" in resumed
+    assert sorted(losses(resumed)) == [5, 6, 7, 8]
+    for step in (5, 7, 8):
+        assert losses(resumed)[step] == losses(whole)[step], step
+    assert VALIDATION.findall(resumed) == VALIDATION.findall(whole)
+
+
+@pytest.mark.skipif(HAS_TRAINING, reason="this megatron-core ships megatron.training")
+def test_without_megatron_training_it_is_refused_by_the_version_it_needs():
+    process = subprocess.run([sys.executable, "-m", "megatron_siamese.runtime.pretrain", "--num-layers", "2"],
+                             capture_output=True, text=True, timeout=120)
+    assert process.returncode != 0
+    assert "needs megatron-core >= 0.17" in process.stderr and "megatron-siamese train" in process.stderr
