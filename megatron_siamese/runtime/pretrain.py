@@ -137,8 +137,8 @@ def main() -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     if not gpu:
-        given = set(sys.argv)
-        added = [flag for flag in CPU_FLAGS if not {flag[0], flag[0].replace("--no-", "--")} & given]
+        given = {word.split("=", 1)[0] for word in sys.argv}  # --flag value and --flag=value
+        added = [flag for flag in CPU_FLAGS if flag[0] not in given]
         sys.argv += [word for flag in added for word in flag]
         if added and os.environ.get("RANK", "0") == "0":
             print("megatron_siamese.runtime.pretrain: no GPU, so on CPU with "
