@@ -36,10 +36,10 @@ def require_megatron_training() -> None:
     try:
         importlib.import_module("megatron.training.argument_utils")
     except ImportError as missing:
-        from importlib.metadata import version
+        from megatron_siamese.versions import installed_megatron_core
 
         raise SystemExit(f"megatron_siamese.runtime.pretrain runs Megatron's own training loop, which needs {NEEDS}; "
-                         f"this environment has megatron-core {version('megatron-core')} ({missing}). "
+                         f"this environment has megatron-core {installed_megatron_core()} ({missing}). "
                          "Upgrade megatron-core (Python >= 3.12), or train with `megatron-siamese train`.")
 
 
@@ -81,9 +81,10 @@ def loss_func(loss_mask, output_tensor):
 def forward_step(data_iterator, model):
     """Each rank of a stage that needs the batch reads it itself (every rank builds the dataset,
     cheap at this size), so no tensor-parallel broadcast is needed."""
+    from megatron.core.utils import get_attr_wrapped_model
     from megatron.training.utils.common_utils import is_first_or_last_pipeline_stage
 
-    vp_stage = getattr(model, "vp_stage", None)
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")  # through DDP, which does not forward it
     if not is_first_or_last_pipeline_stage(vp_stage):
         return model(None, None, None), partial(loss_func, None)
     batch = {key: (value.cuda() if value is not None else None) for key, value in next(data_iterator).items()}
