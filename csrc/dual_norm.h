@@ -88,6 +88,13 @@ WeightPointers<A> pointers_of(const NormWeights& w) {
   return {p(w.x_gamma), p(w.x_beta), p(w.y_gamma), p(w.y_beta), p(w.in_gamma), p(w.in_beta)};
 }
 
+// residual_dual_norm's residual: the sublayer's output, its bias (in its own dtype) and dropout
+// mask (each may be undefined), the dropout scale and 1/c.
+struct ResidualInputs {
+  torch::Tensor out, bias, mask;
+  double scale = 1.0, inv_c = 1.0;
+};
+
 // Row geometry of the packed streams.
 struct StreamRows {
   int64_t rows = 0;    // N
@@ -144,16 +151,14 @@ inline at::ScalarType accumulation_type(const torch::Tensor& t) {
   static void dual_residual_backward(const torch::Tensor& grad, const torch::Tensor& mask,           \
                                      double scale, double inv_c, torch::Tensor& grad_out,            \
                                      torch::Tensor& grad_bias);                                      \
-  static void residual_dual_norm(const torch::Tensor& streams, const torch::Tensor& out,             \
-                                 const torch::Tensor& bias, const torch::Tensor& mask, double scale, \
-                                 double inv_c, const StreamRows& g, const NormWeights& w, double eps, \
+  static void residual_dual_norm(const torch::Tensor& streams, const ResidualInputs& r,              \
+                                 const StreamRows& g, const NormWeights& w, double eps,              \
                                  torch::Tensor& base, torch::Tensor& normed, torch::Tensor& stats);  \
   static void residual_dual_norm_backward(                                                          \
       const torch::Tensor& grad_base, const torch::Tensor& grad_normed, const torch::Tensor& streams, \
-      const torch::Tensor& out, const torch::Tensor& bias, const torch::Tensor& mask,                \
-      const torch::Tensor& stats, double scale, double inv_c, const StreamRows& g,                   \
-      const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& grad_out,                    \
-      torch::Tensor& grad_bias, WeightGrads& weight_grads);
+      const ResidualInputs& r, const torch::Tensor& stats, const StreamRows& g, const NormWeights& w, \
+      torch::Tensor& grad_streams, torch::Tensor& grad_out, torch::Tensor& grad_bias,                \
+      WeightGrads& weight_grads);
 
 struct CpuKernels {
   MEGATRON_SIAMESE_KERNELS(std::vector<torch::Tensor>)

@@ -468,6 +468,14 @@ bool tiled_type(at::ScalarType t, tiled::DType& out) {
 }
 
 const float* float_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+const bool* mask_or_null(const torch::Tensor& mask) { return mask.defined() ? mask.data_ptr<bool>() : nullptr; }
+
+// The general residual kernels: elementwise, 256-thread blocks over the elements, on the current stream.
+template <typename Kernel, typename... Args>
+void launch_elementwise(Kernel kernel, int64_t elements, Args... args) {
+  kernel<<<general::element_grid(elements), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 tiled::NormArgs tiled_args(const torch::Tensor& streams, const StreamRows& g, const NormWeights& w, double eps) {
   tiled::NormArgs a;
@@ -678,25 +686,20 @@ void CudaAccKernels::dual_residual(const torch::Tensor& base, const torch::Tenso
   const int64_t h = out.size(-1), rows = out.numel() / h;
   tiled::DType type;
   if (cuda_kernel_generation() == KernelGeneration::kTiled && tiled_residual_fits(out, h, type, {&base, &out, &bias, &mask, &packed})) {
-    tiled::residual(type, base.data_ptr(), out.data_ptr(), float_or_null(bias),
-                    mask.defined() ? mask.data_ptr<bool>() : nullptr, static_cast<float>(scale),
-                    static_cast<float>(inv_c), rows, static_cast<int>(h), packed.data_ptr(),
-                    c10::cuda::getCurrentCUDAStream());
+    tiled::residual(type, base.data_ptr(), out.data_ptr(), float_or_null(bias), mask_or_null(mask),
+                    static_cast<float>(scale), static_cast<float>(inv_c), rows, static_cast<int>(h),
+                    packed.data_ptr(), c10::cuda::getCurrentCUDAStream());
     return;
   }
   SIAMESE_DISPATCH(out.scalar_type(), "dual_residual_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
-    dual_residual_kernel<scalar_t, A><<<general::element_grid(rows * h), 256, 0,
-                                        c10::cuda::getCurrentCUDAStream()>>>(
-        base.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), bias.defined() ? bias.data_ptr<A>() : nullptr,
-        mask.defined() ? mask.data_ptr<bool>() : nullptr, static_cast<A>(scale), static_cast<A>(inv_c), rows, h,
-        packed.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_elementwise(dual_residual_kernel<scalar_t, A>, rows * h, base.data_ptr<scalar_t>(),
+                       out.data_ptr<scalar_t>(), bias.defined() ? bias.data_ptr<A>() : nullptr, mask_or_null(mask),
+                       static_cast<A>(scale), static_cast<A>(inv_c), rows, h, packed.data_ptr<scalar_t>());
   });
 }
 
-// Launched as dual_residual is (tiled kernels where they fit, else the general ones); the two ops'
-// arguments differ, so the launches are written out for each.
+// Launched as dual_residual is: tiled kernels where they fit, else the general ones.
 void CudaAccKernels::dual_residual_backward(const torch::Tensor& grad, const torch::Tensor& mask, double scale,
                                          double inv_c, torch::Tensor& grad_out, torch::Tensor& grad_bias) {
   const c10::cuda::CUDAGuard guard(grad.device());
@@ -708,8 +711,7 @@ void CudaAccKernels::dual_residual_backward(const torch::Tensor& grad, const tor
     if (grad_bias.defined())
       partials = torch::empty({tiled::residual_backward_parts(rows, static_cast<int>(h), type, device), h},
                               grad_bias.options());
-    tiled::residual_backward(type, grad.data_ptr(), mask.defined() ? mask.data_ptr<bool>() : nullptr,
-                             static_cast<float>(scale), static_cast<float>(inv_c), rows, static_cast<int>(h),
+    tiled::residual_backward(type, grad.data_ptr(), mask_or_null(mask), static_cast<float>(scale), static_cast<float>(inv_c), rows, static_cast<int>(h),
                              grad_out.data_ptr(), partials.defined() ? partials.data_ptr<float>() : nullptr,
                              grad_bias.defined() ? grad_bias.data_ptr<float>() : nullptr, device,
                              c10::cuda::getCurrentCUDAStream());
@@ -717,14 +719,12 @@ void CudaAccKernels::dual_residual_backward(const torch::Tensor& grad, const tor
   }
   SIAMESE_DISPATCH(grad.scalar_type(), "dual_residual_backward_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
-    dual_residual_backward_kernel<scalar_t, A><<<general::element_grid(rows * h), 256, 0,
-                                                 c10::cuda::getCurrentCUDAStream()>>>(
-        grad.data_ptr<scalar_t>(), mask.defined() ? mask.data_ptr<bool>() : nullptr, static_cast<A>(scale),
-        static_cast<A>(inv_c), rows, h, grad_out.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_elementwise(dual_residual_backward_kernel<scalar_t, A>, rows * h, grad.data_ptr<scalar_t>(),
+                       mask_or_null(mask), static_cast<A>(scale), static_cast<A>(inv_c), rows, h,
+                       grad_out.data_ptr<scalar_t>());
   });
   // a column sum in the accumulation type: ATen's reduction is deterministic
-  if (grad_bias.defined()) grad_bias.copy_(grad_out.to(grad_bias.scalar_type()).sum(0));
+  if (grad_bias.defined()) grad_bias.copy_(grad_out.view({rows, h}).to(grad_bias.scalar_type()).sum(0));
 }
 
 }  // namespace megatron_siamese

@@ -278,14 +278,10 @@ std::tuple<torch::Tensor, std::vector<torch::Tensor>> hybrid_entry_norm_backward
                                 streams, stats, geometry, weights);
 }
 
-// residual_dual_norm's inputs besides the streams: the sublayer's output, its bias (in its own
-// dtype) and dropout mask, checked against the streams.
-struct ResidualInputs {
-  torch::Tensor out, bias, mask;
-};
-
+// residual_dual_norm's inputs besides the streams, checked against the streams.
 ResidualInputs check_residual_inputs(const char* op, const torch::Tensor& streams, const StreamRows& g,
-                                     const torch::Tensor& out, const OptionalTensor& bias, const OptionalTensor& mask) {
+                                     const torch::Tensor& out, const OptionalTensor& bias, const OptionalTensor& mask,
+                                     double scale, double inv_c) {
   TORCH_CHECK(out.sizes() == c10::IntArrayRef(rows_of(streams, g.hidden)), op,
               ": out must be the streams' leading shape and hidden wide, ", c10::IntArrayRef(rows_of(streams, g.hidden)),
               ", got ", out.sizes());
@@ -293,7 +289,7 @@ ResidualInputs check_residual_inputs(const char* op, const torch::Tensor& stream
               streams.device());
   TORCH_CHECK(out.scalar_type() == streams.scalar_type(), op, ": out (", out.scalar_type(),
               ") must be in the streams' dtype (", streams.scalar_type(), ")");
-  ResidualInputs r{out.contiguous(), defined_or_empty(bias), defined_or_empty(mask)};
+  ResidualInputs r{out.contiguous(), defined_or_empty(bias), defined_or_empty(mask), scale, inv_c};
   if (r.bias.defined()) {
     TORCH_CHECK(r.bias.dim() == 1 && r.bias.size(0) == g.hidden, op, ": bias must be [", g.hidden, "], got ",
                 r.bias.sizes());
@@ -341,13 +337,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> residual_dual_norm(
     bool zero_centered_gamma) {
   constexpr const char* op = "residual_dual_norm";
   const StreamRows g = check_streams(streams, hidden, op);
-  const ResidualInputs r = check_residual_inputs(op, streams, g, out, bias, mask);
+  const ResidualInputs r = check_residual_inputs(op, streams, g, out, bias, mask, scale, inv_c);
   const NormWeights w = prepare_boundary_weights(op, streams, hidden, prev_x_weight, prev_x_bias, x_weight, x_bias,
                                                  y_weight, y_bias, in_weight, in_bias, rms, zero_centered_gamma);
   auto base = torch::empty(rows_of(streams, 2 * hidden), streams.options());
   auto normed = torch::empty(rows_of(streams, hidden), streams.options());
   auto stats = torch::empty({g.rows, kBoundaryStatsPerRow}, streams.options().dtype(accumulation_type(streams)));
-  if (g.rows > 0) Kernels::residual_dual_norm(streams, r.out, r.bias, r.mask, scale, inv_c, g, w, eps, base, normed, stats);
+  if (g.rows > 0) Kernels::residual_dual_norm(streams, r, g, w, eps, base, normed, stats);
   return {base, normed, stats};
 }
 
@@ -361,7 +357,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tenso
     bool zero_centered_gamma) {
   constexpr const char* op = "residual_dual_norm_backward";
   const StreamRows g = check_streams(streams, hidden, op);
-  const ResidualInputs r = check_residual_inputs(op, streams, g, out, bias, mask);
+  const ResidualInputs r = check_residual_inputs(op, streams, g, out, bias, mask, scale, inv_c);
   const NormWeights w = prepare_boundary_weights(op, streams, hidden, prev_x_weight, prev_x_bias, x_weight, x_bias,
                                                  y_weight, y_bias, in_weight, in_bias, rms, zero_centered_gamma);
   const torch::Tensor gb = defined_or_empty(grad_base);
@@ -376,9 +372,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, std::vector<torch::Tenso
                                         &w.in_gamma, &w.in_beta});
   if (g.rows > 0) {
     torch::Tensor bias_grad = r.bias.defined() ? grad_bias : torch::Tensor();
-    Kernels::residual_dual_norm_backward(gb.defined() ? gb.contiguous() : gb, grad_normed.contiguous(), streams,
-                                         r.out, r.bias, r.mask, stats, scale, inv_c, g, w, grad_streams, grad_out,
-                                         bias_grad, grads.slots);
+    Kernels::residual_dual_norm_backward(gb.defined() ? gb.contiguous() : gb, grad_normed.contiguous(), streams, r,
+                                         stats, g, w, grad_streams, grad_out, bias_grad, grads.slots);
   } else {
     grad_bias.zero_();
     for (auto& grad : grads.present) grad.zero_();

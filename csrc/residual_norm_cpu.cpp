@@ -158,39 +158,34 @@ void backward_rows(const T* grad_base, const T* grad_normed, const T* streams, c
 }
 
 // ``bias``: widened to the accumulation type (AccRows::row), or null.
-Residual residual_of(const torch::Tensor& out, const void* bias, const torch::Tensor& mask, double scale,
-                     double inv_c) {
-  return {out.data_ptr(), bias, mask.defined() ? mask.data_ptr<bool>() : nullptr, scale, inv_c};
+Residual residual_of(const ResidualInputs& r, const void* bias) {
+  return {r.out.data_ptr(), bias, r.mask.defined() ? r.mask.data_ptr<bool>() : nullptr, r.scale, r.inv_c};
 }
 
 }  // namespace
 
-void CpuKernels::residual_dual_norm(const torch::Tensor& streams, const torch::Tensor& out, const torch::Tensor& bias,
-                                    const torch::Tensor& mask, double scale, double inv_c, const StreamRows& g,
+void CpuKernels::residual_dual_norm(const torch::Tensor& streams, const ResidualInputs& r, const StreamRows& g,
                                     const NormWeights& w, double eps, torch::Tensor& base, torch::Tensor& normed,
                                     torch::Tensor& stats) {
   SIAMESE_DISPATCH(streams.scalar_type(), "residual_dual_norm_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     AccRows<A> acc(g.hidden);
-    forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), g, residual_of(out, acc.row(bias), mask, scale, inv_c), w,
-                              acc, static_cast<A>(eps), base.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(),
+    forward_rows<scalar_t, A>(streams.data_ptr<scalar_t>(), g, residual_of(r, acc.row(r.bias)), w, acc, static_cast<A>(eps), base.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(),
                               stats.data_ptr<A>());
   });
 }
 
 void CpuKernels::residual_dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
-                                             const torch::Tensor& streams, const torch::Tensor& out,
-                                             const torch::Tensor& bias, const torch::Tensor& mask,
-                                             const torch::Tensor& stats, double scale, double inv_c,
-                                             const StreamRows& g, const NormWeights& w, torch::Tensor& grad_streams,
-                                             torch::Tensor& grad_out, torch::Tensor& grad_bias,
-                                             std::vector<torch::Tensor>& weight_grads) {
+                                             const torch::Tensor& streams, const ResidualInputs& r,
+                                             const torch::Tensor& stats, const StreamRows& g, const NormWeights& w,
+                                             torch::Tensor& grad_streams, torch::Tensor& grad_out,
+                                             torch::Tensor& grad_bias, std::vector<torch::Tensor>& weight_grads) {
   SIAMESE_DISPATCH(streams.scalar_type(), "residual_dual_norm_backward_cpu", [&] {
     using A = at::opmath_type<scalar_t>;
     AccRows<A> acc(g.hidden);
     backward_rows<scalar_t, A>(grad_base.defined() ? grad_base.data_ptr<scalar_t>() : nullptr,
                                grad_normed.data_ptr<scalar_t>(), streams.data_ptr<scalar_t>(), stats.data_ptr<A>(), g,
-                               residual_of(out, acc.row(bias), mask, scale, inv_c), w, acc,
+                               residual_of(r, acc.row(r.bias)), w, acc,
                                grad_streams.data_ptr<scalar_t>(), grad_out.data_ptr<scalar_t>(), grad_bias,
                                weight_grads);
   });

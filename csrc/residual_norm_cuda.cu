@@ -27,20 +27,18 @@ general::Params<A> boundary_params(const NormWeights& w, const StreamRows& g, do
 }
 
 template <typename T, typename A>
-general::Boundary<T, A> boundary_of(const torch::Tensor& out, const torch::Tensor& bias, const torch::Tensor& mask,
-                                    const NormWeights& w, double scale, double inv_c) {
+general::Boundary<T, A> boundary_of(const ResidualInputs& r, const NormWeights& w) {
   auto or_null = [](const torch::Tensor& t) -> const A* { return t.defined() ? t.data_ptr<A>() : nullptr; };
-  return {out.data_ptr<T>(), or_null(bias), or_null(w.prev_gamma), or_null(w.prev_beta),
-          mask.defined() ? mask.data_ptr<bool>() : nullptr, static_cast<A>(scale), static_cast<A>(inv_c)};
+  return {r.out.data_ptr<T>(), or_null(r.bias), or_null(w.prev_gamma), or_null(w.prev_beta),
+          r.mask.defined() ? r.mask.data_ptr<bool>() : nullptr, static_cast<A>(r.scale), static_cast<A>(r.inv_c)};
 }
 
 }  // namespace
 
 // The CPU twins (residual_norm_cpu.cpp) have these signatures: one host layer, a kernel set per device.
-void CudaAccKernels::residual_dual_norm(const torch::Tensor& streams, const torch::Tensor& out, const torch::Tensor& bias,
-                                     const torch::Tensor& mask, double scale, double inv_c, const StreamRows& g,
-                                     const NormWeights& w, double eps, torch::Tensor& base, torch::Tensor& normed,
-                                     torch::Tensor& stats) {
+void CudaAccKernels::residual_dual_norm(const torch::Tensor& streams, const ResidualInputs& r, const StreamRows& g,
+                                        const NormWeights& w, double eps, torch::Tensor& base, torch::Tensor& normed,
+                                        torch::Tensor& stats) {
   const c10::cuda::CUDAGuard guard(streams.device());
   cuda_kernel_generation();  // checks the setting for every op
   SIAMESE_DISPATCH(streams.scalar_type(), "residual_dual_norm_cuda", [&] {
@@ -48,25 +46,23 @@ void CudaAccKernels::residual_dual_norm(const torch::Tensor& streams, const torc
     general::boundary_forward_kernel<scalar_t, A><<<general::row_grid(g.rows), general::kThreads, 0,
                                                     c10::cuda::getCurrentCUDAStream()>>>(
         streams.data_ptr<scalar_t>(), boundary_params<A>(w, g, eps),
-        boundary_of<scalar_t, A>(out, bias, mask, w, scale, inv_c), base.data_ptr<scalar_t>(),
+        boundary_of<scalar_t, A>(r, w), base.data_ptr<scalar_t>(),
         normed.data_ptr<scalar_t>(), stats.data_ptr<A>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
 void CudaAccKernels::residual_dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
-                                              const torch::Tensor& streams, const torch::Tensor& out,
-                                              const torch::Tensor& bias, const torch::Tensor& mask,
-                                              const torch::Tensor& stats, double scale, double inv_c,
-                                              const StreamRows& g, const NormWeights& w, torch::Tensor& grad_streams,
-                                              torch::Tensor& grad_out, torch::Tensor& grad_bias,
-                                              torch::Tensor& weight_grads) {
+                                                 const torch::Tensor& streams, const ResidualInputs& r,
+                                                 const torch::Tensor& stats, const StreamRows& g, const NormWeights& w,
+                                                 torch::Tensor& grad_streams, torch::Tensor& grad_out,
+                                                 torch::Tensor& grad_bias, torch::Tensor& weight_grads) {
   const c10::cuda::CUDAGuard guard(streams.device());
   cuda_kernel_generation();
   SIAMESE_DISPATCH(streams.scalar_type(), "residual_dual_norm_backward_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
     const auto params = boundary_params<A>(w, g, 0.0);
-    const auto boundary = boundary_of<scalar_t, A>(out, bias, mask, w, scale, inv_c);
+    const auto boundary = boundary_of<scalar_t, A>(r, w);
     const scalar_t* gb = grad_base.defined() ? grad_base.data_ptr<scalar_t>() : nullptr;
     auto stream = c10::cuda::getCurrentCUDAStream();
     auto terms = torch::empty({g.rows, 6}, weight_grads.options());

@@ -510,6 +510,21 @@ __device__ __forceinline__ void load_mask(const bool* p, float scale, float (&ke
   for (int i = 0; i < VEC; ++i) keep[i] = pack.v[i] ? scale : 0.f;
 }
 
+// Columns e.. of both halves of the packed row r ([x | y], 2h wide).
+template <typename T, int VEC>
+__device__ __forceinline__ void load_halves(const T* packed, int64_t r, int h, int e, float (&x)[VEC],
+                                            float (&y)[VEC]) {
+  load<T, VEC>(packed + r * 2 * h + e, x);
+  load<T, VEC>(packed + r * 2 * h + h + e, y);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_halves(T* packed, int64_t r, int h, int e, const float (&x)[VEC],
+                                             const float (&y)[VEC]) {
+  store<T, VEC>(packed + r * 2 * h + e, x);
+  store<T, VEC>(packed + r * 2 * h + h + e, y);
+}
+
 // One thread: VEC columns of a row; x over a row's vectors, y over rows. The backward below walks
 // rows alike: forward and backward are kept apart so each keeps its registers (no runtime branch).
 template <typename T, int VEC>
@@ -530,11 +545,9 @@ __global__ void residual_kernel(const T* __restrict__ base, const T* __restrict_
     for (int i = 0; i < VEC; ++i) b[i] = 0.f;
   }
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    float z[VEC], u[VEC], y[VEC];
+    float z[VEC], u[VEC], y[VEC], keep[VEC];
     load<T, VEC>(out + r * h + e, z);
-    load<T, VEC>(base + r * 2 * h + e, u);
-    load<T, VEC>(base + r * 2 * h + h + e, y);
-    float keep[VEC];
+    load_halves<T, VEC>(base, r, h, e, u, y);
     if (mask != nullptr) load_mask<VEC>(mask + r * h + e, scale, keep);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
@@ -543,8 +556,7 @@ __global__ void residual_kernel(const T* __restrict__ base, const T* __restrict_
       u[i] += z[i] * inv_c;
       y[i] += z[i];
     }
-    store<T, VEC>(packed + r * 2 * h + e, u);
-    store<T, VEC>(packed + r * 2 * h + h + e, y);
+    store_halves<T, VEC>(packed, r, h, e, u, y);
   }
 }
 
@@ -564,10 +576,8 @@ __global__ void residual_backward_kernel(const T* __restrict__ grad, const bool*
   const int64_t first = int64_t(blockIdx.y) * rows_per_strip;
   const int64_t last = first + rows_per_strip < rows ? first + rows_per_strip : rows;
   for (int64_t r = first + threadIdx.y; r < last; r += blockDim.y) {
-    float gu[VEC], gy[VEC];
-    load<T, VEC>(grad + r * 2 * h + e, gu);
-    load<T, VEC>(grad + r * 2 * h + h + e, gy);
-    float keep[VEC];
+    float gu[VEC], gy[VEC], keep[VEC];
+    load_halves<T, VEC>(grad, r, h, e, gu, gy);
     if (mask != nullptr) load_mask<VEC>(mask + r * h + e, scale, keep);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {

@@ -28,6 +28,13 @@ inline NormWeights widened(const NormWeights& w, at::ScalarType acc) {
   return a;
 }
 
+// ``r`` with its bias in the accumulation type.
+inline ResidualInputs widened(const ResidualInputs& r, at::ScalarType acc) {
+  ResidualInputs a = r;
+  if (a.bias.defined()) a.bias = a.bias.to(acc);
+  return a;
+}
+
 // Each defined weight_grads[i] from row i of the accumulation-type buffer.
 inline void narrow_rows(const torch::Tensor& rows, std::vector<torch::Tensor>& weight_grads) {
   for (size_t i = 0; i < weight_grads.size(); ++i)
@@ -64,27 +71,24 @@ struct WidenedKernels {
     if (grad_bias.defined()) grad_bias.copy_(acc_bias);
   }
 
-  static void residual_dual_norm(const torch::Tensor& streams, const torch::Tensor& out, const torch::Tensor& bias,
-                                 const torch::Tensor& mask, double scale, double inv_c, const StreamRows& g,
+  static void residual_dual_norm(const torch::Tensor& streams, const ResidualInputs& r, const StreamRows& g,
                                  const NormWeights& w, double eps, torch::Tensor& base, torch::Tensor& normed,
                                  torch::Tensor& stats) {
     const auto acc = accumulation_type(streams);
-    Acc::residual_dual_norm(streams, out, bias.defined() ? bias.to(acc) : bias, mask, scale, inv_c, g, widened(w, acc),
-                            eps, base, normed, stats);
+    Acc::residual_dual_norm(streams, widened(r, acc), g, widened(w, acc), eps, base, normed, stats);
   }
 
   static void residual_dual_norm_backward(const torch::Tensor& grad_base, const torch::Tensor& grad_normed,
-                                          const torch::Tensor& streams, const torch::Tensor& out,
-                                          const torch::Tensor& bias, const torch::Tensor& mask,
-                                          const torch::Tensor& stats, double scale, double inv_c, const StreamRows& g,
-                                          const NormWeights& w, torch::Tensor& grad_streams, torch::Tensor& grad_out,
+                                          const torch::Tensor& streams, const ResidualInputs& r,
+                                          const torch::Tensor& stats, const StreamRows& g, const NormWeights& w,
+                                          torch::Tensor& grad_streams, torch::Tensor& grad_out,
                                           torch::Tensor& grad_bias, std::vector<torch::Tensor>& weight_grads) {
     const auto acc = accumulation_type(streams);
     const auto options = streams.options().dtype(acc);
     torch::Tensor rows = torch::zeros({kBoundaryWeightGrads, g.hidden}, options);
-    torch::Tensor acc_bias = bias.defined() ? torch::zeros({g.hidden}, options) : torch::Tensor();
-    Acc::residual_dual_norm_backward(grad_base, grad_normed, streams, out, bias.defined() ? bias.to(acc) : bias, mask,
-                                     stats, scale, inv_c, g, widened(w, acc), grad_streams, grad_out, acc_bias, rows);
+    torch::Tensor acc_bias = r.bias.defined() ? torch::zeros({g.hidden}, options) : torch::Tensor();
+    Acc::residual_dual_norm_backward(grad_base, grad_normed, streams, widened(r, acc), stats, g, widened(w, acc),
+                                     grad_streams, grad_out, acc_bias, rows);
     narrow_rows(rows, weight_grads);
     if (grad_bias.defined()) grad_bias.copy_(acc_bias);
   }

@@ -349,9 +349,10 @@ def test_backward_is_deterministic(device, hybrid):
 def test_dual_residual_matches_reference(device):
     generator = torch.Generator().manual_seed(3)
     hidden, c = 123, 2.0 ** 0.5
-    u, y, out = (torch.randn(6, hidden, generator=generator).to(device).requires_grad_(True) for _ in range(3))
+    # [seq, batch, h] as the layers pass them: the bias gradient sums over both leading dims
+    u, y, out = (torch.randn(3, 2, hidden, generator=generator).to(device).requires_grad_(True) for _ in range(3))
     bias = torch.randn(hidden, generator=generator).to(device).requires_grad_(True)
-    mask = (torch.rand(6, hidden, generator=generator) > 0.2).to(device)
+    mask = (torch.rand(3, 2, hidden, generator=generator) > 0.2).to(device)
     base = torch.cat([u, y], dim=-1)
     packed = fused.dual_residual(base, out, bias, mask, 1 / 0.8, 1 / c)
     z = (out + bias) * mask / 0.8
