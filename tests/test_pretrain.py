@@ -3,6 +3,8 @@ TP, PP and DP layouts train; a TP 2 run saved and resumed logs the losses of the
 interrupted; megatron-core 0.16.1, whose wheel has no megatron.training, refuses it by version."""
 
 import importlib.util
+import math
+import os
 import re
 import subprocess
 import sys
@@ -23,16 +25,21 @@ def has_megatron_training() -> bool:
 HAS_TRAINING = has_megatron_training()
 needs_training = pytest.mark.skipif(not HAS_TRAINING, reason="megatron-core < 0.17: no megatron.training")
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data",
-         "--vocab-size", "512", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000"]
+         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+         "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000"]
+MOCK_DATA = ["--mock-data", "--vocab-size", "512"]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 VALIDATION = re.compile(r"validation loss at iteration \d+ on validation set \| lm loss value: ([0-9.E+-]+)")
 
 
-def pretrain(*flags, ranks=2):
+def pretrain(*flags, ranks=2, cache=None, expect_failure=False):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
                str(free_port()), "-m", "megatron_siamese.runtime.pretrain", *MODEL, *flags]
-    process = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    environment = dict(os.environ, **({"MEGATRON_SIAMESE_CACHE": cache} if cache else {}))
+    process = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    if expect_failure:
+        assert process.returncode != 0
+        return process.stdout + process.stderr
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     return process.stdout
 
@@ -42,11 +49,23 @@ def losses(log):
 
 
 @needs_training
-@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], []], ids=["pp2", "dp2"])
-def test_a_layout_trains_in_megatrons_loop(layout):
-    log = pretrain("--train-iters", "2", "--distributed-backend=gloo", *layout)  # given as --flag=value: not added
+def test_pp2_trains_in_megatrons_loop():
+    log = pretrain("--train-iters", "2", "--distributed-backend=gloo", "--pipeline-model-parallel-size", "2",
+                   *MOCK_DATA)  # --distributed-backend given as --flag=value: not added
     assert "no GPU, so on CPU with --transformer-impl local --no-persist-layer-norm" in log
     assert sorted(losses(log)) == [1, 2] and all(0 < float(loss) < 7 for loss in losses(log).values())
+
+
+@needs_training
+def test_dp2_trains_on_the_embedded_corpus_without_data_flags(corpus_cache):
+    log = pretrain("--train-iters", "2", cache=corpus_cache)
+    assert "no data source given, so the embedded corpus: --data-path " + corpus_cache in log
+    assert "--tokenizer-type NullTokenizer --vocab-size 258 --null-tokenizer-eod-id 256" in log
+    # byte tokens from an untrained model: about the entropy of a uniform draw over the vocabulary
+    assert sorted(losses(log)) == [1, 2] and abs(float(losses(log)[1]) - math.log(258)) < 0.5
+    refused = pretrain("--train-iters", "1", "--tokenizer-type", "GPT2BPETokenizer", cache=corpus_cache,
+                       expect_failure=True)
+    assert "the embedded corpus (no --data-path given) is byte tokens" in refused
 
 
 @needs_training
@@ -54,7 +73,7 @@ def test_a_resumed_run_logs_the_losses_of_the_run_it_interrupted(tmp_path):
     """TP 2 with dropout: saved at 4 and stopped, resumed to 8. Megatron logs the second line after
     any start as the mean of two iterations (its loss sums are not reset at the first line), so
     iteration 6 is left out of the comparison."""
-    tp2 = ["--tensor-model-parallel-size", "2", "--train-iters", "8"]
+    tp2 = ["--tensor-model-parallel-size", "2", "--train-iters", "8", *MOCK_DATA]
     whole = pretrain(*tp2)
     pretrain(*tp2, "--save", str(tmp_path), "--save-interval", "4", "--exit-interval", "4")
     resumed = pretrain(*tp2, "--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "4")

@@ -10,8 +10,10 @@ whose wheel ships ``megatron.training``).
 Every flag is Megatron-LM's and means what it means there. The layer is
 ``megatron_siamese.specs.siamese_layer_spec`` (``siamese_te_layer_spec`` with
 ``--transformer-impl transformer_engine``), or the ``--spec MODULE NAME`` given. Data:
-``--mock-data`` or ``--data-path`` (a Megatron indexed dataset). Without a GPU it runs on CPU
-with gloo, through the CPU shim (megatron_lm.py).
+``--mock-data``, ``--data-path`` (a Megatron indexed dataset) or, with neither, the embedded corpus
+(the King James Bible, byte tokens, written once as an indexed dataset under
+``$MEGATRON_SIAMESE_CACHE``, default ``.cache/megatron_siamese``; EMBEDDED_DATA_FLAGS). Without a GPU
+it runs on CPU with gloo, through the CPU shim (megatron_lm.py).
 """
 
 from __future__ import annotations
@@ -125,6 +127,46 @@ CPU_FLAGS = (("--distributed-backend", "gloo"), ("--transformer-impl", "local"),
              ("--no-gradient-accumulation-fusion",))
 
 
+# where the data comes from when the command line names none (Megatron-LM's data flags)
+DATA_SOURCE_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--data-args-path",
+                     "--per-split-data-args-path", "--sft-mock-dataset-config-json")
+CACHE_VARIABLE = "MEGATRON_SIAMESE_CACHE"
+
+
+def embedded_data_flags(argv: list, given: set) -> list:
+    """The embedded corpus as Megatron-LM's flags: its indexed dataset, split 98/2 by document, and
+    a NullTokenizer over its ids (bytes 0-255, end of document 256, padding 257). Each flag is
+    added only where the command line does not give it; every rank builds or waits for the one
+    corpus (the cache directory's lock)."""
+    from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
+
+    if "--tokenizer-type" in given and not any(arg in ("--tokenizer-type=NullTokenizer", "NullTokenizer")
+                                               for arg in argv):
+        raise SystemExit("megatron_siamese.runtime.pretrain: the embedded corpus (no --data-path given) is byte "
+                         "tokens, read with NullTokenizer; give --data-path for data of your --tokenizer-type.")
+    prefix = embedded_corpus(os.environ.get(CACHE_VARIABLE, ".cache/megatron_siamese"))
+    tokenizer = ByteTokenizer()
+    flags = (("--data-path", prefix), ("--split", "98,2,0"), ("--tokenizer-type", "NullTokenizer"),
+             ("--vocab-size", str(tokenizer.vocab_size)), ("--null-tokenizer-eod-id", str(tokenizer.eod)),
+             ("--null-tokenizer-pad-id", str(tokenizer.pad)))
+    return [word for flag in flags if flag[0] not in given for word in flag]
+
+
+def add_defaults(argv: list, gpu: bool) -> list:
+    """``argv`` with what the command line leaves out: the CPU's flags off a GPU, the embedded
+    corpus without a data source. Said once, by rank 0."""
+    given = {word.split("=", 1)[0] for word in argv}  # --flag value and --flag=value
+    cpu = [] if gpu else [word for flag in CPU_FLAGS if flag[0] not in given for word in flag]
+    data = [] if given & set(DATA_SOURCE_FLAGS) else embedded_data_flags(argv, given)
+    if os.environ.get("RANK", "0") == "0":
+        if cpu:
+            print("megatron_siamese.runtime.pretrain: no GPU, so on CPU with " + " ".join(cpu), flush=True)
+        if data:
+            print("megatron_siamese.runtime.pretrain: no data source given, so the embedded corpus: "
+                  + " ".join(data), flush=True)
+    return argv + cpu + data
+
+
 def main() -> None:
     require_megatron_training()
     gpu = device.uses_cuda()
@@ -137,13 +179,7 @@ def main() -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    if not gpu:
-        given = {word.split("=", 1)[0] for word in sys.argv}  # --flag value and --flag=value
-        added = [flag for flag in CPU_FLAGS if flag[0] not in given]
-        sys.argv += [word for flag in added for word in flag]
-        if added and os.environ.get("RANK", "0") == "0":
-            print("megatron_siamese.runtime.pretrain: no GPU, so on CPU with "
-                  + " ".join(word for flag in added for word in flag), flush=True)
+    sys.argv = add_defaults(sys.argv, gpu)
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     refuse_what_this_step_lacks(args)
     pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
