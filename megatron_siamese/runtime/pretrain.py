@@ -46,29 +46,41 @@ def require_megatron_training() -> None:
 
 
 def layer_spec(args):
-    """``--spec MODULE NAME`` as Megatron-LM reads it, else ours for ``--transformer-impl``."""
+    """``--spec MODULE NAME`` as Megatron-LM reads it, else ours for the model and ``--transformer-impl``:
+    the layer spec of a GPTModel, the stack spec of a HybridModel (``--hybrid-layer-pattern``)."""
     if args.spec:
         module, name = args.spec
         return getattr(importlib.import_module(module), name)
+    te = args.transformer_impl == "transformer_engine"
+    if args.hybrid_layer_pattern:
+        from megatron_siamese import hybrid
+
+        return hybrid.siamese_hybrid_te_stack_spec if te else hybrid.siamese_hybrid_stack_spec
     from megatron_siamese import specs
 
-    return specs.siamese_te_layer_spec if args.transformer_impl == "transformer_engine" else specs.siamese_layer_spec
+    return specs.siamese_te_layer_spec if te else specs.siamese_layer_spec
 
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None):
-    """A GPTModel with the SiameseNorm layer (what ``pretrain()``'s ``get_model`` calls)."""
-    from megatron.core.models.gpt import GPTModel
+    """What ``pretrain()``'s ``get_model`` calls: a GPTModel of SiameseNorm layers or, with
+    ``--hybrid-layer-pattern``, a HybridModel of SiameseNorm sublayers (megatron_siamese/hybrid.py)."""
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
-    return GPTModel(config=config or core_transformer_config_from_args(args), transformer_layer_spec=layer_spec(args),
-                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                    pre_process=pre_process, post_process=post_process,
-                    fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                    rotary_base=args.rotary_base, pg_collection=pg_collection, vp_stage=vp_stage)
+    common = dict(config=config or core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
+                  max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                  post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                  share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                  position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                  rotary_base=args.rotary_base, pg_collection=pg_collection, vp_stage=vp_stage)
+    if args.hybrid_layer_pattern:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        return HybridModel(hybrid_stack_spec=layer_spec(args), hybrid_layer_pattern=args.hybrid_layer_pattern, **common)
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(transformer_layer_spec=layer_spec(args), **common)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -121,10 +133,10 @@ def refuse_what_this_step_lacks(args) -> None:
                          "batch is not split over CP ranks); use `megatron-siamese train` for context parallelism.")
 
 
-# what a CPU run needs that a GPU run does not (no NCCL; no TE or apex for the fused norm and the
-# gradient-accumulation fusion; no TE layers): added unless the command line says otherwise
+# what a CPU run needs that a GPU run does not (no NCCL; no TE or apex for the fused norm, the
+# gradient-accumulation fusion and the RoPE fusion; no TE layers): added unless the command line says otherwise
 CPU_FLAGS = (("--distributed-backend", "gloo"), ("--transformer-impl", "local"), ("--no-persist-layer-norm",),
-             ("--no-gradient-accumulation-fusion",))
+             ("--no-gradient-accumulation-fusion",), ("--no-rope-fusion",))
 
 
 # where the data comes from when the command line names none (Megatron-LM's data flags)
