@@ -1,5 +1,5 @@
 """Megatron's own training loop with our layer (megatron_siamese/runtime/pretrain.py), under torchrun on CPU:
-TP, PP and DP layouts of GPTModel and a PP HybridModel train; a TP 2 run saved and resumed logs the losses of the run it
+TP, PP, DP and CP layouts of GPTModel and a PP HybridModel train (CP's losses those of DP); a TP 2 run saved and resumed logs the losses of the run it
 interrupted; megatron-core 0.16.1, whose wheel has no megatron.training, refuses it by version."""
 
 import importlib.util
@@ -71,11 +71,19 @@ def test_hybrid_model_pp2_trains_in_megatrons_loop(corpus_cache):
 
 
 @needs_training
-def test_dp2_trains_on_the_embedded_corpus_without_data_flags(corpus_cache):
-    log = pretrain("--train-iters", "2", cache=corpus_cache)
-    assert "no data source given, so the embedded corpus: --data-path " + corpus_cache in log
-    assert "--tokenizer-type NullTokenizer --vocab-size 258 --null-tokenizer-eod-id 256" in log
-    assert sorted(losses(log)) == [1, 2] and untrained(losses(log)[1])
+def test_dp2_and_cp2_train_alike_on_the_embedded_corpus_without_data_flags(corpus_cache):
+    """One global batch, no dropout: DP 2 (each rank half the samples) and CP 2 (each rank two
+    chunks of every sequence, Megatron's split) must log one loss curve."""
+    common = ("--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--position-embedding-type", "rope")
+    dp2 = pretrain(*common, cache=corpus_cache)
+    assert "no data source given, so the embedded corpus: --data-path " + corpus_cache in dp2
+    assert "--tokenizer-type NullTokenizer --vocab-size 258 --null-tokenizer-eod-id 256" in dp2
+    assert sorted(losses(dp2)) == [1, 2, 3] and untrained(losses(dp2)[1])
+    cp2 = pretrain(*common, "--context-parallel-size", "2", cache=corpus_cache)
+    assert losses(cp2)[3] != losses(cp2)[1]  # it trains
+    for step in (1, 2, 3):
+        assert float(losses(cp2)[step]) == pytest.approx(float(losses(dp2)[step]), rel=1e-5), step
     refused = pretrain("--train-iters", "1", "--tokenizer-type", "GPT2BPETokenizer", cache=corpus_cache,
                        expect_failure=True)
     assert "the embedded corpus (no --data-path given) is byte tokens" in refused

@@ -94,14 +94,17 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     """Each rank of a stage that needs the batch reads it itself (every rank builds the dataset,
-    cheap at this size), so no tensor-parallel broadcast is needed."""
-    from megatron.core.utils import get_attr_wrapped_model
+    cheap at this size), so no tensor-parallel broadcast is needed; a context-parallel rank keeps
+    its two chunks of each sequence (Megatron's split)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
     from megatron.training.utils.common_utils import is_first_or_last_pipeline_stage
 
     vp_stage = get_attr_wrapped_model(model, "vp_stage")  # through DDP, which does not forward it
     if not is_first_or_last_pipeline_stage(vp_stage):
         return model(None, None, None), partial(loss_func, None)
     batch = {key: (value.cuda() if value is not None else None) for key, value in next(data_iterator).items()}
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
@@ -125,12 +128,6 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 
 
 datasets_provider.is_distributed = True  # every rank builds its own (pretrain_gpt.py's flag)
-
-
-def refuse_what_this_step_lacks(args) -> None:
-    if args.context_parallel_size > 1:
-        raise SystemExit("megatron_siamese.runtime.pretrain: --context-parallel-size > 1 is not wired here yet (the "
-                         "batch is not split over CP ranks); use `megatron-siamese train` for context parallelism.")
 
 
 # what a CPU run needs that a GPU run does not (no NCCL; no TE or apex for the fused norm, the
@@ -193,7 +190,6 @@ def main() -> None:
 
     sys.argv = add_defaults(sys.argv, gpu)
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    refuse_what_this_step_lacks(args)
     pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider=model_provider)
 
