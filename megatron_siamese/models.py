@@ -118,16 +118,22 @@ def build_gpt_chunks(
 ) -> List[GPTModel]:
     """This rank's GPTModel chunks with scheme ``norm``: one per virtual pipeline stage."""
     block_spec = scheme(norm).block_spec
-    use_te = uses_transformer_engine(config, None)
 
     def gpt(vp_stage, **kwargs):
-        model = GPTModel(transformer_layer_spec=block_spec(config, vp_stage), vp_stage=vp_stage,
-                         mtp_block_spec=get_mtp_block_spec(config, use_te, vp_stage), **kwargs)
-        return without_unused_output_weight(model)
+        return gpt_model(config, block_spec(config, vp_stage), vp_stage=vp_stage, **kwargs)
 
-    return _per_virtual_stage(gpt, config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+    return _per_virtual_stage(gpt, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                               position_embedding_type=position_embedding_type,
                               share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+
+
+def gpt_model(config: TransformerConfig, layer_spec, vp_stage: Optional[int] = None, **kwargs) -> GPTModel:
+    """A GPTModel of ``layer_spec`` (a block spec, or one layer's) with the multi-token prediction
+    block Megatron-LM builds beside it for ``config`` (``get_mtp_block_spec``); ``kwargs``: GPTModel's."""
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec, vp_stage=vp_stage,
+                     mtp_block_spec=get_mtp_block_spec(config, uses_transformer_engine(config, None), vp_stage),
+                     **kwargs)
+    return without_unused_output_weight(model)
 
 
 def without_unused_output_weight(model: GPTModel) -> GPTModel:

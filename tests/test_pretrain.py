@@ -1,5 +1,6 @@
 """Megatron's own training loop with our layer (megatron_siamese/runtime/pretrain.py), under torchrun on CPU:
-TP, PP, DP and CP layouts of GPTModel and a PP HybridModel train (CP's losses those of DP); a TP 2 run saved and resumed logs the losses of the run it
+TP, PP (with experts and multi-token prediction), DP and CP layouts of GPTModel and a PP HybridModel
+train (CP's losses those of DP); a TP 2 run saved and resumed logs the losses of the run it
 interrupted; megatron-core 0.16.1, whose wheel has no megatron.training, refuses it by version."""
 
 import importlib.util
@@ -49,11 +50,14 @@ def losses(log):
 
 
 @needs_training
-def test_pp2_trains_in_megatrons_loop():
+def test_pp2_with_experts_and_multi_token_prediction_trains_in_megatrons_loop():
+    """The block spec follows the flags as Megatron's own does: MoE every other layer, an MTP block."""
     log = pretrain("--train-iters", "2", "--distributed-backend=gloo", "--pipeline-model-parallel-size", "2",
-                   *MOCK_DATA)  # --distributed-backend given as --flag=value: not added
+                   "--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", "2", "--mtp-num-layers", "1",
+                   "--position-embedding-type", "rope", "--disable-bias-linear", *MOCK_DATA)  # --distributed-backend given as --flag=value: not added
     assert "no GPU, so on CPU with --transformer-impl local --no-persist-layer-norm" in log
     assert sorted(losses(log)) == [1, 2] and all(0 < float(loss) < 7 for loss in losses(log).values())
+    assert "load_balancing_loss:" in log and "mtp_1 loss:" in log
 
 
 def untrained(loss: str) -> bool:

@@ -7,9 +7,10 @@ whose wheel ships ``megatron.training``).
         --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 --mock-data \\
         --tokenizer-type NullTokenizer --vocab-size 512 --train-iters 10 --lr 1e-3 --log-interval 1
 
-Every flag is Megatron-LM's and means what it means there. The layer is
-``megatron_siamese.specs.siamese_layer_spec`` (``siamese_te_layer_spec`` with
-``--transformer-impl transformer_engine``), or the ``--spec MODULE NAME`` given. Data:
+Every flag is Megatron-LM's and means what it means there. The layers are SiameseNorm's
+block spec for the config (``megatron_siamese.specs.get_siamese_block_spec``: Transformer Engine's
+modules with ``--transformer-impl transformer_engine``), a HybridModel's with
+``--hybrid-layer-pattern``, or the ``--spec MODULE NAME`` given. Data:
 ``--mock-data``, ``--data-path`` (a Megatron indexed dataset) or, with neither, the embedded corpus
 (the King James Bible, byte tokens, written once as an indexed dataset under
 ``$MEGATRON_SIAMESE_CACHE``, default ``.cache/megatron_siamese``; EMBEDDED_DATA_FLAGS). Without a GPU
@@ -45,42 +46,49 @@ def require_megatron_training() -> None:
                          "Upgrade megatron-core (Python >= 3.12), or train with `megatron-siamese train`.")
 
 
-def layer_spec(args):
+def layer_spec(args, config, vp_stage=None):
     """``--spec MODULE NAME`` as Megatron-LM reads it, else ours for the model and ``--transformer-impl``:
-    the layer spec of a GPTModel, the stack spec of a HybridModel (``--hybrid-layer-pattern``)."""
+    a HybridModel's stack spec (``--hybrid-layer-pattern``), or the SiameseNorm block spec of this
+    (virtual) pipeline stage, which follows the config as Megatron's own GPT block spec does (dense
+    and MoE layers per ``--moe-layer-freq``, QK-norm, multi-latent attention, a pipeline layout)."""
     if args.spec:
         module, name = args.spec
         return getattr(importlib.import_module(module), name)
-    te = args.transformer_impl == "transformer_engine"
     if args.hybrid_layer_pattern:
         from megatron_siamese import hybrid
 
+        te = args.transformer_impl == "transformer_engine"
         return hybrid.siamese_hybrid_te_stack_spec if te else hybrid.siamese_hybrid_stack_spec
-    from megatron_siamese import specs
+    from megatron_siamese.specs import get_siamese_block_spec
 
-    return specs.siamese_te_layer_spec if te else specs.siamese_layer_spec
+    return get_siamese_block_spec(config, vp_stage=vp_stage)
 
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None):
-    """What ``pretrain()``'s ``get_model`` calls: a GPTModel of SiameseNorm layers or, with
-    ``--hybrid-layer-pattern``, a HybridModel of SiameseNorm sublayers (megatron_siamese/hybrid.py)."""
+    """What ``pretrain()``'s ``get_model`` calls: a GPTModel of SiameseNorm layers (with Megatron-LM's
+    multi-token prediction block where asked) or, with ``--hybrid-layer-pattern``, a HybridModel of
+    SiameseNorm sublayers (megatron_siamese/hybrid.py). GPTModel's arguments are those Megatron-LM's
+    own GPT builder derives from the flags."""
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
-    common = dict(config=config or core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
-                  max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-                  post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-                  share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+    config = config or core_transformer_config_from_args(args)
+    spec = layer_spec(args, config, vp_stage)
+    common = dict(vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                  pre_process=pre_process, post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+                  parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                   position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                   rotary_base=args.rotary_base, pg_collection=pg_collection, vp_stage=vp_stage)
     if args.hybrid_layer_pattern:
         from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-        return HybridModel(hybrid_stack_spec=layer_spec(args), hybrid_layer_pattern=args.hybrid_layer_pattern, **common)
-    from megatron.core.models.gpt import GPTModel
+        return HybridModel(config=config, hybrid_stack_spec=spec, hybrid_layer_pattern=args.hybrid_layer_pattern,
+                           **common)
+    from megatron_siamese.models import gpt_model
 
-    return GPTModel(transformer_layer_spec=layer_spec(args), **common)
+    return gpt_model(config, spec, rope_scaling=args.use_rope_scaling,
+                     seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, **common)
 
 
 def loss_func(loss_mask, output_tensor):
