@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from megatron_siamese.runtime.launch import free_port
+from megatron_siamese.runtime.loss_curve import read_losses
 
 
 def has_megatron_training() -> bool:
@@ -100,13 +101,23 @@ def test_a_resumed_run_logs_the_losses_of_the_run_it_interrupted(tmp_path):
     iteration 6 is left out of the comparison."""
     tp2 = ["--tensor-model-parallel-size", "2", "--train-iters", "8", *MOCK_DATA]
     whole = pretrain(*tp2)
-    pretrain(*tp2, "--save", str(tmp_path), "--save-interval", "4", "--exit-interval", "4")
-    resumed = pretrain(*tp2, "--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "4")
+    board = ["--tensorboard-dir", str(tmp_path / "tb")]
+    first = pretrain(*tp2, *board, "--save", str(tmp_path), "--save-interval", "4", "--exit-interval", "4")
+    resumed = pretrain(*tp2, *board, "--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "4")
     assert "successfully loaded checkpoint" in resumed
     assert sorted(losses(resumed)) == [5, 6, 7, 8]
     for step in (5, 7, 8):
         assert losses(resumed)[step] == losses(whole)[step], step
     assert VALIDATION.findall(resumed) == VALIDATION.findall(whole)
+    # the loss curve of the whole run, stopped and resumed, from Megatron's TensorBoard events: each
+    # iteration's own loss (the first logged line of each start is one iteration's alone)
+    assert f"loss curve {tmp_path / 'tb' / 'loss.png'} (iteration 4:" in first
+    assert f"loss curve {tmp_path / 'tb' / 'loss.png'} (iteration 8:" in resumed
+    train, validation = read_losses(str(tmp_path / "tb"))
+    assert sorted(train) == list(range(1, 9)) and sorted(validation) == [8]
+    for step in (1, 5):
+        assert train[step] == pytest.approx(float(losses(whole if step == 1 else resumed)[step]), rel=1e-6)
+    assert (tmp_path / "tb" / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.skipif(HAS_TRAINING, reason="this megatron-core ships megatron.training")

@@ -184,6 +184,26 @@ def add_defaults(argv: list, gpu: bool) -> list:
     return argv + cpu + data
 
 
+def draw_the_loss_curve(args) -> None:
+    """On the rank that writes Megatron's TensorBoard events (``--tensorboard-dir``; the last rank):
+    the run's loss curve beside them (runtime/loss_curve.py), and where it is."""
+    from megatron.training.global_vars import get_tensorboard_writer
+
+    writer = get_tensorboard_writer()
+    if writer is None:
+        return
+    writer.flush()
+    from megatron_siamese.runtime.loss_curve import plot_run, read_losses
+
+    path = plot_run(args.tensorboard_dir, title=f"SiameseNorm, {args.num_layers} layers, h {args.hidden_size}")
+    train, validation = read_losses(args.tensorboard_dir)
+    last = max(train, default=None)
+    print(f"megatron_siamese.runtime.pretrain: loss curve {path}"
+          + ("" if last is None else f" (iteration {last}: lm loss {train[last]:.4f}")
+          + ("" if not validation else f", validation {validation[max(validation)]:.4f}")
+          + ("" if last is None else ")"), flush=True)
+
+
 def main() -> None:
     require_megatron_training()
     gpu = device.uses_cuda()
@@ -198,8 +218,13 @@ def main() -> None:
 
     sys.argv = add_defaults(sys.argv, gpu)
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
-             forward_step, model_provider=model_provider)
+    try:
+        pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
+                 forward_step, model_provider=model_provider)
+    except SystemExit:  # Megatron's early exits (--exit-interval, --exit-duration-in-mins, a signal), after saving
+        draw_the_loss_curve(args)
+        raise
+    draw_the_loss_curve(args)
 
 
 if __name__ == "__main__":

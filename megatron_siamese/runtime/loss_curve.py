@@ -1,0 +1,60 @@
+"""The end-of-run loss curve of Megatron's loop: drawn from the TensorBoard events Megatron wrote
+under ``--tensorboard-dir`` (its ``lm loss`` scalar each iteration, ``lm loss validation`` at each
+evaluation), every event file of the directory read in order, so a resumed run's curve is the
+whole run's."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Dict, Sequence, Tuple
+
+PLOT_FILE = "loss.png"
+TRAIN_TAG, VALIDATION_TAG = "lm loss", "lm loss validation"
+
+
+def read_losses(directory: str) -> Tuple[Dict[int, float], Dict[int, float]]:
+    """(train, validation) losses by iteration; where a resumed run logged an iteration again, its value."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util.tensor_util import make_ndarray
+
+    curves: Dict[str, Dict[int, float]] = {TRAIN_TAG: {}, VALIDATION_TAG: {}}
+    # event file names hold their creation time: in name order, a resumed run's come last
+    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+        for event in EventFileLoader(path).Load():
+            for value in event.summary.value:
+                if value.tag in curves:  # the loader gives scalars as tensors
+                    curves[value.tag][event.step] = float(make_ndarray(value.tensor))
+    return curves[TRAIN_TAG], curves[VALIDATION_TAG]
+
+
+def draw(train: Sequence[Tuple[int, float]], validation: Sequence[Tuple[int, float]], path: str, title: str) -> None:
+    """The training loss by step and the validation points, as a PNG written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    if train:
+        axis.plot(*zip(*train), alpha=0.7, label="train")
+    if validation:
+        axis.plot(*zip(*validation), "o-", label="validation")
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss (nats per token)")
+    axis.set_title(title)
+    if train or validation:
+        axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path + ".tmp", dpi=120, format="png")  # a reader never sees half a file
+    plt.close(figure)
+    os.replace(path + ".tmp", path)
+
+
+def plot_run(directory: str, title: str) -> str:
+    """``directory/loss.png`` from the run's events; returns its path."""
+    train, validation = read_losses(directory)
+    path = os.path.join(directory, PLOT_FILE)
+    draw(sorted(train.items()), sorted(validation.items()), path, title)
+    return path
