@@ -85,13 +85,26 @@ def test_dp2_and_cp2_train_alike_on_the_embedded_corpus_without_data_flags(corpu
     assert "no data source given, so the embedded corpus: --data-path " + corpus_cache in dp2
     assert "--tokenizer-type NullTokenizer --vocab-size 258 --null-tokenizer-eod-id 256" in dp2
     assert sorted(losses(dp2)) == [1, 2, 3] and untrained(losses(dp2)[1])
-    cp2 = pretrain(*common, "--context-parallel-size", "2", cache=corpus_cache)
+    # and reading the corpus without mmap (a dataset flag Megatron-LM's script passes on) changes nothing
+    cp2 = pretrain(*common, "--context-parallel-size", "2", "--no-mmap-bin-files", cache=corpus_cache)
+    assert "mmap_bin_files=False" in cp2 and "mmap_bin_files=True" in dp2
     assert losses(cp2)[3] != losses(cp2)[1]  # it trains
     for step in (1, 2, 3):
         assert float(losses(cp2)[step]) == pytest.approx(float(losses(dp2)[step]), rel=1e-5), step
     refused = pretrain("--train-iters", "1", "--tokenizer-type", "GPT2BPETokenizer", cache=corpus_cache,
                        expect_failure=True)
     assert "the embedded corpus (no --data-path given) is byte tokens" in refused
+
+
+@needs_training
+def test_each_ranks_loss_is_validated_as_megatron_lms_is():
+    """Megatron's rerun state machine, told to inject a persistent fault into every validated result,
+    finds it in our loss function's NaN check and stops the job (nothing would be injected unless
+    the loss function asked the machine to validate the loss)."""
+    log = pretrain("--train-iters", "3", "--error-injection-rate", "1", "--error-injection-type", "persistent_error",
+                   *MOCK_DATA, expect_failure=True)
+    assert "Injecting error type Persistent error" in log
+    assert "message='found NaN in local forward loss calculation'" in log
 
 
 @needs_training

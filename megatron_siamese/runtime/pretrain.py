@@ -91,12 +91,30 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
                      seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, **common)
 
 
+SPIKY_LOSS_FACTOR = 10  # Megatron-LM's: a loss ten times the largest seen so far is a spike
+
+
 def loss_func(loss_mask, output_tensor):
-    """Megatron's (summed loss, tokens, logged values) contract for its loss averaging."""
+    """Megatron's (summed loss, tokens, logged values) contract for its loss averaging, with
+    Megatron-LM's checks of each rank's loss before the data-parallel reduction: NaN and Inf
+    (``--check-for-nan-in-loss-and-grad``, on by default; fatal) and spikes
+    (``--check-for-spiky-loss``), through its rerun state machine (``--rerun-mode``)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     tokens = mask.sum().detach().to(torch.int)
+    args, rerun = get_args(), get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for rejected, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            # a forward pass is deterministic: a rerun must reproduce the loss exactly
+            rerun.validate_result(result=loss, rejection_func=rejected, tolerance=0.0, fatal=True,
+                                  message=f"found {name} in local forward loss calculation")
+    if args.check_for_spiky_loss:
+        spiky = partial(rerun.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss")
+        rerun.validate_result(result=loss, rejection_func=spiky, message="Spiky loss", tolerance=0.0, fatal=False)
     return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1)])}
 
 
@@ -118,7 +136,22 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+# GPTDatasetConfig's fields that Megatron-LM's pretrain_gpt.py fills from a flag of the same
+# meaning, beside those datasets_provider names: (field, argument)
+DATASET_FLAGS = (("multiple_validation_sets", "multiple_validation_sets"), ("full_validation", "full_validation"),
+                 ("num_dataset_builder_threads", "num_dataset_builder_threads"), ("mmap_bin_files", "mmap_bin_files"),
+                 ("object_storage_cache_path", "object_storage_cache_path"),
+                 ("mid_level_dataset_surplus", "mid_level_dataset_surplus"),
+                 ("allow_ambiguous_pad_tokens", "allow_ambiguous_pad_tokens"),
+                 ("fast_cache_load", "dataloader_fast_cache_load"),
+                 ("defer_npy_index_mmap", "dataloader_defer_npy_index_mmap"))
+
+
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's GPT datasets (mock, or the indexed ones of ``--data-path`` and its kin) from the
+    flags Megatron-LM's own script reads, those this megatron-core's GPTDatasetConfig has."""
+    import dataclasses
+
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training import get_args, get_tokenizer
@@ -126,11 +159,13 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
+    fields = {field.name for field in dataclasses.fields(GPTDatasetConfig)}
+    more = {name: getattr(args, flag) for name, flag in DATASET_FLAGS if name in fields and hasattr(args, flag)}
     config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
                               blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
                               tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
                               reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-                              create_attention_mask=args.create_attention_mask_in_dataloader)
+                              create_attention_mask=args.create_attention_mask_in_dataloader, **more)
     dataset = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(dataset, train_val_test_num_samples, lambda: True, config).build()
 
