@@ -59,6 +59,7 @@ def test_pp2_with_experts_and_multi_token_prediction_trains_in_megatrons_loop():
     assert "no GPU, so on CPU with --transformer-impl local --no-persist-layer-norm" in log
     assert sorted(losses(log)) == [1, 2] and all(0 < float(loss) < 7 for loss in losses(log).values())
     assert "load_balancing_loss:" in log and "mtp_1 loss:" in log
+    assert "PP>1 sends [s, b, 2h] between stages" in log  # our layers, not Megatron's stock ones
 
 
 def untrained(loss: str) -> bool:
@@ -91,9 +92,12 @@ def test_dp2_and_cp2_train_alike_on_the_embedded_corpus_without_data_flags(corpu
     assert losses(cp2)[3] != losses(cp2)[1]  # it trains
     for step in (1, 2, 3):
         assert float(losses(cp2)[step]) == pytest.approx(float(losses(dp2)[step]), rel=1e-5), step
-    refused = pretrain("--train-iters", "1", "--tokenizer-type", "GPT2BPETokenizer", cache=corpus_cache,
+    refused = pretrain("--train-iters", "1", "--tokenizer-type=GPT2BPETokenizer", cache=corpus_cache,
                        expect_failure=True)
-    assert "the embedded corpus (no --data-path given) is byte tokens" in refused
+    assert "byte tokens, read with --tokenizer-type NullTokenizer --vocab-size 258" in refused
+    assert "got --tokenizer-type GPT2BPETokenizer" in refused
+    unfollowed = pretrain("--train-iters", "1", "--qk-l2-norm", ranks=1, cache=corpus_cache, expect_failure=True)
+    assert "does not follow --qk-l2-norm yet" in unfollowed
 
 
 @needs_training
@@ -105,6 +109,32 @@ def test_each_ranks_loss_is_validated_as_megatron_lms_is():
                    *MOCK_DATA, expect_failure=True)
     assert "Injecting error type Persistent error" in log
     assert "message='found NaN in local forward loss calculation'" in log
+
+
+@pytest.mark.stack_independent
+def test_the_loss_curve_follows_the_last_timeline(tmp_path):
+    """Event files in order: a later one (a resumed run's) replaces the points from its first
+    iteration on; within one, an iteration's first validation value (the validation set's, before
+    the test set's under the same tag) is kept."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    def run(name, steps, validated_at, offset):
+        with SummaryWriter(str(tmp_path / name)) as writer:
+            for step in steps:
+                writer.add_scalar("lm loss", step + offset, step)
+            writer.add_scalar("lm loss validation", 100.0 + offset, validated_at)  # validation set
+            writer.add_scalar("lm loss validation", -1.0, validated_at)  # then the test set
+        (event,) = (tmp_path / name).iterdir()
+        event.rename(tmp_path / f"events.out.tfevents.{name}")
+
+    run("1-first", range(1, 7), validated_at=6, offset=0.0)
+    run("2-resumed-from-3", range(4, 9), validated_at=8, offset=0.5)
+    train, validation = read_losses(str(tmp_path))
+    assert train == {step: step + (0.5 if step >= 4 else 0.0) for step in range(1, 9)}
+    assert validation == {8: 100.5}  # the first run's at 6 was overtaken by the resumed run
+    run("3-started-again", range(1, 3), validated_at=2, offset=0.25)
+    assert read_losses(str(tmp_path)) == ({1: 1.25, 2: 2.25}, {2: 100.25})
 
 
 @needs_training
@@ -128,6 +158,7 @@ def test_a_resumed_run_logs_the_losses_of_the_run_it_interrupted(tmp_path):
     assert f"loss curve {tmp_path / 'tb' / 'loss.png'} (iteration 8:" in resumed
     train, validation = read_losses(str(tmp_path / "tb"))
     assert sorted(train) == list(range(1, 9)) and sorted(validation) == [8]
+    assert validation[8] == pytest.approx(float(VALIDATION.findall(resumed)[-1]), rel=1e-6)  # not the test set's
     for step in (1, 5):
         assert train[step] == pytest.approx(float(losses(whole if step == 1 else resumed)[step]), rel=1e-6)
     assert (tmp_path / "tb" / "loss.png").read_bytes().startswith(b"\x89PNG")

@@ -14,17 +14,27 @@ TRAIN_TAG, VALIDATION_TAG = "lm loss", "lm loss validation"
 
 
 def read_losses(directory: str) -> Tuple[Dict[int, float], Dict[int, float]]:
-    """(train, validation) losses by iteration; where a resumed run logged an iteration again, its value."""
+    """(train, validation) losses by iteration, over the directory's event files in order: a later
+    file (a resumed run's) replaces every point from its own first iteration on, so a run resumed
+    from an earlier checkpoint, or started again in the same directory, does not mix timelines.
+    Within a file the first validation value of an iteration is kept: after training Megatron
+    evaluates the validation set and then the test set, both under the validation tag."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.util.tensor_util import make_ndarray
 
     curves: Dict[str, Dict[int, float]] = {TRAIN_TAG: {}, VALIDATION_TAG: {}}
     # event file names hold their creation time: in name order, a resumed run's come last
     for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+        found: Dict[str, Dict[int, float]] = {TRAIN_TAG: {}, VALIDATION_TAG: {}}
         for event in EventFileLoader(path).Load():
             for value in event.summary.value:
-                if value.tag in curves:  # the loader gives scalars as tensors
-                    curves[value.tag][event.step] = float(make_ndarray(value.tensor))
+                if value.tag in found:  # the loader gives scalars as tensors
+                    found[value.tag].setdefault(event.step, float(make_ndarray(value.tensor)))
+        steps = [step for curve in found.values() for step in curve]
+        if steps:
+            start = min(steps)
+            for tag in curves:
+                curves[tag] = {step: loss for step, loss in curves[tag].items() if step < start} | found[tag]
     return curves[TRAIN_TAG], curves[VALIDATION_TAG]
 
 
@@ -52,9 +62,9 @@ def draw(train: Sequence[Tuple[int, float]], validation: Sequence[Tuple[int, flo
     os.replace(path + ".tmp", path)
 
 
-def plot_run(directory: str, title: str) -> str:
-    """``directory/loss.png`` from the run's events; returns its path."""
+def plot_run(directory: str, title: str) -> Tuple[str, Dict[int, float], Dict[int, float]]:
+    """``directory/loss.png`` from the run's events: (its path, the train and validation losses drawn)."""
     train, validation = read_losses(directory)
     path = os.path.join(directory, PLOT_FILE)
     draw(sorted(train.items()), sorted(validation.items()), path, title)
-    return path
+    return path, train, validation

@@ -13,7 +13,7 @@ modules with ``--transformer-impl transformer_engine``), a HybridModel's with
 ``--hybrid-layer-pattern``, or the ``--spec MODULE NAME`` given. Data:
 ``--mock-data``, ``--data-path`` (a Megatron indexed dataset) or, with neither, the embedded corpus
 (the King James Bible, byte tokens, written once as an indexed dataset under
-``$MEGATRON_SIAMESE_CACHE``, default ``.cache/megatron_siamese``; EMBEDDED_DATA_FLAGS). Without a GPU
+``$MEGATRON_SIAMESE_CACHE``, default ``.cache/megatron_siamese``; ``embedded_data_flags``). Without a GPU
 it runs on CPU with gloo, through the CPU shim (megatron_lm.py).
 """
 
@@ -84,10 +84,10 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
         from megatron.core.models.hybrid.hybrid_model import HybridModel
 
         return HybridModel(config=config, hybrid_stack_spec=spec, hybrid_layer_pattern=args.hybrid_layer_pattern,
-                           **common)
+                           seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, **common)
     from megatron_siamese.models import gpt_model
 
-    return gpt_model(config, spec, rope_scaling=args.use_rope_scaling,
+    return gpt_model(config, spec, rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
                      seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, **common)
 
 
@@ -130,7 +130,9 @@ def forward_step(data_iterator, model):
     if not is_first_or_last_pipeline_stage(vp_stage):
         return model(None, None, None), partial(loss_func, None)
     batch = {key: (value.cuda() if value is not None else None) for key, value in next(data_iterator).items()}
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                          cp_group=parallel_state.get_context_parallel_group())
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
@@ -180,9 +182,21 @@ CPU_FLAGS = (("--distributed-backend", "gloo"), ("--transformer-impl", "local"),
 
 
 # where the data comes from when the command line names none (Megatron-LM's data flags)
-DATA_SOURCE_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--data-args-path",
-                     "--per-split-data-args-path", "--sft-mock-dataset-config-json")
+DATA_SOURCE_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+                     "--data-args-path", "--per-split-data-args-path", "--sft-mock-dataset-config-json",
+                     "--yaml-cfg")  # (a YAML configuration gives every argument itself)
 CACHE_VARIABLE = "MEGATRON_SIAMESE_CACHE"
+
+
+def flag_value(argv: list, flag: str):
+    """The value ``argv`` gives ``flag`` (``--flag value`` or ``--flag=value``; the last one given), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
 
 
 def embedded_data_flags(argv: list, given: set) -> list:
@@ -192,12 +206,16 @@ def embedded_data_flags(argv: list, given: set) -> list:
     corpus (the cache directory's lock)."""
     from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
 
-    if "--tokenizer-type" in given and not any(arg in ("--tokenizer-type=NullTokenizer", "NullTokenizer")
-                                               for arg in argv):
-        raise SystemExit("megatron_siamese.runtime.pretrain: the embedded corpus (no --data-path given) is byte "
-                         "tokens, read with NullTokenizer; give --data-path for data of your --tokenizer-type.")
-    prefix = embedded_corpus(os.environ.get(CACHE_VARIABLE, ".cache/megatron_siamese"))
     tokenizer = ByteTokenizer()
+    wanted = {"--tokenizer-type": "NullTokenizer", "--vocab-size": str(tokenizer.vocab_size)}
+    for flag, ours in wanted.items():
+        value = flag_value(argv, flag)
+        if value is not None and not (value == ours or flag == "--vocab-size" and value.isdigit()
+                                      and int(value) >= tokenizer.vocab_size):
+            raise SystemExit(f"megatron_siamese.runtime.pretrain: the embedded corpus (no --data-path given) is byte "
+                             f"tokens, read with --tokenizer-type NullTokenizer --vocab-size {tokenizer.vocab_size} "
+                             f"(or more); got {flag} {value}. Give --data-path for data of your own tokenizer.")
+    prefix = embedded_corpus(os.environ.get(CACHE_VARIABLE, ".cache/megatron_siamese"))
     flags = (("--data-path", prefix), ("--split", "98,2,0"), ("--tokenizer-type", "NullTokenizer"),
              ("--vocab-size", str(tokenizer.vocab_size)), ("--null-tokenizer-eod-id", str(tokenizer.eod)),
              ("--null-tokenizer-pad-id", str(tokenizer.pad)))
@@ -209,7 +227,8 @@ def add_defaults(argv: list, gpu: bool) -> list:
     corpus without a data source. Said once, by rank 0."""
     given = {word.split("=", 1)[0] for word in argv}  # --flag value and --flag=value
     cpu = [] if gpu else [word for flag in CPU_FLAGS if flag[0] not in given for word in flag]
-    data = [] if given & set(DATA_SOURCE_FLAGS) else embedded_data_flags(argv, given)
+    asks_help = bool(given & {"--help", "-h"})
+    data = [] if given & set(DATA_SOURCE_FLAGS) or asks_help else embedded_data_flags(argv, given)
     if os.environ.get("RANK", "0") == "0":
         if cpu:
             print("megatron_siamese.runtime.pretrain: no GPU, so on CPU with " + " ".join(cpu), flush=True)
@@ -221,22 +240,47 @@ def add_defaults(argv: list, gpu: bool) -> list:
 
 def draw_the_loss_curve(args) -> None:
     """On the rank that writes Megatron's TensorBoard events (``--tensorboard-dir``; the last rank):
-    the run's loss curve beside them (runtime/loss_curve.py), and where it is."""
+    the run's loss curve beside them (runtime/loss_curve.py), and where it is. A curve that cannot
+    be drawn is a warning: the run's own outcome (and exit code) stands."""
     from megatron.training.global_vars import get_tensorboard_writer
 
     writer = get_tensorboard_writer()
     if writer is None:
         return
-    writer.flush()
-    from megatron_siamese.runtime.loss_curve import plot_run, read_losses
+    try:
+        writer.flush()
+        from megatron_siamese.runtime.loss_curve import plot_run
 
-    path = plot_run(args.tensorboard_dir, title=f"SiameseNorm, {args.num_layers} layers, h {args.hidden_size}")
-    train, validation = read_losses(args.tensorboard_dir)
+        path, train, validation = plot_run(args.tensorboard_dir,
+                                           title=f"SiameseNorm, {args.num_layers} layers, h {args.hidden_size}")
+    except Exception as error:  # noqa: BLE001 - the curve is a report, not the run
+        print(f"megatron_siamese.runtime.pretrain: warning: no loss curve ({type(error).__name__}: {error})",
+              flush=True)
+        return
     last = max(train, default=None)
     print(f"megatron_siamese.runtime.pretrain: loss curve {path}"
           + ("" if last is None else f" (iteration {last}: lm loss {train[last]:.4f}")
           + ("" if not validation else f", validation {validation[max(validation)]:.4f}")
           + ("" if last is None else ")"), flush=True)
+
+
+# Megatron-LM flags that change the model or the data in ways this script does not follow yet:
+# refused by name rather than run as something else. (flag, argument, its off value)
+NOT_FOLLOWED = (("--sft", "sft", False), ("--fim-data", "fim_data", False),
+                ("--per-dataset-sequences-path", "per_dataset_sequences_path", None),
+                ("--dataloader-inter-document-masking", "dataloader_inter_document_masking", False),
+                ("--qk-l2-norm", "qk_l2_norm", False),
+                ("--experimental-attention-variant", "experimental_attention_variant", None),
+                ("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path", None),
+                ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", False))
+
+
+def refuse_what_is_not_followed(args) -> None:
+    given = [flag for flag, name, off in NOT_FOLLOWED if getattr(args, name, off) != off]
+    if given:
+        raise SystemExit(f"megatron_siamese.runtime.pretrain does not follow {', '.join(given)} yet (Megatron-LM's "
+                         "pretrain_gpt.py changes its model or data for them); run without, or use Megatron-LM's "
+                         "script with --spec megatron_siamese.specs siamese_layer_spec (docs/megatron-lm.md).")
 
 
 def main() -> None:
@@ -253,11 +297,13 @@ def main() -> None:
 
     sys.argv = add_defaults(sys.argv, gpu)
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    refuse_what_is_not_followed(args)
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider)
-    except SystemExit:  # Megatron's early exits (--exit-interval, --exit-duration-in-mins, a signal), after saving
-        draw_the_loss_curve(args)
+    except SystemExit as stop:  # Megatron's exits: --exit-interval, --exit-duration-in-mins, a signal, a rerun
+        if stop.code in (None, 0):  # saved and stopped as asked (a rerun's codes ask for a resume: no curve)
+            draw_the_loss_curve(args)
         raise
     draw_the_loss_curve(args)
 
