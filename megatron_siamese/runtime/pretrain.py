@@ -138,15 +138,12 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-# GPTDatasetConfig's fields that Megatron-LM's pretrain_gpt.py fills from a flag of the same
-# meaning, beside those datasets_provider names: (field, argument)
-DATASET_FLAGS = (("multiple_validation_sets", "multiple_validation_sets"), ("full_validation", "full_validation"),
-                 ("num_dataset_builder_threads", "num_dataset_builder_threads"), ("mmap_bin_files", "mmap_bin_files"),
-                 ("object_storage_cache_path", "object_storage_cache_path"),
-                 ("mid_level_dataset_surplus", "mid_level_dataset_surplus"),
-                 ("allow_ambiguous_pad_tokens", "allow_ambiguous_pad_tokens"),
-                 ("fast_cache_load", "dataloader_fast_cache_load"),
-                 ("defer_npy_index_mmap", "dataloader_defer_npy_index_mmap"))
+# GPTDatasetConfig's fields that Megatron-LM's pretrain_gpt.py fills from its flags, beside those
+# datasets_provider names; each from the argument of its own name but where RENAMED says otherwise
+DATASET_FIELDS = ("multiple_validation_sets", "full_validation", "num_dataset_builder_threads", "mmap_bin_files",
+                  "object_storage_cache_path", "mid_level_dataset_surplus", "allow_ambiguous_pad_tokens",
+                  "fast_cache_load", "defer_npy_index_mmap")
+RENAMED = {"fast_cache_load": "dataloader_fast_cache_load", "defer_npy_index_mmap": "dataloader_defer_npy_index_mmap"}
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -162,7 +159,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     fields = {field.name for field in dataclasses.fields(GPTDatasetConfig)}
-    more = {name: getattr(args, flag) for name, flag in DATASET_FLAGS if name in fields and hasattr(args, flag)}
+    arguments = {name: RENAMED.get(name, name) for name in DATASET_FIELDS if name in fields}
+    more = {name: getattr(args, argument) for name, argument in arguments.items() if hasattr(args, argument)}
     config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
                               blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
                               tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
@@ -207,14 +205,15 @@ def embedded_data_flags(argv: list, given: set) -> list:
     from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
 
     tokenizer = ByteTokenizer()
-    wanted = {"--tokenizer-type": "NullTokenizer", "--vocab-size": str(tokenizer.vocab_size)}
-    for flag, ours in wanted.items():
-        value = flag_value(argv, flag)
-        if value is not None and not (value == ours or flag == "--vocab-size" and value.isdigit()
-                                      and int(value) >= tokenizer.vocab_size):
-            raise SystemExit(f"megatron_siamese.runtime.pretrain: the embedded corpus (no --data-path given) is byte "
-                             f"tokens, read with --tokenizer-type NullTokenizer --vocab-size {tokenizer.vocab_size} "
-                             f"(or more); got {flag} {value}. Give --data-path for data of your own tokenizer.")
+    kind, vocab = flag_value(argv, "--tokenizer-type"), flag_value(argv, "--vocab-size")
+    mismatch = (f"--tokenizer-type {kind}" if kind not in (None, "NullTokenizer") else
+                f"--vocab-size {vocab}" if vocab is not None and not (vocab.isdigit()
+                                                                       and int(vocab) >= tokenizer.vocab_size)
+                else None)
+    if mismatch:
+        raise SystemExit(f"megatron_siamese.runtime.pretrain: the embedded corpus (no --data-path given) is byte "
+                         f"tokens, read with --tokenizer-type NullTokenizer --vocab-size {tokenizer.vocab_size} "
+                         f"(or more); got {mismatch}. Give --data-path for data of your own tokenizer.")
     prefix = embedded_corpus(os.environ.get(CACHE_VARIABLE, ".cache/megatron_siamese"))
     flags = (("--data-path", prefix), ("--split", "98,2,0"), ("--tokenizer-type", "NullTokenizer"),
              ("--vocab-size", str(tokenizer.vocab_size)), ("--null-tokenizer-eod-id", str(tokenizer.eod)),
@@ -257,11 +256,10 @@ def draw_the_loss_curve(args) -> None:
         print(f"megatron_siamese.runtime.pretrain: warning: no loss curve ({type(error).__name__}: {error})",
               flush=True)
         return
-    last = max(train, default=None)
-    print(f"megatron_siamese.runtime.pretrain: loss curve {path}"
-          + ("" if last is None else f" (iteration {last}: lm loss {train[last]:.4f}")
-          + ("" if not validation else f", validation {validation[max(validation)]:.4f}")
-          + ("" if last is None else ")"), flush=True)
+    latest = [f"iteration {max(train)}: lm loss {train[max(train)]:.4f}"] if train else []
+    latest += [f"validation {validation[max(validation)]:.4f}"] if validation else []
+    print(f"megatron_siamese.runtime.pretrain: loss curve {path}" + (f" ({', '.join(latest)})" if latest else ""),
+          flush=True)
 
 
 # Megatron-LM flags that change the model or the data in ways this script does not follow yet:
