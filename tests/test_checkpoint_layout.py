@@ -178,7 +178,7 @@ def assert_same_steps(theirs: dict, ours: dict, steps, loss_steps):
 
 @pytest.fixture(scope="module")
 def corpus(cache):
-    from megatron_siamese.training.corpus import embedded_corpus
+    from megatron_siamese.data.corpus import embedded_corpus
 
     return embedded_corpus(cache)
 

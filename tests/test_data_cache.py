@@ -9,8 +9,8 @@ import time
 import numpy
 import pytest
 
-from megatron_siamese.training.cache_lock import building
-from megatron_siamese.training.corpus import ByteTokenizer, build_indexed_dataset
+from megatron_siamese.data.cache_lock import building
+from megatron_siamese.data.corpus import ByteTokenizer, build_indexed_dataset
 
 WAIT_S = 2.0  # how long a build must stay blocked: an unguarded one writes within a fraction of it
 
@@ -59,7 +59,7 @@ def test_megatrons_index_caches_are_built_only_while_no_other_job_builds(tmp_pat
 
 
 def test_a_corpus_is_built_only_while_no_other_job_builds(tmp_path):
-    from megatron_siamese.training.addition import addition_corpus
+    from megatron_siamese.data.addition import addition_corpus
 
     cache = str(tmp_path / "cache")
     finished, wrote, after = blocked_while_held(cache, lambda: addition_corpus(cache, train_count=500))
@@ -69,7 +69,7 @@ def test_a_corpus_is_built_only_while_no_other_job_builds(tmp_path):
 
 def test_a_corpus_another_job_built_while_this_one_waited_is_read_not_built_again(tmp_path):
     """The waiting build looks again once it holds the lock, and reads the first job's files."""
-    from megatron_siamese.training.addition import addition_corpus
+    from megatron_siamese.data.addition import addition_corpus
 
     name = os.path.basename(addition_corpus(str(tmp_path / "elsewhere"), train_count=500))
     cache = str(tmp_path / "cache")

@@ -119,7 +119,7 @@ def test_a_broken_file_is_named_in_one_line(tmp_path, kind):
 def test_the_split_is_megatrons(tmp_path):
     """The ranges checked are the ones Megatron's builder cuts (25 documents: the first that
     give 98,2,0 a validation document, after Megatron's rounding)."""
-    from megatron_siamese.training.corpus import ByteTokenizer
+    from megatron_siamese.data.corpus import ByteTokenizer
     from megatron_siamese.training.data import build_gpt_datasets
 
     prefix = build(str(tmp_path / "c25"), byte_documents(25), dtype=numpy.uint16)
@@ -200,7 +200,7 @@ def test_the_batch_check_finds_the_row_and_the_id():
 
 
 def test_the_embedded_corpus_passes_and_its_stats_match_a_scan(tmp_path):
-    from megatron_siamese.training.corpus import embedded_corpus
+    from megatron_siamese.data.corpus import embedded_corpus
 
     prefix = embedded_corpus(str(tmp_path))
     with open(prefix + STATS_SUFFIX) as f:
@@ -211,7 +211,7 @@ def test_the_embedded_corpus_passes_and_its_stats_match_a_scan(tmp_path):
 
 
 def test_the_addition_corpus_passes(tmp_path):
-    from megatron_siamese.training.addition import addition_corpus
+    from megatron_siamese.data.addition import addition_corpus
 
     prefix = addition_corpus(str(tmp_path), train_count=2000)
     with open(prefix + STATS_SUFFIX) as f:

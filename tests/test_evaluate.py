@@ -127,7 +127,7 @@ def _other(character: str) -> str:
 
 
 def test_the_addition_task_is_the_trainers_held_out_problems(tmp_path):
-    from megatron_siamese.training.addition import split
+    from megatron_siamese.data.addition import split
 
     _, test = split(3, 1, 500, 7)  # exact_match_accuracy's problems
     requests = _requests(tmp_path)

@@ -154,7 +154,7 @@ def test_generate_with_kv_cache_equals_greedy_without(exported):
 def test_tokenizer_round_trips_byte_tokenizer_ids(exported):
     from transformers import AutoTokenizer
 
-    from megatron_siamese.training.corpus import ByteTokenizer
+    from megatron_siamese.data.corpus import ByteTokenizer
 
     _, _, directory = exported["rmsnorm-swiglu-rope-tied"]
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_siamese.models import build_gpt_chunks
-from megatron_siamese.training.addition import exact_match_accuracy, line, split
+from megatron_siamese.data.addition import exact_match_accuracy, line, split
 from megatron_siamese.research.upcycle import upcycled_state
 from megatron_siamese.check.step import ModelCase, case_config, microbatches
 from megatron_siamese.runtime.layout import Layout
@@ -207,7 +207,7 @@ def test_addition_problems_and_scoring():
             self.anchor = torch.nn.Parameter(torch.zeros(1))
 
         def forward(self, tokens, positions, mask):
-            from megatron_siamese.training.corpus import ByteTokenizer
+            from megatron_siamese.data.corpus import ByteTokenizer
 
             logits = torch.full((*tokens.shape, 320), -1e9)
             tokenizer = ByteTokenizer()

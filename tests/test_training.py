@@ -7,7 +7,7 @@ import numpy
 import pytest
 import torch
 
-from megatron_siamese.training.corpus import ByteTokenizer, build_indexed_dataset, unigram_entropy
+from megatron_siamese.data.corpus import ByteTokenizer, build_indexed_dataset, unigram_entropy
 from megatron_siamese.training.data import build_gpt_datasets
 from megatron_siamese.training.trainer import TrainArgs, train
 from megatron_siamese.training.summary import format_summary

@@ -34,7 +34,7 @@ WORK = os.environ.get("GPU_KIT_WORK", tempfile.gettempdir())
 def estimated_parameters(args) -> int:
     """Weights of the GPT (attention 4h^2, SwiGLU MLP 3 h ffn per layer, tied byte embedding);
     norms and biases are a rounding error at this size."""
-    from megatron_siamese.training.corpus import ByteTokenizer
+    from megatron_siamese.data.corpus import ByteTokenizer
     from megatron_siamese.training.args import padded_vocab_size
 
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
@@ -81,7 +81,7 @@ def bf16_args(rehearse: bool):
 
 
 def train_bf16(rehearse: bool) -> dict:
-    from megatron_siamese.training.corpus import embedded_corpus, unigram_entropy
+    from megatron_siamese.data.corpus import embedded_corpus, unigram_entropy
 
     if not rehearse:
         require_gpu(False, "the bf16 training run")

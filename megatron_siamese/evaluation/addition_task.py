@@ -1,4 +1,4 @@
-"""The synthetic addition task (training/addition.py) as lm-evaluation-harness tasks, written at
+"""The synthetic addition task (data/addition.py) as lm-evaluation-harness tasks, written at
 run time: a JSON-lines file of held-out problems and one task config per variant, so the
 harness runs it offline (``dataset_path: json``).
 
@@ -15,11 +15,11 @@ import json
 import os
 from typing import Dict, Iterable, Tuple
 
-from megatron_siamese.training.addition import answer, split
+from megatron_siamese.data.addition import answer, split
 
 # task name: the sum written least significant digit first (the trainer's --task names)
 TASKS: Dict[str, bool] = {"siamese_addition": False, "siamese_addition_reversed": True}
-# the trainer's held-out problems (training/addition.py: exact_match_accuracy's defaults)
+# the trainer's held-out problems (data/addition.py: exact_match_accuracy's defaults)
 SEED = 7
 
 

@@ -1,4 +1,4 @@
-"""The byte-level tokenizer (training/corpus.py ``ByteTokenizer``) as Hugging Face tokenizer files.
+"""The byte-level tokenizer (data/corpus.py ``ByteTokenizer``) as Hugging Face tokenizer files.
 
 Our ids: the UTF-8 bytes of the text (0-255), end of document 256, padding 257; the model's
 vocabulary is padded to 320 (rows 258-319 are never produced). Hugging Face's tokenizers

@@ -44,7 +44,7 @@ import torch
 
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.runtime.registry import ConfigError
-from megatron_siamese.training.corpus import ByteTokenizer
+from megatron_siamese.data.corpus import ByteTokenizer
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ class ModelSession:
         from megatron_siamese.models import build_model_chunks
         from megatron_siamese.runtime.gpt import initialize_model_parallel, transformer_config
         from megatron_siamese.training.args import padded_vocab_size
-        from megatron_siamese.training.corpus import ByteTokenizer
+        from megatron_siamese.data.corpus import ByteTokenizer
 
         self.checkpoint, self.step, self.settings, self.layout = saved.path, saved.step, settings, layout
         self.tokenizer = ByteTokenizer()
@@ -254,7 +254,7 @@ class FullModel:
 
     state_dict: Dict[str, torch.Tensor]  # the GPTModel's / HybridModel's own keys
     settings: ModelSettings
-    tokenizer: Any  # training.corpus.ByteTokenizer
+    tokenizer: Any  # data.corpus.ByteTokenizer
     vocab_size: int  # the padded vocabulary the embedding and output layer hold
     step: int
     checkpoint: str

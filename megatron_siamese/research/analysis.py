@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_siamese import device
-from megatron_siamese.training.corpus import ByteTokenizer
+from megatron_siamese.data.corpus import ByteTokenizer
 
 PRUNE_FRACTIONS = (0.125, 0.25, 0.375, 0.5)
 

@@ -62,7 +62,7 @@ class StudyPlan:
     short_warmup_learning_rates: Tuple[float, ...] = (1e-3, 4e-3)
     short_warmup_seeds: Tuple[int, ...] = (1,)
     arithmetic_schemes: Tuple[str, ...] = ("pre", "siamese")
-    arithmetic_task: str = "addition-reversed"  # a trainer task (training/addition.py)
+    arithmetic_task: str = "addition-reversed"  # a trainer task (data/addition.py)
     arithmetic_digits: int = 2
     arithmetic_lr: float = 2e-3
     arithmetic_steps: int = 1500
@@ -168,7 +168,7 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
     # spawned here, runs go `workers` at a time; a launched job (one rank) runs them in turn
     with ThreadPoolExecutor(max_workers=plan.workers if job_world_size() is None else 1) as pool:
         list(pool.map(run, jobs_of(plan)))
-    from megatron_siamese.training.corpus import embedded_corpus, unigram_entropy
+    from megatron_siamese.data.corpus import embedded_corpus, unigram_entropy
 
     study = {"plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "base"},
              "base": dataclasses.asdict(plan.base), "runs": results,

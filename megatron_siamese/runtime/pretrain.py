@@ -202,7 +202,7 @@ def embedded_data_flags(argv: list, given: set) -> list:
     a NullTokenizer over its ids (bytes 0-255, end of document 256, padding 257). Each flag is
     added only where the command line does not give it; every rank builds or waits for the one
     corpus (the cache directory's lock)."""
-    from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
+    from megatron_siamese.data.corpus import ByteTokenizer, embedded_corpus
 
     tokenizer = ByteTokenizer()
     kind, vocab = flag_value(argv, "--tokenizer-type"), flag_value(argv, "--vocab-size")

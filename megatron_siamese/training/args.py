@@ -215,7 +215,7 @@ class TrainArgs(ModelSettings):
     data_prefix: Optional[str] = setting(None, group=DATA, flag=("--data-prefix", "--data-path"), metavar="PREFIX",
                                          check=_a_prefix, help="an indexed dataset (.bin/.idx prefix) of byte tokens (default: the "
                                               "embedded King James Bible)")
-    # addition(-reversed): synthetic addition (training/addition.py)
+    # addition(-reversed): synthetic addition (data/addition.py)
     task: str = setting("lm", group=DATA, flag="--task", choices=TASKS,
                         help="lm (the corpus), or synthetic addition (sum written normally or reversed; TP = PP = 1)")
     addition_digits: int = setting(3, group=DATA, flag="--addition-digits", help="operand digits (addition tasks)")

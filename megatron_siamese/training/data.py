@@ -20,7 +20,7 @@ from torch.utils.data import default_collate
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megatron_siamese.training.cache_lock import building
+from megatron_siamese.data.cache_lock import building
 from megatron_siamese.training.data_checks import SPLIT, batch_id_problem, out_of_range_error
 
 

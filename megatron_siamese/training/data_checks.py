@@ -21,7 +21,6 @@ reaches the model (a stats file or dtype bound only moves the refusal before the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -30,10 +29,11 @@ from typing import List, Optional, Tuple
 
 import numpy
 
+from megatron_siamese.data import stats as corpus_stats
+from megatron_siamese.data.stats import STATS_SUFFIX, fingerprint
 from megatron_siamese.runtime.registry import ConfigError
 
 SPLIT = "98,2,0"  # train, validation, test weights, over sequences (Megatron-LM's --split; data.py builds with it)
-STATS_SUFFIX = ".stats.json"  # PREFIX.stats.json: the corpus's smallest and largest token id
 _MAGIC = b"MMIDIDX\x00\x00"  # Megatron's _INDEX_HEADER
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document-index count
 
@@ -115,31 +115,17 @@ def read_index(prefix: str):
     return index
 
 
-def _fingerprint(prefix: str) -> dict:
-    """What a stats file is valid for: the .bin's length and the whole .idx (small: 20 bytes a document)."""
-    digest = hashlib.sha256()
-    with open(_idx(prefix), "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 22), b""):
-            digest.update(block)
-    return {"bin_bytes": os.path.getsize(_bin(prefix)), "idx_sha256": digest.hexdigest()}
-
-
 # -- the token ids ------------------------------------------------------------------------
 
 
 def write_stats(prefix: str, min_id: Optional[int] = None, max_id: Optional[int] = None) -> dict:
-    """Write ``PREFIX.stats.json``: the smallest and largest token id (given by a builder that
-    knows them, else read in one pass over the .bin), keyed to this .bin/.idx pair."""
+    """Write ``PREFIX.stats.json`` (data/corpus.py): the smallest and largest token id, given by a
+    builder that knows them, else read in one pass over the .bin."""
     if min_id is None or max_id is None:
         index = read_index(prefix)
         tokens = int(index.sequence_lengths.sum(dtype=numpy.int64))
         min_id, max_id = _scan(prefix, numpy.dtype(index.dtype), tokens)
-    stats = {"min_token_id": min_id, "max_token_id": max_id, **_fingerprint(prefix)}
-    tmp = f"{prefix}{STATS_SUFFIX}.tmp{os.getpid()}"
-    with open(tmp, "w") as stream:
-        json.dump(stats, stream)
-    os.replace(tmp, prefix + STATS_SUFFIX)
-    return stats
+    return corpus_stats.write_stats(prefix, min_id, max_id)
 
 
 def _scan(prefix: str, dtype: numpy.dtype, tokens: int, block: int = 1 << 26) -> Tuple[Optional[int], Optional[int]]:
@@ -169,11 +155,11 @@ def id_problems(prefix: str, index, vocab_size: int) -> List[str]:
         with open(path) as stream:
             stats = json.load(stream)
         low, high = stats["min_token_id"], stats["max_token_id"]
-        fingerprint = {key: stats[key] for key in ("bin_bytes", "idx_sha256")}
+        recorded = {key: stats[key] for key in ("bin_bytes", "idx_sha256")}
     except (OSError, ValueError, KeyError, TypeError) as error:
         return [f"{path} is unreadable ({type(error).__name__}): rewrite it with "
                 f"`python -m megatron_siamese.training.data_checks {prefix}`"]
-    if fingerprint != _fingerprint(prefix):
+    if recorded != fingerprint(prefix):
         return [f"{path} describes another version of {prefix}.bin/.idx: rewrite it with "
                 f"`python -m megatron_siamese.training.data_checks {prefix}` (or delete it)"]
     if low is None:

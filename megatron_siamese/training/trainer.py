@@ -32,7 +32,7 @@ from megatron_siamese.runtime.gpt import MegatronGPT
 from megatron_siamese.training import checkpoint, output_guard
 from megatron_siamese.training.megatron_lm_args import ADAM_BETAS, LR_DECAY_STYLE
 from megatron_siamese.training.args import ADDITION_TASKS, ConfigError, TrainArgs, padded_vocab_size
-from megatron_siamese.training.corpus import ByteTokenizer, embedded_corpus
+from megatron_siamese.data.corpus import ByteTokenizer, embedded_corpus
 from megatron_siamese.training.run_log import RunLog
 from megatron_siamese.training.summary import RunSummary, format_summary, shown  # noqa: F401  (format_summary re-exported)
 
@@ -58,7 +58,7 @@ def data_readers(args: TrainArgs, tokenizer):
     from megatron_siamese.training.data import MicrobatchReader, build_gpt_datasets
 
     if args.task != "lm":
-        from megatron_siamese.training.addition import addition_corpus
+        from megatron_siamese.data.addition import addition_corpus
 
         corpus = partial(addition_corpus, reverse=ADDITION_TASKS[args.task], digits=args.addition_digits)
     else:
@@ -296,7 +296,7 @@ def train_rank(args: TrainArgs) -> Optional[RunSummary]:
         summary.val_losses[trainer.step] = trainer.evaluate()  # e.g. a loaded checkpoint as is
         log.evaluated(trainer.step, summary.val_losses[trainer.step])
     if args.task != "lm" and not summary.diverged and not summary.stopped:
-        from megatron_siamese.training.addition import exact_match_accuracy
+        from megatron_siamese.data.addition import exact_match_accuracy
 
         trainer.gpt.train(False)
         summary.accuracy = exact_match_accuracy(trainer.gpt.chunks[0], reverse=ADDITION_TASKS[args.task],

@@ -20,7 +20,7 @@ from typing import List, Tuple
 
 import torch
 
-from megatron_siamese.training.corpus import ByteTokenizer, cached_indexed_dataset
+from megatron_siamese.data.corpus import ByteTokenizer, cached_indexed_dataset
 
 
 def problems(count: int, digits: int, seed: int) -> List[Tuple[int, int]]:

@@ -21,8 +21,8 @@ import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
-from megatron_siamese.training.cache_lock import building
-from megatron_siamese.training.data_checks import STATS_SUFFIX
+from megatron_siamese.data.cache_lock import building
+from megatron_siamese.data.stats import STATS_SUFFIX, write_stats
 
 
 class ByteTokenizer:
@@ -88,8 +88,6 @@ def build_indexed_dataset(documents: List[str], prefix: str, tokenizer: ByteToke
     """Write ``prefix.bin`` / ``prefix.idx`` (atomically: a crash leaves no half-written pair),
     and ``prefix.stats.json``: its smallest and largest token id, which Megatron's index lacks
     (data_checks.py reads it)."""
-    from megatron_siamese.training.data_checks import write_stats
-
     tmp = f"{prefix}.tmp{os.getpid()}"
     builder = IndexedDatasetBuilder(get_bin_path(tmp), dtype=numpy.uint16)
     lows, highs = [], []
