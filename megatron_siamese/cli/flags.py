@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_siamese.runtime.registry import Setting, definitions
+from megatron_siamese.runtime.registry import add_setting, definitions
 from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
 from megatron_siamese.training.args import CHECKPOINTS, DATA, LOGGING, PARALLELISM, TRAINING, TrainArgs
 
@@ -28,18 +28,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         if sets_other_value or "default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
-
-
-def add_setting(group, definition: Setting) -> None:
-    """The flags of one setting: its own, then its switches, all setting the same field."""
-    options = dict(action=definition.action, metavar=definition.metavar, choices=definition.choices,
-                   type=definition.value_type, nargs=definition.nargs)
-    group.add_argument(*definition.flags, dest=definition.name, default=definition.default, help=definition.help,
-                       **{key: value for key, value in options.items() if value is not None})
-    for switch in definition.switches:
-        extra = {"const": switch.const} if switch.const is not None else {}
-        group.add_argument(*switch.flags, dest=definition.name, default=definition.default, help=switch.help,
-                           action=switch.action, **extra)
 
 
 def add_group(parser: argparse.ArgumentParser, title: str, leave_out=(), settings=SETTINGS) -> None:

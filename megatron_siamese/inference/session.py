@@ -48,15 +48,18 @@ class SavedCheckpoint:
     step: int
     model_class: str  # "gpt" or "hybrid"
     settings: Optional[ModelSettings]  # None: the checkpoint records none (Megatron-LM's, older releases)
+    vocab_size: Optional[int] = None  # the padded vocabulary it was trained with (Megatron-LM pads per TP)
 
 
 def recorded_settings(common: Dict[str, Any]) -> Optional[ModelSettings]:
-    """The ModelSettings a checkpoint's common state records (None when it records none)."""
+    """The ModelSettings a checkpoint's common state records (None when it records none): our
+    trainer's settings, else what Megatron-LM's args of our pretrain say (inference/saved_args.py)."""
+    from megatron_siamese.inference.saved_args import settings_from_args
     from megatron_siamese.training.checkpoint_settings import SETTINGS_KEY
 
     saved = common.get(SETTINGS_KEY)
     if not isinstance(saved, dict):
-        return None
+        return settings_from_args(common["args"]) if "args" in common else None
     fields = {f.name for f in dataclasses.fields(ModelSettings)}
     return ModelSettings(**{key: value for key, value in saved.items() if key in fields})
 
@@ -73,7 +76,7 @@ def read_checkpoint(path: str) -> SavedCheckpoint:
         raise CheckpointError(f"cannot read the common state of {checkpoint}: {type(error).__name__}: "
                               f"{str(error).strip().splitlines()[-1][:200] if str(error).strip() else ''}") from None
     return SavedCheckpoint(checkpoint, checkpoint_files.iteration(common), checkpoint_files.model_class(common),
-                           recorded_settings(common))
+                           recorded_settings(common), getattr(common.get("args"), "padded_vocab_size", None))
 
 
 def model_settings(saved: SavedCheckpoint, settings: Optional[ModelSettings] = None, **changes) -> ModelSettings:
@@ -133,7 +136,7 @@ class ModelSession:
 
         self.checkpoint, self.step, self.settings, self.layout = saved.path, saved.step, settings, layout
         self.tokenizer = ByteTokenizer()
-        self.vocab_size = padded_vocab_size(self.tokenizer.vocab_size)
+        self.vocab_size = saved.vocab_size or padded_vocab_size(self.tokenizer.vocab_size)
         # process groups someone else set up for this layout (a test's single rank) are used as
         # they are and left up; else the session's own, torn down by close()
         self._owns_groups = not _groups_for(layout)

@@ -148,3 +148,17 @@ def config_kwargs(values, cls) -> Dict[str, Any]:
     """The TransformerConfig keywords ``values`` set unchanged, from the definitions in ``cls``
     (a base class: a subclass that only changes defaults keeps the base's definitions)."""
     return {d.config: getattr(values, name) for name, d in definitions(cls).items() if d.config}
+
+
+def add_setting(group, definition: Setting, dest: Optional[str] = None) -> None:
+    """The argparse flags of one setting (an argparse parser or group): its own, then its switches,
+    all setting the same field (``dest``, default: the setting's name)."""
+    options = dict(action=definition.action, metavar=definition.metavar, choices=definition.choices,
+                   type=definition.value_type, nargs=definition.nargs)
+    dest = dest or definition.name
+    group.add_argument(*definition.flags, dest=dest, default=definition.default, help=definition.help,
+                       **{key: value for key, value in options.items() if value is not None})
+    for switch in definition.switches:
+        extra = {"const": switch.const} if switch.const is not None else {}
+        group.add_argument(*switch.flags, dest=dest, default=definition.default, help=switch.help,
+                           action=switch.action, **extra)
