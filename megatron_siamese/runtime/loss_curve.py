@@ -38,22 +38,30 @@ def read_losses(directory: str) -> Tuple[Dict[int, float], Dict[int, float]]:
     return curves[TRAIN_TAG], curves[VALIDATION_TAG]
 
 
-def draw(train: Sequence[Tuple[int, float]], validation: Sequence[Tuple[int, float]], path: str, title: str) -> None:
-    """The training loss by step and the validation points, as a PNG written atomically."""
+Curve = Sequence[Tuple[int, float]]  # (step, loss) in step order
+
+
+def draw(curves: Dict[str, Tuple[Curve, Curve]], path: str, title: str) -> None:
+    """Each run's (train, validation) losses by step, one colour a run (named in the legend where
+    there are several), as a PNG written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    if train:
-        axis.plot(*zip(*train), alpha=0.7, label="train")
-    if validation:
-        axis.plot(*zip(*validation), "o-", label="validation")
+    for name, (train, validation) in curves.items():
+        prefix = f"{name} " if name else ""
+        colour = None
+        if train:
+            (line,) = axis.plot(*zip(*train), alpha=0.7, label=prefix + "train")
+            colour = line.get_color()
+        if validation:
+            axis.plot(*zip(*validation), "o-", color=colour, label=prefix + "validation")
     axis.set_xlabel("step")
     axis.set_ylabel("loss (nats per token)")
     axis.set_title(title)
-    if train or validation:
+    if any(train or validation for train, validation in curves.values()):
         axis.legend()
     axis.grid(alpha=0.3)
     figure.tight_layout()
@@ -66,5 +74,5 @@ def plot_run(directory: str, title: str) -> Tuple[str, Dict[int, float], Dict[in
     """``directory/loss.png`` from the run's events: (its path, the train and validation losses drawn)."""
     train, validation = read_losses(directory)
     path = os.path.join(directory, PLOT_FILE)
-    draw(sorted(train.items()), sorted(validation.items()), path, title)
+    draw({"": (sorted(train.items()), sorted(validation.items()))}, path, title)
     return path, train, validation

@@ -72,6 +72,9 @@ def serve_megatron_training_on_cpu() -> None:
     except ImportError:
         pass
     _keep_built_dataset_helpers()
+    from megatron_siamese.runtime import cpu_checkpoint_worker
+
+    cpu_checkpoint_worker.install()
     _warm_up_without_drawing_the_init()
     _build_loaders_without_drawing_dropout()
 

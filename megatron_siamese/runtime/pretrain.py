@@ -31,6 +31,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 import torch  # noqa: E402
 
 from megatron_siamese import device  # noqa: E402
+from megatron_siamese.runtime.pretrain_flags import add_defaults  # noqa: E402
 
 NEEDS = "megatron-core >= 0.17 (its wheel ships megatron.training; 0.19.2 is tested)"
 
@@ -46,9 +47,140 @@ def require_megatron_training() -> None:
                          "Upgrade megatron-core (Python >= 3.12), or train with `megatron-siamese train`.")
 
 
+# our flags beside Megatron-LM's (its extra_args_provider), each defined once in runtime/settings.py:
+# the residual scheme and SiameseNorm's options, stored under their TransformerConfig names (the
+# checkpoint's args keep them, so export and generate rebuild the same model)
+SIAMESE_SETTINGS = ("norm", "siamese_input_norm", "siamese_depth_scale", "mix_ln_alpha", "hybridnorm_star",
+                    "fused_ops", "boundary_ops")
+SIAMESE_GROUP = "SiameseNorm (megatron_siamese)"
+
+
+def add_siamese_arguments(parser):
+    from megatron_siamese.runtime.registry import add_setting, definitions
+    from megatron_siamese.runtime.settings import ModelSettings
+
+    group = parser.add_argument_group(SIAMESE_GROUP)
+    for name in SIAMESE_SETTINGS:
+        definition = definitions(ModelSettings)[name]
+        add_setting(group, definition, dest=definition.config or name)
+    return parser
+
+
+USAGE = "megatron-siamese train [--nproc-per-node N] [--norm SCHEME] [Megatron-LM's flags]"
+
+
+# our own loop's flags (megatron-core 0.16.1) that Megatron-LM names otherwise (docs/training.md's table)
+OUR_LOOP_FLAGS = {"--tp": "--tensor-model-parallel-size", "--pp": "--pipeline-model-parallel-size",
+                  "--vpp": "--num-virtual-stages-per-pipeline-rank", "--cp": "--context-parallel-size",
+                  "--ep": "--expert-model-parallel-size", "--etp": "--expert-tensor-parallel-size",
+                  "--sp": "--sequence-parallel", "--dp": "--nproc-per-node (DP is the ranks over TP x PP x CP)",
+                  "--steps": "--train-iters", "--warmup-steps": "--lr-warmup-iters", "--data-prefix": "--data-path",
+                  "--output-dir": "--save DIR/checkpoints --tensorboard-dir DIR/tensorboard",
+                  "--cache-dir": "the environment variable MEGATRON_SIAMESE_CACHE", "--stop-step": "--exit-interval",
+                  "--dtype": "--bf16", "--fp8": "--fp8-format", "--model": "--hybrid-layer-pattern",
+                  "--recompute": "--recompute-granularity"}
+
+
+def megatron_parser():
+    """Megatron-LM's argument parser as its parse_args builds it, with our group; a flag of our own
+    loop's is named with Megatron-LM's for it."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            if message.startswith("unrecognized arguments:"):
+                renamed = [f"{flag} is {OUR_LOOP_FLAGS[flag]}" for flag in message.split(":", 1)[1].split()
+                           if flag.split("=", 1)[0] in OUR_LOOP_FLAGS]
+                message += f" (in Megatron-LM's flags: {'; '.join(renamed)})" if renamed else ""
+            super().error(message)
+
+    return add_siamese_arguments(add_megatron_arguments(
+        Parser(prog="megatron-siamese train", usage=USAGE, description="Megatron-LM Arguments", allow_abbrev=False)))
+
+
+def print_help() -> None:
+    """Megatron-LM's flags, ours among them. A help text with a bare '%' (megatron-core 0.19.2 has
+    one) is printed as written instead of failing."""
+    import re
+
+    parser = megatron_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        try:
+            formatter._expand_help(action)
+        except (TypeError, ValueError, KeyError):
+            action.help = re.sub(r"%(?!\()", "%%", action.help)
+    parser.print_help()
+
+
+def checkpoint_problem(args):
+    """One line refusing ``--load`` of a checkpoint whose model is another than this run builds (its
+    scheme, say, which Megatron-LM's own argument check does not compare), naming each difference;
+    None where it is the same model, says nothing of its model, or is not there yet (an empty
+    ``--save`` directory: Megatron-LM starts from scratch)."""
+    import dataclasses
+
+    from megatron_siamese.inference.saved_args import settings_from_args
+    from megatron_siamese.inference.session import recorded_settings
+    from megatron_siamese.training import checkpoint_files
+    from megatron_siamese.training.checkpoint_settings import model_differences
+
+    if not args.load or checkpoint_files.holds_no_checkpoint(args.load):
+        return None
+    checkpoint = checkpoint_files.resolve(args.load)
+    saved = recorded_settings(checkpoint_files.common_state(checkpoint))
+    building = settings_from_args(args)
+    differ = model_differences(dataclasses.asdict(saved), building) if saved and building else []
+    if not differ:
+        return None
+    return (f"--load {args.load} holds another model than this run builds ({', '.join(differ)}; checkpoint -> this "
+            "run): give the checkpoint's flags, or another --load")
+
+
+def failed_check(error: AssertionError) -> str:
+    """An assert's message, or where it has none, the check itself as Megatron-LM wrote it."""
+    import traceback
+
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return f"{error} ({where})" if str(error) else f"`{frame.line}` ({where})"
+
+
+def scheme_problems(args) -> list:
+    """What of our flags the run cannot honour, one line each (said before any model is built)."""
+    from megatron_siamese.runtime.settings import ModelSettings, scheme_setting_problems
+
+    given = ModelSettings(norm=args.norm, siamese_input_norm=args.siamese_input_norm,
+                          siamese_depth_scale=args.siamese_depth_scale, mix_ln_alpha=args.mix_ln_alpha,
+                          hybridnorm_star=args.hybridnorm_star)
+    found = scheme_setting_problems(given)
+    if args.spec and args.norm != "siamese":
+        found.append(f"--spec {' '.join(args.spec)} names the layer itself: drop --norm {args.norm}")
+    if args.hybrid_layer_pattern and args.norm != "siamese":
+        found.append(f"--hybrid-layer-pattern builds a HybridModel of SiameseNorm sublayers only: drop --norm {args.norm}")
+    if args.norm in ("post", "hybridnorm", "mixln") and args.transformer_impl == "transformer_engine":
+        found.append(f"--norm {args.norm} is built of Megatron's local modules: add --transformer-impl local")
+    return found
+
+
+def siamese_config(config, args):
+    """``config`` (Megatron-LM's, from its flags) as our config class, with SiameseNorm's options
+    from our flags and what the scheme needs (HybridNorm's QK-norm, say)."""
+    import dataclasses
+
+    from megatron_siamese.config import SiameseOptions, siamese_config_class
+    from megatron_siamese.models import scheme
+
+    values = {field.name: getattr(config, field.name) for field in dataclasses.fields(config) if field.init}
+    options = {field.name: getattr(args, field.name) for field in dataclasses.fields(SiameseOptions)}
+    return siamese_config_class(args.multi_latent_attention)(**{**values, **options, **scheme(args.norm).config})
+
+
 def layer_spec(args, config, vp_stage=None):
-    """``--spec MODULE NAME`` as Megatron-LM reads it, else ours for the model and ``--transformer-impl``:
-    a HybridModel's stack spec (``--hybrid-layer-pattern``), or the SiameseNorm block spec of this
+    """``--spec MODULE NAME`` as Megatron-LM reads it, else ours for the model and ``--norm``:
+    a HybridModel's stack spec (``--hybrid-layer-pattern``), or the scheme's block spec for this
     (virtual) pipeline stage, which follows the config as Megatron's own GPT block spec does (dense
     and MoE layers per ``--moe-layer-freq``, QK-norm, multi-latent attention, a pipeline layout)."""
     if args.spec:
@@ -59,9 +191,9 @@ def layer_spec(args, config, vp_stage=None):
 
         te = args.transformer_impl == "transformer_engine"
         return hybrid.siamese_hybrid_te_stack_spec if te else hybrid.siamese_hybrid_stack_spec
-    from megatron_siamese.specs import get_siamese_block_spec
+    from megatron_siamese.models import scheme
 
-    return get_siamese_block_spec(config, vp_stage=vp_stage)
+    return scheme(args.norm).block_spec(config, vp_stage)
 
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None):
@@ -73,7 +205,7 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
     from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
-    config = config or core_transformer_config_from_args(args)
+    config = siamese_config(config or core_transformer_config_from_args(args), args)
     spec = layer_spec(args, config, vp_stage)
     common = dict(vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                   pre_process=pre_process, post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
@@ -173,70 +305,6 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 datasets_provider.is_distributed = True  # every rank builds its own (pretrain_gpt.py's flag)
 
 
-# what a CPU run needs that a GPU run does not (no NCCL; no TE or apex for the fused norm, the
-# gradient-accumulation fusion and the RoPE fusion; no TE layers): added unless the command line says otherwise
-CPU_FLAGS = (("--distributed-backend", "gloo"), ("--transformer-impl", "local"), ("--no-persist-layer-norm",),
-             ("--no-gradient-accumulation-fusion",), ("--no-rope-fusion",))
-
-
-# where the data comes from when the command line names none (Megatron-LM's data flags)
-DATA_SOURCE_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
-                     "--data-args-path", "--per-split-data-args-path", "--sft-mock-dataset-config-json",
-                     "--yaml-cfg")  # (a YAML configuration gives every argument itself)
-CACHE_VARIABLE = "MEGATRON_SIAMESE_CACHE"
-
-
-def flag_value(argv: list, flag: str):
-    """The value ``argv`` gives ``flag`` (``--flag value`` or ``--flag=value``; the last one given), or None."""
-    value = None
-    for i, word in enumerate(argv):
-        if word == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif word.startswith(flag + "="):
-            value = word.split("=", 1)[1]
-    return value
-
-
-def embedded_data_flags(argv: list, given: set) -> list:
-    """The embedded corpus as Megatron-LM's flags: its indexed dataset, split 98/2 by document, and
-    a NullTokenizer over its ids (bytes 0-255, end of document 256, padding 257). Each flag is
-    added only where the command line does not give it; every rank builds or waits for the one
-    corpus (the cache directory's lock)."""
-    from megatron_siamese.data.corpus import ByteTokenizer, embedded_corpus
-
-    tokenizer = ByteTokenizer()
-    kind, vocab = flag_value(argv, "--tokenizer-type"), flag_value(argv, "--vocab-size")
-    mismatch = (f"--tokenizer-type {kind}" if kind not in (None, "NullTokenizer") else
-                f"--vocab-size {vocab}" if vocab is not None and not (vocab.isdigit()
-                                                                       and int(vocab) >= tokenizer.vocab_size)
-                else None)
-    if mismatch:
-        raise SystemExit(f"megatron_siamese.runtime.pretrain: the embedded corpus (no --data-path given) is byte "
-                         f"tokens, read with --tokenizer-type NullTokenizer --vocab-size {tokenizer.vocab_size} "
-                         f"(or more); got {mismatch}. Give --data-path for data of your own tokenizer.")
-    prefix = embedded_corpus(os.environ.get(CACHE_VARIABLE, ".cache/megatron_siamese"))
-    flags = (("--data-path", prefix), ("--split", "98,2,0"), ("--tokenizer-type", "NullTokenizer"),
-             ("--vocab-size", str(tokenizer.vocab_size)), ("--null-tokenizer-eod-id", str(tokenizer.eod)),
-             ("--null-tokenizer-pad-id", str(tokenizer.pad)))
-    return [word for flag in flags if flag[0] not in given for word in flag]
-
-
-def add_defaults(argv: list, gpu: bool) -> list:
-    """``argv`` with what the command line leaves out: the CPU's flags off a GPU, the embedded
-    corpus without a data source. Said once, by rank 0."""
-    given = {word.split("=", 1)[0] for word in argv}  # --flag value and --flag=value
-    cpu = [] if gpu else [word for flag in CPU_FLAGS if flag[0] not in given for word in flag]
-    asks_help = bool(given & {"--help", "-h"})
-    data = [] if given & set(DATA_SOURCE_FLAGS) or asks_help else embedded_data_flags(argv, given)
-    if os.environ.get("RANK", "0") == "0":
-        if cpu:
-            print("megatron_siamese.runtime.pretrain: no GPU, so on CPU with " + " ".join(cpu), flush=True)
-        if data:
-            print("megatron_siamese.runtime.pretrain: no data source given, so the embedded corpus: "
-                  + " ".join(data), flush=True)
-    return argv + cpu + data
-
-
 def draw_the_loss_curve(args) -> None:
     """On the rank that writes Megatron's TensorBoard events (``--tensorboard-dir``; the last rank):
     the run's loss curve beside them (runtime/loss_curve.py), and where it is. A curve that cannot
@@ -253,12 +321,12 @@ def draw_the_loss_curve(args) -> None:
         path, train, validation = plot_run(args.tensorboard_dir,
                                            title=f"SiameseNorm, {args.num_layers} layers, h {args.hidden_size}")
     except Exception as error:  # noqa: BLE001 - the curve is a report, not the run
-        print(f"megatron_siamese.runtime.pretrain: warning: no loss curve ({type(error).__name__}: {error})",
+        print(f"megatron-siamese train: warning: no loss curve ({type(error).__name__}: {error})",
               flush=True)
         return
     latest = [f"iteration {max(train)}: lm loss {train[max(train)]:.4f}"] if train else []
     latest += [f"validation {validation[max(validation)]:.4f}"] if validation else []
-    print(f"megatron_siamese.runtime.pretrain: loss curve {path}" + (f" ({', '.join(latest)})" if latest else ""),
+    print(f"megatron-siamese train: loss curve {path}" + (f" ({', '.join(latest)})" if latest else ""),
           flush=True)
 
 
@@ -282,6 +350,9 @@ def refuse_what_is_not_followed(args) -> None:
 
 
 def main() -> None:
+    from megatron_siamese.runtime.quiet import silence_known_notices
+
+    silence_known_notices()  # Megatron's notices of a machine without apex or TE, torch's of no CUDA
     require_megatron_training()
     gpu = device.uses_cuda()
     if not gpu:
@@ -294,8 +365,16 @@ def main() -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     sys.argv = add_defaults(sys.argv, gpu)
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    megatron_parser().parse_args(sys.argv[1:])  # a usage error said with a usage line, not Megatron's 500
+    try:
+        args = parse_and_validate_args(add_siamese_arguments, args_defaults={"tokenizer_type": "NullTokenizer"})
+    except AssertionError as refused:  # Megatron-LM checks its flags with asserts, some without a message
+        raise SystemExit(f"megatron-siamese train: Megatron-LM refuses these flags: {failed_check(refused)}") from None
     refuse_what_is_not_followed(args)
+    problems = scheme_problems(args)
+    problems += [problem] if (problem := checkpoint_problem(args)) else []
+    if problems:
+        raise SystemExit("\n".join(f"megatron-siamese train: {problem}" for problem in problems))
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider)

@@ -13,4 +13,4 @@ def plot(metrics_path: str, path: str, title: str) -> None:
     entries = metrics.read(metrics_path)
     train = [(e["step"], e["loss"]) for e in entries if e.get("loss") is not None]
     valid = [(e["step"], e["val_loss"]) for e in entries if e.get("val_loss") is not None]
-    draw(train, valid, path, title)
+    draw({"": (train, valid)}, path, title)

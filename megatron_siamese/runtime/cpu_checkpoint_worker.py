@@ -1,0 +1,39 @@
+"""Megatron's persistent checkpoint worker on CPU (``--async-save --use-persistent-ckpt-worker``).
+
+The worker is a process of its own (spawned, or forked from a fork server) whose first act is
+``torch.cuda.set_device(rank % torch.cuda.device_count())``: with no GPU that divides by zero, the
+worker dies, and the ranks wait for their saves forever. ``install`` (from the CPU shim's
+``megatron_lm.serve_megatron_training_on_cpu``) points the worker's entry at ``async_loop`` here,
+which a spawned worker imports by name: it gives the worker the CPU shim and one device, the CPU,
+then runs Megatron's loop.
+"""
+
+from __future__ import annotations
+
+_megatrons_loop = None  # PersistentAsyncCaller.async_loop before install() (a forked worker inherits it)
+
+
+def async_loop(*args, **kwargs):
+    import torch
+
+    from megatron_siamese.runtime import cpu_shim
+
+    cpu_shim.install()
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *args, **kwargs: None
+    if _megatrons_loop is not None:
+        return _megatrons_loop(*args, **kwargs)
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    return PersistentAsyncCaller.async_loop(*args, **kwargs)  # a spawned worker: Megatron's, unpatched there
+
+
+def install() -> None:
+    global _megatrons_loop
+    try:
+        from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+    except ImportError:  # a megatron-core without the persistent worker
+        return
+    if _megatrons_loop is None:
+        _megatrons_loop = PersistentAsyncCaller.async_loop
+        PersistentAsyncCaller.async_loop = staticmethod(async_loop)

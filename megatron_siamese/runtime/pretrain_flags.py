@@ -1,0 +1,92 @@
+"""What ``megatron-siamese train`` adds to a Megatron-LM command line that leaves it out: the
+CPU's flags off a GPU, the embedded default job where no model is named, the embedded corpus
+where no data is. Each added only where the command line does not give it, and said. No torch
+import here (the launching process counts ranks from the same flags)."""
+
+from __future__ import annotations
+
+import os
+
+# what a CPU run needs that a GPU run does not (no NCCL; no TE or apex for the fused norm, the
+# gradient-accumulation fusion and the RoPE fusion; no TE layers): added unless the command line says otherwise
+CPU_FLAGS = (("--distributed-backend", "gloo"), ("--transformer-impl", "local"), ("--no-persist-layer-norm",),
+             ("--no-gradient-accumulation-fusion",), ("--no-rope-fusion",))
+
+
+# where the data comes from when the command line names none (Megatron-LM's data flags)
+DATA_SOURCE_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+                     "--data-args-path", "--per-split-data-args-path", "--sft-mock-dataset-config-json",
+                     "--yaml-cfg")  # (a YAML configuration gives every argument itself)
+CACHE_VARIABLE = "MEGATRON_SIAMESE_CACHE"
+
+
+def flag_value(argv: list, flag: str):
+    """The value ``argv`` gives ``flag`` (``--flag value`` or ``--flag=value``; the last one given), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def embedded_data_flags(argv: list, given: set) -> list:
+    """The embedded corpus as Megatron-LM's flags: its indexed dataset, split 98/2 by document, and
+    a NullTokenizer over its ids (bytes 0-255, end of document 256, padding 257). Each flag is
+    added only where the command line does not give it; every rank builds or waits for the one
+    corpus (the cache directory's lock)."""
+    from megatron_siamese.data.corpus import ByteTokenizer, embedded_corpus
+
+    tokenizer = ByteTokenizer()
+    kind, vocab = flag_value(argv, "--tokenizer-type"), flag_value(argv, "--vocab-size")
+    mismatch = (f"--tokenizer-type {kind}" if kind not in (None, "NullTokenizer") else
+                f"--vocab-size {vocab}" if vocab is not None and not (vocab.isdigit()
+                                                                       and int(vocab) >= tokenizer.vocab_size)
+                else None)
+    if mismatch:
+        raise SystemExit(f"megatron-siamese train: the embedded corpus (no --data-path given) is byte "
+                         f"tokens, read with --tokenizer-type NullTokenizer --vocab-size {tokenizer.vocab_size} "
+                         f"(or more); got {mismatch}. Give --data-path for data of your own tokenizer.")
+    prefix = embedded_corpus(os.environ.get(CACHE_VARIABLE, ".cache/megatron_siamese"))
+    flags = (("--data-path", prefix), ("--split", "98,2,0"), ("--tokenizer-type", "NullTokenizer"),
+             ("--vocab-size", str(tokenizer.vocab_size)), ("--null-tokenizer-eod-id", str(tokenizer.eod)),
+             ("--null-tokenizer-pad-id", str(tokenizer.pad)))
+    return [word for flag in flags if flag[0] not in given for word in flag]
+
+
+# the embedded default job (scripts/run.sh's) where the command line names no model (no --num-layers):
+# a 4-layer SiameseNorm GPT of width 128 on 128-token sequences, 300 steps, cosine decay
+EMBEDDED_JOB = (("--num-layers", "4"), ("--hidden-size", "128"), ("--num-attention-heads", "4"),
+                ("--seq-length", "128"), ("--max-position-embeddings", "128"), ("--normalization", "RMSNorm"),
+                ("--swiglu",), ("--disable-bias-linear",), ("--position-embedding-type", "rope"),
+                ("--micro-batch-size", "8"), ("--global-batch-size", "16"), ("--train-iters", "300"),
+                ("--lr", "2e-3"), ("--min-lr", "2e-4"), ("--lr-decay-style", "cosine"), ("--lr-warmup-fraction", "0.1"),
+                ("--weight-decay", "0.1"), ("--clip-grad", "1.0"), ("--log-interval", "10"),
+                ("--eval-interval", "100"), ("--eval-iters", "8"))
+
+
+# a default left out where the command line says the same another way
+SAID_OTHERWISE = {"--lr-warmup-fraction": ("--lr-warmup-iters", "--lr-warmup-samples"),
+                  "--train-iters": ("--train-samples",), "--lr-decay-style": ("--lr-wsd-decay-style",)}
+
+
+def add_defaults(argv: list, gpu: bool) -> list:
+    """``argv`` with what the command line leaves out: the CPU's flags off a GPU, the embedded
+    default job without a model, the embedded corpus without a data source. Said once, by rank 0."""
+    given = {word.split("=", 1)[0] for word in argv}  # --flag value and --flag=value
+    cpu = [] if gpu else [word for flag in CPU_FLAGS if flag[0] not in given for word in flag]
+    asks_help = bool(given & {"--help", "-h"})
+    job = [] if "--num-layers" in given or asks_help else [
+        word for flag in EMBEDDED_JOB if not given & {flag[0], *SAID_OTHERWISE.get(flag[0], ())} for word in flag]
+    data = [] if given & set(DATA_SOURCE_FLAGS) or asks_help else embedded_data_flags(argv, given)
+    if os.environ.get("RANK", "0") == "0":
+        if cpu:
+            print("megatron-siamese train: no GPU, so on CPU with " + " ".join(cpu), flush=True)
+        if job:
+            print("megatron-siamese train: no model given (--num-layers), so the embedded default: "
+                  + " ".join(job), flush=True)
+        if data:
+            print("megatron-siamese train: no data source given, so the embedded corpus: "
+                  + " ".join(data), flush=True)
+    return argv + cpu + job + data
