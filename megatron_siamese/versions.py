@@ -22,6 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 SUPPORTED = ((0, 16, 1), (0, 20, 0))  # [lowest, first untested)
 SUPPORTED_TEXT = "megatron-core >= 0.16.1, < 0.20 (tested: 0.16.1 and 0.19.2)"
 UNTESTED_ENV = "MEGATRON_SIAMESE_UNTESTED_MEGATRON"
+TRAINING_LOOP_SINCE = (0, 17, 0)  # the first megatron-core wheel with megatron.training
 CHECK_COMMAND = "megatron-siamese check --layouts all"
 
 
@@ -76,3 +77,9 @@ def check_megatron_core() -> None:
     notice = untested_notice(found)
     if notice is not None and not untested and _rank_zero():
         warnings.warn(notice, stacklevel=3)
+
+
+def ships_megatron_training() -> bool:
+    """Whether the installed megatron-core carries Megatron-LM's training loop
+    (``megatron.training``, in its wheel since 0.17), told by its version without importing it."""
+    return release(installed_megatron_core()) >= TRAINING_LOOP_SINCE

@@ -131,6 +131,10 @@ def test_analyze_on_a_directory_that_is_no_checkpoint(tmp_path):
 # -- flags and help ----------------------------------------------------------------------
 
 def subparser(name):
+    if name == "train":
+        from cli_runs import our_train_parser
+
+        return our_train_parser()
     return build_parser()._subparsers._group_actions[0].choices[name]
 
 

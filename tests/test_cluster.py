@@ -21,6 +21,7 @@ from megatron_siamese.check.matrix import layouts_that_fit, whole_job_layouts
 from megatron_siamese.runtime.launch import free_port
 from megatron_siamese.runtime.launchers import LaunchError, detect, first_host, reporter
 from megatron_siamese.runtime.layout import parse_layout
+from megatron_siamese.versions import ships_megatron_training
 
 CLI = ["-m", "megatron_siamese.cli"]
 TINY_TRAIN = ["train", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "2",
@@ -271,9 +272,8 @@ def test_directories_are_each_nodes_own_paths(tmp_path, jobs):
 
 
 @pytest.mark.stack_independent
-def test_the_slurm_examples_hand_srun_commands_that_parse(tmp_path):
+def test_the_slurm_check_and_megatron_lm_examples_hand_commands_that_parse(tmp_path):
     from megatron_siamese.cli import build_parser, check as check_command
-    from megatron_siamese.cli.flags import train_args
     from megatron_siamese.check.case import ModelCase
 
     check = submitted("check.sbatch", tmp_path)
@@ -283,16 +283,24 @@ def test_the_slurm_examples_hand_srun_commands_that_parse(tmp_path):
     case = ModelCase(**{name: getattr(options, name) for name in check_command.CASE_SETTINGS + check_command.SIZES})
     assert check_command.problems(case, ["tp8-pp2", "tp4-pp2-dp2-sp", "tp2-dp8-sp-do"]) == []
 
-    train = submitted("pretrain.sbatch", tmp_path, OUT=str(tmp_path / "out"))
-    args = train_args(build_parser().parse_args(train[train.index("megatron_siamese.cli") + 1:]))  # ConfigError if not
-    assert (args.tp, args.dp, args.world_size) == (8, 2, 16) and args.output_dir == str(tmp_path / "out")
-
     megatron_lm = submitted("pretrain_gpt_megatron_lm.sbatch", tmp_path, MEGATRON_LM=str(tmp_path), DATA="d", OUT="o")
     assert megatron_lm[1] == "torchrun" and "node001:" in megatron_lm[megatron_lm.index("--rdzv-endpoint") + 1]
     module, name = megatron_lm[megatron_lm.index("--spec") + 1: megatron_lm.index("--spec") + 3]
     import importlib
 
     assert hasattr(importlib.import_module(module), name)
+
+
+@pytest.mark.skipif(not ships_megatron_training(), reason="megatron-core < 0.17: train is our own loop")
+def test_the_slurm_pretrain_example_hands_megatron_lm_flags_to_one_torchrun_per_node(tmp_path):
+    from cli_runs import megatron_lm_args
+
+    train = submitted("pretrain.sbatch", tmp_path, OUT=str(tmp_path / "out"))
+    assert train[1] == "torchrun" and train[train.index("--nnodes") + 1] == "2"
+    assert train[train.index("--nproc-per-node") + 1] == "8" and "node001:" in train[train.index("--rdzv-endpoint") + 1]
+    args, _ = megatron_lm_args(train[train.index("megatron_siamese.cli") + 1:])
+    assert (args.tensor_model_parallel_size, args.norm, args.exit_signal_handler) == (8, "siamese", True)
+    assert args.save == args.load == str(tmp_path / "out" / "checkpoints")  # a resubmission resumes
 
 
 def test_a_rank_that_dies_ends_the_job_instead_of_hanging_it(tmp_path, corpus_cache, jobs):

@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cli_refusals import assert_one_line_refusal
-from cli_runs import cli_here
+from cli_runs import cli_here, our_loop_only
 
 from megatron_siamese.training.args import ConfigError, TrainArgs
 from megatron_siamese.training.checkpoint_settings import (
@@ -24,6 +23,7 @@ from megatron_siamese.training.checkpoint_settings import (
     optimizer_split_problem,
     recorded,
 )
+from megatron_siamese.versions import ships_megatron_training
 
 CLI = [sys.executable, "-m", "megatron_siamese.cli"]
 # two layers, the first MoE and the second dense: PP2 puts a stage without experts in the job
@@ -45,6 +45,7 @@ DEEPSEEK = ["--moe-layer-freq", "[0,1]", "--moe-shared-expert-intermediate-size"
 
 def train(output, cache, *args, timeout=600):
     """The command in its own process (the bar on its stderr is rank 0's own output)."""
+    our_loop_only(["train"])
     start = time.monotonic()
     done = subprocess.run([*CLI, "train", *SMALL, "--cache-dir", cache, "--output-dir", output, *map(str, args)],
                           capture_output=True, text=True, timeout=timeout)
@@ -104,6 +105,7 @@ def test_expert_parallelism_must_fit_the_ranks_it_regroups():
         "= 3 (expert parallelism adds no ranks: it regroups those of a pipeline stage): use --dp 4 (a multiple of 2)"]
     args = TrainArgs(tp=2, dp=1, ep=2, etp=1, sp=True, num_moe_experts=4)
     assert args.world_size == 2 and args.layout.name == "tp2-ep2-etp1-sp"
+    our_loop_only(["train"])
     done = subprocess.run([*CLI, "train", "--num-experts", "4", "--ep", "2", "--sp"], capture_output=True, text=True)
     assert_one_line_refusal(done, "--etp 2 = 4 must divide --tp 2 x --dp 1 = 2", "use --dp 2")
 
@@ -256,18 +258,18 @@ def handed_over(script, tmp_path, **env):
     return handed[handed.index("megatron_siamese.cli") + 1:]
 
 
-@pytest.mark.stack_independent
+@pytest.mark.skipif(not ships_megatron_training(), reason="megatron-core < 0.17: train is our own loop")
 def test_the_moe_examples_hand_over_runs_that_parse(tmp_path):
-    from megatron_siamese.cli import build_parser
-    from megatron_siamese.cli.flags import train_args
+    from cli_runs import megatron_lm_args
 
-    def parsed(script, **env):
-        return train_args(build_parser().parse_args(handed_over(script, tmp_path, **env)))  # ConfigError if not
+    slurm, _ = megatron_lm_args(handed_over("slurm/pretrain_moe.sbatch", tmp_path, OUT=str(tmp_path / "out")))
+    assert (slurm.tensor_model_parallel_size, slurm.expert_model_parallel_size,
+            slurm.expert_tensor_parallel_size, slurm.num_experts) == (2, 8, 1, 16)
+    assert slurm.moe_token_dispatcher_type == "alltoall" and slurm.save == slurm.load
+    gpus, _ = megatron_lm_args(handed_over("pretrain_moe_siamese.sh", tmp_path, OUT=str(tmp_path / "out")))
+    assert (gpus.expert_model_parallel_size, gpus.moe_grouped_gemm, gpus.transformer_impl) == (
+        4, True, "transformer_engine")
+    cpu, ranks = megatron_lm_args(handed_over("pretrain_moe_siamese.sh", tmp_path, OUT=str(tmp_path / "out"), CPU="1"))
+    assert (ranks, cpu.expert_model_parallel_size, cpu.moe_token_dispatcher_type) == (2, 2, "allgather")
 
-    slurm = parsed("slurm/pretrain_moe.sbatch", OUT=str(tmp_path / "out"))
-    assert (slurm.tp, slurm.dp, slurm.ep, slurm.etp, slurm.world_size) == (2, 8, 8, 1, 16)
-    assert slurm.num_moe_experts == 16 and slurm.moe_token_dispatcher_type == "alltoall"
-    gpus = parsed("pretrain_moe_siamese.sh", OUT=str(tmp_path / "out"))
-    assert (gpus.world_size, gpus.ep, gpus.moe_grouped_gemm) == (8, 4, True)
-    cpu = parsed("pretrain_moe_siamese.sh", OUT=str(tmp_path / "out"), CPU="1")
-    assert (cpu.world_size, cpu.ep, cpu.transformer_impl, cpu.moe_token_dispatcher_type) == (2, 2, "local", "allgather")
+

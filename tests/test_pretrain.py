@@ -1,7 +1,8 @@
-"""Megatron's own training loop with our layer (megatron_siamese/runtime/pretrain.py), under torchrun on CPU:
-TP, PP (with experts and multi-token prediction), DP and CP layouts of GPTModel and a PP HybridModel
-train (CP's losses those of DP); a TP 2 run saved and resumed logs the losses of the run it
-interrupted; megatron-core 0.16.1, whose wheel has no megatron.training, refuses it by version."""
+"""``megatron-siamese train``: Megatron's own training loop with our layer (megatron_siamese/runtime/pretrain.py),
+on CPU, under torchrun and starting its own ranks: TP, PP (with experts and multi-token prediction), DP and CP
+layouts of GPTModel and a PP HybridModel train (CP's losses those of DP); a TP 2 run saved and resumed logs the
+losses of the run it interrupted; what it saves, export and generate read; megatron-core 0.16.1, whose wheel has
+no megatron.training, refuses runtime.pretrain by version."""
 
 import importlib.util
 import math
@@ -34,9 +35,12 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 VALIDATION = re.compile(r"validation loss at iteration \d+ on validation set \| lm loss value: ([0-9.E+-]+)")
 
 
-def pretrain(*flags, ranks=2, cache=None, expect_failure=False):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-               str(free_port()), "-m", "megatron_siamese.runtime.pretrain", *MODEL, *flags]
+def pretrain(*flags, ranks=2, cache=None, expect_failure=False, torchrun=True):
+    """``megatron-siamese train`` as a rank of torchrun's job, or (``torchrun=False``) starting its ranks itself."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+                 str(free_port()), "-m", "megatron_siamese.cli", "train"] if torchrun else
+                [sys.executable, "-m", "megatron_siamese.cli", "train", "--nproc-per-node", str(ranks)])
+    command = [*launcher, *MODEL, *flags]
     environment = dict(os.environ, **({"MEGATRON_SIAMESE_CACHE": cache} if cache else {}))
     process = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     if expect_failure:
@@ -138,15 +142,23 @@ def test_the_loss_curve_follows_the_last_timeline(tmp_path):
 
 
 @needs_training
-def test_a_resumed_run_logs_the_losses_of_the_run_it_interrupted(tmp_path):
-    """TP 2 with dropout: saved at 4 and stopped, resumed to 8. Megatron logs the second line after
-    any start as the mean of two iterations (its loss sums are not reset at the first line), so
-    iteration 6 is left out of the comparison."""
+def test_a_requeued_run_resumes_the_run_it_interrupted_at_any_tp_and_refuses_another_scheme(tmp_path):
+    """TP 2 with dropout, the same command twice (a requeue: --save X --load X, X empty at first):
+    saved at 4 (asynchronously, by Megatron's persistent worker: on CPU it gets the CPU shim,
+    runtime/cpu_checkpoint_worker.py) and stopped, then resumed to 8. Megatron logs the second line after any start as the
+    mean of two iterations (its loss sums are not reset at the first), so iteration 6 is left out of
+    the logged comparison; the loss curve from TensorBoard holds each iteration's own. The checkpoint
+    then loads at TP 1 (its validation loss that of TP 2) and trains on; a run of another scheme is
+    refused by name."""
     tp2 = ["--tensor-model-parallel-size", "2", "--train-iters", "8", *MOCK_DATA]
     whole = pretrain(*tp2)
     board = ["--tensorboard-dir", str(tmp_path / "tb")]
-    first = pretrain(*tp2, *board, "--save", str(tmp_path), "--save-interval", "4", "--exit-interval", "4")
-    resumed = pretrain(*tp2, *board, "--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "4")
+    requeue = ["--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "4", "--async-save",
+               "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]  # Megatron's async save, as it allows it here
+    first = pretrain(*tp2, *board, *requeue, "--exit-interval", "4")
+    assert "successfully loaded checkpoint" not in first and sorted(losses(first)) == [1, 2, 3, 4]
+    assert re.search(r"scheduled an async checkpoint save at iteration +4 ", first)
+    resumed = pretrain(*tp2, *board, *requeue)
     assert "successfully loaded checkpoint" in resumed
     assert sorted(losses(resumed)) == [5, 6, 7, 8]
     for step in (5, 7, 8):
@@ -162,6 +174,169 @@ def test_a_resumed_run_logs_the_losses_of_the_run_it_interrupted(tmp_path):
     for step in (1, 5):
         assert train[step] == pytest.approx(float(losses(whole if step == 1 else resumed)[step]), rel=1e-6)
     assert (tmp_path / "tb" / "loss.png").read_bytes().startswith(b"\x89PNG")
+    # TP 2's checkpoint at TP 1: the same weights (the validation loss), and training goes on
+    tp1 = ["--tensor-model-parallel-size", "1", *MOCK_DATA, "--load", str(tmp_path)]
+    evaluated = pretrain(*tp1, "--train-iters", "8", "--skip-train", ranks=1)
+    assert float(VALIDATION.findall(evaluated)[0]) == pytest.approx(float(VALIDATION.findall(resumed)[0]), rel=1e-5)
+    longer = pretrain(*tp1, "--train-iters", "10", "--override-opt_param-scheduler", ranks=1)  # Megatron's flag
+    assert sorted(losses(longer)) == [9, 10]
+    refused = pretrain(*tp2, "--load", str(tmp_path), "--norm", "pre", expect_failure=True)
+    assert (f"--load {tmp_path} holds another model than this run builds (--norm siamese -> pre; checkpoint -> this "
+            "run)") in refused
+
+
+def interrupted(command, when: str, action, log_file) -> tuple:
+    """``command`` run until its output has a line matching ``when``, then ``action(process)``; its exit
+    status and output. The output goes to a file, not a pipe: a SIGKILLed rank's helpers (its data
+    loader's workers, Megatron's checkpoint worker) outlive it and would hold a pipe open; they are
+    of the command's process group, which is killed at the end."""
+    import time
+
+    with open(log_file, "w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not re.search(when, open(log_file).read()):
+            assert process.poll() is None and time.monotonic() < deadline, open(log_file).read()[-3000:]
+            time.sleep(0.05)
+        action(process)
+        return process.wait(timeout=240), open(log_file).read()
+    finally:
+        try:
+            os.killpg(process.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+CLI = [sys.executable, "-m", "megatron_siamese.cli", "train"]
+TP2_TB = ["--tensor-model-parallel-size", "2", "--train-iters", "10", *MOCK_DATA]
+
+
+@needs_training
+def test_sigterm_saves_under_the_exit_signal_handler_and_the_resume_is_bitwise_the_uninterrupted_run(tmp_path):
+    """SIGTERM to the command (as a scheduler sends it): every rank gets it, finishes its iteration and
+    saves (Megatron's --exit-signal-handler); the same command resumes, and each iteration's loss in
+    TensorBoard is, to the bit, the uninterrupted run's."""
+    import signal
+
+    pretrain(*TP2_TB, "--tensorboard-dir", str(tmp_path / "whole"), torchrun=False)
+    command = [*CLI, *MODEL, *TP2_TB, "--tensorboard-dir", str(tmp_path / "tb"), "--save", str(tmp_path / "ckpt"),
+               "--load", str(tmp_path / "ckpt"), "--save-interval", "100", "--exit-signal-handler"]
+    status, log = interrupted(command, r"iteration\s+3/", lambda process: process.send_signal(signal.SIGTERM),
+                              tmp_path / "log")
+    assert status == 128 + signal.SIGTERM, log[-3000:]
+    assert "megatron-siamese train: stopped by SIGTERM, which every rank was sent" in log
+    saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= saved < 10 and sorted(losses(log)) == list(range(1, saved + 1))
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and sorted(losses(resumed.stdout)) == list(range(saved + 1, 11))
+    whole, _ = read_losses(str(tmp_path / "whole"))
+    stopped_and_resumed, _ = read_losses(str(tmp_path / "tb"))
+    assert stopped_and_resumed == whole and sorted(whole) == list(range(1, 11))
+
+
+@needs_training
+def test_what_it_trains_export_and_generate_read_by_its_flags(tmp_path, corpus_cache):
+    """Started without torchrun, TP 2 on the embedded corpus: the checkpoint's args (Megatron-LM's, with
+    our --norm) describe the model to the commands that load it, at Megatron's TP-padded vocabulary;
+    export checks the exported model's logits against the checkpoint's itself."""
+    from megatron_siamese.inference.session import read_checkpoint
+
+    saved = tmp_path / "checkpoints"
+    log = pretrain("--tensor-model-parallel-size", "2", "--train-iters", "2", "--norm", "siamese", "--save",
+                   str(saved), "--save-interval", "2", torchrun=False, cache=corpus_cache)
+    assert "megatron-siamese train: 2 ranks on this host (torchrun --standalone --nproc-per-node 2)" in log
+    assert sorted(losses(log)) == [1, 2]
+    checkpoint = read_checkpoint(str(saved))
+    assert (checkpoint.step, checkpoint.settings.norm, checkpoint.settings.num_layers) == (2, "siamese", 2)
+    assert checkpoint.vocab_size == 512  # 258 padded to a multiple of 128 x TP 2, as Megatron-LM pads
+    cli = [sys.executable, "-m", "megatron_siamese.cli"]
+    exported = subprocess.run([*cli, "export", "--load", str(saved), "--output-dir", str(tmp_path / "hf")],
+                              capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    generated = subprocess.run([*cli, "generate", "--load", str(saved), "--prompt", "In the beginning",
+                                "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0 and "In the beginning" in generated.stdout, generated.stderr[-2000:]
+
+
+@needs_training
+def test_a_user_is_told_our_flags_and_megatrons_refusals_in_one_line(tmp_path):
+    """--help lists Megatron-LM's flags and ours; a flag check Megatron-LM writes as a bare assert is
+    quoted, and a scheme's option given to another scheme is refused by name."""
+    cli = [sys.executable, "-m", "megatron_siamese.cli", "train"]
+    shown = subprocess.run([*cli, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "--tensor-model-parallel-size" in shown.stdout and "SiameseNorm (megatron_siamese):" in shown.stdout
+    assert "--norm {siamese,siamese-layer,siamese-hybrid,pre,post,hybridnorm,mixln}" in shown.stdout
+    refused = pretrain("--train-iters", "1", "--save", str(tmp_path), ranks=1, expect_failure=True, torchrun=False,
+                       cache=str(tmp_path / "cache"))
+    assert "Megatron-LM refuses these flags: `assert args.save_interval is not None` (arguments.py:" in refused
+    assert "megatron-siamese train: error: rank 0 exited with status 1 (its own error is above)" in refused
+    renamed = pretrain("--tp", "1", "--steps", "3", ranks=1, expect_failure=True, torchrun=False)
+    assert ("megatron-siamese train: error: unrecognized arguments: --tp 1 --steps 3 (in Megatron-LM's flags: --tp is "
+            "--tensor-model-parallel-size; --steps is --train-iters)") in renamed
+    mismatched = pretrain("--norm", "post", "--mix-ln-alpha", "0.5", *MOCK_DATA, ranks=1, expect_failure=True)
+    assert "--mix-ln-alpha applies to --norm mixln, not --norm post: drop it" in mismatched
+
+
+@needs_training
+def test_compare_runs_each_scheme_with_the_same_flags_and_tables_their_losses(tmp_path):
+    """--compare pre,siamese: two runs, each with its own events (and checkpoints under --save), the
+    table's last losses those each run logged, both curves in one PNG."""
+    board = tmp_path / "tb"
+    log = pretrain("--compare", "pre,siamese", "--train-iters", "3", "--tensorboard-dir", str(board), "--save",
+                   str(tmp_path / "ckpt"), "--save-interval", "3", *MOCK_DATA, ranks=1, torchrun=False)
+    runs = log.split("megatron-siamese train --compare: --norm ")[1:]
+    assert [run.split(" ", 1)[0] for run in runs] == ["pre", "siamese"]
+    table = {norm: (train, validation) for norm, train, validation in
+             re.findall(r"^(pre|siamese) +3 +([0-9.]+) +([0-9.]+)$", log, re.M)}
+    logged = [losses(run)[3] for run in runs]  # iteration 3's own (Megatron's second line after a start is two's mean)
+    assert [float(table[norm][0]) for norm in ("pre", "siamese")] == [pytest.approx(float(loss), abs=1e-4)
+                                                                          for loss in logged]
+    assert logged[0] != logged[1]  # two models
+    assert (board / "compare.png").read_bytes().startswith(b"\x89PNG")
+    assert {path.name for path in (tmp_path / "ckpt").iterdir()} == {"pre", "siamese"}
+    refused = pretrain("--compare", "pre", "--norm", "pre", ranks=1, torchrun=False, expect_failure=True)
+    assert "--compare pre: name two schemes or more" in refused and "--compare sets --norm for each run" in refused
+
+
+@needs_training
+def test_run_sh_leaves_each_run_in_a_new_directory(tmp_path, corpus_cache):
+    """The README's main job, twice, with tiny flags: two run directories, each with its checkpoints,
+    TensorBoard events and loss curve, and its log; TP 2 unless the command line says otherwise. In a
+    copy of the repository's scripts whose setup step is done (the venv's command runs this
+    interpreter on this tree)."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(root / "scripts" / "run.sh", repo / "scripts" / "run.sh")
+    (repo / "scripts" / "setup.sh").write_text("echo .venv\n")  # set up already
+    command = repo / ".venv" / "bin" / "megatron-siamese"
+    command.parent.mkdir(parents=True)
+    command.write_text(f"#!/bin/sh\nexec {sys.executable} -m megatron_siamese.cli \"$@\"\n")
+    command.chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "MEGATRON_SIAMESE_CACHE": corpus_cache}
+    runs = []
+    for flags in ([], ["--tensor-model-parallel-size", "1", "--save-interval", "1"]):
+        done = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), *MODEL, "--train-iters", "2", *flags],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:]
+        where = repo / re.search(r"^run directory: (runs/\S+)$", done.stdout, re.M).group(1)
+        assert sorted(losses(done.stdout)) == [1, 2] and f"loss curve {where.relative_to(repo)}/tensorboard/loss.png" \
+            in done.stdout
+        assert (where / "train.log").read_text() == done.stdout  # stdout and stderr, as the terminal showed them
+        assert (where / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        runs.append((where, done.stdout))
+    (first, first_log), (second, second_log) = runs
+    assert first != second and sorted(os.listdir(repo / "runs")) == sorted([first.name, second.name])
+    assert "tensor-model-parallel size: 2" in first_log and "tensor-model-parallel size: 1" in second_log
+    assert sorted(os.listdir(first / "checkpoints")) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(second / "checkpoints")) == ["iter_0000001", "iter_0000002",
+                                                          "latest_checkpointed_iteration.txt"]
 
 
 @pytest.mark.skipif(HAS_TRAINING, reason="this megatron-core ships megatron.training")

@@ -93,7 +93,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = build_parser()
     options, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if unknown:  # said by the command's parser: its name, and its --help to read
+    if unknown and getattr(options, "megatron_flags", None) is not None:
+        options.megatron_flags = unknown  # train on Megatron's loop: Megatron-LM's parser reads them
+    elif unknown:  # said by the command's parser: its name, and its --help to read
         _command_parser(parser, options.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     debug = options.debug or os.environ.get(DEBUG_ENV) == "1"
     _say_where_a_crash_was()

@@ -1,4 +1,5 @@
-"""``megatron-siamese train``: pretraining with Megatron-Core (training/trainer.py)."""
+"""``megatron-siamese train`` on megatron-core 0.16.1, whose wheel has no Megatron training loop: our
+own (training/trainer.py), until issue 51 deletes it (cli/train.py runs Megatron's loop from 0.17)."""
 
 from __future__ import annotations
 
