@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runs import cli_here
+from cli_runs import cli_here, our_loop_only
 from megatron_siamese.training.checkpoint_files import TRACKER
 from megatron_siamese.versions import installed_megatron_core, release
 
@@ -35,6 +35,7 @@ def cache(tmp_path_factory):
 
 
 def cli(*args, timeout=600, **kwargs):
+    our_loop_only(args)
     return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
