@@ -150,12 +150,10 @@ def failed_check(error: AssertionError) -> str:
 
 def scheme_problems(args) -> list:
     """What of our flags the run cannot honour, one line each (said before any model is built)."""
-    from megatron_siamese.runtime.settings import ModelSettings, scheme_setting_problems
+    from megatron_siamese.inference.saved_args import settings_from_args
+    from megatron_siamese.runtime.settings import scheme_setting_problems
 
-    given = ModelSettings(norm=args.norm, siamese_input_norm=args.siamese_input_norm,
-                          siamese_depth_scale=args.siamese_depth_scale, mix_ln_alpha=args.mix_ln_alpha,
-                          hybridnorm_star=args.hybridnorm_star)
-    found = scheme_setting_problems(given)
+    found = scheme_setting_problems(settings_from_args(args))  # the model the flags describe, as a checkpoint's
     if args.spec and args.norm != "siamese":
         found.append(f"--spec {' '.join(args.spec)} names the layer itself: drop --norm {args.norm}")
     if args.hybrid_layer_pattern and args.norm != "siamese":
