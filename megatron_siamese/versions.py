@@ -23,6 +23,7 @@ SUPPORTED = ((0, 16, 1), (0, 20, 0))  # [lowest, first untested)
 SUPPORTED_TEXT = "megatron-core >= 0.16.1, < 0.20 (tested: 0.16.1 and 0.19.2)"
 UNTESTED_ENV = "MEGATRON_SIAMESE_UNTESTED_MEGATRON"
 TRAINING_LOOP_SINCE = (0, 17, 0)  # the first megatron-core wheel with megatron.training
+TRAINING_LOOP_TEXT = "megatron-core >= 0.17 (its wheel ships Megatron-LM's training loop; 0.19.2 is tested)"
 CHECK_COMMAND = "megatron-siamese check --layouts all"
 
 
@@ -83,3 +84,13 @@ def ships_megatron_training() -> bool:
     """Whether the installed megatron-core carries Megatron-LM's training loop
     (``megatron.training``, in its wheel since 0.17), told by its version without importing it."""
     return release(installed_megatron_core()) >= TRAINING_LOOP_SINCE
+
+
+def training_loop_problem(what: str) -> str | None:
+    """Why ``what``, which runs Megatron-LM's training loop, cannot run with the installed
+    megatron-core, or None."""
+    if ships_megatron_training():
+        return None
+    return (f"{what} runs Megatron-LM's own training loop, which needs {TRAINING_LOOP_TEXT}; this environment has "
+            f"megatron-core {installed_megatron_core()}. Upgrade it: pip install 'megatron-core==0.19.2' "
+            "(Python >= 3.12).")

@@ -1,6 +1,7 @@
 """Research tools: Pre-Norm upcycling, stream analysis, the study's pieces."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from megatron_siamese.check.step import ModelCase, case_config, microbatches
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.check.sharding import seed_parameters
 from megatron_siamese.training.trainer import TrainArgs, train
+from megatron_siamese.versions import ships_megatron_training
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
@@ -228,21 +230,32 @@ def test_addition_problems_and_scoring():
     assert exact_match_accuracy(Oracle(), reverse=True, digits=3, count=40, seed=1) < 0.5
 
 
+STUDY_MODEL = ("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+               "--max-position-embeddings", "64", "--normalization", "LayerNorm", "--swiglu", "--disable-bias-linear",
+               "--position-embedding-type", "rope", "--micro-batch-size", "8", "--global-batch-size", "8",
+               "--lr-decay-style", "cosine", "--eval-iters", "2")
+
+
+@pytest.mark.skipif(not ships_megatron_training(), reason="megatron-core < 0.17: no Megatron-LM loop to run")
 def test_study_reports_losses_divergence_spikes_and_accuracy(tmp_path):
+    """The study on Megatron-LM's loop: every run of the grid, its losses from its TensorBoard
+    events, lr 1e3 reported diverged (not a crash), the addition runs scored from their checkpoints."""
     from megatron_siamese.research.study import StudyPlan, run_study, tables
 
-    base = TrainArgs(**{**TINY, "num_layers": 2, "steps": 6, "warmup_steps": 1, "eval_interval": 6,
-                        "micro_batch_size": 8})
     plan = StudyPlan(output_dir=str(tmp_path / "study"), cache_dir=str(tmp_path / "cache"),
-                     schemes=("pre", "ablation"), learning_rates=(1e-3, 1e3), seeds=(1,), warmup_steps=2,
-                     short_warmup_steps=1, short_warmup_schemes=("pre",), short_warmup_learning_rates=(1e-3, 1e3),
-                     short_warmup_seeds=(1,),
-                     arithmetic_steps=4, arithmetic_seeds=(1,), arithmetic_schemes=("pre", "siamese"), base=base)
+                     schemes=("pre", "ablation"), learning_rates=(1e-3, 1e3), seeds=(1,), steps=6, eval_interval=6,
+                     warmup_steps=2, short_warmup_steps=1, short_warmup_schemes=("pre",),
+                     short_warmup_learning_rates=(1e-3, 1e3), short_warmup_seeds=(1,), arithmetic_steps=4,
+                     arithmetic_seeds=(1,), arithmetic_schemes=("pre", "siamese"), model_flags=STUDY_MODEL)
     study = run_study(plan, echo=lambda line: None)
     assert len(study["runs"]) == 2 * 2 + 2 + 2  # two arms x two rates, pre again at warmup 1, addition
-    ablation = study["runs"]["lm|ablation|0.001|1|2"]["args"]
-    assert (ablation["norm"], ablation["siamese_input_norm"], ablation["siamese_depth_scale"]) == (
-        "siamese-hybrid", False, False)
+    # each run is the model its arm names: Megatron-LM printed the arguments it ran with
+    ablation_log = (tmp_path / "study" / "lm-ablation-lr0.001-seed1-warmup2" / "train.log").read_text()
+    for setting, value in (("norm", "siamese-hybrid"), ("siamese_input_norm", "False"),
+                           ("siamese_depth_scale", "False"), ("train_iters", "6"), ("lr", "0.001")):
+        assert re.search(rf"^\s*{setting} \.+ {re.escape(value)}$", ablation_log, re.M), setting
+    for key, run in study["runs"].items():
+        assert sorted(map(int, run["train_losses"])) == list(range(1, 7 if key.startswith("lm|") else 5))
     table = tables(study)
     panels = table.split("### Warmup ")[1:]
     assert [panel.split(" ")[0] for panel in panels] == ["2", "1"]
@@ -266,6 +279,17 @@ def test_study_reports_losses_divergence_spikes_and_accuracy(tmp_path):
     assert (tmp_path / "study" / "results.md").read_text() == table
     with pytest.raises(ValueError, match="unknown schemes"):
         run_study(dataclasses.replace(plan, schemes=("pre", "postnorm")))
+
+
+@pytest.mark.skipif(ships_megatron_training(), reason="megatron-core >= 0.17 runs the study")
+def test_study_is_refused_without_megatron_lms_loop(tmp_path):
+    from megatron_siamese.research.study import StudyPlan, run_study
+    from megatron_siamese.runtime.registry import ConfigError
+
+    with pytest.raises(ConfigError, match=r"megatron-siamese study runs Megatron-LM's own training loop, which needs "
+                                          r"megatron-core >= 0\.17 .*has megatron-core 0\.16\.1"):
+        run_study(StudyPlan(output_dir=str(tmp_path / "study")))
+    assert not (tmp_path / "study").exists()
 
 
 @pytest.mark.stack_independent

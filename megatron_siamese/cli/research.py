@@ -48,8 +48,11 @@ def _study_parser(commands, name: str) -> argparse.ArgumentParser:
 
 
 def _run_study(options: argparse.Namespace) -> int:
+    from megatron_siamese.cli.train import launched
     from megatron_siamese.research.study import StudyPlan, run_study, tables
 
+    if launched():
+        raise ConfigError(["study starts its own runs (one rank each, two at a time): run it without a launcher"])
     plan = StudyPlan(output_dir=options.output_dir, cache_dir=options.cache_dir,
                      seeds=_split(options.seeds, int, "--seeds"))
     if options.schemes:
@@ -70,16 +73,14 @@ def _run_study(options: argparse.Namespace) -> int:
     if options.steps is not None:
         if options.steps < 1:
             raise ConfigError([f"--steps must be at least 1 (got {options.steps})"])
-        plan.base = dataclasses.replace(plan.base, steps=options.steps,
-                                        warmup_steps=min(plan.base.warmup_steps, options.steps - 1),
-                                        eval_interval=min(plan.base.eval_interval, options.steps))
+        plan.steps, plan.eval_interval = options.steps, min(plan.eval_interval, options.steps)
         # a shorter run keeps its warmups inside it
         plan.warmup_steps = min(plan.warmup_steps, options.steps - 1)
         if plan.short_warmup_steps is not None:
             plan.short_warmup_steps = min(plan.short_warmup_steps, options.steps - 1)
     for flag, warmup in (("--warmup-steps", plan.warmup_steps), ("--short-warmup-steps", plan.short_warmup_steps)):
-        if warmup is not None and not 0 <= warmup < plan.base.steps:
-            raise ConfigError([f"{flag} must lie in [0, {plan.base.steps}) (got {warmup})"])
+        if warmup is not None and not 0 <= warmup < plan.steps:
+            raise ConfigError([f"{flag} must lie in [0, {plan.steps}) (got {warmup})"])
     print(tables(run_study(plan)))
     return 0
 

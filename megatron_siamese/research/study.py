@@ -1,4 +1,6 @@
-"""``megatron-siamese study``: a small, reproducible comparison of residual schemes.
+"""``megatron-siamese study``: a small, reproducible comparison of residual schemes, each run
+Megatron-LM's own training loop (``megatron-siamese train``, one rank) with the same flags but the
+arm's and the grid's.
 
 Language modelling on the embedded corpus, one arm per scheme the paper compares (``ARMS``):
 Pre-Norm, Post-Norm, SiameseNorm and its hybrid variant, HybridNorm, Mix-LN, and the paper's
@@ -6,13 +8,15 @@ component-study ablation (the hybrid variant's two streams without InputNorm and
 scaling), each at peak learning rates from ordinary to past where most schemes diverge, with a
 warmup of a quarter of the run; a second panel repeats the grid with a 10-step warmup for the
 single-stream schemes and SiameseNorm (does Post-Norm's plateau come from too short a warmup?);
-then synthetic multi-digit addition (exact-match accuracy) for Pre-Norm vs SiameseNorm. Every
-run uses the same model size, data order per seed, schedule and budget; runs go two at a time
-(one CPU core each). Instability is reported as the paper marks it, per run: loss spikes (the
-training loss rising ``SPIKE_MARGIN`` above the lowest it had reached), divergence (a
-non-finite loss, or ending no better than a uniform guess) and, for this corpus, runs stuck at
-the unigram plateau. Writes ``<output_dir>/study.json``, the loss curves (spikes marked) and
-``<output_dir>/results.md`` (tables a person then reads and interprets in docs/results.md).
+then synthetic multi-digit addition (exact-match accuracy of the saved model) for Pre-Norm vs
+SiameseNorm. Every run uses the same model size, data order per seed, schedule and budget; runs
+go two at a time (one CPU core each). Instability is reported as the paper marks it, per run:
+loss spikes (the training loss rising ``SPIKE_MARGIN`` above the lowest it had reached),
+divergence (a non-finite loss, or ending no better than a uniform guess) and, for this corpus,
+runs stuck at the unigram plateau. Losses are read from each run's TensorBoard events. Writes
+``<output_dir>/study.json``, the loss curves (spikes marked) and ``<output_dir>/results.md``
+(tables a person then reads and interprets in docs/results.md); each run's own directory holds
+its ``train.log`` and events.
 """
 
 from __future__ import annotations
@@ -22,26 +26,34 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
-from megatron_siamese.training.args import TrainArgs
-from megatron_siamese.training.summary import RunSummary
-
-# arm -> the model settings that make it (the rest is the plan's base)
-ARMS: Dict[str, Dict[str, object]] = {
-    "pre": dict(norm="pre"),
-    "post": dict(norm="post"),
-    "siamese": dict(norm="siamese"),
-    "siamese-hybrid": dict(norm="siamese-hybrid"),
-    "hybridnorm": dict(norm="hybridnorm"),
-    "mixln": dict(norm="mixln"),  # alpha 0.25: the first 2 of 8 layers Post-Norm
+# arm -> the flags of ``megatron-siamese train`` that make it (the rest is the plan's)
+ARMS: Dict[str, Tuple[str, ...]] = {
+    "pre": ("--norm", "pre"),
+    "post": ("--norm", "post"),
+    "siamese": ("--norm", "siamese"),
+    "siamese-hybrid": ("--norm", "siamese-hybrid"),
+    "hybridnorm": ("--norm", "hybridnorm"),
+    "mixln": ("--norm", "mixln"),  # alpha 0.25: the first 2 of 8 layers Post-Norm
     # "coupling a HybridNorm stream with a Pre-Norm stream through the Siamese topology without the
     # normalized input and depth scaling": the hybrid variant without both
-    "ablation": dict(norm="siamese-hybrid", siamese_input_norm=False, siamese_depth_scale=False),
+    "ablation": ("--norm", "siamese-hybrid", "--no-siamese-input-norm", "--no-siamese-depth-scale"),
 }
 SCHEMES = tuple(ARMS)
+
+# every run's model, batch and optimizer (Megatron-LM's flags); the grid adds the rest (_flags)
+MODEL_FLAGS = ("--num-layers", "8", "--hidden-size", "96", "--num-attention-heads", "4", "--seq-length", "128",
+               "--max-position-embeddings", "128", "--normalization", "LayerNorm", "--swiglu", "--disable-bias-linear",
+               "--position-embedding-type", "rope", "--micro-batch-size", "16", "--global-batch-size", "16",
+               "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta2", "0.95",
+               "--eval-iters", "4")
+# a run that blows up is a result here, not an error: Megatron's loop goes on past a NaN loss
+RUN_FLAGS = ("--no-check-for-nan-in-loss-and-grad", "--log-interval", "50", "--tensorboard-dir")
 
 SPIKE_MARGIN = 1.0  # nats per token above the lowest training loss so far
 STUCK_MARGIN = 0.1  # nats per token
@@ -55,6 +67,8 @@ class StudyPlan:
     # from ordinary for this size to 64 times that; 2e-3 is the paper's rate
     learning_rates: Tuple[float, ...] = (1e-3, 2e-3, 4e-3, 1.6e-2, 6.4e-2)
     seeds: Tuple[int, ...] = (1, 2)
+    steps: int = 200
+    eval_interval: int = 50
     warmup_steps: int = 50  # a quarter of the run
     # the second panel: a short warmup, for these arms, rates and seeds (None: no panel)
     short_warmup_steps: Optional[int] = 10
@@ -62,18 +76,14 @@ class StudyPlan:
     short_warmup_learning_rates: Tuple[float, ...] = (1e-3, 4e-3)
     short_warmup_seeds: Tuple[int, ...] = (1,)
     arithmetic_schemes: Tuple[str, ...] = ("pre", "siamese")
-    arithmetic_task: str = "addition-reversed"  # a trainer task (data/addition.py)
+    arithmetic_task: str = "addition-reversed"  # the sum written reversed (data/addition.py)
     arithmetic_digits: int = 2
     arithmetic_lr: float = 2e-3
     arithmetic_steps: int = 1500
     arithmetic_warmup_steps: int = 10
     arithmetic_seeds: Tuple[int, ...] = (1, 2, 3)
     workers: int = 2
-    base: TrainArgs = dataclasses.field(default_factory=lambda: TrainArgs(
-        tp=1, num_layers=8, hidden_size=96, num_attention_heads=4, seq_length=128,
-        micro_batch_size=16, global_batch_size=16, steps=200, warmup_steps=10, eval_interval=50,
-        eval_iters=4, progress=False, normalization="LayerNorm",
-    ))
+    model_flags: Tuple[str, ...] = MODEL_FLAGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,20 +98,50 @@ class Job:
     def key(self) -> str:
         return f"{self.task}|{self.arm}|{self.lr:g}|{self.seed}|{self.warmup}"
 
+    @property
+    def name(self) -> str:
+        return f"{self.task}-{self.arm}-lr{self.lr:g}-seed{self.seed}-warmup{self.warmup}"
+
     @staticmethod
     def of(key: str) -> "Job":
         task, arm, lr, seed, warmup = key.split("|")
         return Job(arm, float(lr), int(seed), task, int(warmup))
 
 
-def _args(plan: StudyPlan, job: Job) -> TrainArgs:
-    name = f"{job.task}-{job.arm}-lr{job.lr:g}-seed{job.seed}-warmup{job.warmup}"
-    changes = dict(ARMS[job.arm], lr=job.lr, min_lr=job.lr / 10, seed=job.seed, task=job.task, warmup_steps=job.warmup,
-                   cache_dir=plan.cache_dir, output_dir=os.path.join(plan.output_dir, name))
-    if job.task != "lm":
-        changes.update(steps=plan.arithmetic_steps, seq_length=64, addition_digits=plan.arithmetic_digits,
-                       eval_interval=max(1, plan.arithmetic_steps // 3))
-    return dataclasses.replace(plan.base, **changes)
+@dataclasses.dataclass
+class RunResult:
+    """What the study keeps of a run: its losses by iteration (from its TensorBoard events) and,
+    for the addition task, the exact-match accuracy of its saved model."""
+
+    flags: List[str]
+    train_losses: Dict[int, float]
+    val_losses: Dict[int, float]
+    accuracy: Optional[float] = None
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.val_losses[max(self.val_losses)] if self.val_losses else math.nan
+
+    @staticmethod
+    def of(record: dict) -> "RunResult":  # as study.json holds it (JSON keys are strings)
+        return RunResult(record["flags"], {int(k): v for k, v in record["train_losses"].items()},
+                         {int(k): v for k, v in record["val_losses"].items()}, record["accuracy"])
+
+
+def _flags(plan: StudyPlan, job: Job, directory: str) -> List[str]:
+    """The run's ``megatron-siamese train`` flags."""
+    steps = plan.steps if job.task == "lm" else plan.arithmetic_steps
+    flags = [*plan.model_flags, *ARMS[job.arm], "--train-iters", str(steps), "--lr", f"{job.lr:g}",
+             "--min-lr", f"{job.lr / 10:g}", "--lr-warmup-iters", str(job.warmup), "--seed", str(job.seed),
+             *RUN_FLAGS, os.path.join(directory, "tensorboard")]
+    if job.task == "lm":
+        return flags + ["--eval-interval", str(min(plan.eval_interval, steps))]
+    from megatron_siamese.data.addition import addition_corpus
+    from megatron_siamese.runtime.pretrain_flags import byte_data_flags
+
+    prefix = addition_corpus(plan.cache_dir, reverse=job.task == "addition-reversed", digits=plan.arithmetic_digits)
+    return flags + ["--seq-length", "64", "--eval-interval", str(max(1, steps // 3)), *byte_data_flags(prefix),
+                    "--save", os.path.join(directory, "checkpoints"), "--save-interval", str(steps)]
 
 
 def jobs_of(plan: StudyPlan) -> List[Job]:
@@ -118,16 +158,21 @@ def jobs_of(plan: StudyPlan) -> List[Job]:
     return jobs
 
 
-def failed(summary: RunSummary, vocabulary: int = 320) -> bool:
-    """Diverged: a non-finite loss, or ending no better than a uniform guess."""
-    final = summary.final_val_loss
-    return summary.diverged or not math.isfinite(final) or final > math.log(vocabulary)
+def failed(run: RunResult) -> bool:
+    """Diverged: a non-finite loss, or ending no better than a uniform guess over the model's
+    vocabulary (the byte tokens, padded by Megatron-LM to a multiple of 128 at TP 1)."""
+    from megatron_siamese.data.corpus import ByteTokenizer
+
+    vocabulary = -(-ByteTokenizer().vocab_size // 128) * 128
+    final = run.final_val_loss
+    return (not all(math.isfinite(loss) for loss in run.train_losses.values()) or not math.isfinite(final)
+            or final > math.log(vocabulary))
 
 
-def stuck(summary: RunSummary, unigram_entropy: float) -> bool:
+def stuck(run: RunResult, unigram_entropy: float) -> bool:
     """Trained but never got past token frequencies: within STUCK_MARGIN of the corpus's
     unigram entropy (Post-Norm's typical failure)."""
-    return not failed(summary) and summary.final_val_loss > unigram_entropy - STUCK_MARGIN
+    return not failed(run) and run.final_val_loss > unigram_entropy - STUCK_MARGIN
 
 
 def spikes(train_losses: Dict[int, float]) -> List[int]:
@@ -146,33 +191,79 @@ def spikes(train_losses: Dict[int, float]) -> List[int]:
     return found
 
 
+class RunFailed(RuntimeError):
+    """A run of the study that Megatron's loop did not finish: a bug or a broken setup, not a result."""
+
+
+def train_run(plan: StudyPlan, job: Job) -> RunResult:
+    """One run: ``megatron-siamese train`` on one rank, its output in ``train.log``; its losses,
+    and for the addition task the accuracy of the model it saved."""
+    from megatron_siamese.runtime.loss_curve import read_losses
+    from megatron_siamese.runtime.pretrain_flags import CACHE_VARIABLE
+
+    directory = os.path.join(plan.output_dir, job.name)
+    os.makedirs(directory, exist_ok=True)
+    flags = _flags(plan, job, directory)
+    log = os.path.join(directory, "train.log")
+    with open(log, "w") as out:
+        status = subprocess.call([sys.executable, "-m", "megatron_siamese.cli", "train", "--nproc-per-node", "1",
+                                  *flags], stdout=out, stderr=subprocess.STDOUT,
+                                 env={**os.environ, CACHE_VARIABLE: plan.cache_dir})
+    if status:
+        raise RunFailed(f"study run {job.name} exited with status {status}: see {log}")
+    train, validation = read_losses(os.path.join(directory, "tensorboard"))
+    result = RunResult(flags, train, validation)
+    if job.task != "lm" and not failed(result):
+        result.accuracy = addition_accuracy(os.path.join(directory, "checkpoints"), job.task == "addition-reversed",
+                                            plan.arithmetic_digits)
+    return result
+
+
+def addition_accuracy(checkpoint: str, reverse: bool, digits: int) -> float:
+    """Exact-match accuracy on the held-out problems of the model ``checkpoint`` holds (one rank)."""
+    from megatron_siamese.runtime.launch import run_job
+
+    return run_job(_accuracy_rank, 1, checkpoint, reverse, digits, needs="the addition accuracy")
+
+
+def _accuracy_rank(checkpoint: str, reverse: bool, digits: int) -> float:
+    from megatron_siamese.data.addition import exact_match_accuracy
+    from megatron_siamese.inference.session import open_session
+
+    session = open_session(checkpoint, with_mtp=False)
+    try:
+        return exact_match_accuracy(session.chunks[0], reverse=reverse, digits=digits)
+    finally:
+        session.close()
+
+
 def run_study(plan: StudyPlan, echo=print) -> dict:
+    from megatron_siamese.runtime.registry import ConfigError
+    from megatron_siamese.versions import training_loop_problem
+
+    problem = training_loop_problem("megatron-siamese study")
+    if problem:
+        raise ConfigError([problem])
     unknown = sorted(set(plan.schemes + plan.arithmetic_schemes + plan.short_warmup_schemes) - set(SCHEMES))
     if unknown:
         raise ValueError(f"unknown schemes {unknown}: choose from {', '.join(SCHEMES)}")
     results: Dict[str, dict] = {}
     start = time.perf_counter()
 
-    from megatron_siamese.training.trainer import train
-
     def run(job: Job):
-        summary = train(_args(plan, job))
-        results[job.key] = dataclasses.asdict(summary)
-        echo(f"[{time.perf_counter() - start:6.0f}s] {job.key}: val {summary.final_val_loss:.4f}"
-             f"{' DIVERGED' if failed(summary) else ''}"
-             f"{f' spikes at {spikes(summary.train_losses)}' if spikes(summary.train_losses) else ''}"
-             f"{'' if summary.accuracy is None else f' accuracy {summary.accuracy:.3f}'}")
+        result = train_run(plan, job)
+        results[job.key] = dataclasses.asdict(result)
+        found = spikes(result.train_losses)
+        echo(f"[{time.perf_counter() - start:6.0f}s] {job.key}: val {result.final_val_loss:.4f}"
+             f"{' DIVERGED' if failed(result) else ''}{f' spikes at {found}' if found else ''}"
+             f"{'' if result.accuracy is None else f' accuracy {result.accuracy:.3f}'}")
 
-    from megatron_siamese.runtime.job import job_world_size
-
-    # spawned here, runs go `workers` at a time; a launched job (one rank) runs them in turn
-    with ThreadPoolExecutor(max_workers=plan.workers if job_world_size() is None else 1) as pool:
-        list(pool.map(run, jobs_of(plan)))
     from megatron_siamese.data.corpus import embedded_corpus, unigram_entropy
 
-    study = {"plan": {k: v for k, v in dataclasses.asdict(plan).items() if k != "base"},
-             "base": dataclasses.asdict(plan.base), "runs": results,
-             "unigram_entropy": unigram_entropy(embedded_corpus(plan.cache_dir)),
+    entropy = unigram_entropy(embedded_corpus(plan.cache_dir))  # built once, before the runs share it
+    with ThreadPoolExecutor(max_workers=plan.workers) as pool:
+        list(pool.map(run, jobs_of(plan)))
+    study = {"plan": dataclasses.asdict(plan), "runs": results, "unigram_entropy": entropy,
              "seconds": time.perf_counter() - start}
     os.makedirs(plan.output_dir, exist_ok=True)
     with open(os.path.join(plan.output_dir, "study.json"), "w") as out:
@@ -193,15 +284,7 @@ def _runs(study: dict, task: str, arm: str, lr: Optional[float] = None, warmup: 
     return [run for _, run in sorted(found, key=lambda pair: pair[0])]
 
 
-def _summary_from(d: dict) -> RunSummary:
-    summary = RunSummary(args=d["args"], steps_done=d["steps_done"])
-    summary.val_losses = {int(k): v for k, v in d["val_losses"].items()}
-    summary.train_losses = {int(k): v for k, v in d["train_losses"].items()}
-    summary.diverged, summary.accuracy = d["diverged"], d["accuracy"]
-    return summary
-
-
-def _cell(summaries: List[RunSummary], entropy: float) -> str:
+def _cell(summaries: List[RunResult], entropy: float) -> str:
     ok = [s.final_val_loss for s in summaries if not failed(s)]
     cell = f"{statistics.mean(ok):.3f} ± {statistics.stdev(ok) if len(ok) > 1 else 0:.3f}" if ok else "-"
     marks = [(len(summaries) - len(ok), "diverged"), (sum(stuck(s, entropy) for s in summaries), "stuck"),
@@ -214,7 +297,7 @@ def _panel(study: dict, warmup: int, arms: Tuple[str, ...], rates: Tuple[float, 
     lines = ["| scheme | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "| --- |" + " --- |" * len(rates)]
     seeds = ["| scheme | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "| --- |" + " --- |" * len(rates)]
     for arm in arms:
-        by_rate = [[_summary_from(r) for r in _runs(study, "lm", arm, lr, warmup)] for lr in rates]
+        by_rate = [[RunResult.of(r) for r in _runs(study, "lm", arm, lr, warmup)] for lr in rates]
         lines.append(f"| {arm} | " + " | ".join(_cell(s, entropy) for s in by_rate) + " |")
         seeds.append(f"| {arm} | " + " | ".join(", ".join(
             ("diverged" if failed(s) else f"{s.final_val_loss:.3f}") + ("*" if spikes(s.train_losses) else "")
@@ -230,7 +313,7 @@ def stability(study: dict, warmup: int, arms: Tuple[str, ...], rates: Tuple[floa
     for arm in arms:
         best, marks = None, {"diverged": [], "stuck": [], "spiked": []}
         for lr in rates:
-            summaries = [_summary_from(r) for r in _runs(study, "lm", arm, lr, warmup)]
+            summaries = [RunResult.of(r) for r in _runs(study, "lm", arm, lr, warmup)]
             ok = [s.final_val_loss for s in summaries if not failed(s)]
             if ok and len(ok) == len(summaries) and (best is None or statistics.mean(ok) < best[0]):
                 best = (statistics.mean(ok), lr)
@@ -256,7 +339,7 @@ def tables(study: dict) -> str:
               f"on 500 held-out problems, lr {plan['arithmetic_lr']:g}, {plan['arithmetic_steps']} steps):", "",
               "| scheme | accuracy per seed | mean | final val loss |", "| --- | --- | --- | --- |"]
     for arm in plan["arithmetic_schemes"]:
-        summaries = [_summary_from(r) for r in _runs(study, plan["arithmetic_task"], arm)]
+        summaries = [RunResult.of(r) for r in _runs(study, plan["arithmetic_task"], arm)]
         accuracies = [s.accuracy for s in summaries if s.accuracy is not None]
         lines.append(f"| {arm} | {', '.join(f'{a:.3f}' for a in accuracies)} | "
                      f"{statistics.mean(accuracies) if accuracies else float('nan'):.3f} | "
@@ -291,7 +374,7 @@ def plot(study: dict, directory: str) -> None:
         for axis, lr in zip(row, rates):
             for arm in arms:
                 for index, run in enumerate(_runs(study, "lm", arm, lr, warmup)):
-                    losses = _summary_from(run).train_losses
+                    losses = RunResult.of(run).train_losses
                     steps = sorted(losses)
                     axis.plot(steps, [losses[k] for k in steps], color=colors[arm], alpha=0.5, lw=1,
                               label=arm if index == 0 else None)

@@ -31,28 +31,35 @@ def flag_value(argv: list, flag: str):
     return value
 
 
-def embedded_data_flags(argv: list, given: set) -> list:
-    """The embedded corpus as Megatron-LM's flags: its indexed dataset, split 98/2 by document, and
-    a NullTokenizer over its ids (bytes 0-255, end of document 256, padding 257). Each flag is
-    added only where the command line does not give it; every rank builds or waits for the one
-    corpus (the cache directory's lock)."""
-    from megatron_siamese.data.corpus import ByteTokenizer, embedded_corpus
+def byte_data_flags(prefix: str) -> list:
+    """An indexed dataset of byte tokens as Megatron-LM's flags: split 98/2 by document, read by a
+    NullTokenizer over the byte tokenizer's ids (bytes 0-255, end of document 256, padding 257)."""
+    from megatron_siamese.data.corpus import ByteTokenizer
 
     tokenizer = ByteTokenizer()
+    return ["--data-path", prefix, "--split", "98,2,0", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            str(tokenizer.vocab_size), "--null-tokenizer-eod-id", str(tokenizer.eod), "--null-tokenizer-pad-id",
+            str(tokenizer.pad)]
+
+
+def embedded_data_flags(argv: list, given: set) -> list:
+    """The embedded corpus as Megatron-LM's flags (``byte_data_flags``), each added only where the
+    command line does not give it; every rank builds or waits for the one corpus (the cache
+    directory's lock)."""
+    from megatron_siamese.data.corpus import ByteTokenizer, embedded_corpus
+
+    vocab_size = ByteTokenizer().vocab_size
     kind, vocab = flag_value(argv, "--tokenizer-type"), flag_value(argv, "--vocab-size")
     mismatch = (f"--tokenizer-type {kind}" if kind not in (None, "NullTokenizer") else
-                f"--vocab-size {vocab}" if vocab is not None and not (vocab.isdigit()
-                                                                       and int(vocab) >= tokenizer.vocab_size)
+                f"--vocab-size {vocab}" if vocab is not None and not (vocab.isdigit() and int(vocab) >= vocab_size)
                 else None)
     if mismatch:
         raise SystemExit(f"megatron-siamese train: the embedded corpus (no --data-path given) is byte "
-                         f"tokens, read with --tokenizer-type NullTokenizer --vocab-size {tokenizer.vocab_size} "
+                         f"tokens, read with --tokenizer-type NullTokenizer --vocab-size {vocab_size} "
                          f"(or more); got {mismatch}. Give --data-path for data of your own tokenizer.")
-    prefix = embedded_corpus(os.environ.get(CACHE_VARIABLE, ".cache/megatron_siamese"))
-    flags = (("--data-path", prefix), ("--split", "98,2,0"), ("--tokenizer-type", "NullTokenizer"),
-             ("--vocab-size", str(tokenizer.vocab_size)), ("--null-tokenizer-eod-id", str(tokenizer.eod)),
-             ("--null-tokenizer-pad-id", str(tokenizer.pad)))
-    return [word for flag in flags if flag[0] not in given for word in flag]
+    flags = byte_data_flags(embedded_corpus(os.environ.get(CACHE_VARIABLE, ".cache/megatron_siamese")))
+    pairs = zip(flags[::2], flags[1::2])
+    return [word for flag, value in pairs if flag not in given for word in (flag, value)]
 
 
 # the embedded default job (scripts/run.sh's) where the command line names no model (no --num-layers):
