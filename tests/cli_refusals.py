@@ -52,9 +52,6 @@ class Running:
     (a full pipe never blocks it): ``wait_for`` a line, then ``finish``."""
 
     def __init__(self, *args, **popen):
-        from cli_runs import our_loop_only
-
-        our_loop_only(args)
         self.process = subprocess.Popen([*CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, start_new_session=True, **popen)
         self.pid = self.process.pid

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import subprocess
 import sys
@@ -28,21 +27,8 @@ from typing import Dict, Optional
 CLI = [sys.executable, "-m", "megatron_siamese.cli"]
 
 
-def our_loop_only(args) -> None:
-    """Where ``train`` is Megatron-LM's loop (megatron-core >= 0.17; tests/test_pretrain.py tests it), a
-    test of our own loop's ``train`` has nothing to run: it runs on the 0.16.1 stack, until issue 51
-    deletes that loop."""
-    from megatron_siamese.versions import ships_megatron_training
-
-    if args and str(args[0]) == "train" and ships_megatron_training():
-        import pytest
-
-        pytest.skip("train is Megatron-LM's loop on this megatron-core; our loop's tests run on 0.16.1")
-
-
 def cli(*args, env: Optional[Dict[str, str]] = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """The command in its own process; ``.seconds`` is how long it took."""
-    our_loop_only(args)
     start = time.monotonic()
     done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
@@ -69,7 +55,6 @@ def cli_here(*args, env: Optional[Dict[str, str]] = None) -> subprocess.Complete
     ``.stdout``, ``.stderr`` and ``.seconds``, as ``cli`` gives them."""
     from megatron_siamese.cli import main
 
-    our_loop_only(args)
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
@@ -81,20 +66,6 @@ def cli_here(*args, env: Optional[Dict[str, str]] = None) -> subprocess.Complete
     done = subprocess.CompletedProcess(["megatron-siamese", *argv], code, out.getvalue(), err.getvalue())
     done.seconds = time.monotonic() - start
     return done
-
-
-def train_losses(output) -> Dict[int, float]:
-    """{step: training loss} of the run in ``output`` (a pathlib.Path), as its metrics.jsonl holds
-    them at its end (a resumed run rewrites the steps after its checkpoint)."""
-    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows if "loss" in row}
-
-
-def our_train_parser():
-    """Our own loop's ``train`` parser, whichever loop ``train`` runs on this megatron-core."""
-    from megatron_siamese.cli import Parser, train_ours
-
-    return train_ours.add_parser(Parser(prog="megatron-siamese").add_subparsers(), "train")
 
 
 def megatron_lm_args(argv):

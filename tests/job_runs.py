@@ -117,11 +117,6 @@ class Jobs:
     def start(self, command, env: Optional[Dict[str, str]] = None, merge_output: bool = False, **options) -> Job:
         """``command`` in a session of its own; its stdout and stderr (one stream with
         ``merge_output``) read as they come."""
-        from cli_runs import our_loop_only
-
-        words = [str(part) for part in command]
-        if "megatron_siamese.cli" in words:  # python -m megatron_siamese.cli COMMAND, under a launcher or not
-            our_loop_only(words[words.index("megatron_siamese.cli") + 1:])
         popen = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT if merge_output else subprocess.PIPE, text=True,
                                  env={**os.environ, **(env or {}), MARK: self.mark}, start_new_session=True, **options)

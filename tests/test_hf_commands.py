@@ -14,7 +14,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,9 +64,8 @@ def _save_seeded(case: ModelCase, layout: Layout, directory: str) -> str:
         chunks = build_model_chunks(transformer_config(case, layout), case, VOCAB)
         seed_parameters(chunks, case.seed, parallel_state.get_tensor_model_parallel_rank(), layout.tp,
                         case.zero_centered_gamma)
-        written = SimpleNamespace(args=train_args(case, layout, directory), step=0, vocab_size=VOCAB,
-                                  saved_before=False, model=[SimpleNamespace(module=chunk) for chunk in chunks])
-        return checkpoint.save(written, os.path.join(directory, "checkpoints"), model_only=True)
+        return checkpoint.save_model(chunks, train_args(case, layout, directory), os.path.join(directory, "checkpoints"),
+                                     vocab_size=VOCAB)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -276,8 +274,8 @@ def test_a_failure_midway_leaves_nothing(tmp_path):
 
 
 def test_every_load_takes_a_runs_directory(trained_run, tmp_path, corpus_cache):
-    """What --output-dir made (runs/x) is what a user passes to --load: export, generate, analyze
-    and upcycle read its checkpoints (train's --load: test_cli.py; eval --load goes through export)."""
+    """A run's directory as scripts/run.sh leaves it (runs/<stamp>) is what a user passes to --load:
+    export, generate, analyze and upcycle read its checkpoints (eval --load goes through export)."""
     from cli_runs import cli_here
 
     exported = cli_here("export", "--load", trained_run, "--output-dir", tmp_path / "hf")

@@ -188,28 +188,6 @@ def test_only_siamese_norm_builds_a_hybrid_model(megatron_single_rank):
         build_seeded_chunks(case, case_config(case, Layout()))
 
 
-TINY = dict(steps=4, warmup_steps=1, eval_interval=4, eval_iters=2, num_layers=2, hidden_size=64, seq_length=64,
-            micro_batch_size=2, global_batch_size=4, tp=1, progress=False)
-
-
-@needs_hybrid
-def test_trainer_loads_a_gpt_checkpoint_into_the_hybrid_model_and_trains_it_under_pp2(tmp_path):
-    from megatron_siamese.training.trainer import TrainArgs, train
-
-    cache = str(tmp_path / "cache")
-    gpt = train(TrainArgs(**TINY, save_interval=4, cache_dir=cache, output_dir=str(tmp_path / "gpt")))
-    # evaluated as loaded (steps == the checkpoint's step): the same function, the same loss
-    hybrid = train(TrainArgs(**TINY, model="hybrid", load=str(tmp_path / "gpt" / "checkpoints"), cache_dir=cache,
-                             output_dir=str(tmp_path / "hybrid")))
-    assert hybrid.val_losses[4] == pytest.approx(gpt.val_losses[4], rel=1e-6)
-    # and it trains on, split over two pipeline stages at the '|' it cuts into "*-|*-"
-    continued = train(TrainArgs(**{**TINY, "steps": 8, "tp": 1}, pp=2, model="hybrid",
-                                load=str(tmp_path / "gpt" / "checkpoints"), cache_dir=cache,
-                                output_dir=str(tmp_path / "continued")))
-    assert sorted(continued.train_losses) == [5, 6, 7, 8]
-    assert continued.val_losses[8] < gpt.val_losses[4]
-
-
 @needs_hybrid
 def test_a_mamba_layer_gives_the_inference_engine_its_state_shapes(megatron_single_rank):
     """Megatron's dynamic inference engine sizes its Mamba state cache by asking the stack's

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from saved_models import save_random
 
 from megatron_siamese.inference.generate import Sampling, generate, generate_on_ranks, greedy_without_cache
 from megatron_siamese.inference.session import load_full_model, open_session, read_checkpoint
@@ -29,24 +30,11 @@ MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
              share_embeddings_and_output_weights=False)
 
 
-def _save_random(args, directory):
-    from megatron_siamese.inference.session import save_model
-    from megatron_siamese.models import build_model_chunks
-    from megatron_siamese.runtime.gpt import MegatronGPT, initialize_model_parallel, transformer_config
-    from megatron_siamese.training.args import padded_vocab_size
-
-    initialize_model_parallel(args.layout, args.seed)
-    chunks = build_model_chunks(transformer_config(args, args.layout), args, padded_vocab_size())
-    path = save_model(chunks, args, directory, step=3)
-    MegatronGPT.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("random") / "checkpoints"
     args = TrainArgs(**MODEL, tp=1, pp=2, micro_batch_size=1, global_batch_size=1, output_dir=str(directory.parent))
-    launch(_save_random, 2, args, str(directory))
+    launch(save_random, 2, args, str(directory))
     return str(directory)
 
 
@@ -326,7 +314,7 @@ DEEPSEEK_SHAPED = dict(MLA, num_moe_experts=4, moe_layer_freq="[0,1]", moe_share
 def _save_with_mtp(args, directory, prompts, new_tokens):
     """An MTP model's checkpoint, and greedy without cache by a model built without MTP layers that
     holds the same weights (every key but the MTP block's, loaded strictly)."""
-    from megatron_siamese.inference.session import save_model
+    from megatron_siamese.training.checkpoint import save_model
     from megatron_siamese.models import build_model_chunks
     from megatron_siamese.runtime.gpt import MegatronGPT, initialize_model_parallel, transformer_config
     from megatron_siamese.training.args import padded_vocab_size

@@ -15,6 +15,7 @@ import pytest
 
 from megatron_siamese.runtime.launch import free_port
 from megatron_siamese.runtime.loss_curve import read_losses
+from megatron_siamese.versions import installed_megatron_core
 
 
 def has_megatron_training() -> bool:
@@ -344,4 +345,11 @@ def test_without_megatron_training_it_is_refused_by_the_version_it_needs():
     process = subprocess.run([sys.executable, "-m", "megatron_siamese.runtime.pretrain", "--num-layers", "2"],
                              capture_output=True, text=True, timeout=120)
     assert process.returncode != 0
-    assert "needs megatron-core >= 0.17" in process.stderr and "megatron-siamese train" in process.stderr
+    assert "needs megatron-core >= 0.17" in process.stderr and "pip install 'megatron-core==0.19.2'" in process.stderr
+    command = subprocess.run([sys.executable, "-m", "megatron_siamese.cli", "train", "--num-layers", "2"],
+                             capture_output=True, text=True, timeout=120)
+    assert command.returncode == 2 and "Traceback" not in command.stderr
+    assert command.stderr.strip().splitlines() == [
+        "megatron-siamese train: error: megatron-siamese train runs Megatron-LM's own training loop, which needs "
+        "megatron-core >= 0.17 (its wheel ships Megatron-LM's training loop; 0.19.2 is tested); this environment has "
+        f"megatron-core {installed_megatron_core()}. Upgrade it: pip install 'megatron-core==0.19.2' (Python >= 3.12)."]

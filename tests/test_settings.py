@@ -21,9 +21,13 @@ stack_independent = pytest.mark.stack_independent  # plain data: the same on eve
 
 
 def train_parser():
-    from cli_runs import our_train_parser
+    """A parser of every TrainArgs setting, group by group, as the commands that take them build theirs."""
+    from megatron_siamese.cli import Parser, flags
 
-    return our_train_parser()
+    parser = Parser(prog="settings")
+    for title in dict.fromkeys(definition.group for definition in flags.SETTINGS.values()):
+        flags.add_group(parser, title)
+    return parser
 
 
 @stack_independent
@@ -35,7 +39,7 @@ def test_every_train_args_field_is_one_setting_whose_flags_the_parser_has():
         definition = field.metadata.get(KEY)
         assert definition is not None and definition.flags, f"TrainArgs.{field.name} has no setting() with flags"
         assert by_dest.pop(field.name) == set(definitions(TrainArgs)[field.name].all_flags), field.name
-    assert set(by_dest) == {"help", "compare"}  # the train command's own flags (--debug is every command's), no stray setting
+    assert set(by_dest) == {"help"}  # no stray setting
 
 
 @stack_independent
@@ -200,9 +204,6 @@ def test_fsdp_layout_names_read_back_and_the_train_flags_make_the_same_layout(na
      "--use-torch-fsdp2 does not run with expert parallelism (Megatron-LM refuses it): use --ep 1"),
     (None, None, dict(data_parallel_sharding_strategy="optim"), "is Megatron-FSDP's: add --use-megatron-fsdp"),
     (None, None, dict(use_torch_fsdp2=True, use_megatron_fsdp=True), "two implementations of one thing: pass one"),
-    (None, None, dict(use_torch_fsdp2=True, dp=3), "cannot checkpoint --dp 3 with an MLP width of 512 over --tp 1"),
-    (None, None, dict(use_megatron_fsdp=True, save_interval=4), "this trainer does not checkpoint Megatron-FSDP"),
-    (None, None, dict(use_megatron_fsdp=True, save="/checkpoints"), "--save with --use-megatron-fsdp: this trainer does not"),
 ])
 def test_fsdp_combinations_megatron_refuses_are_refused_by_layout_and_train(layout, named, train, refusal):
     if layout is not None:
@@ -211,8 +212,6 @@ def test_fsdp_combinations_megatron_refuses_are_refused_by_layout_and_train(layo
     with pytest.raises(ConfigError) as refused:
         TrainArgs(**{"tp": 1, "dp": 2, **train})
     assert any(refusal in problem for problem in refused.value.problems), refused.value.problems
-    # --dp 1: the cause only
-    assert not any("cannot checkpoint --dp 1" in problem for problem in refused.value.problems)
 
 
 @stack_independent
@@ -225,49 +224,6 @@ def test_megatron_fsdp_refuses_experts_held_by_one_rank_in_both_spellings():
                   data_parallel_sharding_strategy="optim_grads")
     assert any("--use-megatron-fsdp does not run with experts held by one rank" in problem and "use --dp 4" in problem
                for problem in refused.value.problems), refused.value.problems
-
-
-def _fsdp2_gated_rows(ffn: int, tp: int, dp: int):
-    """Where each row of a gated linear_fc1 lands in a checkpoint when TP splits it and FSDP2 cuts
-    each TP rank's ``[gate_r; up_r]`` into dp row blocks (torch.chunk's, as fully_shard does): a
-    block described at row block ``i`` of ``tp x dp`` starts at ``i`` times its own row count, as
-    ``ShardedTensor.from_rank_offsets`` places it. The global rows as saved (-1: none written)."""
-    import torch
-
-    from megatron_siamese.training.fsdp_checkpoint import _gated_rows_block
-
-    gate, up = torch.arange(ffn), ffn + torch.arange(ffn)  # global rows [gate; up]
-    saved = torch.full((2 * ffn,), -1)
-    for tp_rank in range(tp):
-        local = torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]])  # Megatron's TP-local [gate_r; up_r]
-        for dp_rank, block in enumerate(local.chunk(dp)):
-            index = tp_rank * dp + dp_rank  # make_tp_sharded_tensor_for_checkpoint's placement
-            start = _gated_rows_block(index, tp * dp, dp) * len(block)
-            if start + len(block) > 2 * ffn or (saved[start:start + len(block)] >= 0).any():
-                return None  # out of the tensor, or over another block
-            saved[start:start + len(block)] = block
-    return saved
-
-
-@stack_independent
-@pytest.mark.parametrize("ffn, tp, dp", [(8, 2, 2), (12, 2, 4), (24, 2, 6), (10, 2, 4), (10, 1, 3), (20, 2, 4)])
-def test_fsdp2_gated_rows_land_in_place_exactly_where_train_accepts_the_split(ffn, tp, dp):
-    """The checkpoint's mapping puts every gated row back in the global [gate; up] order wherever
-    the rule lets the split through, and the rule refuses every split it would misplace (ffn/tp = 5
-    over dp 4 splits 3, 3, 3, 1: the review's case)."""
-    import torch
-
-    from megatron_siamese.training.fsdp_checkpoint import gated_mlp_problem
-
-    placed = _fsdp2_gated_rows(ffn, tp, dp)
-    in_place = placed is not None and placed.numel() == 2 * ffn and bool((placed == torch.arange(2 * ffn)).all())
-    accepted = gated_mlp_problem(True, True, dp, ffn, tp) is None
-    assert accepted == in_place
-    assert accepted == ((ffn // tp) % (dp // 2) == 0 and dp % 2 == 0)  # the cases cover both answers
-    if not accepted:
-        with pytest.raises(ConfigError, match="cannot checkpoint --dp"):
-            TrainArgs(tp=tp, dp=dp, use_torch_fsdp2=True, ffn_hidden_size=ffn, hidden_size=32, num_attention_heads=2,
-                      global_batch_size=8 * dp, micro_batch_size=1)
 
 
 @stack_independent

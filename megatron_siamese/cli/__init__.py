@@ -1,10 +1,12 @@
 """``megatron-siamese``: the package's commands.
 
-    megatron-siamese train [flags]      pretrain a GPT (default: SiameseNorm, TP=2, embedded corpus)
+    megatron-siamese train [flags]      Megatron-LM's pretrain() with SiameseNorm's layers, Megatron-LM's
+                                        flags (default: the embedded job; megatron-core >= 0.17)
     megatron-siamese check [flags]      every parallel layout against one rank
     megatron-siamese plan [train flags] --gpu-memory GPU
                                         what the job costs per GPU, stock Pre-Norm beside SiameseNorm
-    megatron-siamese study [flags]      Pre-/Post-/SiameseNorm at three learning rates, and addition
+    megatron-siamese study [flags]      every residual scheme at five learning rates, and addition (each
+                                        run Megatron-LM's loop)
     megatron-siamese upcycle --load PRE --output-dir OUT [model flags]
                                         a Pre-Norm checkpoint as an equivalent SiameseNorm one
     megatron-siamese analyze --load CKPT [--compare-load PRE] [model flags]

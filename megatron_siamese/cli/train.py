@@ -2,7 +2,7 @@
 (runtime/pretrain.py), given Megatron-LM's flags. Under torchrun (or any launcher that sets RANK and
 WORLD_SIZE) it is the calling rank; without one it starts the ranks itself through torchrun's own
 machinery (``torch.distributed.run``, standalone: one host). megatron-core 0.16.1, whose wheel has
-no training loop, runs our own loop instead (cli/train_ours.py, until issue 51 step 5)."""
+no training loop, refuses it naming the release it needs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import signal
 import sys
 
 from megatron_siamese.runtime.registry import ConfigError
-from megatron_siamese.versions import ships_megatron_training
+from megatron_siamese.versions import training_loop_problem
 
 DESCRIPTION = """\
 Pretrain a GPT with Megatron-LM's own training loop (megatron.training.pretrain): its flags, its
@@ -21,9 +21,12 @@ checkpoints (--save/--load, --save-interval, --async-save, --exit-signal-handler
 another residual scheme). With no model flags (--num-layers) it trains the embedded default: a
 4-layer GPT on the King James Bible, byte tokens, 300 steps; with no data flags, on that corpus.
 
-Without torchrun it starts --nproc-per-node ranks itself (default: TP x PP x CP x EP, so DP 1;
-more ranks are data parallel). Without a GPU it runs on CPU with gloo. Megatron-LM's flags follow,
-then ours in their group "SiameseNorm (megatron_siamese)".
+Without a GPU it runs on CPU with gloo. The command's own flags:
+  --nproc-per-node N    ranks to start without torchrun (default: TP x PP x CP x EP, so DP 1; more
+                        ranks are data parallel)
+  --compare [SCHEMES]   one run per comma-separated scheme (pre,siamese without a value), the same
+                        flags otherwise; then a table and the curves in TENSORBOARD_DIR/compare.png
+Megatron-LM's flags follow, then ours in their group "SiameseNorm (megatron_siamese)".
 """
 # Megatron-LM's model-parallel sizes whose product is the ranks one model replica takes
 REPLICA_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
@@ -31,10 +34,6 @@ REPLICA_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size
 
 
 def add_parser(commands, name: str) -> argparse.ArgumentParser:
-    if not ships_megatron_training():
-        from megatron_siamese.cli import train_ours
-
-        return train_ours.add_parser(commands, name)
     parser = commands.add_parser(name, help="pretrain a GPT with Megatron-LM's training loop", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
     parser.add_argument("-h", "--help", action="store_true", help="this help, then Megatron-LM's flags")
@@ -66,17 +65,19 @@ def launched() -> bool:
 
 
 def run(options: argparse.Namespace) -> int:
-    if not ships_megatron_training():
-        from megatron_siamese.cli import train_ours
-
-        return train_ours.run(options)
     flags = list(options.megatron_flags)
+    problem = training_loop_problem("megatron-siamese train")
     if options.help:
-        from megatron_siamese.runtime.pretrain import print_help
-
         print(DESCRIPTION)
-        print_help()
+        if problem:  # no Megatron-LM parser to list the flags of
+            print(problem)
+        else:
+            from megatron_siamese.runtime.pretrain import print_help
+
+            print_help()
         return 0
+    if problem:
+        raise ConfigError([problem])
     if launched():
         if options.nproc_per_node is not None or options.compare is not None:
             given = "--nproc-per-node" if options.nproc_per_node is not None else "--compare"

@@ -22,7 +22,6 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 from megatron_siamese.data.cache_lock import building
-from megatron_siamese.data.stats import STATS_SUFFIX, write_stats
 
 
 class ByteTokenizer:
@@ -85,22 +84,16 @@ def kjv_chapters() -> List[str]:
 
 
 def build_indexed_dataset(documents: List[str], prefix: str, tokenizer: ByteTokenizer) -> str:
-    """Write ``prefix.bin`` / ``prefix.idx`` (atomically: a crash leaves no half-written pair),
-    and ``prefix.stats.json``: its smallest and largest token id, which Megatron's index lacks
-    (data_checks.py reads it)."""
+    """Write ``prefix.bin`` / ``prefix.idx`` atomically: a crash leaves no half-written pair."""
     tmp = f"{prefix}.tmp{os.getpid()}"
     builder = IndexedDatasetBuilder(get_bin_path(tmp), dtype=numpy.uint16)
-    lows, highs = [], []
     for document in documents:
         ids = tokenizer.tokenize(document) + [tokenizer.eod]
-        lows.append(min(ids))
-        highs.append(max(ids))
         builder.add_item(torch.tensor(ids))
         builder.end_document()
     builder.finalize(get_idx_path(tmp))
     os.replace(get_bin_path(tmp), get_bin_path(prefix))
     os.replace(get_idx_path(tmp), get_idx_path(prefix))
-    write_stats(prefix, min(lows, default=None), max(highs, default=None))
     return prefix
 
 
@@ -123,7 +116,8 @@ def cached_indexed_dataset(prefix: str, documents: Callable[[], List[str]]) -> s
 
 
 def _whole(prefix: str) -> bool:
-    return all(os.path.exists(path) for path in (get_bin_path(prefix), get_idx_path(prefix), prefix + STATS_SUFFIX))
+    """Both files are in place (the index is moved in last)."""
+    return all(os.path.exists(path) for path in (get_bin_path(prefix), get_idx_path(prefix)))
 
 
 def unigram_entropy(prefix: str) -> float:

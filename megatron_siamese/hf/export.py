@@ -279,8 +279,6 @@ def import_hf(hf_dir: str, output_dir: str) -> str:
 
 
 def _import_rank(args, hf: Dict[str, object], hf_dir: str, directory: str) -> str:
-    from types import SimpleNamespace
-
     from megatron_siamese import device
     from megatron_siamese.models import build_model_chunks
     from megatron_siamese.runtime.gpt import initialize_model_parallel, transformer_config
@@ -298,9 +296,7 @@ def _import_rank(args, hf: Dict[str, object], hf_dir: str, directory: str) -> st
                               + (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"))
         model.load_state_dict(state, strict=False)  # strict but for Megatron's _extra_state entries
         model.to(device.current())
-        written = SimpleNamespace(args=args, step=0, vocab_size=padded_vocab_size(), saved_before=False,
-                                  model=[SimpleNamespace(module=model)])
-        return checkpoint.save(written, os.path.join(directory, "checkpoints"), model_only=True)
+        return checkpoint.save_model([model], args, os.path.join(directory, "checkpoints"))
     finally:
         from megatron.core import parallel_state
 

@@ -1,5 +1,5 @@
 """A checkpoint's model on this rank, for reading and running its weights: no optimizer, no data,
-no schedule (``training.trainer.Trainer`` is for training).
+no schedule (training is Megatron-LM's loop).
 
     checkpoint dir --checkpoint_files.checked--> one complete iter_<N>
       --its common state--> the ModelSettings the run recorded (norm, model class, sizes, ...)
@@ -17,9 +17,6 @@ From any process, the whole model on one rank (TP = PP = 1, every weight unshard
 
     full = load_full_model("runs/x/checkpoints")
     full.state_dict, full.settings, full.tokenizer, full.step
-
-``save_model(chunks, args, directory)`` writes a model-only checkpoint of chunks built here (an
-upcycled or imported model) as the trainer writes its own.
 
 ``read_checkpoint`` tells what a checkpoint holds without starting any rank (for refusing bad
 input before launching). The settings come from the checkpoint; a checkpoint that records none
@@ -157,22 +154,14 @@ class ModelSession:
         for chunk in self.chunks:
             chunk.eval()
 
-    def _sharded_state(self) -> dict:
-        from megatron.core import parallel_state
-
-        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-                    "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
-        keys = ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
-        return {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(keys, self.chunks)}
-
     def _load(self) -> None:
         from megatron.core import dist_checkpointing
         from torch.distributed.checkpoint import CheckpointException
 
-        from megatron_siamese.training.checkpoint import _last_line
+        from megatron_siamese.training.checkpoint import last_line, sharded_model_state
         from megatron_siamese.training.checkpoint_files import damaged_shards, instead
 
-        state = self._sharded_state()
+        state = sharded_model_state(self.chunks)
         try:
             loaded = dist_checkpointing.load(state, self.checkpoint)
         except (Exception, CheckpointException) as error:
@@ -182,7 +171,7 @@ class ModelSession:
                                       f"{instead(self.checkpoint)}") from None
             raise CheckpointError(f"cannot load the weights of {self.checkpoint} into a {self.settings.model} model "
                                   f"with --norm {self.settings.norm} ({type(error).__name__}: "
-                                  f"{_last_line(error)[:300]}); are its model settings the checkpoint's?") from None
+                                  f"{last_line(error)[:300]}); are its model settings the checkpoint's?") from None
         for key, chunk in zip(state, self.chunks):
             chunk.load_state_dict(loaded[key])
 
@@ -234,21 +223,6 @@ def open_session(checkpoint: str, layout: Layout = Layout(), settings: Optional[
 
         raise ConfigError(problems)
     return ModelSession(saved, chosen, layout, seed, with_mtp)
-
-
-def save_model(chunks: List[torch.nn.Module], args, directory: str, step: int = 0) -> str:
-    """On the ranks of a joined job: a model-only checkpoint of this rank's ``chunks`` (the model
-    ``args``, a ``TrainArgs``, describes, under its layout) at ``directory/iter_<step>``, as the
-    trainer writes one (its settings recorded; resumes with a fresh optimizer). Returns its path."""
-    from types import SimpleNamespace
-
-    from megatron_siamese.training import checkpoint
-    from megatron_siamese.training.args import padded_vocab_size
-
-    # what checkpoint.save reads of a trainer for a model-only checkpoint
-    written = SimpleNamespace(args=args, step=step, vocab_size=padded_vocab_size(), saved_before=False,
-                              model=[SimpleNamespace(module=chunk) for chunk in chunks])
-    return checkpoint.save(written, directory, model_only=True)
 
 
 @dataclass

@@ -34,11 +34,12 @@ PRUNE_FRACTIONS = (0.125, 0.25, 0.375, 0.5)
 
 
 def _batches(args, count: int):
-    """The run's validation batches (the trainer's validation set for these settings)."""
-    from megatron_siamese.training.trainer import data_readers
+    """Validation batches of the embedded corpus at the model's sequence length."""
+    from megatron_siamese.data.corpus import embedded_corpus
+    from megatron_siamese.data.gpt_dataset import validation_batches
 
-    _, valid = data_readers(args, ByteTokenizer())
-    return [b for i in range(count) for b in valid.step(i)]
+    return validation_batches(embedded_corpus(args.cache_dir), ByteTokenizer(), args.seq_length, args.seed,
+                              args.micro_batch_size, count)
 
 
 def _loss_from_hidden(model, hidden, labels):

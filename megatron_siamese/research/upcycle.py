@@ -78,7 +78,8 @@ def upcycled_state(pre_norm: Dict[str, torch.Tensor], siamese: Dict[str, torch.T
 
 def _upcycle_rank(pre_args, siamese_args, pre_checkpoint: str) -> str:
     from megatron_siamese import device
-    from megatron_siamese.inference.session import open_session, save_model
+    from megatron_siamese.inference.session import open_session
+    from megatron_siamese.training.checkpoint import save_model
     from megatron_siamese.models import build_model_chunks
     from megatron_siamese.runtime.gpt import MegatronGPT, initialize_model_parallel, transformer_config
 

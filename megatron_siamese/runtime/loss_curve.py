@@ -14,18 +14,24 @@ TRAIN_TAG, VALIDATION_TAG = "lm loss", "lm loss validation"
 
 
 def read_losses(directory: str) -> Tuple[Dict[int, float], Dict[int, float]]:
-    """(train, validation) losses by iteration, over the directory's event files in order: a later
-    file (a resumed run's) replaces every point from its own first iteration on, so a run resumed
-    from an earlier checkpoint, or started again in the same directory, does not mix timelines.
-    Within a file the first validation value of an iteration is kept: after training Megatron
-    evaluates the validation set and then the test set, both under the validation tag."""
+    """(train, validation) losses by iteration (``read_scalars``)."""
+    curves = read_scalars(directory, TRAIN_TAG, VALIDATION_TAG)
+    return curves[TRAIN_TAG], curves[VALIDATION_TAG]
+
+
+def read_scalars(directory: str, *tags: str) -> Dict[str, Dict[int, float]]:
+    """Each tag's values by iteration, over the directory's event files in order: a later file (a
+    resumed run's) replaces every point from its own first iteration on, so a run resumed from an
+    earlier checkpoint, or started again in the same directory, does not mix timelines. Within a
+    file the first value of an iteration is kept: after training Megatron evaluates the
+    validation set and then the test set, both under the validation tag."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.util.tensor_util import make_ndarray
 
-    curves: Dict[str, Dict[int, float]] = {TRAIN_TAG: {}, VALIDATION_TAG: {}}
+    curves: Dict[str, Dict[int, float]] = {tag: {} for tag in tags}
     # event file names hold their creation time: in name order, a resumed run's come last
     for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
-        found: Dict[str, Dict[int, float]] = {TRAIN_TAG: {}, VALIDATION_TAG: {}}
+        found: Dict[str, Dict[int, float]] = {tag: {} for tag in tags}
         for event in EventFileLoader(path).Load():
             for value in event.summary.value:
                 if value.tag in found:  # the loader gives scalars as tensors
@@ -34,8 +40,8 @@ def read_losses(directory: str) -> Tuple[Dict[int, float], Dict[int, float]]:
         if steps:
             start = min(steps)
             for tag in curves:
-                curves[tag] = {step: loss for step, loss in curves[tag].items() if step < start} | found[tag]
-    return curves[TRAIN_TAG], curves[VALIDATION_TAG]
+                curves[tag] = {step: value for step, value in curves[tag].items() if step < start} | found[tag]
+    return curves
 
 
 Curve = Sequence[Tuple[int, float]]  # (step, loss) in step order

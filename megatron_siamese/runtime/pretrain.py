@@ -33,18 +33,12 @@ import torch  # noqa: E402
 from megatron_siamese import device  # noqa: E402
 from megatron_siamese.runtime.pretrain_flags import add_defaults  # noqa: E402
 
-NEEDS = "megatron-core >= 0.17 (its wheel ships megatron.training; 0.19.2 is tested)"
-
-
 def require_megatron_training() -> None:
-    try:
-        importlib.import_module("megatron.training.argument_utils")
-    except ImportError as missing:
-        from megatron_siamese.versions import installed_megatron_core
+    from megatron_siamese.versions import training_loop_problem
 
-        raise SystemExit(f"megatron_siamese.runtime.pretrain runs Megatron's own training loop, which needs {NEEDS}; "
-                         f"this environment has megatron-core {installed_megatron_core()} ({missing}). "
-                         "Upgrade megatron-core (Python >= 3.12), or train with `megatron-siamese train`.")
+    problem = training_loop_problem("megatron_siamese.runtime.pretrain")
+    if problem:
+        raise SystemExit(problem)
 
 
 # our flags beside Megatron-LM's (its extra_args_provider), each defined once in runtime/settings.py:

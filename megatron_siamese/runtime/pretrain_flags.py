@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 
 # what a CPU run needs that a GPU run does not (no NCCL; no TE or apex for the fused norm, the
-# gradient-accumulation fusion and the RoPE fusion; no TE layers): added unless the command line says otherwise
+# gradient-accumulation fusion and the RoPE fusion; no TE layers; no CUDA kernel for the masked
+# softmax of a bf16/fp16 run): added unless the command line says otherwise
 CPU_FLAGS = (("--distributed-backend", "gloo"), ("--transformer-impl", "local"), ("--no-persist-layer-norm",),
-             ("--no-gradient-accumulation-fusion",), ("--no-rope-fusion",))
+             ("--no-gradient-accumulation-fusion",), ("--no-rope-fusion",), ("--no-masked-softmax-fusion",))
 
 
 # where the data comes from when the command line names none (Megatron-LM's data flags)

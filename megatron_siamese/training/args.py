@@ -33,7 +33,6 @@ from megatron_siamese.runtime.layout import (
 from megatron_siamese.runtime.registry import ConfigError, Switch, definitions, field_problems, setting  # noqa: F401
 from megatron_siamese.runtime.settings import ModelSettings, model_class_problems, scheme_setting_problems
 from megatron_siamese.training import recompute_flags
-from megatron_siamese.training.fsdp_checkpoint import gated_mlp_problem
 
 ADDITION_TASKS = {"addition": False, "addition-reversed": True}  # task name: the sum written reversed
 TASKS = ("lm", *ADDITION_TASKS)
@@ -369,25 +368,12 @@ def _fsdp_problems(args: TrainArgs) -> List[str]:
     """Layout's rules for fully sharded data parallelism, in the flags' words."""
     if args.use_torch_fsdp2 and args.use_megatron_fsdp:
         return ["--use-torch-fsdp2 and --use-megatron-fsdp are two implementations of one thing: pass one"]
-    # the gated rows matter once there is more than one DP rank (the --dp > 1 refusal below says the cause)
-    found = [problem for problem in [gated_mlp_problem(args.use_torch_fsdp2, args.gated_linear_unit, args.dp,
-                                                       args.mlp_width, args.tp)] if problem]
+    found = []
     if args.data_parallel_sharding_strategy != "no_shard" and not args.use_megatron_fsdp:
         found.append(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} is Megatron-FSDP's: "
                      "add --use-megatron-fsdp")
     if args.fsdp == "none":
         return found
-    saving = [spelled for spelled, given in (("--save", args.save), ("--save-interval", args.save_interval),
-                                             ("--stop-step", args.stop_step),
-                                             ("--exit-interval", args.exit_interval),
-                                             ("--exit-duration-in-mins", args.exit_duration_in_mins),
-                                             ("--load", args.load)) if given is not None]
-    if args.use_megatron_fsdp and saving:
-        found.append(f"{', '.join(saving)} with --use-megatron-fsdp: this trainer does not checkpoint Megatron-FSDP "
-                     "(Megatron saves its optimizer only in the fsdp_dtensor format, which loads into no other layout: "
-                     "'sharding_type ... is not supported with Megatron FSDP', distrib_optimizer.py:1229 in 0.16.1, "
-                     ":1514 in 0.19.2): "
-                     "use --use-torch-fsdp2, or run without checkpoints")
     return found + fsdp_refusals(args.fsdp, tp=args.tp, cp=getattr(args, "cp", 1), dp=args.dp, pp=args.pp,
                                  ep=args.ep, expert_tp=args.etp or args.tp,
                                  distributed_optimizer=args.distributed_optimizer, words=TRAIN_FLAGS)

@@ -287,13 +287,11 @@ def checked(path: str) -> str:
 
 
 MODEL_CLASS = "model_class"  # common state: "gpt" (GPTModel) or "hybrid" (HybridModel); see model_class()
-# Megatron-LM's common state, which ``checkpoint.save`` writes: "args" (an argparse.Namespace
+# Megatron-LM's common state, which its loop and ``checkpoint.save_model`` write: "args" (an argparse.Namespace
 # with Megatron-LM's argument names), "checkpoint_version", "iteration", "opt_param_scheduler"
 # (its step counts in samples, as Megatron-LM's training loop steps it), "optimizer",
 # "num_floating_point_operations_so_far". Earlier releases wrote these instead:
-LEGACY_STEP, LEGACY_SCHEDULER = "step", "scheduler"  # the scheduler's counts in optimizer steps
-LEGACY_MODEL_ONLY = "model_only"  # today: args.no_save_optim, Megatron-LM's flag
-_SCHEDULER_COUNTS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+LEGACY_STEP = "step"
 
 
 def iteration(common: dict) -> int:
@@ -306,27 +304,8 @@ def saved_args(common: dict) -> Namespace:
     return common.get("args") or Namespace()
 
 
-def model_only(common: dict) -> bool:
-    """Whether the checkpoint holds no optimizer state (``--no-save-optim`` in Megatron-LM)."""
-    return bool(getattr(saved_args(common), "no_save_optim", False) or common.get(LEGACY_MODEL_ONLY, False))
-
-
-def scheduler_state(common: dict, global_batch_size: int) -> Optional[dict]:
-    """The checkpoint's OptimizerParamScheduler state in Megatron-LM's units (samples), or None.
-
-    An earlier release counted the scheduler in optimizer steps and did not record its batch
-    size: its counts are taken as this run's ``global_batch_size`` samples per step, which keeps
-    its learning rate at every step (the resumed run's batch size, as it was, or as now set)."""
-    if "opt_param_scheduler" in common:
-        return common["opt_param_scheduler"]
-    legacy = common.get(LEGACY_SCHEDULER)
-    if legacy is None:
-        return None
-    return {**legacy, **{key: legacy[key] * global_batch_size for key in _SCHEDULER_COUNTS if key in legacy}}
-
-
 def model_class(common: dict) -> str:
-    """"gpt" or "hybrid": what this trainer recorded, else what Megatron-LM's loader reads (a
+    """"gpt" or "hybrid": what ``checkpoint.save_model`` recorded, else what Megatron-LM's loader reads (a
     checkpoint of pretrain_hybrid.py has a layer pattern in its args, one of pretrain_gpt.py none;
     hybrid_override_pattern is that pattern's name before megatron-core 0.19)."""
     if MODEL_CLASS in common:
@@ -334,13 +313,6 @@ def model_class(common: dict) -> str:
     args = saved_args(common)
     pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
     return "hybrid" if pattern else "gpt"
-
-
-def brings_training_state(common: dict, model: str) -> bool:
-    """Whether loading a checkpoint with this common state into a ``model`` run restores its
-    optimizer and schedule (else only weights load: a model-only checkpoint, or a GPTModel's
-    weights translated into a HybridModel)."""
-    return not model_only(common) and model_class(common) == model
 
 
 def common_state(checkpoint: str) -> dict:

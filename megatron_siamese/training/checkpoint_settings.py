@@ -1,17 +1,16 @@
-"""The run's settings inside its checkpoints, and what a resume may change.
+"""The model settings inside a checkpoint, and which of them another run may change.
 
-Every checkpoint's common state holds the run's ``TrainArgs`` as a plain dict under
-``SETTINGS_KEY`` (as Megatron-LM keeps its args there). On ``--load``, before any rank
-starts, the settings that make the model must be the checkpoint's: every ``ModelSettings``
+A model-only checkpoint of ours (``checkpoint.save_model``) holds its ``TrainArgs`` as a plain
+dict under ``SETTINGS_KEY``; Megatron-LM's loop keeps its ``args`` (``inference/saved_args.py``
+reads the model from them). On ``--load``, before any rank starts, the settings that make the
+model must be the checkpoint's: every ``ModelSettings``
 field except those whose definition says ``resumable`` (kernels, FP8, the init of weights the
 checkpoint replaces; of mixture-of-experts, the aux-loss and z-loss coefficients and the
 load-balancing type, which shape the training objective, and the token dispatcher, which only
 moves tokens). The number of experts, top-k, the dense/MoE layer pattern and the expert widths
 make another model and must be the checkpoint's. The rest may change: the layout (TP, PP,
 virtual stages, DP, EP, expert TP, SP, recompute; dist_checkpointing reshards the experts as
-it does every other weight), the batch and schedule (with the override flags,
-``preflight.py``), data, logging and output. Where the optimizer state cannot follow a layout
-change (``optimizer_problem``) the run is refused with what to do instead.
+it does every other weight), the batch and schedule, data, logging and output.
 
 Checkpoints written before the settings were stored load as before (their settings are
 unknown, nothing is compared). Plain data, no torch import.
@@ -114,85 +113,3 @@ def model_problem(checkpoint: str, common: Mapping[str, Any], args, flags_descri
                 "checkpoint -> flags): give the checkpoint's model flags (its run's settings.json lists them)")
     return (f"--load {checkpoint} holds another model than this run builds ({', '.join(differ)}; "
             "checkpoint -> this run): give the checkpoint's values, or start without --load")
-
-
-# the distributed optimizer's checkpoint formats that follow a TP/PP change (the others: DP only)
-FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
-
-
-def _fused_adam_here() -> bool:
-    """Whether apex or Transformer Engine is installed: then the distributed optimizer saves and
-    loads "fully_reshardable" state (``checkpoint.distributed_optimizer_format``), which Megatron
-    documents as loading across TP/PP and the optimizer kind (not verifiable on CPU, so not refused)."""
-    import importlib.util
-
-    return any(importlib.util.find_spec(name) is not None for name in ("apex", "transformer_engine"))
-
-
-def _optimizer_kind(distributed: bool) -> str:
-    return "the distributed optimizer's" if distributed else "the plain optimizer's"
-
-
-def optimizer_problem(checkpoint: str, common: Mapping[str, Any], args) -> Optional[str]:
-    """One line when the checkpoint's optimizer state cannot follow this run's layout (None: it
-    can, or none is loaded). Found on megatron-core 0.16.1 and 0.19.2 with torch's Adam (no
-    apex, no Transformer Engine): the plain and the distributed optimizer cannot load each
-    other's state (either format), and the distributed optimizer's "dp_reshardable" state
-    reshards over DP only (its "fully_reshardable" loader fails there too: ``checkpoint.py``)."""
-    if args.no_load_optim or not checkpoint_files.brings_training_state(common, args.model):
-        return None  # weights only
-    optimizer = _optimizer_parts(common.get("optimizer"))[0]
-    if not isinstance(optimizer, Mapping):
-        return None
-    sharding = optimizer.get("param_state_sharding_type")  # only the distributed optimizer's state has one
-    weights_only = "or pass --no-load-optim (the weights and step, a fresh optimizer)"
-    reshardable = sharding in FULLY_RESHARDABLE or (sharding is None and _fused_adam_here())
-    if (sharding is not None) != bool(args.distributed_optimizer) and not reshardable:
-        remedy = f"resume {'with' if sharding is not None else 'without'} --use-distributed-optimizer"
-        if sharding is not None and args.use_torch_fsdp2:  # FSDP2 steps its shards with the plain optimizer
-            remedy += " instead of --use-torch-fsdp2"
-        return (f"--load {checkpoint} holds {_optimizer_kind(sharding is not None)} state, which "
-                f"{_optimizer_kind(args.distributed_optimizer)[:-2]} cannot load: {remedy}, {weights_only}")
-    saved = common.get(SETTINGS_KEY)
-    if sharding is None or sharding in FULLY_RESHARDABLE or not isinstance(saved, Mapping):
-        return None
-    layout = [(flag, saved.get(name, default), getattr(args, name)) for name, flag, default in
-              (("tp", "--tp", None), ("pp", "--pp", None), ("vpp", "--vpp", None), ("ep", "--ep", 1),
-               ("etp", "--etp", None))]
-    if all(before == now for _, before, now in layout):
-        return None
-    at = " ".join(f"{flag} {before}" for flag, before, _ in layout
-                  if before is not None and not (flag == "--ep" and before == 1))
-    return (f"--load {checkpoint} holds the distributed optimizer's state in the {sharding!r} format, which "
-            f"reshards over --dp only: resume at the saved {at} (any --dp), {weights_only}")
-
-
-def _optimizer_parts(optimizer: Any) -> List[Any]:
-    """The saved state of each optimizer Megatron chains (``{0: dense, 1: experts}`` where it keeps
-    expert-parallel parameters apart), or of the one optimizer."""
-    if isinstance(optimizer, Mapping) and optimizer and all(isinstance(key, int) for key in optimizer):
-        return [optimizer[key] for key in sorted(optimizer)]
-    return [optimizer]
-
-
-def optimizer_split_problem(checkpoint: str, common: Mapping[str, Any], optimizers: int, args) -> Optional[str]:
-    """One line when the checkpoint's optimizer state is split otherwise than this run's
-    ``optimizers`` (how many Megatron chains here): Megatron keeps the expert parameters in an
-    optimizer of their own under expert parallelism (megatron-core 0.19 also when --etp differs
-    from --tp), and the state of one such layout does not load into the other."""
-    saved_optimizer = common.get("optimizer")
-    if args.no_load_optim or saved_optimizer is None:
-        return None
-    saved = len(_optimizer_parts(saved_optimizer))
-    if saved == optimizers:
-        return None
-    settings = common.get(SETTINGS_KEY)
-    ep = settings.get("ep", 1) if isinstance(settings, Mapping) else None
-    at = f" (saved at --ep {ep})" if ep is not None else ""
-    if saved > optimizers:
-        layouts = (f"holds the expert parameters' optimizer state apart from the others'{at}, which this run at "
-                   f"--ep {args.ep} keeps in one optimizer: resume with expert parallelism (--ep 2 or more)")
-    else:
-        layouts = (f"holds one optimizer's state for all parameters{at}, which this run at --ep {args.ep} keeps "
-                   "apart for the experts: resume at the checkpoint's --ep and --etp")
-    return (f"--load {checkpoint} {layouts}, or pass --no-load-optim (the weights and step, a fresh optimizer)")
