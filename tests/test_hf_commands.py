@@ -283,9 +283,14 @@ def test_every_load_takes_a_runs_directory(trained_run, tmp_path, corpus_cache):
     assert (tmp_path / "hf" / "config.json").exists()
     generated = cli_here("generate", "--load", trained_run, "--prompt", "In the", "--max-new-tokens", "2")
     assert generated.returncode == 0 and "\nIn the" in generated.stdout, generated.stdout + generated.stderr
-    analyzed = cli_here("analyze", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--load",
-                        trained_run, "--cache-dir", corpus_cache, "--output-dir", tmp_path / "analysis")
+    # the model is the checkpoint's (Megatron-LM's args): no model flags, and another one refused by name
+    analyzed = cli_here("analyze", "--load", trained_run, "--cache-dir", corpus_cache, "--output-dir",
+                        tmp_path / "analysis")
     assert analyzed.returncode == 0 and "effective depth" in analyzed.stdout, analyzed.stderr
+    wrong = cli_here("analyze", "--load", trained_run, "--hidden-size", "64", "--output-dir", tmp_path / "no")
+    assert wrong.returncode == 2 and not (tmp_path / "no").exists(), wrong.stderr
+    assert ("holds another model than the flags describe (--hidden-size 32 -> 64; checkpoint -> flags): leave those "
+            "flags out (the model is the checkpoint's)") in wrong.stderr
     # upcycle reads it too, and then says it is no Pre-Norm checkpoint (the run's is SiameseNorm)
     refused = cli_here("upcycle", "--load", trained_run, "--output-dir", tmp_path / "up")
     assert refused.returncode == 2, refused.stdout + refused.stderr  # bad input, refused before a rank starts

@@ -7,9 +7,9 @@
                                         what the job costs per GPU, stock Pre-Norm beside SiameseNorm
     megatron-siamese study [flags]      every residual scheme at five learning rates, and addition (each
                                         run Megatron-LM's loop)
-    megatron-siamese upcycle --load PRE --output-dir OUT [model flags]
+    megatron-siamese upcycle --load PRE --output-dir OUT
                                         a Pre-Norm checkpoint as an equivalent SiameseNorm one
-    megatron-siamese analyze --load CKPT [--compare-load PRE] [model flags]
+    megatron-siamese analyze --load CKPT [--compare-load PRE]
                                         stream contributions, logit lens, magnitudes, effective depth
     megatron-siamese generate --load CKPT --prompt TEXT [--prompt TEXT ...] [--tp N --pp N]
                                         continue prompts (Megatron's inference engine, KV cache)

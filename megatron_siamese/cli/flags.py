@@ -23,11 +23,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     setting: their field's default would read as theirs), nor where the help says it already."""
 
     def _get_help_string(self, action):
-        sets_other_value = isinstance(action, argparse._StoreFalseAction) or (
-            type(action) is argparse._StoreConstAction and not isinstance(action.const, bool))
-        if sets_other_value or "default:" in (action.help or ""):
+        if sets_other_value(action) or "default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+def sets_other_value(action: argparse.Action) -> bool:
+    """A flag that sets another value than its own (``--bf16`` the dtype, ``--untie-...`` a True
+    setting off): its field's default would read as the flag's."""
+    return isinstance(action, argparse._StoreFalseAction) or (
+        type(action) is argparse._StoreConstAction and not isinstance(action.const, bool))
 
 
 def add_group(parser: argparse.ArgumentParser, title: str, leave_out=(), settings=SETTINGS) -> None:

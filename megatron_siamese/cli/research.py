@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from types import SimpleNamespace
 from typing import List
 
@@ -88,10 +89,14 @@ def _run_study(options: argparse.Namespace) -> int:
 study = SimpleNamespace(add_parser=_study_parser, run=_run_study)
 
 
-# -- upcycle and analyze: one rank, a checkpoint in, model flags describe it ------------
+# -- upcycle and analyze: one rank, a checkpoint in, its model ---------------------------
+
+CHECKPOINTS_VALUE = " (default: the checkpoint's)"
 
 
 def _single_rank_parser(commands, name: str, help: str, description: str, output_required: bool):
+    from megatron_siamese.training.checkpoint_settings import model_fields
+
     parser = commands.add_parser(name, help=help, description=description, formatter_class=flags.HelpFormatter)
     parser.add_argument("--load", required=True, metavar="CHECKPOINT",
                         help="the checkpoint to read (a run's directory, its checkpoints directory or one iter_<N> in it, "
@@ -100,25 +105,51 @@ def _single_rank_parser(commands, name: str, help: str, description: str, output
                         help="where to write")
     flags.add_model_flags(parser, schemes=False)  # the scheme is the command's (Pre-Norm in, SiameseNorm out)
     flags.add_data_flags(parser, tasks=False)
+    # the model is the checkpoint's: its flags are needed only for a checkpoint that records none
+    weights_depend_on = set(model_fields())
+    for action in parser._actions:
+        if action.dest in weights_depend_on:
+            action.default = argparse.SUPPRESS
+            if not flags.sets_other_value(action):  # such a switch says what it sets, not a default
+                stated = re.sub(r" ?\(default: [^)]*\)|; default: [^)]*", "", action.help or "")
+                action.help = stated + CHECKPOINTS_VALUE
     return parser
 
 
 def _single_rank_args(options: argparse.Namespace, norm: str):
-    """TrainArgs describing the checkpoint's model, on one rank (checkpoints reshard on load)."""
+    """TrainArgs of the checkpoint's model on one rank (checkpoints reshard on load): the model it
+    records (our settings, or Megatron-LM's args), which the model flags given must agree with;
+    for a checkpoint that records none, the flags describe it."""
     from megatron_siamese.training import checkpoint_files
+    from megatron_siamese.training.args import TrainArgs
+    from megatron_siamese.training.checkpoint_settings import model_differences, model_fields
 
     try:
-        checkpoint_files.checked(options.load)
+        checkpoint_files.checked(options.load)  # a missing or broken one said before torch is imported
+        from megatron_siamese.inference.session import read_checkpoint
+
+        saved = read_checkpoint(options.load)
     except checkpoint_files.CheckpointError as error:
         raise ConfigError([str(error)]) from None
-    return flags.train_args(options, norm=norm, tp=1, pp=1, vpp=None, dp=1, load=None, progress=False,
+    given = {name: getattr(options, name) for name in model_fields() if hasattr(options, name)}
+    model = dict(given, norm=norm)
+    if saved.settings is not None:
+        recorded = {name: value for name, value in dataclasses.asdict(saved.settings).items()
+                    if name in {field.name for field in dataclasses.fields(TrainArgs)}}
+        differ = model_differences(recorded, TrainArgs(**{**recorded, **given, "tp": 1, "pp": 1, "dp": 1}))
+        if differ:
+            raise ConfigError([f"--load {saved.path} holds another model than the flags describe ({', '.join(differ)}; "
+                               "checkpoint -> flags): leave those flags out (the model is the checkpoint's)"])
+        model = dict(recorded, norm=norm)
+    return flags.train_args(options, **model, tp=1, pp=1, vpp=None, dp=1, load=None, progress=False,
                             output_dir=options.output_dir)
 
 
 def _upcycle_parser(commands, name: str):
     return _single_rank_parser(commands, name, "convert a stock Pre-Norm checkpoint into SiameseNorm",
                                "Write a step-0 SiameseNorm checkpoint computing (up to the norm epsilon) what a "
-                               "stock Megatron Pre-Norm checkpoint computes; give the Pre-Norm model's flags.",
+                               "stock Megatron Pre-Norm checkpoint computes (the model is the checkpoint's: "
+                               "its flags only for one that records none).",
                                output_required=True)
 
 
@@ -141,7 +172,8 @@ def _run_upcycle(options: argparse.Namespace) -> int:
 def _analyze_parser(commands, name: str):
     parser = _single_rank_parser(commands, name, "stream analysis of a SiameseNorm checkpoint",
                                  "Stream contributions, logit lens per stream, magnitudes by depth and effective "
-                                 "depth of a SiameseNorm checkpoint; give its model flags.", output_required=False)
+                                 "depth of a SiameseNorm checkpoint (the model is the checkpoint's).",
+                                 output_required=False)
     parser.add_argument("--compare-load", default=None, metavar="CHECKPOINT",
                         help="a Pre-Norm checkpoint of the same size for the effective-depth probes")
     return parser
