@@ -281,6 +281,15 @@ def test_every_load_takes_a_runs_directory(trained_run, tmp_path, corpus_cache):
     exported = cli_here("export", "--load", trained_run, "--output-dir", tmp_path / "hf")
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "hf" / "config.json").exists()
+    # ... and back, at the vocabulary Megatron-LM padded (384 at TP 1, not our 320): the same weights
+    imported = cli_here("import-hf", "--hf", tmp_path / "hf", "--output-dir", tmp_path / "imported")
+    assert imported.returncode == 0, imported.stderr
+    from megatron_siamese.inference.session import load_full_model
+
+    original, back = load_full_model(str(trained_run / "checkpoints")), load_full_model(str(tmp_path / "imported"))
+    assert back.vocab_size == original.vocab_size == 384 and set(back.state_dict) == set(original.state_dict)
+    for name, tensor in original.state_dict.items():
+        assert torch.equal(back.state_dict[name], tensor), name
     generated = cli_here("generate", "--load", trained_run, "--prompt", "In the", "--max-new-tokens", "2")
     assert generated.returncode == 0 and "\nIn the" in generated.stdout, generated.stdout + generated.stderr
     # the model is the checkpoint's (Megatron-LM's args): no model flags, and another one refused by name

@@ -186,6 +186,36 @@ def test_a_requeued_run_resumes_the_run_it_interrupted_at_any_tp_and_refuses_ano
             "run)") in refused
 
 
+@needs_training
+def test_an_upcycled_checkpoint_evaluates_as_pre_norm_and_trains_on_in_megatrons_loop(tmp_path, corpus_cache):
+    """The route docs/research.md gives from a Pre-Norm run to SiameseNorm, on Megatron-LM's loop:
+    it trains Pre-Norm, upcycle writes a model-only checkpoint computing the same function, and the
+    loop evaluates that (the Pre-Norm model's validation loss, far from a uniform guess) and trains
+    it on. Megatron-LM's loader asks such a checkpoint for an optimizer state (KeyError
+    'optimizer'): the run gives itself --no-load-optim, and says so."""
+    corpus = ["--tensor-model-parallel-size", "1", "--train-iters", "20"]
+    pre = tmp_path / "pre"
+    pretrain(*corpus, "--norm", "pre", "--lr", "1e-2", "--save", str(pre), "--save-interval", "20", ranks=1,
+             cache=corpus_cache)
+    pre_loss = float(VALIDATION.findall(pretrain(*corpus, "--norm", "pre", "--load", str(pre), "--skip-train",
+                                                 ranks=1, cache=corpus_cache))[0])
+    assert pre_loss < math.log(512) - 1  # trained: a model that lost its weights would not be near it
+    upcycled = subprocess.run([sys.executable, "-m", "megatron_siamese.cli", "upcycle", "--load", str(pre),
+                               "--output-dir", str(tmp_path / "up")], capture_output=True, text=True, timeout=300)
+    assert upcycled.returncode == 0, upcycled.stderr[-3000:]
+    checkpoint = str(tmp_path / "up" / "checkpoints")
+    from megatron_siamese.inference.session import read_checkpoint
+
+    assert read_checkpoint(checkpoint).vocab_size == read_checkpoint(str(pre)).vocab_size == 384  # Megatron's padding
+    evaluated = pretrain(*corpus, "--load", checkpoint, "--skip-train", ranks=1, cache=corpus_cache)
+    assert float(VALIDATION.findall(evaluated)[0]) == pytest.approx(pre_loss, rel=2e-3)
+    trained = pretrain(*corpus, "--load", checkpoint, "--save", str(tmp_path / "siamese"), "--save-interval", "20",
+                       ranks=1, cache=corpus_cache)
+    assert (f"--load {checkpoint} holds model weights only (upcycle, import-hf), so --no-load-optim: a fresh "
+            "optimizer from its weights") in trained
+    assert sorted(losses(trained)) == list(range(1, 21)) and (tmp_path / "siamese" / "iter_0000020").is_dir()
+
+
 def interrupted(command, when: str, action, log_file) -> tuple:
     """``command`` run until its output has a line matching ``when``, then ``action(process)``; its exit
     status and output. The output goes to a file, not a pipe: a SIGKILLed rank's helpers (its data

@@ -160,10 +160,11 @@ _MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank")
 _MTP_FIELDS = ("mtp_num_layers", "num_nextn_predict_layers")
 
 
-def settings_fields(hf: Dict[str, object], vocab_size: int) -> Dict[str, object]:
+def settings_fields(hf: Dict[str, object], tokens: int) -> Dict[str, object]:
     """ModelSettings fields (runtime/settings.py) of the model ``hf`` (a config.json's dict:
     SiameseNormForCausalLM or LlamaForCausalLM), or ExportError naming the first field this
-    package's GPT cannot build exactly; ``vocab_size`` is the one the trainer builds (320)."""
+    package's GPT cannot build exactly; ``tokens``: the byte tokenizer's ids, which the
+    vocabulary holds (padded beyond them as the run that trained it padded it)."""
     model_type = hf.get("model_type")
     if model_type not in ("megatron_siamese", "llama"):
         raise ExportError(f"model_type {model_type!r} is not one this package imports (megatron_siamese, or llama "
@@ -175,7 +176,8 @@ def settings_fields(hf: Dict[str, object], vocab_size: int) -> Dict[str, object]
     rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_BASE)))
     gated = True if llama else bool(hf.get("gated_mlp", True))
     wrong = [problem for bad, problem in (
-        (int(hf["vocab_size"]) != vocab_size, f"vocab_size {hf['vocab_size']}: the byte-level GPT has {vocab_size}"),
+        (int(hf["vocab_size"]) < tokens,
+         f"vocab_size {hf['vocab_size']}: the byte-level tokenizer's {tokens} ids do not fit in it"),
         ((hf.get("head_dim") or hidden // heads) != hidden // heads,
          f"head_dim {hf.get('head_dim')}: this package's GPT has hidden_size / heads = {hidden // heads}"),
         (float(hf.get("rms_norm_eps" if llama else "norm_eps", _DEFAULT_EPS)) != _DEFAULT_EPS,

@@ -253,9 +253,10 @@ def check_tokenizer(directory: str) -> None:
 
 def import_args(hf: Dict[str, object], output_dir: str):
     """TrainArgs of the model ``hf`` describes, on one rank (as the checkpoint records them)."""
-    from megatron_siamese.training.args import TrainArgs, padded_vocab_size
+    from megatron_siamese.data.corpus import ByteTokenizer
+    from megatron_siamese.training.args import TrainArgs
 
-    fields = architecture.settings_fields(hf, padded_vocab_size())
+    fields = architecture.settings_fields(hf, ByteTokenizer().vocab_size)
     dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"))
     if dtype is None:
         raise ExportError(f"torch_dtype {hf.get('torch_dtype')!r}: import float32 or bfloat16 weights")
@@ -283,12 +284,12 @@ def _import_rank(args, hf: Dict[str, object], hf_dir: str, directory: str) -> st
     from megatron_siamese.models import build_model_chunks
     from megatron_siamese.runtime.gpt import initialize_model_parallel, transformer_config
     from megatron_siamese.training import checkpoint
-    from megatron_siamese.training.args import padded_vocab_size
 
     state = convert.hf_to_megatron(read_hf_weights(hf_dir), hf, pre_norm=hf["model_type"] == "llama")
     initialize_model_parallel(args.layout, args.seed)
     try:
-        (model,) = build_model_chunks(transformer_config(args, args.layout), args, padded_vocab_size())
+        # the vocabulary as the export holds it: the byte tokens, padded as the run that trained it padded them
+        (model,) = build_model_chunks(transformer_config(args, args.layout), args, int(hf["vocab_size"]))
         expected = {name for name in model.state_dict() if not name.endswith("_extra_state")}
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)

@@ -133,6 +133,19 @@ def checkpoint_problem(args):
             "run): give the checkpoint's flags, or another --load")
 
 
+def loads_weights_only(args) -> bool:
+    """Whether ``--load`` names a checkpoint of model weights alone (what upcycle and import-hf
+    write: its args say no_save_optim), and the run does not say so itself. Megatron-LM then skips
+    the optimizer's state in what it reads but still asks for it (KeyError 'optimizer'), so such a
+    run gets ``--no-load-optim``: a fresh optimizer from those weights."""
+    from megatron_siamese.training import checkpoint_files
+
+    if not args.load or args.no_load_optim or args.finetune or checkpoint_files.holds_no_checkpoint(args.load):
+        return False
+    common = checkpoint_files.common_state(checkpoint_files.resolve(args.load))
+    return bool(getattr(checkpoint_files.saved_args(common), "no_save_optim", False))
+
+
 def failed_check(error: AssertionError) -> str:
     """An assert's message, or where it has none, the check itself as Megatron-LM wrote it."""
     import traceback
@@ -367,6 +380,11 @@ def main() -> None:
     problems += [problem] if (problem := checkpoint_problem(args)) else []
     if problems:
         raise SystemExit("\n".join(f"megatron-siamese train: {problem}" for problem in problems))
+    if loads_weights_only(args):
+        args.no_load_optim = True
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megatron-siamese train: --load {args.load} holds model weights only (upcycle, import-hf), so "
+                  "--no-load-optim: a fresh optimizer from its weights", flush=True)
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider)

@@ -57,7 +57,8 @@ def save_model(chunks: List[torch.nn.Module], args, directory: str, step: int = 
                vocab_size: Optional[int] = None) -> str:
     """On the ranks of a joined job: this rank's ``chunks`` of the model ``args`` (a TrainArgs)
     describes, under its layout, saved model-only at ``directory/iter_<step>`` (its settings
-    recorded); returns that path. A leftover ``iter_<step>`` is replaced, never mixed with."""
+    recorded, and the padded vocabulary its embedding holds); returns that path. A leftover
+    ``iter_<step>`` is replaced, never mixed with."""
     from megatron.core import dist_checkpointing
 
     require_psutil()
@@ -70,8 +71,8 @@ def save_model(chunks: List[torch.nn.Module], args, directory: str, step: int = 
     orphans.checkpoint_writer_dies_with_its_rank()
     torch.distributed.barrier()
     state = sharded_model_state(chunks)
-    state["args"] = megatron_lm_args.checkpoint_args(args, step, vocab_size or padded_vocab_size(), VOCAB_MULTIPLE,
-                                                     model_only=True)
+    vocab_size = vocab_size or getattr(chunks[0], "vocab_size", None) or padded_vocab_size()  # the model's own
+    state["args"] = megatron_lm_args.checkpoint_args(args, step, vocab_size, VOCAB_MULTIPLE, model_only=True)
     state["checkpoint_version"] = megatron_lm_args.CHECKPOINT_VERSION
     state["iteration"] = step
     state["num_floating_point_operations_so_far"] = 0
