@@ -1,4 +1,4 @@
-"""Transformer Engine: whether it can be used here, and naming its modules lazily.
+"""Transformer Engine: whether it can be used here.
 
 Kept apart from the specs so that the layer's support check can ask about TE without
 importing the specs (which import the layer).
@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import functools
 from typing import Optional
-
-from megatron.core.transformer.spec_utils import ModuleSpec
-
-TE_MODULE = "megatron.core.extensions.transformer_engine"
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,7 +22,3 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def te_module(name: str) -> ModuleSpec:
-    """A Transformer Engine module of Megatron's TE extension, named by path: resolved only when
-    a layer is built, so a spec naming it can be imported (and refused clearly) without TE."""
-    return ModuleSpec(module=(TE_MODULE, name))

@@ -7,7 +7,6 @@ import threading
 import time
 
 import numpy
-import pytest
 
 from megatron_siamese.data.cache_lock import building
 from megatron_siamese.data.corpus import ByteTokenizer, build_indexed_dataset

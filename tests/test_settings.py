@@ -10,7 +10,7 @@ from typing import Optional
 import pytest
 
 from megatron_siamese.check.case import ModelCase
-from megatron_siamese.cli import build_parser, check, flags
+from megatron_siamese.cli import check, flags
 from megatron_siamese.hybrid_pattern import HybridPattern
 from megatron_siamese.runtime.layout import Layout, parse_layout
 from megatron_siamese.runtime.registry import KEY, DuplicateSetting, definitions, field_problems, setting

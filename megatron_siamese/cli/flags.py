@@ -8,7 +8,7 @@ import argparse
 
 from megatron_siamese.runtime.registry import add_setting, definitions
 from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
-from megatron_siamese.training.args import CHECKPOINTS, DATA, LOGGING, PARALLELISM, TRAINING, TrainArgs
+from megatron_siamese.training.args import DATA, TrainArgs
 
 SETTINGS = definitions(TrainArgs)
 DEFAULTS = {name: definition.default for name, definition in SETTINGS.items()}
@@ -48,22 +48,6 @@ def add_model_flags(parser: argparse.ArgumentParser, schemes: bool = True) -> No
     add_group(parser, MODEL, leave_out=() if schemes else SCHEME_SETTINGS)
     add_group(parser, MOE)
     add_group(parser, PRECISION)
-
-
-def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, PARALLELISM)
-
-
-def add_training_flags(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, TRAINING)
-
-
-def add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, CHECKPOINTS)
-
-
-def add_logging_flags(parser: argparse.ArgumentParser) -> None:
-    add_group(parser, LOGGING)
 
 
 def add_data_flags(parser: argparse.ArgumentParser, tasks: bool = True) -> None:

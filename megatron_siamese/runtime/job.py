@@ -7,7 +7,7 @@ installs the CPU shim, and forms torch.distributed over the whole job. ``on_firs
 fn)`` runs ``fn`` on the job's first ``size`` ranks as their whole world (Megatron builds its
 groups over the default group), while the other ranks wait: how ``check`` runs layouts of every
 size in one job. ``console(line)`` prints for the job (rank 0) even when rank 0's own output
-goes to a log; ``gather_to_rank0`` and ``shared_by_all_ranks`` are collectives every rank calls.
+goes to a log; ``gather_to_rank0`` is a collective every rank calls.
 """
 
 from __future__ import annotations
@@ -212,33 +212,6 @@ def gather_to_rank0(value: Any) -> Optional[List[Any]]:
     values = [None] * world if torch.distributed.get_rank() == 0 else None
     torch.distributed.gather_object(value, values, dst=0)
     return values
-
-
-def shared_by_all_ranks(directory: str) -> bool:
-    """Whether every rank of the joined job sees the same ``directory`` (a shared file system,
-    or one node): rank 0 leaves a mark in it that every rank looks for. Every rank must call it;
-    if rank 0 cannot write there, every rank raises that OSError."""
-    import uuid
-
-    written = [f".megatron-siamese-mark-{uuid.uuid4().hex}", None]  # rank 0's name for the mark
-    torch.distributed.broadcast_object_list(written, src=0)
-    mark = os.path.join(directory, written[0])  # in this rank's own directory: its own path, its own cwd
-    if torch.distributed.get_rank() == 0:
-        try:
-            os.makedirs(directory, exist_ok=True)
-            open(mark, "w").close()
-        except OSError as error:
-            written[1] = f"cannot write in {directory}: {error.strerror or error}"
-    torch.distributed.broadcast_object_list(written, src=0)
-    if written[1] is not None:
-        raise OSError(written[1])
-    seen = torch.tensor([float(os.path.exists(mark))], device=device.current())
-    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        os.remove(mark)
-    return bool(seen.item())
-
 
 
 def job_world_size() -> Optional[int]:

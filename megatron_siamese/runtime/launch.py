@@ -15,8 +15,8 @@
   ``fn(*args)``. The job's size must be the run's; a later ``run_job`` in the same process
   reuses the joined job.
 
-Stop signals may reach any process of the job (``stop_signals``): the ranks agree on the step to
-stop after and save; a spawned rank dies with the launcher (``orphans``).
+Stop signals stop the job at once, whichever process gets them (``stop_signals``); a spawned rank
+dies with the launcher (``orphans``).
 ``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
 """
 
@@ -78,13 +78,12 @@ def ephemeral_ports() -> Tuple[int, int]:
         return 32768, 60999
 
 
-def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher_pid):
+def _worker(launch, timeout_s, fn, args, results, log_path, launcher_pid):
     os.setpgrp()  # a group of its own: the launcher can stop it with whatever it started (writer processes)
     # the launcher's death ends this rank's group, what it started too (no parent-death signal: it
     # would end the rank alone, orphaning its helpers; the fork server outlives a killed launcher)
     orphans.watch(launcher_pid)
-    stop_signals.share(stop_value)
-    stop_signals.handle_in_this_rank()
+    stop_signals.default_in_this_rank()
     job.set_console_queue(results)
     if log_path is not None:
         for stream in (sys.stdout, sys.stderr):
@@ -103,7 +102,7 @@ def _worker(launch, timeout_s, fn, args, results, stop_value, log_path, launcher
         buffer = io.BytesIO()
         torch.save(values, buffer)
         results.put(RankReport(launch.rank, True, buffer.getvalue() if launch.rank == 0 else None))
-    except KeyboardInterrupt:  # a second stop signal to this rank: stopped at once
+    except KeyboardInterrupt:  # Ctrl-C reached this rank: stopped
         results.put(RankReport(launch.rank, False, Failure(INTERRUPTED)))
     except BaseException as error:  # report every failure, including SystemExit from asserts in fn
         summary = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
@@ -173,20 +172,15 @@ def launch(
     backend: Optional[str] = None,
     timeout_s: float = 600.0,
     quiet_ranks: Iterable[int] = (),
-    graceful_stop: bool = False,
-    echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
-    reports_within_s: Optional[float] = None,
 ) -> List[Any]:
     """Spawn ``world_size`` ranks here, run ``fn(*args)`` on each; their values in rank order.
-    ``timeout_s``: how long ranks wait for one another (to meet, in a collective); the launcher
-    waits ``reports_within_s`` (default ``timeout_s``; infinite for a training run, whose
-    ranks time out by themselves) for all of them to report."""
+    ``timeout_s``: how long ranks wait for one another (to meet, in a collective), and the
+    launcher for each of their reports."""
     if (backend or device.backend()) != device.backend():
         raise ValueError(f"backend {backend} asked for, but this machine runs {device.backend()}")
     ctx = _context(device.backend())
     _start_helpers(ctx)
     results = ctx.Queue()
-    stop_value = ctx.Value("i", 0, lock=False)  # the stop signal's number (one writer: the launcher)
     # The job's rendezvous store, served from here on a port bound here for the job's life: a
     # free port named to rank 0, which binds it later, can be taken in between (by any other
     # job's listener: rank 0 then fails with EADDRINUSE, and the others reach someone else's).
@@ -199,17 +193,17 @@ def launch(
     procs = [
         ctx.Process(target=_worker, daemon=False,
                     args=(Launch("spawn", rank, world_size, rank, 0, 1, "127.0.0.1", port), timeout_s, fn, args,
-                          results, stop_value, logs[rank], os.getpid()))
+                          results, logs[rank], os.getpid()))
         for rank in range(world_size)
     ]
     values: Optional[List[Any]] = None
     reported = 0
-    with stop_signals.handled_by_launcher(stop_value, graceful_stop, echo):
+    with stop_signals.handled_by_launcher():
         for proc in procs:
             proc.start()
         try:
             for reported in range(1, world_size + 1):
-                report = next_result(results, procs, timeout_s if reports_within_s is None else reports_within_s, logs)
+                report = next_result(results, procs, timeout_s, logs)
                 if not report.ok:
                     if report.value.summary == INTERRUPTED:
                         raise KeyboardInterrupt
@@ -243,9 +237,8 @@ def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeo
             return launch(fn, world_size, *args, timeout_s=timeout_s, **launch_options)[0]
         if world_size is not None and world_size != joined.world_size:
             raise LaunchError(_mismatch(joined, world_size, needs))
-        if joined.launcher == "torchrun":  # its agent is this rank's parent: stop (and save) when it dies
+        if joined.launcher == "torchrun":  # its agent is this rank's parent: stop when it dies
             orphans.die_with_parent(signal.SIGTERM)
-        stop_signals.handle_in_this_rank()  # before joining: a signal while the others come is not lost
         job.join(joined, timeout_s)
     elif world_size is not None and world_size != joined.world_size:
         raise LaunchError(_mismatch(joined, world_size, needs))

@@ -65,10 +65,6 @@ def warning_options() -> str:
     return ",".join(f"ignore:{notice}" for notice in literal)
 
 
-def is_known_notice(message: str) -> bool:
-    return _PATTERN.match(message) is not None
-
-
 def silence_known_notices() -> None:
     """Hide the known notices in this process (warnings and log records; idempotent)."""
     for notice in KNOWN_NOTICES:

@@ -64,10 +64,6 @@ def missing_files(path: str) -> List[str]:
     return [name for name in REQUIRED_FILES if not os.path.isfile(os.path.join(path, name))]
 
 
-def complete_steps(directory: str) -> List[int]:
-    return [step for step, path in step_dirs(directory) if not missing_files(path)]
-
-
 def write_latest(directory: str, step: int) -> None:
     """Record ``step`` as the newest complete checkpoint in Megatron-LM's tracker file: a new
     file renamed over the old, never half written."""
@@ -77,11 +73,6 @@ def write_latest(directory: str, step: int) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, os.path.join(directory, TRACKER))
-
-
-def trackers(directory: str) -> List[str]:
-    """The tracker files in a checkpoints directory (today's and an earlier release's)."""
-    return [path for name in (TRACKER, LATEST) if os.path.isfile(path := os.path.join(directory, name))]
 
 
 def _instead(directory: str, exclude: Optional[str] = None) -> str:

@@ -23,7 +23,6 @@ from typing import Any, List, Mapping, Optional
 
 from megatron_siamese.runtime.registry import Setting, definitions
 from megatron_siamese.runtime.settings import ModelSettings, moe_layer_freq
-from megatron_siamese.training import checkpoint_files
 
 SETTINGS_KEY = "megatron_siamese_settings"
 
