@@ -262,19 +262,6 @@ def test_train_and_check_refuse_a_context_parallel_split_with_the_same_rule():
 
 
 @stack_independent
-def test_documents_kept_apart_are_refused_where_their_mask_would_be_ignored():
-    with pytest.raises(ConfigError) as refused:
-        TrainArgs(reset_attention_mask=True, transformer_impl="transformer_engine")
-    assert refused.value.problems == [
-        "--reset-attention-mask with --transformer-impl transformer_engine: TE's causal attention ignores the "
-        "dataset's mask, so documents would see each other (as in Megatron-LM); use the local modules, or packed "
-        "(THD) batches"]
-    with pytest.raises(ConfigError, match="--reset-position-ids --eod-mask-loss shape the corpus's sequences"):
-        TrainArgs(task="addition", tp=1, reset_position_ids=True, eod_mask_loss=True)
-    TrainArgs(reset_position_ids=True, transformer_impl="transformer_engine")  # positions alone: TE takes them
-
-
-@stack_independent
 def test_hybrid_patterns_are_read_in_one_place():
     pattern = HybridPattern("*-M*|*-M*/*-")
     assert (pattern.main, pattern.mtp, pattern.layers) == ("*-M*|*-M*", "*-", "*-M**-M*")

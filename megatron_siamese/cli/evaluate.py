@@ -29,8 +29,8 @@ def _parser(commands, name: str) -> argparse.ArgumentParser:
                             "Transformers directory first, as megatron-siamese export writes it")
     parser.add_argument("--tasks", default="siamese_addition",
                         help="comma-separated tasks: siamese_addition, siamese_addition_reversed (for models trained "
-                             "with --task addition-reversed), or lm-evaluation-harness tasks whose data it can reach")
-    parser.add_argument("--addition-digits", type=int, default=flags.DEFAULTS["addition_digits"],
+                             "on reversed sums, as study's addition runs are), or lm-evaluation-harness tasks whose data it can reach")
+    parser.add_argument("--addition-digits", type=int, default=3,
                         help="operand digits of the addition problems")
     parser.add_argument("--limit", type=int, default=None, help="problems per task (default: all 500)")
     parser.add_argument("--batch-size", type=int, default=16, help="requests per forward pass")

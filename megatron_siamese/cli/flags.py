@@ -14,7 +14,6 @@ SETTINGS = definitions(TrainArgs)
 DEFAULTS = {name: definition.default for name, definition in SETTINGS.items()}
 # what upcycle and analyze decide themselves (their model is SiameseNorm's: the baselines' settings mean nothing there)
 SCHEME_SETTINGS = ("norm", "model", "hybrid_layer_pattern", "mix_ln_alpha", "hybridnorm_star")
-TASK_SETTINGS = ("task", "addition_digits")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -50,8 +49,8 @@ def add_model_flags(parser: argparse.ArgumentParser, schemes: bool = True) -> No
     add_group(parser, PRECISION)
 
 
-def add_data_flags(parser: argparse.ArgumentParser, tasks: bool = True) -> None:
-    add_group(parser, DATA, leave_out=() if tasks else TASK_SETTINGS)
+def add_data_flags(parser: argparse.ArgumentParser) -> None:
+    add_group(parser, DATA)
 
 
 def train_args(options: argparse.Namespace, cls=TrainArgs, **changes) -> TrainArgs:

@@ -7,9 +7,9 @@ import json
 
 from megatron_siamese.cli import flags
 from megatron_siamese.plan.args import PLAN, PlanArgs
-from megatron_siamese.runtime.registry import definitions
+from megatron_siamese.runtime.registry import ConfigError, definitions
 from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
-from megatron_siamese.training.args import CHECKPOINTS, DATA, LOGGING, PARALLELISM, TRAINING
+from megatron_siamese.training.args import PARALLELISM, TRAINING
 
 DESCRIPTION = """\
 What a training job costs per GPU, for stock Pre-Norm and for SiameseNorm side by side: weights,
@@ -32,7 +32,7 @@ changing its first word. Measured against the CPU ranks within 5% per term
 """
 
 SETTINGS = definitions(PlanArgs)
-GROUPS = (MODEL, MOE, PRECISION, PARALLELISM, TRAINING, PLAN, CHECKPOINTS, DATA, LOGGING)
+GROUPS = (MODEL, MOE, PRECISION, PARALLELISM, TRAINING, PLAN)
 
 
 def add_parser(commands, name: str) -> argparse.ArgumentParser:
@@ -41,7 +41,25 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
     for title in GROUPS:
         flags.add_group(parser, title, settings=SETTINGS)
     parser.add_argument("--json", metavar="PATH", help="also write every pipeline stage's costs as JSON")
+    parser.set_defaults(megatron_flags=[])  # the rest of a train command line (cli.main): checked, then ignored
     return parser
+
+
+def ignore_the_rest_of_a_train_command(rest: list) -> None:
+    """A train command line pasted in whole: Megatron-LM's flags plan has none of (checkpoints,
+    logging, data) cost nothing it counts and are ignored; anything else is refused, as argparse
+    refuses it (megatron-core 0.16.1 has no Megatron-LM parser to tell them apart: refused there)."""
+    if not rest:
+        return
+    from megatron_siamese.versions import ships_megatron_training
+
+    unknown = rest
+    if ships_megatron_training():
+        from megatron_siamese.runtime.pretrain import megatron_parser
+
+        unknown = megatron_parser().parse_known_args(rest)[1]
+    if unknown:
+        raise ConfigError([f"unrecognized arguments: {' '.join(unknown)} (see megatron-siamese plan --help)"])
 
 
 def describe(args: PlanArgs) -> str:
@@ -64,6 +82,7 @@ def describe(args: PlanArgs) -> str:
 
 
 def run(options: argparse.Namespace) -> int:
+    ignore_the_rest_of_a_train_command(options.megatron_flags)
     args = flags.train_args(options, cls=PlanArgs)  # ConfigError: every problem, one line each
     from megatron_siamese.plan.args import plan_inputs
     from megatron_siamese.plan.gpus import gpu_memory

@@ -104,7 +104,7 @@ def _single_rank_parser(commands, name: str, help: str, description: str, output
     parser.add_argument("--output-dir", required=output_required, default=None if output_required else "runs/analysis",
                         help="where to write")
     flags.add_model_flags(parser, schemes=False)  # the scheme is the command's (Pre-Norm in, SiameseNorm out)
-    flags.add_data_flags(parser, tasks=False)
+    flags.add_data_flags(parser)
     # the model is the checkpoint's: its flags are needed only for a checkpoint that records none
     weights_depend_on = set(model_fields())
     for action in parser._actions:
@@ -141,8 +141,7 @@ def _single_rank_args(options: argparse.Namespace, norm: str):
             raise ConfigError([f"--load {saved.path} holds another model than the flags describe ({', '.join(differ)}; "
                                "checkpoint -> flags): leave those flags out (the model is the checkpoint's)"])
         model = dict(recorded, norm=norm)
-    return flags.train_args(options, **model, tp=1, pp=1, vpp=None, dp=1, load=None, progress=False,
-                            output_dir=options.output_dir)
+    return flags.train_args(options, **model, tp=1, pp=1, vpp=None, dp=1, load=None, output_dir=options.output_dir)
 
 
 def _upcycle_parser(commands, name: str):

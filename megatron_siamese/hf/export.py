@@ -260,8 +260,7 @@ def import_args(hf: Dict[str, object], output_dir: str):
     dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"))
     if dtype is None:
         raise ExportError(f"torch_dtype {hf.get('torch_dtype')!r}: import float32 or bfloat16 weights")
-    return TrainArgs(**fields, dtype=dtype, tp=1, pp=1, dp=1, fused_ops=False, output_dir=output_dir,
-                     progress=False)
+    return TrainArgs(**fields, dtype=dtype, tp=1, pp=1, dp=1, fused_ops=False, output_dir=output_dir)
 
 
 def import_hf(hf_dir: str, output_dir: str) -> str:

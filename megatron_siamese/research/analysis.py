@@ -175,7 +175,7 @@ def analyze(args, compare_load: Optional[str] = None, batches: int = 2) -> dict:
         raise ValueError("analyze a checkpoint (--load) at tp=1, pp=1")
     # the probes only evaluate the weights (inference/session.py): no optimizer state is loaded, so
     # neither its kind (a distributed optimizer's state at another layout) nor its schedule stands in the way
-    args = dataclasses.replace(args, norm="siamese", fused_ops=False, no_load_optim=True, distributed_optimizer=False)
+    args = dataclasses.replace(args, norm="siamese", fused_ops=False, distributed_optimizer=False)
     results = run_job(_analyze_rank, 1, args, compare_load, batches, needs="analyze")
     os.makedirs(args.output_dir, exist_ok=True)
     plot(results, args.output_dir)

@@ -11,7 +11,6 @@ beside the checks that read several of them together (recompute, expert layout, 
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -34,8 +33,6 @@ from megatron_siamese.runtime.registry import ConfigError, Switch, definitions, 
 from megatron_siamese.runtime.settings import ModelSettings, model_class_problems, scheme_setting_problems
 from megatron_siamese.training import recompute_flags
 
-ADDITION_TASKS = {"addition": False, "addition-reversed": True}  # task name: the sum written reversed
-TASKS = ("lm", *ADDITION_TASKS)
 WARMUP_FRACTION = 0.1  # of the run, when no warm-up is given (Megatron-LM's --lr-warmup-fraction)
 BYTE_VOCAB = 258  # ByteTokenizer: 256 bytes, end of document, padding
 VOCAB_MULTIPLE = 64
@@ -51,16 +48,7 @@ def padded_vocab_size(vocab_size: int = BYTE_VOCAB, multiple: int = VOCAB_MULTIP
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-PARALLELISM, TRAINING, CHECKPOINTS, DATA, LOGGING = "parallelism", "training", "checkpoints", "data", "logging"  # argparse groups
-
-
-def _a_prefix(prefix: str) -> Optional[str]:
-    """Megatron names an indexed dataset by the path both its files share."""
-    for suffix in (".bin", ".idx"):
-        if prefix.endswith(suffix):
-            return (f"--data-path {prefix} names a file: give the prefix its .bin and .idx share "
-                    f"(--data-path {prefix[:-len(suffix)]})")
-    return None
+PARALLELISM, TRAINING, CHECKPOINTS, DATA = "parallelism", "training", "checkpoints", "data"  # argparse groups
 
 
 @dataclass(frozen=True)
@@ -143,112 +131,19 @@ class TrainArgs(ModelSettings):
     weight_decay: float = setting(0.1, group=TRAINING, flag="--weight-decay", help="weight decay")
     clip_grad: float = setting(1.0, group=TRAINING, flag="--clip-grad", help="gradient norm clipping")
     seed: int = setting(1234, group=TRAINING, flag="--seed", help="random seed (weights and data order)")
-    eval_interval: int = setting(100, group=TRAINING, flag="--eval-interval", minimum=1,
-                                 help="validate every N steps")
-    eval_iters: int = setting(8, group=TRAINING, flag="--eval-iters", minimum=1,
-                              help="validation batches per evaluation")
     distributed_timeout_minutes: float = setting(
         60.0, group=TRAINING, flag="--distributed-timeout-minutes", minimum=0.01,
         help="how long a rank waits for the others (to join, in a collective, for a checkpoint) before the job "
              "fails, naming the collective and any rank that never came (Megatron-LM's flag)")
 
+    # where a command writes, and the checkpoint it reads (the commands' own flags: upcycle, analyze, export)
     output_dir: str = setting("runs/default", group=CHECKPOINTS, flag="--output-dir",
-                              help="the run's directory: checkpoints (OUTPUT_DIR/checkpoints), settings.json, "
-                                   "metrics.jsonl, summary.json and loss.png")
-    save: Optional[str] = setting(None, group=CHECKPOINTS, flag="--save", metavar="DIR",
-                                  help="where checkpoints are saved (Megatron-LM's --save), one at the end of the run among them; "
-                                       "unset: OUTPUT_DIR/checkpoints, saved only as --save-interval, --stop-step or a "
-                                       "signal says. A job requeued with --save DIR --load DIR starts from step 0 until "
-                                       "DIR holds one")
-    save_interval: Optional[int] = setting(None, group=CHECKPOINTS, flag="--save-interval", minimum=1,
-                                           help="save a distributed checkpoint every N steps and at the end "
-                                                "(unset: none but --stop-step's and a signal's)")
-    # e.g. a planned preemption
-    stop_step: Optional[int] = setting(None, group=CHECKPOINTS, flag="--stop-step",
-                                       help="stop after this step and save a checkpoint (resume with --load)")
-    # Megatron-LM's: stop after any step divisible by N, or once the run has gone on this long (the same
-    # step on every rank: one all-reduce), saving a checkpoint; exit 0
-    exit_interval: Optional[int] = setting(None, group=CHECKPOINTS, flag="--exit-interval", minimum=1,
-                                           help="stop after the first step divisible by N (counted from step 0, "
-                                                "also when resuming), save a checkpoint and exit 0")
-    exit_duration_in_mins: Optional[float] = setting(
-        None, group=CHECKPOINTS, flag="--exit-duration-in-mins", minimum=0.0,
-        help="stop after the step during which the run passed this many minutes (setup included), save a "
-             "checkpoint and exit 0: leave a scheduler's time limit enough margin for the save")
-    # a checkpoint directory, or a directory with a tracker file (Megatron-LM's, or an earlier release's `latest`)
+                              help="where the command writes (a checkpoint's in OUTPUT_DIR/checkpoints)")
     load: Optional[str] = setting(None, group=CHECKPOINTS, flag="--load", metavar="DIR",
-                                  help="resume from a run's directory (its checkpoints), a checkpoints directory (its "
-                                       "latest_checkpointed_iteration.txt) or one iter_<N> in it, ours or Megatron-LM's, "
-                                       "at any TP/PP layout; --train-iters equal to its step only evaluates it")
-    # Megatron-LM's names; its --ckpt-fully-parallel-save is on by default (ours is off: see docs/training.md)
-    ckpt_fully_parallel_save: bool = setting(
-        False, group=CHECKPOINTS, flag="--ckpt-fully-parallel-save", action=argparse.BooleanOptionalAction,
-        help="the data-parallel ranks share the writing of what they hold alike (Megatron's "
-             "FullyParallelSaveStrategyWrapper): each writes a part of the replicated shards instead of the first "
-             "data-parallel rank writing them all")
-    ckpt_fully_parallel_load: bool = setting(
-        False, group=CHECKPOINTS, flag="--ckpt-fully-parallel-load", action="store_true",
-        help="with --load: the data-parallel ranks share the reading of the replicated shards and exchange them "
-             "(Megatron's FullyParallelLoadStrategyWrapper): fewer reads of a shared file system, more traffic")
-    async_save: bool = setting(
-        False, group=CHECKPOINTS, flag="--async-save", action="store_true",
-        help="write each checkpoint from a process forked per save while training goes on (Megatron's async "
-             "torch_dist save); it is complete, and the tracker names it, once every rank's writer is done")
-    no_load_optim: bool = setting(False, group=CHECKPOINTS, flag="--no-load-optim", action="store_true",
-                                  help="with --load: the weights and step only, a fresh optimizer (e.g. where the "
-                                       "saved optimizer state cannot follow a layout change)")
-    overwrite: bool = setting(False, group=CHECKPOINTS, flag="--overwrite", action="store_true",
-                              help="replace the checkpoints another run left in OUTPUT_DIR, when this run saves its "
-                                   "first checkpoint (a run that may save is refused otherwise)")
-    # on resume, a schedule (lr, min lr, warm-up, steps) unlike the checkpoint's is refused unless one of these says
-    # which wins
-    override_opt_param_scheduler: bool = setting(
-        False, group=CHECKPOINTS, flag="--override-opt_param-scheduler", action="store_true",
-        help="on resume, train with these --lr/--min-lr/warm-up/--train-iters even if the checkpoint's differ")
-    use_checkpoint_opt_param_scheduler: bool = setting(
-        False, group=CHECKPOINTS, flag="--use-checkpoint-opt_param-scheduler", action="store_true",
-        help="on resume, keep the checkpoint's learning-rate schedule")
-
+                                  help="a run's directory (its checkpoints), a checkpoints directory (its "
+                                       "latest_checkpointed_iteration.txt) or one iter_<N> in it, at any TP/PP layout")
     cache_dir: str = setting(".cache/megatron_siamese", group=DATA, flag="--cache-dir",
                              help="where the tokenized corpus and dataset indices are cached")
-    data_prefix: Optional[str] = setting(None, group=DATA, flag=("--data-prefix", "--data-path"), metavar="PREFIX",
-                                         check=_a_prefix, help="an indexed dataset (.bin/.idx prefix) of byte tokens (default: the "
-                                              "embedded King James Bible)")
-    # addition(-reversed): synthetic addition (data/addition.py)
-    task: str = setting("lm", group=DATA, flag="--task", choices=TASKS,
-                        help="lm (the corpus), or synthetic addition (sum written normally or reversed; TP = PP = 1)")
-    addition_digits: int = setting(3, group=DATA, flag="--addition-digits", help="operand digits (addition tasks)")
-    # documents packed into a sequence kept apart, as Megatron-LM's flags of these names do (GPTDataset)
-    reset_position_ids: bool = setting(False, group=DATA, flag="--reset-position-ids", action="store_true",
-                                       help="each document's positions start at 0 (Megatron-LM's)")
-    reset_attention_mask: bool = setting(
-        False, group=DATA, flag="--reset-attention-mask", action="store_true",
-        help="each document of a sequence attends only to itself (Megatron-LM's: the dataset's block-diagonal "
-             "mask, which the local attention honours, under context parallelism too)")
-    eod_mask_loss: bool = setting(False, group=DATA, flag="--eod-mask-loss", action="store_true",
-                                  help="no loss on end-of-document tokens (Megatron-LM's)")
-
-    # what a run tells while it trains (training/run_log.py); metrics.jsonl and settings.json are always written
-    progress: Optional[bool] = setting(
-        None, group=LOGGING, flag="--progress", action=argparse.BooleanOptionalAction,
-        help="--progress: the progress bar; --no-progress: no bar and, without --log-interval, no log lines; "
-             "unset: the bar when stdout is a terminal, else Megatron-LM's log lines (a batch job's log file)")
-    log_interval: Optional[int] = setting(
-        None, group=LOGGING, flag="--log-interval", minimum=1, metavar="N",
-        help="Megatron-LM's log line every N steps (iteration, consumed samples, ms per iteration, learning rate, "
-             "lm loss, grad norm, ...) and a validation line per evaluation, above the bar with --progress "
-             "(unset: none beside the bar; in a log file every min(100, steps/10) steps)")
-    tensorboard_dir: Optional[str] = setting(
-        None, group=LOGGING, flag="--tensorboard-dir", metavar="DIR",
-        help="write TensorBoard scalars (Megatron-LM's names: lm loss, learning-rate, grad-norm, ...) here "
-             "(needs the tensorboard package)")
-    wandb_project: Optional[str] = setting(None, group=LOGGING, flag="--wandb-project", metavar="NAME",
-                                           help="log the same scalars to this Weights & Biases project "
-                                                "(needs the wandb package: pip install wandb)")
-    wandb_exp_name: Optional[str] = setting(None, group=LOGGING, flag="--wandb-exp-name", metavar="NAME",
-                                            help="the wandb run's name (unset: the --output-dir's name)")
-    wandb_save_dir: Optional[str] = setting(None, group=LOGGING, flag="--wandb-save-dir", metavar="DIR",
-                                            help="wandb's local files (unset: OUTPUT_DIR/wandb)")
 
     def __post_init__(self):
         if self.recompute_modules is not None:  # a list from Python callers: the field's tuple
@@ -311,8 +206,6 @@ def problems(args: TrainArgs) -> List[str]:
         if args.warmup_steps is not None and not 0 <= args.warmup_steps < args.steps:
             found.append(f"--lr-warmup-iters/--warmup-steps must lie in [0, --train-iters) (got {args.warmup_steps} "
                          f"for {args.steps} steps): lower it, or leave it out for {WARMUP_FRACTION:.0%} of the run")
-        if args.stop_step is not None and not 0 < args.stop_step <= args.steps:
-            found.append(f"--stop-step must lie in [1, --train-iters={args.steps}] (got {args.stop_step})")
 
     if args.sp and args.tp == 1:
         found.append("--sequence-parallel/--sp needs --tp > 1")
@@ -327,25 +220,11 @@ def problems(args: TrainArgs) -> List[str]:
     found += split_problems(args, _layout_to_split(args), vocab_size=args.padded_vocab,
                             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size)
 
-    if args.task != "lm" and (args.tp, args.pp) != (1, 1):
-        found.append("the addition tasks' greedy evaluation runs on one rank: use --tp 1 --pp 1")
-    documents_apart = [flag for flag, on in (("--reset-position-ids", args.reset_position_ids),
-                                             ("--reset-attention-mask", args.reset_attention_mask),
-                                             ("--eod-mask-loss", args.eod_mask_loss)) if on]
-    if documents_apart and args.task != "lm":
-        found.append(f"{' '.join(documents_apart)} shape the corpus's sequences: the addition tasks have their own")
-    if args.reset_attention_mask and args.transformer_impl == "transformer_engine":
-        found.append("--reset-attention-mask with --transformer-impl transformer_engine: TE's causal attention ignores "
-                     "the dataset's mask, so documents would see each other (as in Megatron-LM); use the local "
-                     "modules, or packed (THD) batches")
     if args.model == "hybrid":
         if args.norm != "siamese":
             found.append(f"--model hybrid builds SiameseNorm layers only: use --norm siamese (got --norm {args.norm})")
     found += model_class_problems(args)
     found += scheme_setting_problems(args)
-    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        found.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
-                     "pass one")
     return found
 
 
