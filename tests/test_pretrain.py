@@ -243,14 +243,21 @@ CLI = [sys.executable, "-m", "megatron_siamese.cli", "train"]
 TP2_TB = ["--tensor-model-parallel-size", "2", "--train-iters", "10", *MOCK_DATA]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Each iteration's loss (TensorBoard's) of the TP 2 run the interrupted ones are compared with."""
+    board = tmp_path_factory.mktemp("whole")
+    pretrain(*TP2_TB, "--tensorboard-dir", str(board), torchrun=False)
+    return read_losses(str(board))[0]
+
+
 @needs_training
-def test_sigterm_saves_under_the_exit_signal_handler_and_the_resume_is_bitwise_the_uninterrupted_run(tmp_path):
+def test_sigterm_saves_under_the_exit_signal_handler_and_the_resume_is_bitwise_the_uninterrupted_run(
+        tmp_path, uninterrupted):
     """SIGTERM to the command (as a scheduler sends it): every rank gets it, finishes its iteration and
     saves (Megatron's --exit-signal-handler); the same command resumes, and each iteration's loss in
     TensorBoard is, to the bit, the uninterrupted run's."""
     import signal
-
-    pretrain(*TP2_TB, "--tensorboard-dir", str(tmp_path / "whole"), torchrun=False)
     command = [*CLI, *MODEL, *TP2_TB, "--tensorboard-dir", str(tmp_path / "tb"), "--save", str(tmp_path / "ckpt"),
                "--load", str(tmp_path / "ckpt"), "--save-interval", "100", "--exit-signal-handler"]
     status, log = interrupted(command, r"iteration\s+3/", lambda process: process.send_signal(signal.SIGTERM),
@@ -261,9 +268,35 @@ def test_sigterm_saves_under_the_exit_signal_handler_and_the_resume_is_bitwise_t
     assert 3 <= saved < 10 and sorted(losses(log)) == list(range(1, saved + 1))
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and sorted(losses(resumed.stdout)) == list(range(saved + 1, 11))
-    whole, _ = read_losses(str(tmp_path / "whole"))
     stopped_and_resumed, _ = read_losses(str(tmp_path / "tb"))
-    assert stopped_and_resumed == whole and sorted(whole) == list(range(1, 11))
+    assert stopped_and_resumed == uninterrupted and sorted(uninterrupted) == list(range(1, 11))
+
+
+@needs_training
+def test_a_rank_killed_under_torchrun_max_restarts_is_restarted_and_resumes_bitwise(tmp_path, uninterrupted):
+    """torchrun --max-restarts 1, TP 2, a checkpoint every 4 iterations (asynchronously, Megatron's
+    persistent worker): rank 1 SIGKILLed after iteration 6. torchrun stops rank 0, starts both again,
+    and they resume from iteration 4 (--load X) to 10; every iteration's loss in TensorBoard is the
+    uninterrupted run's, to the bit. Each attempt rendezvouses in a store of its own
+    (pretrain.restart_store): in torchrun's one store for all attempts, the restarted ranks read
+    the dead ones' gloo addresses and failed ("Connection refused" in connectFullMesh) or hung."""
+    import psutil
+
+    def kill_rank_1(process):
+        ranks = [child for child in psutil.Process(process.pid).children() if "megatron_siamese" in
+                 " ".join(child.cmdline())]
+        next(rank for rank in ranks if rank.environ().get("LOCAL_RANK") == "1").kill()
+
+    checkpoints = str(tmp_path / "ckpt")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", "-m", "megatron_siamese.cli", "train", *MODEL, *TP2_TB, "--tensorboard-dir",
+               str(tmp_path / "tb"), "--save", checkpoints, "--load", checkpoints, "--save-interval", "4",
+               "--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
+    status, log = interrupted(command, r"iteration\s+6/", kill_rank_1, tmp_path / "log")
+    assert status == 0, log[-3000:]
+    assert [int(step) for step, _ in ITERATION.findall(log)] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
+    restarted, _ = read_losses(str(tmp_path / "tb"))
+    assert restarted == uninterrupted
 
 
 @needs_training

@@ -146,6 +146,26 @@ def loads_weights_only(args) -> bool:
     return bool(getattr(checkpoint_files.saved_args(common), "no_save_optim", False))
 
 
+def restart_store(args):
+    """Under torchrun, the rendezvous store of this attempt alone, or None (Megatron's env:// init).
+
+    torchrun's agent serves one store for every restart of its workers (``--max-restarts``), and
+    torch's env:// init gives each worker a plain client of it (torch 2.14's rendezvous.py: "a new
+    TCPStore for every retry", which the agent no longer makes), so a restarted rank reads what the
+    failed attempt's ranks left there: gloo dialled the address of a dead rank ("Connection
+    refused" in connectFullMesh, or a hang while the key was read before being rewritten; NCCL's
+    unique id alike, pytorch/pytorch#167288). Each attempt gets its own prefix, as torch did."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    import torch
+
+    agents = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                        timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    return torch.distributed.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agents)
+
+
 def failed_check(error: AssertionError) -> str:
     """An assert's message, or where it has none, the check itself as Megatron-LM wrote it."""
     import traceback
@@ -387,7 +407,7 @@ def main() -> None:
                   "--no-load-optim: a fresh optimizer from its weights", flush=True)
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
-                 forward_step, model_provider=model_provider)
+                 forward_step, model_provider=model_provider, store=restart_store(args))
     except SystemExit as stop:  # Megatron's exits: --exit-interval, --exit-duration-in-mins, a signal, a rerun
         if stop.code in (None, 0):  # saved and stopped as asked (a rerun's codes ask for a resume: no curve)
             draw_the_loss_curve(args)
