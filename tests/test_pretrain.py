@@ -278,7 +278,7 @@ def test_a_rank_killed_under_torchrun_max_restarts_is_restarted_and_resumes_bitw
     persistent worker): rank 1 SIGKILLed after iteration 6. torchrun stops rank 0, starts both again,
     and they resume from iteration 4 (--load X) to 10; every iteration's loss in TensorBoard is the
     uninterrupted run's, to the bit. Each attempt rendezvouses in a store of its own
-    (pretrain.restart_store): in torchrun's one store for all attempts, the restarted ranks read
+    (runtime/pretrain_load.py, restart_store): in torchrun's one store for all attempts, the restarted ranks read
     the dead ones' gloo addresses and failed ("Connection refused" in connectFullMesh) or hung."""
     import psutil
 

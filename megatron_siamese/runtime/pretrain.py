@@ -31,6 +31,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 import torch  # noqa: E402
 
 from megatron_siamese import device  # noqa: E402
+from megatron_siamese.runtime import pretrain_load as load  # noqa: E402
 from megatron_siamese.runtime.pretrain_flags import add_defaults  # noqa: E402
 
 def require_megatron_training() -> None:
@@ -107,63 +108,6 @@ def print_help() -> None:
         except (TypeError, ValueError, KeyError):
             action.help = re.sub(r"%(?!\()", "%%", action.help)
     parser.print_help()
-
-
-def checkpoint_problem(args):
-    """One line refusing ``--load`` of a checkpoint whose model is another than this run builds (its
-    scheme, say, which Megatron-LM's own argument check does not compare), naming each difference;
-    None where it is the same model, says nothing of its model, or is not there yet (an empty
-    ``--save`` directory: Megatron-LM starts from scratch)."""
-    import dataclasses
-
-    from megatron_siamese.inference.saved_args import settings_from_args
-    from megatron_siamese.inference.session import recorded_settings
-    from megatron_siamese.training import checkpoint_files
-    from megatron_siamese.training.checkpoint_settings import model_differences
-
-    if not args.load or checkpoint_files.holds_no_checkpoint(args.load):
-        return None
-    checkpoint = checkpoint_files.resolve(args.load)
-    saved = recorded_settings(checkpoint_files.common_state(checkpoint))
-    building = settings_from_args(args)
-    differ = model_differences(dataclasses.asdict(saved), building) if saved and building else []
-    if not differ:
-        return None
-    return (f"--load {args.load} holds another model than this run builds ({', '.join(differ)}; checkpoint -> this "
-            "run): give the checkpoint's flags, or another --load")
-
-
-def loads_weights_only(args) -> bool:
-    """Whether ``--load`` names a checkpoint of model weights alone (what upcycle and import-hf
-    write: its args say no_save_optim), and the run does not say so itself. Megatron-LM then skips
-    the optimizer's state in what it reads but still asks for it (KeyError 'optimizer'), so such a
-    run gets ``--no-load-optim``: a fresh optimizer from those weights."""
-    from megatron_siamese.training import checkpoint_files
-
-    if not args.load or args.no_load_optim or args.finetune or checkpoint_files.holds_no_checkpoint(args.load):
-        return False
-    common = checkpoint_files.common_state(checkpoint_files.resolve(args.load))
-    return bool(getattr(checkpoint_files.saved_args(common), "no_save_optim", False))
-
-
-def restart_store(args):
-    """Under torchrun, the rendezvous store of this attempt alone, or None (Megatron's env:// init).
-
-    torchrun's agent serves one store for every restart of its workers (``--max-restarts``), and
-    torch's env:// init gives each worker a plain client of it (torch 2.14's rendezvous.py: "a new
-    TCPStore for every retry", which the agent no longer makes), so a restarted rank reads what the
-    failed attempt's ranks left there: gloo dialled the address of a dead rank ("Connection
-    refused" in connectFullMesh, or a hang while the key was read before being rewritten; NCCL's
-    unique id alike, pytorch/pytorch#167288). Each attempt gets its own prefix, as torch did."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    from datetime import timedelta
-
-    import torch
-
-    agents = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                        timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    return torch.distributed.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agents)
 
 
 def failed_check(error: AssertionError) -> str:
@@ -397,17 +341,17 @@ def main() -> None:
         raise SystemExit(f"megatron-siamese train: Megatron-LM refuses these flags: {failed_check(refused)}") from None
     refuse_what_is_not_followed(args)
     problems = scheme_problems(args)
-    problems += [problem] if (problem := checkpoint_problem(args)) else []
+    problems += [problem] if (problem := load.checkpoint_problem(args)) else []
     if problems:
         raise SystemExit("\n".join(f"megatron-siamese train: {problem}" for problem in problems))
-    if loads_weights_only(args):
+    if load.loads_weights_only(args):
         args.no_load_optim = True
         if os.environ.get("RANK", "0") == "0":
             print(f"megatron-siamese train: --load {args.load} holds model weights only (upcycle, import-hf), so "
                   "--no-load-optim: a fresh optimizer from its weights", flush=True)
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
-                 forward_step, model_provider=model_provider, store=restart_store(args))
+                 forward_step, model_provider=model_provider, store=load.restart_store(args))
     except SystemExit as stop:  # Megatron's exits: --exit-interval, --exit-duration-in-mins, a signal, a rerun
         if stop.code in (None, 0):  # saved and stopped as asked (a rerun's codes ask for a resume: no curve)
             draw_the_loss_curve(args)
