@@ -77,8 +77,8 @@ def stack_independent_touches_no_megatron(request, monkeypatch, tmp_path_factory
     from megatron_siamese.runtime import launch
 
     launched = []
-    real_context = launch._context  # what every launch of ranks in this process asks for first
-    monkeypatch.setattr(launch, "_context", lambda backend: launched.append(backend) or real_context(backend))
+    real_start_method = launch._start_method  # what every launch of ranks in this process asks for first
+    monkeypatch.setattr(launch, "_start_method", lambda backend: launched.append(backend) or real_start_method(backend))
     yield
     if launched:
         pytest.fail("marked stack_independent but starts ranks in this process (launch): remove the mark")

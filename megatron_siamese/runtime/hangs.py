@@ -10,11 +10,10 @@ layout). Inside it:
   store and waits ``grace_s`` for the other ranks of its group to do the same: a rank that never
   timed out was not waiting in any collective, so it is the one that hangs, and the error names
   it. The store lives outside the process groups, so it still answers after they broke;
-* under torchrun or srun, a rank still inside the unit after the timeout prints every thread's
-  Python stack (faulthandler's watchdog, headed "Timeout (h:mm:ss)!"; the ranks that wait print
-  theirs too, as NCCL's dump on timeout does): the hung rank says where it stands without anyone
-  reaching it. Ranks this package's launcher started dump their stacks when it sends them
-  ``STACK_SIGNAL`` (``failure_reports.cause`` does, to the ranks that never reported).
+* a rank still inside the unit after the timeout prints every thread's Python stack
+  (faulthandler's watchdog, headed "Timeout (h:mm:ss)!"; the ranks that wait print theirs too,
+  as NCCL's dump on timeout does): the hung rank says where it stands without anyone reaching
+  it.
 
 On NCCL torch's own watchdog aborts a rank whose collective timed out (its log names the op);
 the stack dump still applies.
@@ -25,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import re
-import signal
 import sys
 import time
 import traceback
@@ -39,7 +37,6 @@ from megatron_siamese.runtime.job import GroupsBroken
 # gloo's transport, for every collective and p2p op; NCCL's watchdog, where it raises rather than aborts
 # (its words from torch's ProcessGroupNCCL, not yet seen on a GPU here)
 _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms|ran for \d+ milliseconds before timing out")
-STACK_SIGNAL = signal.SIGRTMIN + 1  # every thread's Python stack (faulthandler), in ranks the launcher started
 GRACE_CAP_S = 10.0  # ranks waiting in the same collective time out within seconds of each other
 
 
@@ -98,7 +95,7 @@ def _ranks(ranks: List[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {named}"
 
 
-def describe(error: BaseException, what: str, timeout_s: float, spawned: bool) -> str:
+def describe(error: BaseException, what: str, timeout_s: float) -> str:
     rank = torch.distributed.get_rank()
     head = (f"rank {rank} timed out after {timeout_s:g} s (--distributed-timeout-minutes {timeout_s / 60:g}) "
             f"in {what}, waiting in {waited_in(error)}")
@@ -108,10 +105,9 @@ def describe(error: BaseException, what: str, timeout_s: float, spawned: bool) -
     if not missing:
         return (f"{head}; every rank timed out in a collective of its own: they disagree on what comes "
                 f"next (each rank's error names its collective)")
-    stack = ("run with --debug for its Python stack" if spawned else
-             "its Python stack follows faulthandler's 'Timeout' line in its output")
     return (f"{head}; {_ranks(missing)} of {torch.distributed.get_world_size()} never reached it nor timed out "
-            f"within {grace_s(timeout_s):.0f} s: hung ({stack})")
+            f"within {grace_s(timeout_s):.0f} s: hung (its Python stack follows faulthandler's 'Timeout' line in its "
+            "output; --debug shows it)")
 
 
 def _arm(timeout_s: float) -> bool:
@@ -128,16 +124,14 @@ def _arm(timeout_s: float) -> bool:
 def watched(what: str) -> Iterator[None]:
     """One unit of work every rank of the joined job does together (``what``: "step 13",
     "layout tp2-dp2"); see the module's docstring."""
-    launch = job.joined()
     timeout_s = job.group_timeout_minutes() * 60
-    spawned = launch is not None and launch.launcher == "spawn"  # its launcher asks a hung rank for its stack
-    armed = _arm(timeout_s) if launch is not None and not spawned else False
+    armed = _arm(timeout_s) if job.joined() is not None else False
     try:
         yield
     except RuntimeError as error:
         if not timed_out(error) or not torch.distributed.is_initialized():
             raise
-        raise CollectiveTimeout(describe(error, what, timeout_s, spawned)) from error
+        raise CollectiveTimeout(describe(error, what, timeout_s)) from error
     finally:
         if armed:
             faulthandler.cancel_dump_traceback_later()

@@ -1,9 +1,9 @@
 """This process as one rank of a job: joining it, re-forming its process groups, and what every
 rank may call inside it.
 
-``join(launch, timeout_s)`` meets the other ranks (the spawning process's store for ranks
-spawned by ``launch.py``, else env:// as torchrun and SLURM set it), takes this rank's GPU or
-installs the CPU shim, and forms torch.distributed over the whole job. ``on_first_ranks(size,
+``join(launch, timeout_s)`` meets the other ranks (env://, as torchrun, torch's agent in
+``launch.py`` and SLURM set it), takes this rank's GPU or installs the CPU shim, and forms
+torch.distributed over the whole job. ``on_first_ranks(size,
 fn)`` runs ``fn`` on the job's first ``size`` ranks as their whole world (Megatron builds its
 groups over the default group), while the other ranks wait: how ``check`` runs layouts of every
 size in one job. ``console(line)`` prints for the job (rank 0) even when rank 0's own output
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -25,28 +25,7 @@ from megatron_siamese.runtime.launchers import JoinError, Launch, LaunchError
 # the joined job: its launch, backend, timeout, the rendezvous store the process groups
 # are formed on, and how many times they were re-formed
 _job: dict = {}
-_console = {"queue": None}  # spawned ranks: the launcher prints what rank 0 sends it
-CONSOLE = -1  # a message from rank 0 for the launcher to print, not a rank's report
-
-
-class Failure(NamedTuple):
-    """How a rank failed: one line, its traceback, and a ConfigError's problems (settings, not a
-    crash: the launcher raises them as the job's own ConfigError)."""
-
-    summary: str
-    traceback: str = ""
-    problems: Optional[List[str]] = None
-
-
-class RankReport(NamedTuple):
-    """A message on the launcher's results queue (``launch.py`` puts, ``failure_reports.py``
-    reads): from ``rank`` (``CONSOLE``: a line rank 0 has the launcher print), whether it finished
-    (``ok``; None for a console line), and its ``value``: rank 0's result as bytes (None on the
-    other ranks), a ``Failure``, or the console line."""
-
-    rank: int
-    ok: Optional[bool]
-    value: Any
+_console = {"queue": None}  # ranks started by ``launch.py``: the launcher prints what rank 0 puts there
 
 
 def synchronize() -> None:
@@ -63,19 +42,20 @@ def joined() -> Optional[Launch]:
 
 def console(line: str) -> None:
     """Print ``line`` for the job, on rank 0 only: in a launched job to its output, in a job
-    spawned here by the launching process (to its stdout, whatever rank 0's own output is)."""
+    ``launch.py`` started by the process that started it (whose output that is: the ranks' own
+    is the fork server's, or a quiet rank's log)."""
     launch = joined()
     if launch is not None and launch.rank != 0:
         return
     if _console["queue"] is None:
         print(line, flush=True)
     else:
-        _console["queue"].put(RankReport(CONSOLE, None, line))
+        _console["queue"].put(line)
 
 
-def set_console_queue(results) -> None:
-    """A spawned rank's ``console`` lines go to the launcher's queue (``results``), which prints them."""
-    _console["queue"] = results
+def set_console(queue) -> None:
+    """``console`` lines go to ``queue``, which the launching process prints."""
+    _console["queue"] = queue
 
 
 def _init_group(size: int, tag: str) -> None:
@@ -101,10 +81,9 @@ def restart_count() -> int:
 
 
 def join(launch: Launch, timeout_s: float) -> None:
-    """Join ``launch``'s job: the rendezvous (the launching process's store for ranks spawned by
-    ``launch``, else env://; every rank within ``timeout_s``, else an error saying how many
-    came), this rank's GPU (its local rank) or the CPU shim, and torch.distributed over the
-    whole job."""
+    """Join ``launch``'s job: the rendezvous (env://; every rank within ``timeout_s``, else an
+    error saying so), this rank's GPU (its local rank) or the CPU shim, and torch.distributed
+    over the whole job."""
     os.environ.update(launch.environment(), CUDA_DEVICE_MAX_CONNECTIONS="1")
     backend = device.backend()
     if backend == "nccl":
@@ -116,12 +95,8 @@ def join(launch: Launch, timeout_s: float) -> None:
         os.environ[cpu_shim.ENV_VAR] = "1"  # inherited by helper processes
         cpu_shim.install()
     try:
-        if launch.launcher == "spawn":  # the launching process hosts the store (``launch``)
-            store = torch.distributed.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                                               is_master=False, timeout=timedelta(seconds=timeout_s))
-        else:
-            store, _, _ = next(torch.distributed.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
-            store = torch.distributed.PrefixStore(f"attempt/{restart_count()}", store)
+        store, _, _ = next(torch.distributed.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+        store = torch.distributed.PrefixStore(f"attempt/{restart_count()}", store)
     except (RuntimeError, OSError) as error:  # torch's DistStoreError is a RuntimeError
         raise JoinError(
             f"rank {launch.rank} of the {launch.describe()} did not meet the others within {timeout_s:.0f}s "

@@ -1,22 +1,20 @@
-"""Run a function on the ranks of a job: spawned here, or this process joining a launched job.
+"""Run a function on the ranks of a job: started here by torch's elastic launcher (torchrun's
+machinery), or this process joining a job a launcher started.
 
 ``run_job(fn, world_size, *args)`` is the one way every command runs on ranks:
 
-* no launcher started this process (``launchers.detect()`` is None): it spawns
-  ``world_size`` ranks on this host (CPU processes with gloo, forked from a server that imported
-  torch and Megatron once, or one per GPU with NCCL), each joins the job exactly as a torchrun
-  rank would (``job.join``), runs ``fn(*args)``, and the ranks' values are gathered to rank 0
-  with torch.distributed; ``run_job`` returns rank 0's value (``launch`` returns all of them,
-  in rank order). A failing rank's error is re-raised here (``RankFailed``, read from the
-  ranks' reports by ``failure_reports``) and the other ranks are stopped, so a broken run fails
-  fast instead of hanging;
-* under ``torchrun`` (single- or multi-node, c10d rendezvous), a SLURM step (``srun``) or
-  another ``env://`` launcher, this process joins the job and returns its own value of
-  ``fn(*args)``. The job's size must be the run's; a later ``run_job`` in the same process
-  reuses the joined job.
+* no launcher started this process (``launchers.detect()`` is None): torch's ``elastic_launch``
+  starts ``world_size`` ranks on this host, exactly as ``torchrun --nproc-per-node`` would (CPU
+  processes with gloo, forked from a server that imported torch and Megatron once; one spawned
+  process per GPU with NCCL). Each joins the job (``job.join``) and runs ``fn(*args)``;
+  ``run_job`` returns rank 0's value (``launch`` returns all of them, in rank order). When a rank
+  fails, torch's agent stops the others at once and the failure is raised here as ``RankFailed``:
+  one line naming the rank and its error, with every failed rank's traceback and output as
+  details;
+* under ``torchrun``, a SLURM step (``srun``) or another ``env://`` launcher, this process joins
+  the job and returns its own value of ``fn(*args)``. The job's size must be the run's; a later
+  ``run_job`` in the same process reuses the joined job.
 
-Stop signals stop the job at once, whichever process gets them (``stop_signals``); a spawned rank
-dies with the launcher (``orphans``).
 ``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
 """
 
@@ -24,29 +22,42 @@ from __future__ import annotations
 
 import faulthandler
 import io
+import logging
 import os
+import pickle
 import random
+import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 import traceback
-from datetime import timedelta
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+import uuid
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
 
 from megatron_siamese import device
-from megatron_siamese.runtime import hangs, job, launchers, orphans, stop_signals
-from megatron_siamese.runtime.failure_reports import INTERRUPTED, RankFailed, cause, next_result
-from megatron_siamese.runtime.job import Failure, RankReport
+from megatron_siamese.runtime import job, launchers, orphans
 from megatron_siamese.runtime.launchers import Launch, LaunchError
-from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
+from megatron_siamese.runtime.registry import ConfigError
 
 __all__ = ["RankFailed", "free_port", "launch", "run_job", "start_rank_server"]
+
+
+class RankFailed(RuntimeError):
+    """A rank failed. ``str()`` is one line (the rank and its error); ``details`` holds the
+    failed ranks' tracebacks and the tails of their output."""
+
+    def __init__(self, summary: str, details: str = ""):
+        super().__init__(summary)
+        self.details = details
 
 
 def free_port() -> int:
@@ -78,38 +89,114 @@ def ephemeral_ports() -> Tuple[int, int]:
         return 32768, 60999
 
 
-def _worker(launch, timeout_s, fn, args, results, log_path, launcher_pid):
-    os.setpgrp()  # a group of its own: the launcher can stop it with whatever it started (writer processes)
-    # the launcher's death ends this rank's group, what it started too (no parent-death signal: it
-    # would end the rank alone, orphaning its helpers; the fork server outlives a killed launcher)
-    orphans.watch(launcher_pid)
-    stop_signals.default_in_this_rank()
-    job.set_console_queue(results)
-    if log_path is not None:
+class Report(NamedTuple):
+    """What a failed rank leaves for the launcher (in the launch's directory): its error in one
+    line, its traceback, a ConfigError's problems (settings, not a crash: the launcher raises them
+    as the job's own ConfigError), and when it failed."""
+
+    summary: str
+    traceback: str
+    problems: Optional[List[str]]
+    time: float
+
+
+# How a rank fails when a peer went away first: on the broken connection (gloo's "Connection
+# closed by peer ... Check the logs of the remote worker", a reset, a refused connect, the
+# rendezvous store's "Connection was likely closed"), or where the package's own agreement says
+# another rank failed. Such a rank waits a moment before it exits, so that the peer's own error,
+# not its consequence, is the job's.
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|[Cc]onnection refused|logs of the remote worker"
+                        r"|[Cc]onnection was likely closed|on another rank")
+PEER_REPORT_WAIT_S = 10.0
+
+
+def _rank(fn, args, timeout_s: float, directory: str, quiet: frozenset, launcher_pid: int, console) -> bytes:
+    """One rank: joins the job torch's agent started, runs ``fn(*args)``, returns its value as
+    bytes (torch's shared-memory handles of tensors die with this process)."""
+    launch = launchers.detect()
+    orphans.watch(launcher_pid)  # the fork server, this rank's parent, outlives a killed launcher
+    # the fork server ignores Ctrl-C and its children inherit that: a rank ends on the stop signal
+    # torch's agent passes on (Ctrl-C as KeyboardInterrupt), not 30 s later on its SIGKILL
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    job.set_console(console)  # rank 0's lines for the user, printed by the launcher
+    if launch.rank in quiet:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        log = os.open(_log(directory, launch.rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
     faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) leaves each thread's Python stack in the rank's output
-    faulthandler.register(hangs.STACK_SIGNAL, all_threads=True)  # and a hung rank's, asked for (failure_reports)
     silence_known_notices()
+    torch.set_num_threads(1)
     try:
-        torch.set_num_threads(1)
         job.join(launch, timeout_s)
-        values = job.gather_to_rank0(fn(*args))
-        # Tensors travel as bytes: torch's shared-memory handles die with this process.
         buffer = io.BytesIO()
-        torch.save(values, buffer)
-        results.put(RankReport(launch.rank, True, buffer.getvalue() if launch.rank == 0 else None))
-    except KeyboardInterrupt:  # Ctrl-C reached this rank: stopped
-        results.put(RankReport(launch.rank, False, Failure(INTERRUPTED)))
-    except BaseException as error:  # report every failure, including SystemExit from asserts in fn
+        torch.save(fn(*args), buffer)
+        return buffer.getvalue()
+    except BaseException as error:
         summary = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
-        problems = error.problems if isinstance(error, ConfigError) else None  # settings, not a crash
-        results.put(RankReport(launch.rank, False, Failure(summary[:500], traceback.format_exc(), problems)))
+        problems = error.problems if isinstance(error, ConfigError) else None
+        with open(os.path.join(directory, f"rank{launch.rank}.report"), "wb") as out:
+            pickle.dump(Report(summary[:500], traceback.format_exc(), problems, time.time()), out)
+        if _PEER_GONE.search(summary):
+            time.sleep(PEER_REPORT_WAIT_S)  # the peer's own failure, if it comes, is the job's
+        raise
     finally:
         job.leave()
+
+
+def _print_lines(console) -> None:
+    for line in iter(console.get, None):
+        print(line, flush=True)
+
+
+def _log(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank}.log")
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def _report(directory: str, rank: int) -> Optional[Report]:
+    try:
+        with open(os.path.join(directory, f"rank{rank}.report"), "rb") as f:
+            return pickle.load(f)
+    except OSError:
+        return None
+
+
+def _failure(failed, directory: str, world_size: int) -> BaseException:
+    """The job's error from torch's ``ChildFailedError``: a ConfigError as itself; else the cause
+    (a rank's own error before a peer's broken connection, then the earliest) as ``RankFailed``."""
+    reports = {rank: _report(directory, rank) for rank in failed.failures}
+    settings = [report for report in reports.values() if report is not None and report.problems is not None]
+    if settings:
+        return ConfigError(settings[0].problems)
+
+    def order(rank):
+        report = reports[rank]
+        if report is None:  # died without one: killed, or a crash
+            return (0, failed.failures[rank].timestamp)
+        return (1 if _PEER_GONE.search(report.summary) else 0, report.time)
+
+    rank = min(failed.failures, key=order)
+    report, exitcode = reports[rank], failed.failures[rank].exitcode
+    if report is not None:
+        summary = f"rank {rank} of {world_size} failed: {report.summary}"
+    elif exitcode < 0:
+        summary = f"rank {rank} was killed by {signal.Signals(-exitcode).name} before reporting"
+    else:
+        summary = f"rank {rank} exited with code {exitcode} before reporting"
+    details = []
+    for other in [rank] + sorted(set(failed.failures) - {rank}):
+        said = reports[other].traceback if reports[other] is not None else "no report\n"
+        details.append(f"-- rank {other}: {said}{_tail(_log(directory, other), 400 if reports[other] is None else 40)}")
+    return RankFailed(summary, "\n".join(details))
 
 
 # Imported once by the fork server, so that a rank starts in well under a second instead of
@@ -119,50 +206,57 @@ _PRELOAD = ["megatron_siamese.runtime.forkserver_preload", "torch", "megatron.co
             "megatron_siamese.models", "matplotlib.pyplot"]
 
 
-def _context(backend: str):
-    """On gloo, fresh ranks forked from a server that imported torch and Megatron once, in a clean
+def _start_method(backend: str) -> str:
+    """On gloo, ranks forked from a server that imported torch and Megatron once, in a clean
     process (never from the caller, whose threads and state a fork would copy). On NCCL, spawned
     ranks: those imports ask torch.cuda.is_available(), after which CUDA refuses to start in any
     process forked from the server."""
     if backend == "nccl":
-        ctx = mp.get_context("spawn")
-    else:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     known = warning_options()  # in the server before it imports Megatron (inherited when it starts)
     if known not in os.environ.get("PYTHONWARNINGS", ""):
         os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), known)))
-    return ctx
-
-
-def _kill_group(proc) -> None:
-    """Stop a rank and everything it started (ranks ignore SIGTERM; a killed rank's helper
-    processes would otherwise outlive it, holding its files and the terminal's output)."""
-    if proc.pid is None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the rank and its helpers are gone
-    proc.join()
-
-
-def _start_helpers(ctx) -> None:
-    from multiprocessing import forkserver, resource_tracker
-
-    with stop_signals.ignored():
-        resource_tracker.ensure_running()
-        if ctx.get_start_method() == "forkserver":
-            forkserver.ensure_running()
+    return "forkserver"
 
 
 def start_rank_server() -> None:
-    """Start the fork server that ``launch`` forks ranks from, now, if this process will spawn
+    """Start the fork server that ``launch`` forks ranks from, now, if this process will start
     ranks (no launcher started it, and gloo: on NCCL ranks are spawned fresh). Its imports of
     torch and Megatron (several seconds) then run beside the caller's own, rather than after
     them when the first rank starts."""
     if job.joined() is None and launchers.detect() is None and device.backend() == "gloo":
-        _start_helpers(_context("gloo"))
+        from multiprocessing import forkserver
+
+        _start_method("gloo")
+        forkserver.ensure_running()
+
+
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+@contextmanager
+def _agent_in_this_process():
+    """torch's agent, run here: its log lines off (the failure is raised, said once), and this
+    process's signal handlers, which the agent replaces with its own, given back after."""
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)  # each has a level of its own
+               if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    had_variable = "TORCHELASTIC_SIGNALS_TO_HANDLE" in os.environ
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if not had_variable:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        if threading.current_thread() is threading.main_thread():  # elsewhere the agent sets none
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
 
 
 def launch(
@@ -173,58 +267,42 @@ def launch(
     timeout_s: float = 600.0,
     quiet_ranks: Iterable[int] = (),
 ) -> List[Any]:
-    """Spawn ``world_size`` ranks here, run ``fn(*args)`` on each; their values in rank order.
-    ``timeout_s``: how long ranks wait for one another (to meet, in a collective), and the
-    launcher for each of their reports."""
+    """Start ``world_size`` ranks here, run ``fn(*args)`` on each; their values in rank order.
+    ``timeout_s``: how long ranks wait for one another (to meet, in a collective)."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     if (backend or device.backend()) != device.backend():
         raise ValueError(f"backend {backend} asked for, but this machine runs {device.backend()}")
-    ctx = _context(device.backend())
-    _start_helpers(ctx)
-    results = ctx.Queue()
-    # The job's rendezvous store, served from here on a port bound here for the job's life: a
-    # free port named to rank 0, which binds it later, can be taken in between (by any other
-    # job's listener: rank 0 then fails with EADDRINUSE, and the others reach someone else's).
-    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=timeout_s))
-    port = store.port
-    quiet = set(quiet_ranks)
-    log_dir = tempfile.mkdtemp(prefix="megatron-siamese-ranks-") if quiet else None  # quiet ranks' output
-    logs = [os.path.join(log_dir, f"rank{rank}.log") if rank in quiet else None for rank in range(world_size)]
-    procs = [
-        ctx.Process(target=_worker, daemon=False,
-                    args=(Launch("spawn", rank, world_size, rank, 0, 1, "127.0.0.1", port), timeout_s, fn, args,
-                          results, logs[rank], os.getpid()))
-        for rank in range(world_size)
-    ]
-    values: Optional[List[Any]] = None
-    reported = 0
-    with stop_signals.handled_by_launcher():
-        for proc in procs:
-            proc.start()
-        try:
-            for reported in range(1, world_size + 1):
-                report = next_result(results, procs, timeout_s, logs)
-                if not report.ok:
-                    if report.value.summary == INTERRUPTED:
-                        raise KeyboardInterrupt
-                    if report.value.problems is not None:
-                        raise ConfigError(report.value.problems)
-                    raise cause(report.rank, report.value, results, procs, logs, pending=world_size - reported,
-                                rendezvous=f"127.0.0.1:{port}")
-                if report.rank == 0:
-                    values = torch.load(io.BytesIO(report.value), weights_only=False)
-        finally:
-            for proc in procs:
-                proc.join(timeout=5 if reported == world_size else 0.1)
-                _kill_group(proc)
-            if log_dir is not None:  # what an error needed of the logs is in it by now
-                shutil.rmtree(log_dir, ignore_errors=True)
-    return values
+    directory = tempfile.mkdtemp(prefix="megatron-siamese-ranks-")  # reports, quiet ranks' output, the agent's files
+    # the rendezvous store: the agent's, served from here on a port bound here for the job's life
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"megatron-siamese-{uuid.uuid4()}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"join_timeout": timeout_s},
+                          max_restarts=0, monitor_interval=0.05, start_method=_start_method(device.backend()),
+                          logs_specs=DefaultLogsSpecs(log_dir=os.path.join(directory, "agent")))
+    console = mp.get_context(config.start_method).Queue()
+    printer = threading.Thread(target=_print_lines, args=(console,), name="megatron-siamese-console", daemon=True)
+    printer.start()
+    try:
+        with _agent_in_this_process():
+            values = elastic_launch(config, _rank)(fn, args, timeout_s, directory, frozenset(quiet_ranks), os.getpid(),
+                                                   console)
+    except ChildFailedError as failed:
+        raise _failure(failed, directory, world_size) from None
+    except SignalException:  # Ctrl-C or a stop signal: torch's agent has stopped the ranks
+        raise KeyboardInterrupt from None
+    finally:
+        console.put(None)  # after every line the ranks sent: they have exited
+        printer.join()
+        console.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    return [torch.load(io.BytesIO(values[rank]), weights_only=False) for rank in range(world_size)]
 
 
 def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeout_s: float = 600.0,
             needs: str = "", **launch_options) -> Any:
-    """``fn(*args)`` on the job's ranks. Spawned here (``launch_options`` go to ``launch``) when no
+    """``fn(*args)`` on the job's ranks. Started here (``launch_options`` go to ``launch``) when no
     launcher started this process: rank 0's value. In a launched job: this rank's value, after
     joining the job (or reusing the one joined before). ``world_size`` None takes the launched
     job's size; otherwise it must match (``needs`` says what asks for it, for the error)."""

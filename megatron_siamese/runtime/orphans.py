@@ -2,17 +2,12 @@
 
 ``die_with_parent(signum)`` asks Linux to send this process ``signum`` when its parent dies
 (``prctl(PR_SET_PDEATHSIG)``), whatever killed the parent, SIGKILL included: a torchrun rank
-stops (and saves) when its agent dies. A spawned rank's parent is the fork server, not the
-launcher, and the fork server outlives a killed launcher while any rank runs (every rank holds
-the write end of its "alive" pipe), so spawned ranks ``watch`` the launcher itself: a thread
-waiting on a pidfd of it, which then kills the rank's whole process group, the rank and the
-helper processes it started (Megatron's checkpoint writer spawns a multiprocessing manager
-per rank at its first save, which nothing ends once its rank is gone: a parent-death signal
-would kill the rank alone and orphan them). A launcher killed alone or with its process group
-(the fork server too; the launcher itself ends the ranks' groups when only the fork server
-dies) takes its ranks and everything they started with it within a second, instead of leaving
-them to finish the run, keep writing checkpoints or sleep forever. Elsewhere than Linux the
-parent-death signal does nothing and the watch looks once a second.
+stops (and saves) when its agent dies. A rank ``launch.py`` started has the fork server for its
+parent, which outlives a killed launcher, so it ``watch``es the launcher itself (a thread waiting
+on a pidfd of it) and is SIGKILLed within a second of the launcher's death, instead of finishing
+the run or waiting forever for peers. Megatron's checkpoint writer's manager process gets the
+parent-death signal of its rank (``checkpoint_writer_dies_with_its_rank``). Elsewhere than Linux
+the parent-death signal does nothing and the watch looks once a second.
 """
 
 from __future__ import annotations
@@ -57,22 +52,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _end(signum: int) -> None:
-    """``signum`` to this process, and to its whole process group when it leads one (a spawned
-    rank: what it started, its helper processes, ends with it)."""
-    if os.getpgrp() == os.getpid():
-        os.killpg(os.getpid(), signum)
-    else:
-        os.kill(os.getpid(), signum)
-
-
 def watch(pid: int, signum: int = signal.SIGKILL) -> bool:
-    """Send this process ``signum`` as soon as process ``pid`` ends, and every process of its
-    process group if it leads one (``_end``); a daemon thread; returns whether it watches."""
+    """Send this process ``signum`` as soon as process ``pid`` ends (a daemon thread); returns whether it watches."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
-        _end(signum)
+        os.kill(os.getpid(), signum)
         return True
     except (AttributeError, OSError):  # no pidfds (not Linux >= 5.3): look once a second
         pidfd = None
@@ -83,7 +68,7 @@ def watch(pid: int, signum: int = signal.SIGKILL) -> bool:
         else:
             while _alive(pid):
                 time.sleep(1.0)
-        _end(signum)
+        os.kill(os.getpid(), signum)
 
     threading.Thread(target=wait, name="megatron-siamese-watch-launcher", daemon=True).start()
     return True
