@@ -276,9 +276,11 @@ def launch(
     if (backend or device.backend()) != device.backend():
         raise ValueError(f"backend {backend} asked for, but this machine runs {device.backend()}")
     directory = tempfile.mkdtemp(prefix="megatron-siamese-ranks-")  # reports, quiet ranks' output, the agent's files
-    # the rendezvous store: the agent's, served from here on a port bound here for the job's life
+    # the rendezvous store: the agent's, served from here for the job's life. Static: one node, known
+    # now (c10d's rendezvous waits a random 0-0.3 s first, to spread many nodes' arrivals)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"megatron-siamese-{uuid.uuid4()}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"join_timeout": timeout_s},
+                          rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                          rdzv_configs={"rank": 0, "timeout": timeout_s},
                           max_restarts=0, monitor_interval=0.05, start_method=_start_method(device.backend()),
                           logs_specs=DefaultLogsSpecs(log_dir=os.path.join(directory, "agent")))
     console = mp.get_context(config.start_method).Queue()
