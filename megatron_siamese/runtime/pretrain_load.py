@@ -5,7 +5,19 @@ this restart attempt's own."""
 
 from __future__ import annotations
 
+import functools
 import os
+
+
+@functools.lru_cache(maxsize=1)
+def _common_state(load: str):
+    """The common state of the checkpoint ``--load`` resolves to, read once (both checks below ask),
+    or None where it holds none yet."""
+    from megatron_siamese.training import checkpoint_files
+
+    if checkpoint_files.holds_no_checkpoint(load):
+        return None
+    return checkpoint_files.common_state(checkpoint_files.resolve(load))
 
 
 def checkpoint_problem(args):
@@ -17,13 +29,12 @@ def checkpoint_problem(args):
 
     from megatron_siamese.inference.saved_args import settings_from_args
     from megatron_siamese.inference.session import recorded_settings
-    from megatron_siamese.training import checkpoint_files
     from megatron_siamese.training.checkpoint_settings import model_differences
 
-    if not args.load or checkpoint_files.holds_no_checkpoint(args.load):
+    common = _common_state(args.load) if args.load else None
+    if common is None:
         return None
-    checkpoint = checkpoint_files.resolve(args.load)
-    saved = recorded_settings(checkpoint_files.common_state(checkpoint))
+    saved = recorded_settings(common)
     building = settings_from_args(args)
     differ = model_differences(dataclasses.asdict(saved), building) if saved and building else []
     if not differ:
@@ -39,10 +50,8 @@ def loads_weights_only(args) -> bool:
     run gets ``--no-load-optim``: a fresh optimizer from those weights."""
     from megatron_siamese.training import checkpoint_files
 
-    if not args.load or args.no_load_optim or args.finetune or checkpoint_files.holds_no_checkpoint(args.load):
-        return False
-    common = checkpoint_files.common_state(checkpoint_files.resolve(args.load))
-    return bool(getattr(checkpoint_files.saved_args(common), "no_save_optim", False))
+    common = _common_state(args.load) if args.load and not (args.no_load_optim or args.finetune) else None
+    return common is not None and bool(getattr(checkpoint_files.saved_args(common), "no_save_optim", False))
 
 
 def restart_store(args):
