@@ -1,6 +1,6 @@
 """``megatron-siamese plan``: what a job costs per GPU, stock Pre-Norm against SiameseNorm, on paper.
 
-Pure arithmetic over the trainer's settings (no torch, no ranks), split by concern:
+Pure arithmetic over a run's settings (no torch, no ranks), split by concern:
 
 * ``shapes.py``: the model's sizes and its parameter tensors, per scheme and layer kind;
 * ``placement.py``: which layers, embeddings and heads each pipeline rank's chunks hold, and

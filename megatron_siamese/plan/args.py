@@ -1,4 +1,4 @@
-"""The plan's settings: the trainer's (``TrainArgs``: every flag of ``train`` means the same here)
+"""The plan's settings: ``train``'s (``TrainArgs``: every flag of ``train`` means the same here)
 and what only a plan asks: the GPU, the vocabulary, context parallelism, and how Megatron runs
 the layers where that changes what they keep (attention kernel, fused activation, dropout,
 freed stage outputs: Megatron-LM's flags where it has them). Plain data, no torch."""
@@ -33,11 +33,10 @@ class PlanArgs(TrainArgs):
     """``train``'s settings and the plan's own."""
 
     cp: int = setting(1, group=PARALLELISM, flag=("--context-parallel-size", "--cp"), minimum=1, layout="cp",
-                      help="context-parallel size (plan only: it needs Transformer Engine's attention, which the "
-                           "trainer does not run on CPU)")
+                      help="context-parallel size")
     vocab_size: int = setting(BYTE_VOCAB, group=PLAN, flag="--vocab-size", minimum=1,
-                              help="tokens in the vocabulary, padded to a multiple of 64 as the trainer pads it "
-                                   "(default: the trainer's byte vocabulary)")
+                              help="tokens in the vocabulary, padded to a multiple of 64 as Megatron-LM pads it "
+                                   "(default: the embedded corpus's byte vocabulary)")
     gpu_memory: str = setting("h100-80gb", group=PLAN, flag="--gpu-memory", check=gpu_memory_problem,
                               metavar="GPU|SIZE",
                               help="the memory of one GPU: a100-40gb, a100-80gb, h100-80gb (h100), h200-141gb "
@@ -49,25 +48,25 @@ class PlanArgs(TrainArgs):
     bias_activation_fusion: bool = _switch(
         False, "--bias-activation-fusion",
         "Megatron's fused bias-SwiGLU / bias-GELU, whose activation keeps its input only (Megatron-LM's "
-        "default; the trainer's is off)")
+        "default; off here unless given)")
     masked_softmax_fusion: bool = _switch(
         False, "--masked-softmax-fusion",
         "Megatron's fused masked softmax in unfused attention (its kernel takes 16-bit scores of a sequence "
         "of 17 to 4096 tokens), which keeps the 16-bit probabilities only; without it torch's softmax keeps "
-        "its fp32 output as well (Megatron-LM's default is on, --no-masked-softmax-fusion; the trainer's off)")
+        "its fp32 output as well (Megatron-LM's default is on, --no-masked-softmax-fusion; off here unless given)")
     rope_fusion: bool = _switch(
         False, "--rope-fusion",
         "fused RoPE (Transformer Engine's kernel), which keeps no cosines and sines per layer (Megatron-LM's "
-        "default is on, --no-rope-fusion; the trainer's off)")
+        "default is on, --no-rope-fusion; off here unless given)")
     hidden_dropout: float = setting(0.0, group=PLAN, flag="--hidden-dropout", minimum=0.0,
                                     help="dropout after each sublayer: its mask kept per sublayer (Megatron-LM's "
-                                         "default 0.1; the trainer's 0)")
+                                         "default 0.1; 0 here unless given)")
     attention_dropout: float = setting(0.0, group=PLAN, flag="--attention-dropout", minimum=0.0,
                                        help="dropout on the attention probabilities (unfused attention keeps its mask "
-                                            "and output; Megatron-LM's default 0.1, the trainer's 0)")
+                                            "and output; Megatron-LM's default 0.1, 0 here unless given)")
     deallocate_pipeline_outputs: bool = _switch(
         True, "--deallocate-pipeline-outputs",
-        "free a stage output's data once sent, as Megatron-LM and the trainer do (--no-deallocate-pipeline-outputs: "
+        "free a stage output's data once sent, as Megatron-LM does (--no-deallocate-pipeline-outputs: "
         "kept until its backward, as a schedule driven without it keeps it)")
 
     def __post_init__(self):
@@ -96,7 +95,7 @@ class PlanArgs(TrainArgs):
 
 
 def problems(args: PlanArgs) -> List[str]:
-    """The trainer's problems with these settings, and the plan's own (one line each)."""
+    """The problems with these settings, ``train``'s and the plan's own (one line each)."""
     found = train_problems(args)
     if args.norm not in SIAMESE_SCHEMES:
         found.append(f"plan sets stock Pre-Norm beside a SiameseNorm model of the standard variant: use --norm "
@@ -109,7 +108,7 @@ def problems(args: PlanArgs) -> List[str]:
         found.append(f"plan counts the paper's SiameseNorm block; the component study's ablation{'s' if len(ablations) > 1 else ''} "
                      f"{' and '.join(ablations)} {'are' if len(ablations) > 1 else 'is'} not modeled: drop "
                      f"{'them' if len(ablations) > 1 else 'it'}")
-    # DeepSeek-class parts the trainer builds (multi-latent attention's projections, latents and
+    # DeepSeek-class parts the model builds (multi-latent attention's projections, latents and
     # head sizes; multi-token prediction's layers, embedding copy and logits on the last stage)
     deepseek = [flag for flag, on in (("--multi-latent-attention", args.multi_latent_attention),
                                       ("--mtp-num-layers", args.mtp_num_layers)) if on]

@@ -28,7 +28,7 @@ class PlanInputs:
     microbatches: int  # per data-parallel rank and step
     param_bytes: int
     sharding: DataParallelSharding
-    deallocate_outputs: bool = True  # a sent stage output's data freed (Megatron-LM and the trainer); else kept to its backward
+    deallocate_outputs: bool = True  # a sent stage output's data freed (Megatron-LM's default); else kept to its backward
     overlapped_prefetch: bool = True  # FSDP's next all-gather beside the layer computing (CUDA's streams; not the CPU's)
 
 

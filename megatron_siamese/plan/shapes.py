@@ -1,6 +1,6 @@
 """A GPT's sizes and its parameter tensors, as Megatron-Core builds them (plain arithmetic).
 
-``Shape`` holds the sizes the plan needs, read from the trainer's ``ModelSettings``;
+``Shape`` holds the sizes the plan needs, read from the run's ``ModelSettings``;
 ``layer_parameters`` lists one decoder layer's parameter tensors (stock Pre-Norm or
 SiameseNorm, dense or MoE) with how each is split over ranks, and ``embedding_parameters`` /
 ``head_parameters`` the rest. Each tensor's local size follows from a layout

@@ -1,4 +1,4 @@
-"""One rank's Megatron GPT: the runtime the trainer and the parallel check share.
+"""One rank's Megatron GPT: the runtime of the parallel check, the plan's measurements and the benches.
 
     ModelSettings + Layout --transformer_config--> SiameseTransformerConfig (SiameseMLATransformerConfig with MLA)
       --models.build_model_chunks--> GPTModel or HybridModel chunks (one per virtual stage)

@@ -77,7 +77,7 @@ def _fraction_problem(alpha: float) -> Optional[str]:
 
 def _no_fp16(dtype: str) -> Optional[str]:
     if dtype == "fp16":
-        return ("--dtype fp16 is not supported (Megatron's fp16 needs loss scaling this trainer does not do): "
+        return ("--dtype fp16 is not supported (Megatron's fp16 needs a loss scaler, which the check's step does not run): "
                 "use --bf16 or --dtype fp32")
     return None
 
