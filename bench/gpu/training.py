@@ -54,7 +54,14 @@ def model_flags(layers: int, hidden: int, heads: int, seq: int, micro: int, batc
             "--eval-interval", eval_interval, "--eval-iters", eval_iters]
 
 
-def run(name: str, flags: list) -> dict:
+def without_te() -> dict:
+    """This environment without the kit's Transformer Engine on the path: a rehearsal's MoE run on
+    CPU (megatron-core 0.19's router runs its GEMM through TE whenever TE imports, which needs CUDA)."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not p.rstrip("/").endswith("site-te")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def run(name: str, flags: list, env: dict = None) -> dict:
     """One run of ``megatron-siamese train`` on one rank (its output in WORK/name/train.log); its record."""
     from megatron_siamese.runtime.loss_curve import read_losses
     from megatron_siamese.versions import training_loop_problem
@@ -70,7 +77,7 @@ def run(name: str, flags: list) -> dict:
     start = time.perf_counter()
     with open(log, "w") as out:
         status = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT,
-                                 env={**os.environ, "MEGATRON_SIAMESE_CACHE": os.path.join(WORK, "cache")})
+                                 env={**(env or os.environ), "MEGATRON_SIAMESE_CACHE": os.path.join(WORK, "cache")})
     seconds = time.perf_counter() - start
     with open(log) as out:
         text = out.read()
@@ -144,13 +151,13 @@ def moe_flags(rehearse: bool) -> list:
             "transformer_engine"]
 
 
-def moe_run(name: str, flags: list) -> dict:
+def moe_run(name: str, flags: list, env: dict = None) -> dict:
     """An MoE run's record, with its routers' balance by iteration: Megatron's tracked
     load-balancing loss, which it logs (TensorBoard's ``load_balancing_loss``) divided by its
     coefficient, averaged over the MoE layers."""
     from megatron_siamese.runtime.loss_curve import read_scalars
 
-    record = run(name, flags)
+    record = run(name, flags, env)
     balance = read_scalars(os.path.join(WORK, name, "tensorboard"), "load_balancing_loss")["load_balancing_loss"]
     record["router_balance"] = {step: round(value, 3) for step, value in sorted(balance.items())}
     record["balanced"] = bool(balance) and balance[max(balance)] <= MOE_BALANCE
@@ -160,7 +167,7 @@ def moe_run(name: str, flags: list) -> dict:
 
 def moe_training(rehearse: bool) -> dict:
     if rehearse:  # the CPU form runs everything but Transformer Engine
-        return {"rehearsed_on_cpu": moe_run("moe", moe_flags(True)), "balance_limit": MOE_BALANCE,
+        return {"rehearsed_on_cpu": moe_run("moe", moe_flags(True), without_te()), "balance_limit": MOE_BALANCE,
                 "stopped_at_gpu": "Transformer Engine MoE training (bf16, FP8 tensorwise)"}
     require_gpu(False, "Transformer Engine MoE training")
     results = {label: moe_run(f"moe-{label}", [*moe_flags(False), *FP8[label]]) for label in ("bf16", "fp8-tensorwise")}

@@ -54,6 +54,8 @@ def serve_megatron_training_on_cpu() -> None:
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *args, **kwargs: 0)
     torch.cuda.reset_peak_memory_stats = lambda *args, **kwargs: None
+    # torch < 2.14's optimizers ask torch.cuda, then whether a CUDA graph is being captured: none is
+    torch.cuda.is_current_stream_capturing = lambda: False
     # torch itself (optimizers, data loaders) asks torch.accelerator, not torch.cuda: there is none
     if hasattr(torch, "accelerator"):
         torch.accelerator.current_accelerator = lambda check_available=False: None
