@@ -214,6 +214,32 @@ def test_a_free_port_for_a_later_server_is_outside_the_kernels_ephemeral_range()
 
 
 
+def _hang_on_rank_one():
+    """Rank 0 waits in a barrier; rank 1 never comes (it sleeps inside the same watched unit)."""
+    import torch
+
+    from megatron_siamese.runtime.hangs import watched
+
+    with watched("the planted hang"):
+        if torch.distributed.get_rank() == 1:
+            time.sleep(120)
+        torch.distributed.barrier()
+
+
+def test_a_hung_rank_is_named_and_its_stack_is_in_the_failure():
+    """The rank that timed out names the one that never came; that rank, still running when torch's
+    agent stopped the job, left where it hung in its output (faulthandler's dump at the timeout)."""
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failure:
+        launch(_hang_on_rank_one, 2, timeout_s=6, quiet_ranks=(0, 1))
+    assert time.monotonic() - start < 60
+    assert str(failure.value).startswith("rank 0 of 2 failed: CollectiveTimeout: "), failure.value
+    assert "in the planted hang" in str(failure.value) and "rank 1 of 2 never reached it" in str(failure.value)
+    hung = failure.value.details.split("-- rank 1: ", 1)[1]
+    assert hung.startswith("still running when the job stopped") and "Timeout (0:00:06)!" in hung, hung
+    assert "_hang_on_rank_one" in hung
+
+
 def _sleep_after_saying_so(started_dir):
     import torch
 

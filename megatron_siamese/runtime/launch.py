@@ -192,10 +192,13 @@ def _failure(failed, directory: str, world_size: int) -> BaseException:
         summary = f"rank {rank} was killed by {signal.Signals(-exitcode).name} before reporting"
     else:
         summary = f"rank {rank} exited with code {exitcode} before reporting"
+    # every rank's state, the cause first: a rank the agent stopped still running has no report,
+    # but its output may hold where it hung (faulthandler's 'Timeout' dump, hangs.watched)
     details = []
-    for other in [rank] + sorted(set(failed.failures) - {rank}):
-        said = reports[other].traceback if reports[other] is not None else "no report\n"
-        details.append(f"-- rank {other}: {said}{_tail(_log(directory, other), 400 if reports[other] is None else 40)}")
+    for other in [rank] + sorted(set(range(world_size)) - {rank}):
+        said = (reports[other].traceback if reports.get(other) is not None else
+                "no report\n" if other in failed.failures else "still running when the job stopped\n")
+        details.append(f"-- rank {other}: {said}{_tail(_log(directory, other), 40 if reports.get(other) else 400)}")
     return RankFailed(summary, "\n".join(details))
 
 
