@@ -69,6 +69,8 @@ def restart_store(args):
 
     import torch
 
+    from megatron_siamese.runtime.job import restart_count
+
     agents = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                         timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    return torch.distributed.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agents)
+    return torch.distributed.PrefixStore(f"/worker/attempt_{restart_count()}", agents)
