@@ -38,7 +38,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron_siamese.models import build_gpt_chunks, get_pre_norm_block_spec
 from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, microbatches
 from megatron_siamese.reference.functional import single_stream_sublayer
-from megatron_siamese.reference.gpt import ReferenceGPT, ReferenceGPTConfig, ReferenceNorm, megatron_to_reference_names
+from reference_model.gpt import ReferenceGPT, ReferenceGPTConfig, ReferenceNorm, megatron_to_reference_names
 from megatron_siamese.runtime.gpt import transformer_config
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.check.sharding import seed_parameters

@@ -107,7 +107,7 @@ def test_the_comparison_catches_a_dropped_depth_scale_and_swapped_merge_norms(ex
 
 
 def test_exported_model_equals_the_reference_gpt(exported):
-    from megatron_siamese.reference.gpt import ReferenceGPT, ReferenceGPTConfig
+    from reference_model.gpt import ReferenceGPT, ReferenceGPTConfig
 
     case, model, directory = exported["hybrid-layernorm-gelu-learned"]
     reference = ReferenceGPT(ReferenceGPTConfig.from_megatron(

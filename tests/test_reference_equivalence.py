@@ -12,17 +12,17 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_siamese.models import build_gpt_chunks
-from megatron_siamese.reference import gpt as reference_gpt
+from reference_model import gpt as reference_gpt
 from megatron_siamese.reference.functional import dual_norm
-from megatron_siamese.reference.gpt import (
+from reference_model.gpt import (
     ReferenceGPT,
     ReferenceGPTConfig,
     megatron_to_reference_names,
 )
-from megatron_siamese.reference import single_stream_layer as reference_single_stream_layer
+from reference_model import single_stream_layer as reference_single_stream_layer
 from megatron_siamese.reference.functional import SINGLE_STREAM_SCHEMES
-from megatron_siamese.reference.moe import ReferenceMoE, ReferenceRouter
-from megatron_siamese.reference.single_stream import ReferenceSingleStreamGPT
+from reference_model.moe import ReferenceMoE, ReferenceRouter
+from reference_model.single_stream import ReferenceSingleStreamGPT
 from megatron_siamese.check.step import ModelCase, build_seeded_chunks, case_config, config_overrides, microbatches
 from megatron_siamese.runtime.gpt import packed_sequence_params, transformer_config
 from megatron_siamese.runtime.layout import Layout

@@ -1,7 +1,7 @@
 """Multi-latent attention (DeepSeek's MLA: Megatron's MLASelfAttention in every SiameseNorm block)
 and multi-token prediction (DeepSeek-V3's MTP: Megatron's stock MultiTokenPredictionBlock after
 the merging final norm): the Megatron model (TP=1, PP=1, fp32) computes the reference's
-(reference/mla.py, reference/mtp.py) per-microbatch losses, each MTP depth's loss, the logits
+(tests/reference_model/mla.py, tests/reference_model/mtp.py) per-microbatch losses, each MTP depth's loss, the logits
 (where Megatron gives them) and every gradient of a step through Megatron's schedule, for both
 SiameseNorm schemes; and the comparison catches planted bugs in the reference."""
 
@@ -16,12 +16,12 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from megatron_siamese.check.step import ModelCase, microbatches
-from megatron_siamese.reference import mla as reference_mla
-from megatron_siamese.reference import mtp as reference_mtp
-from megatron_siamese.reference import rope as reference_rope
-from megatron_siamese.reference.gpt import ReferenceGPT, ReferenceGPTConfig, megatron_to_reference_names
-from megatron_siamese.reference.mla import ReferenceMLA
-from megatron_siamese.reference.moe import ReferenceMoE
+from reference_model import mla as reference_mla
+from reference_model import mtp as reference_mtp
+from reference_model import rope as reference_rope
+from reference_model.gpt import ReferenceGPT, ReferenceGPTConfig, megatron_to_reference_names
+from reference_model.mla import ReferenceMLA
+from reference_model.moe import ReferenceMoE
 from megatron_siamese.runtime.gpt import forward_step, transformer_config
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.support import UnsupportedConfigError

@@ -1,5 +1,5 @@
 """Megatron's non-interleaved rotary position embedding (RoPE), for the reference's attention, and
-multi-latent attention's RoPE and YaRN (reference/mla.py)."""
+multi-latent attention's RoPE and YaRN (tests/reference_model/mla.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def apply_rotary(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([t_rot, t_pass], dim=-1)
 
 
-# -- multi-latent attention's RoPE (reference/mla.py): Megatron's RotaryEmbedding or YarnRotaryEmbedding
+# -- multi-latent attention's RoPE (tests/reference_model/mla.py): Megatron's RotaryEmbedding or YarnRotaryEmbedding
 # built inside MLASelfAttention on the qk_pos_emb_head_dim-wide position part of each head
 
 

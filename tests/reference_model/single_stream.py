@@ -4,7 +4,7 @@
 One residual stream; each block's norms sit where ``functional.norm_placement`` puts them for the
 scheme and the block's global number (``functional.single_stream_sublayer``). The embedding,
 attention (with HybridNorm's value norm: ``ReferenceGPTConfig.value_layernorm``), dense and MoE
-MLPs, the output head and the loss are the SiameseNorm reference's (``reference/gpt.py``), and
+MLPs, the output head and the loss are the SiameseNorm reference's (``tests/reference_model/gpt.py``), and
 module names mirror Megatron's GPTModel built with the baselines' block spec
 (``decoder.layers.N.input_layernorm``, ``post_attn_norm``, ``pre_mlp_layernorm``, ``post_mlp_norm``,
 ``self_attention.v_layernorm``, ``decoder.final_layernorm``; an absent norm has no parameters),
@@ -20,13 +20,13 @@ from megatron_siamese.reference.functional import (
     has_final_norm,
     norm_placement,
 )
-from megatron_siamese.reference.gpt import (
+from reference_model.gpt import (
     ReferenceGPT,
     ReferenceGPTConfig,
     ReferenceNorm,
 )
-from megatron_siamese.reference.moe import moe_layers
-from megatron_siamese.reference.single_stream_layer import ReferenceSingleStreamLayer
+from reference_model.moe import moe_layers
+from reference_model.single_stream_layer import ReferenceSingleStreamLayer
 
 
 class ReferenceSingleStreamDecoder(nn.Module):

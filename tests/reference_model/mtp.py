@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from megatron_siamese.reference.functional import PRE_NORM
-from megatron_siamese.reference.moe import moe_layers
-from megatron_siamese.reference.norm import ReferenceNorm
-from megatron_siamese.reference.single_stream_layer import ReferenceSingleStreamLayer
+from reference_model.moe import moe_layers
+from reference_model.norm import ReferenceNorm
+from reference_model.single_stream_layer import ReferenceSingleStreamLayer
 
 
 def roll_left(t: Tensor) -> Tensor:

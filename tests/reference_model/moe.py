@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from megatron_siamese.reference.mlp import ReferenceMLP
+from reference_model.mlp import ReferenceMLP
 
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}

@@ -1,5 +1,5 @@
 """The reference's dense MLP: the GPT's MLP sublayer, and each expert and the shared expert of
-its mixture-of-experts sublayer (reference/moe.py). Megatron's layout: a gated MLP splits
+its mixture-of-experts sublayer (tests/reference_model/moe.py). Megatron's layout: a gated MLP splits
 ``linear_fc1`` into [gate, up] halves; ``linear_fc2``'s bias is kept apart (``fc2_bias``), as
 Megatron returns it for the bias-dropout-add."""
 

@@ -8,12 +8,12 @@ from typing import Optional
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron_siamese.reference.attention import self_attention
-from megatron_siamese.reference.config import ReferenceGPTConfig
+from reference_model.attention import self_attention
+from reference_model.config import ReferenceGPTConfig
 from megatron_siamese.reference.functional import single_stream_sublayer
-from megatron_siamese.reference.mlp import ReferenceMLP
-from megatron_siamese.reference.moe import ReferenceMoE
-from megatron_siamese.reference.norm import ReferenceNorm
+from reference_model.mlp import ReferenceMLP
+from reference_model.moe import ReferenceMoE
+from reference_model.norm import ReferenceNorm
 
 
 class ReferenceSingleStreamLayer(nn.Module):

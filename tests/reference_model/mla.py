@@ -13,7 +13,7 @@ For x [b, s, h], n heads, each query/key head of ``qk_head_dim`` channels withou
     query = [q_nope | RoPE(q_pe)];  key = [k_nope | RoPE(k_pe)]   # one k_pe shared by every head
     out = linear_proj(softmax_causal(query key^T * scale) v)
 
-RoPE is MLA's own (reference/rope.py ``mla_rotary_cos_sin`` / ``apply_mla_rotary``): the
+RoPE is MLA's own (tests/reference_model/rope.py ``mla_rotary_cos_sin`` / ``apply_mla_rotary``): the
 angles of positions 0..s-1 (``rope_type`` "rope" or "yarn", cos and sin times YaRN's
 concentration factor), the position part's even channels then its odd ones rotated
 non-interleaved, left in that order (queries and keys alike). The softmax scale is
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron_siamese.reference.norm import ReferenceNorm
-from megatron_siamese.reference.rope import apply_mla_rotary, mla_rotary_cos_sin, yarn_get_mscale
+from reference_model.norm import ReferenceNorm
+from reference_model.rope import apply_mla_rotary, mla_rotary_cos_sin, yarn_get_mscale
 
 
 def mla_softmax_scale(config) -> float:

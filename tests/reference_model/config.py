@@ -8,8 +8,8 @@ from typing import List, Optional, Union
 
 import torch.nn.functional as F
 
-from megatron_siamese.reference.mlp import ACTIVATIONS
-from megatron_siamese.reference.moe import LOAD_BALANCING, ROUTER_DTYPES, moe_layers, unmodelled_settings
+from reference_model.mlp import ACTIVATIONS
+from reference_model.moe import LOAD_BALANCING, ROUTER_DTYPES, moe_layers, unmodelled_settings
 
 
 # the fields ReferenceGPTConfig shares, by name and meaning, with Megatron's TransformerConfig
@@ -63,12 +63,12 @@ class ReferenceGPTConfig:
     attention_dropout: float = 0.0
     variant: str = "standard"  # or "hybrid": see reference/functional.py
     qk_layernorm: bool = False  # per-head norms of queries and keys (the hybrid variant always has them)
-    value_layernorm: bool = False  # ... and of values (HybridNorm's QKV-norm: reference/single_stream.py)
+    value_layernorm: bool = False  # ... and of values (HybridNorm's QKV-norm: tests/reference_model/single_stream.py)
     # the component study's ablations of the SiameseNorm block (SiameseTransformerConfig's
     # siamese_input_norm / siamese_depth_scale): without InputNorm, without c = sqrt(2 L)
     input_norm: bool = True
     depth_scaled: bool = True
-    # mixture of experts (reference/moe.py); Megatron's names and defaults
+    # mixture of experts (tests/reference_model/moe.py); Megatron's names and defaults
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_layer_freq: Union[int, List[int]] = 1
@@ -81,7 +81,7 @@ class ReferenceGPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_router_load_balancing_type: str = "aux_loss"
-    # multi-latent attention (reference/mla.py); MLATransformerConfig's names and defaults, but
+    # multi-latent attention (tests/reference_model/mla.py); MLATransformerConfig's names and defaults, but
     # for q_lora_rank (None: queries projected directly). Its RoPE uses rotary_base and
     # rotary_percent above; the model then has no RoPE of its own (as Megatron's GPTModel)
     multi_latent_attention: bool = False
@@ -97,7 +97,7 @@ class ReferenceGPTConfig:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
-    # multi-token prediction (reference/mtp.py); Megatron's names and defaults
+    # multi-token prediction (tests/reference_model/mtp.py); Megatron's names and defaults
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
 

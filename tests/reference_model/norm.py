@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from megatron_siamese.reference.config import ReferenceGPTConfig
+from reference_model.config import ReferenceGPTConfig
 from megatron_siamese.reference.functional import normalize
 
 

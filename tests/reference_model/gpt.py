@@ -1,8 +1,8 @@
 """A small, complete SiameseNorm GPT in plain PyTorch: the oracle for the Megatron model.
 
-No Megatron import. Dense or mixture-of-experts MLPs (reference/moe.py, per ``moe_layer_freq``),
-QK-norm in either variant, standard or multi-latent attention (reference/mla.py:
-``multi_latent_attention``), and multi-token prediction after the decoder (reference/mtp.py:
+No Megatron import. Dense or mixture-of-experts MLPs (tests/reference_model/moe.py, per ``moe_layer_freq``),
+QK-norm in either variant, standard or multi-latent attention (tests/reference_model/mla.py:
+``multi_latent_attention``), and multi-token prediction after the decoder (tests/reference_model/mtp.py:
 ``mtp_num_layers``). Module names mirror Megatron-Core's GPTModel built with
 ``get_siamese_block_spec`` (``embedding.word_embeddings``, ``decoder.layers.N.
 self_attention.linear_qkv``, ``decoder.final_layernorm.merge.x_norm``, ...) so a TP=1
@@ -28,12 +28,12 @@ from megatron_siamese.reference.functional import (
     hybrid_dual_norm,
     merge_streams,
 )
-from megatron_siamese.reference.mlp import ReferenceMLP
-from megatron_siamese.reference.rope import rotary_cos_sin
-from megatron_siamese.reference.moe import ReferenceMoE, moe_layers
-from megatron_siamese.reference.attention import self_attention
-from megatron_siamese.reference.config import ReferenceGPTConfig
-from megatron_siamese.reference.norm import ReferenceNorm
+from reference_model.mlp import ReferenceMLP
+from reference_model.rope import rotary_cos_sin
+from reference_model.moe import ReferenceMoE, moe_layers
+from reference_model.attention import self_attention
+from reference_model.config import ReferenceGPTConfig
+from reference_model.norm import ReferenceNorm
 from megatron_siamese.streams import split_streams
 
 
@@ -135,7 +135,7 @@ class ReferenceDecoder(nn.Module):
 class ReferenceGPT(nn.Module):
     """Embedding, N SiameseNorm blocks, the merging final norm and the output head; with
     ``mtp_num_layers``, Megatron's multi-token prediction layers after the final norm
-    (reference/mtp.py), sharing the embedding and the output head."""
+    (tests/reference_model/mtp.py), sharing the embedding and the output head."""
 
     def __init__(self, config: ReferenceGPTConfig):
         super().__init__()
@@ -148,7 +148,7 @@ class ReferenceGPT(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         if config.mtp_num_layers:
-            from megatron_siamese.reference.mtp import ReferenceMTPBlock  # it builds on this module
+            from reference_model.mtp import ReferenceMTPBlock  # it builds on this module
 
             self.mtp = ReferenceMTPBlock(config)
         else:
@@ -211,13 +211,13 @@ class ReferenceGPT(nn.Module):
                loss_mask: Optional[Tensor] = None):
         """(the main head's per-token cross-entropy [b, s], [L_1, ..., L_D]) in one forward:
         L_k the masked mean cross-entropy of MTP depth k against the labels rolled k times, the
-        loss mask (ones when None, as GPTModel called without one) rolled alike (reference/mtp.py;
+        loss mask (ones when None, as GPTModel called without one) rolled alike (tests/reference_model/mtp.py;
         [] without MTP)."""
         hidden, rope, position_ids = self._hidden(input_ids, position_ids)
         main = self._cross_entropy(self._logits(hidden), labels)
         if self.mtp is None:
             return main, []
-        from megatron_siamese.reference.mtp import rolled_targets
+        from reference_model.mtp import rolled_targets
 
         mask = torch.ones_like(labels) if loss_mask is None else loss_mask
         depth_losses = []

@@ -1,5 +1,5 @@
 """The reference's attention sublayer: standard (Megatron's QKV layout, GQA, RoPE, QK-norm) here,
-multi-latent in reference/mla.py; ``self_attention`` picks the one a config asks for."""
+multi-latent in tests/reference_model/mla.py; ``self_attention`` picks the one a config asks for."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron_siamese.reference.config import ReferenceGPTConfig
-from megatron_siamese.reference.norm import ReferenceNorm
-from megatron_siamese.reference.rope import apply_rotary
+from reference_model.config import ReferenceGPTConfig
+from reference_model.norm import ReferenceNorm
+from reference_model.rope import apply_rotary
 
 
 class ReferenceAttention(nn.Module):
@@ -61,9 +61,9 @@ class ReferenceAttention(nn.Module):
 
 
 def self_attention(config: ReferenceGPTConfig) -> nn.Module:
-    """The attention sublayer ``config`` asks for: multi-latent (reference/mla.py) or standard."""
+    """The attention sublayer ``config`` asks for: multi-latent (tests/reference_model/mla.py) or standard."""
     if config.multi_latent_attention:
-        from megatron_siamese.reference.mla import ReferenceMLA  # it builds this module's norms
+        from reference_model.mla import ReferenceMLA  # it builds this module's norms
 
         return ReferenceMLA(config)
     return ReferenceAttention(config)
