@@ -1,14 +1,45 @@
 """The parallel correctness check: the CPU matrix passes, and planted bugs make it fail."""
 
 import dataclasses
+from typing import List, Sequence, Tuple
 
 import pytest
 
 from megatron_siamese.check.case import MOE_CASE
-from megatron_siamese.check.command import DEFAULT_LAYOUTS, Subject, run_check, run_checks
+from megatron_siamese.check.command import DEFAULT_LAYOUTS, Row, check_job, job_size, run_check
 from megatron_siamese.cli import main as cli_main
 from megatron_siamese.check.step import ModelCase
+from megatron_siamese.runtime.layout import parse_layout
 from megatron_siamese.versions import installed_megatron_core, release
+
+
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """One model the check runs: its case (``case.fault`` planted in its layouts), the spec it
+    is built with (``SPECS``), and its layouts."""
+
+    case: ModelCase
+    spec: str
+    layouts: Tuple[str, ...]
+
+
+def check_subjects_job(subjects: Sequence[Subject]) -> List[List[Row]]:
+    """Every rank of one job: each subject in turn (``check_job``), a single-rank run shared by
+    the subjects whose cases differ only in their fault; every rank returns the rows per subject."""
+    cache: dict = {}
+    return [check_job(dataclasses.replace(subject.case, fault=None), [(n, parse_layout(n)) for n in subject.layouts],
+                      subject.spec, subject.case.fault, cache) for subject in subjects]
+
+
+def run_checks(subjects: Sequence[Subject], timeout_s: float = 600.0) -> List[List[Row]]:
+    """Several models' checks in one job (its ranks start once: the tests check the baselines and
+    their planted faults side by side); one list of rows per subject."""
+    from megatron_siamese.runtime.job import job_world_size
+    from megatron_siamese.runtime.launch import run_job
+
+    layouts = [parse_layout(name) for subject in subjects for name in subject.layouts]  # bad names fail first
+    world = job_world_size() or job_size(layouts)
+    return run_job(check_subjects_job, world, list(subjects), timeout_s=timeout_s, quiet_ranks=range(world))
 
 
 def statuses(rows):

@@ -9,13 +9,15 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
-from saved_models import save_random
+from saved_models import load_full_model, save_random
 
-from megatron_siamese.inference.generate import Sampling, generate, generate_on_ranks, greedy_without_cache
-from megatron_siamese.inference.session import load_full_model, open_session, read_checkpoint
+from megatron_siamese import device
+from megatron_siamese.inference.generate import InferenceTokenizer, Sampling, generate, generate_on_ranks
+from megatron_siamese.inference.session import open_session, read_checkpoint
 from megatron_siamese.runtime.launch import RankFailed, launch
 from megatron_siamese.runtime.layout import Layout
 from megatron_siamese.runtime.registry import ConfigError
@@ -36,6 +38,29 @@ def checkpoint(tmp_path_factory):
     args = TrainArgs(**MODEL, tp=1, pp=2, micro_batch_size=1, global_batch_size=1, output_dir=str(directory.parent))
     launch(save_random, 2, args, str(directory))
     return str(directory)
+
+
+def greedy_without_cache(model, prompt: str, max_new_tokens: int) -> List[int]:
+    """Greedy continuation by re-running ``model`` (one rank, TP = PP = 1, built without MTP
+    layers) on the whole sequence at every step, no inference context: what the KV-cached engine
+    must reproduce token for token (it stops at end-of-document, as Megatron's controller does)."""
+    tokenizer = InferenceTokenizer()
+    tokens = tokenizer.tokenize(prompt)
+    generated = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids = torch.tensor([tokens], device=device.current())
+            positions = torch.arange(len(tokens), device=device.current()).unsqueeze(0)
+            mask = torch.tril(torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device.current()))
+            logits = model(ids, positions, ~mask.view(1, 1, len(tokens), len(tokens)))
+            # over the padded vocabulary, as Megatron's sampler picks (a trained model gives the
+            # padding rows, never a target, no weight; their ids decode to no text)
+            next_token = int(logits[0, -1].argmax())
+            generated.append(next_token)
+            tokens.append(next_token)
+            if next_token == tokenizer.eod:
+                break
+    return generated
 
 
 def _uncached(checkpoint, prompts, new_tokens):

@@ -1,16 +1,31 @@
 """Multi-rank CPU runs (gloo) of one training step agree with one rank."""
 
 import dataclasses
+from typing import List, Optional, Tuple
 
 import pytest
 
-from megatron_siamese.check.compare import TOLERANCES, compare, replica_disagreements
-from megatron_siamese.check.step import ModelCase, run_layout
-from megatron_siamese.runtime.layout import parse_layout
+from megatron_siamese.check.compare import TOLERANCES, compare
+from megatron_siamese.check.step import ModelCase, StepResult, layout_step
+from megatron_siamese.runtime.launch import run_job
+from megatron_siamese.runtime.layout import Layout, parse_layout
 
 # the PyTorch path here; the check matrix (test_check.py) runs the fused ops
 CASE = ModelCase(fused_ops=False)
 _results = {}
+
+
+def run_layout(case: ModelCase, layout: Layout, backend: Optional[str] = None) -> StepResult:
+    """Run one step on ``layout.world_size`` ranks (spawned here, or the launched job's), return
+    it as global tensors."""
+    # the ranks' own output goes to logs, shown only if one fails: the check prints its table
+    return run_job(layout_step, layout.world_size, case, layout, backend=backend,
+                   quiet_ranks=range(layout.world_size), needs=f"layout {layout.name}")
+
+
+def replica_disagreements(result: StepResult, prefix: str = "grad:") -> List[Tuple[str, float]]:
+    """Replicated tensors whose copies on different ranks are not bitwise equal."""
+    return [(k, v) for k, v in sorted(result.replica_spread.items()) if k.startswith(prefix) and v != 0.0]
 
 
 def step(layout_name: str, case: ModelCase = CASE):

@@ -146,35 +146,6 @@ def _watched_layout_step(name: str, case: ModelCase, layout: Layout):
         return layout_step(case, layout)
 
 
-@dataclasses.dataclass(frozen=True)
-class Subject:
-    """One model the check runs: its case (``case.fault`` planted in its layouts), the spec it
-    is built with (``SPECS``), and its layouts."""
-
-    case: ModelCase
-    spec: str
-    layouts: Tuple[str, ...]
-
-
-def check_subjects_job(subjects: Sequence[Subject]) -> List[List[Row]]:
-    """Every rank of one job: each subject in turn (``check_job``), a single-rank run shared by
-    the subjects whose cases differ only in their fault; every rank returns the rows per subject."""
-    cache: dict = {}
-    return [check_job(dataclasses.replace(subject.case, fault=None), [(n, parse_layout(n)) for n in subject.layouts],
-                      subject.spec, subject.case.fault, cache) for subject in subjects]
-
-
-def run_checks(subjects: Sequence[Subject], timeout_s: float = 600.0) -> List[List[Row]]:
-    """Several models' checks in one job (its ranks start once: the tests check the baselines and
-    their planted faults side by side); one list of rows per subject."""
-    from megatron_siamese.runtime.job import job_world_size
-    from megatron_siamese.runtime.launch import run_job
-
-    layouts = [parse_layout(name) for subject in subjects for name in subject.layouts]  # bad names fail first
-    world = job_world_size() or job_size(layouts)
-    return run_job(check_subjects_job, world, list(subjects), timeout_s=timeout_s, quiet_ranks=range(world))
-
-
 def job_size(layouts: Sequence[Layout]) -> int:
     """How many ranks a spawned check starts: the largest layout's (one per GPU at most)."""
     largest = max([layout.world_size for layout in layouts] + [1])

@@ -23,7 +23,7 @@ quantity's tensors, which reads the same whatever the tensor's scale.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
@@ -128,6 +128,3 @@ def compare(
     )
 
 
-def replica_disagreements(result: StepResult, prefix: str = "grad:") -> List[Tuple[str, float]]:
-    """Replicated tensors whose copies on different ranks are not bitwise equal."""
-    return [(k, v) for k, v in sorted(result.replica_spread.items()) if k.startswith(prefix) and v != 0.0]

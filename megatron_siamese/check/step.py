@@ -338,11 +338,3 @@ def layout_step(case: ModelCase, layout: Layout) -> Optional[StepResult]:
     return None if pieces is None else assemble(pieces)
 
 
-def run_layout(case: ModelCase, layout: Layout, backend: Optional[str] = None) -> StepResult:
-    """Run one step on ``layout.world_size`` ranks (spawned here, or the launched job's), return
-    it as global tensors."""
-    from megatron_siamese.runtime.launch import run_job
-
-    # the ranks' own output goes to logs, shown only if one fails: the check prints its table
-    return run_job(layout_step, layout.world_size, case, layout, backend=backend,
-                   quiet_ranks=range(layout.world_size), needs=f"layout {layout.name}")

@@ -19,8 +19,8 @@ paged KV cache instead (``inference/dynamic.py``): on a GPU with flash-attn only
 attends over the paged cache with flash-attn's CUDA kernels alone; elsewhere it is refused
 before any rank starts. Either engine decodes greedily with Megatron's own sampler (top-k 1).
 
-``greedy_without_cache`` is the check: the same model re-run on the whole sequence at every
-step, no inference context.
+The tests check it against the same model re-run on the whole sequence at every step, no
+inference context (``greedy_without_cache`` in tests/test_inference.py).
 
 Multi-token prediction heads are a training objective: generation predicts with the decoder and
 its output layer alone, as Megatron's inference does (0.19 skips the heads in inference mode;
@@ -244,31 +244,6 @@ def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, samp
             tokens = [[int(t) for t in (r.generated_tokens.tolist() if torch.is_tensor(r.generated_tokens)
                                         else r.generated_tokens)] for r in requests]
     return [Generation(prompt, tokenizer.detokenize(ids), ids) for prompt, ids in zip(prompts, tokens)]
-
-
-def greedy_without_cache(model, prompt: str, max_new_tokens: int) -> List[int]:
-    """Greedy continuation by re-running ``model`` (one rank, TP = PP = 1, built without MTP
-    layers) on the whole sequence at every step, no inference context: what the KV-cached engine
-    must reproduce token for token (it stops at end-of-document, as Megatron's controller does)."""
-    from megatron_siamese import device
-
-    tokenizer = InferenceTokenizer()
-    tokens = tokenizer.tokenize(prompt)
-    generated = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            ids = torch.tensor([tokens], device=device.current())
-            positions = torch.arange(len(tokens), device=device.current()).unsqueeze(0)
-            mask = torch.tril(torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device.current()))
-            logits = model(ids, positions, ~mask.view(1, 1, len(tokens), len(tokens)))
-            # over the padded vocabulary, as Megatron's sampler picks (a trained model gives the
-            # padding rows, never a target, no weight; their ids decode to no text)
-            next_token = int(logits[0, -1].argmax())
-            generated.append(next_token)
-            tokens.append(next_token)
-            if next_token == tokenizer.eod:
-                break
-    return generated
 
 
 def _generate_rank(checkpoint: str, layout: Layout, prompts: List[str], max_new_tokens: int, sampling: Sampling,

@@ -13,11 +13,6 @@ On the ranks of a job (inside ``run_job``)::
     session.chunks[0](tokens, position_ids, attention_mask)  # this rank's GPTModel chunk(s)
     session.close()                                            # Megatron's process groups
 
-From any process, the whole model on one rank (TP = PP = 1, every weight unsharded)::
-
-    full = load_full_model("runs/x/checkpoints")
-    full.state_dict, full.settings, full.tokenizer, full.step
-
 ``read_checkpoint`` tells what a checkpoint holds without starting any rank (for refusing bad
 input before launching). The settings come from the checkpoint; a checkpoint that records none
 (Megatron-LM's, or an earlier release's) needs ``settings`` from the caller, and settings
@@ -225,33 +220,3 @@ def open_session(checkpoint: str, layout: Layout = Layout(), settings: Optional[
     return ModelSession(saved, chosen, layout, seed, with_mtp)
 
 
-@dataclass
-class FullModel:
-    """A checkpoint's whole model, unsharded (TP = PP = 1), on the CPU."""
-
-    state_dict: Dict[str, torch.Tensor]  # the GPTModel's / HybridModel's own keys
-    settings: ModelSettings
-    tokenizer: Any  # data.corpus.ByteTokenizer
-    vocab_size: int  # the padded vocabulary the embedding and output layer hold
-    step: int
-    checkpoint: str
-
-
-def _full_model_rank(checkpoint: str, settings: Optional[ModelSettings], changes: dict) -> FullModel:
-    session = open_session(checkpoint, Layout(), settings, **changes)
-    try:
-        state = {key: value.detach().to("cpu", copy=True) for key, value in session.chunks[0].state_dict().items()
-                 if isinstance(value, torch.Tensor)}
-        return FullModel(state, session.settings, session.tokenizer, session.vocab_size, session.step,
-                         session.checkpoint)
-    finally:
-        session.close()
-
-
-def load_full_model(checkpoint: str, settings: Optional[ModelSettings] = None, **changes) -> FullModel:
-    """The whole model of ``checkpoint`` (saved at any layout) on one rank: spawned here, or this
-    process as the one rank of a launched job. Bad input fails before any rank starts."""
-    from megatron_siamese.runtime.launch import run_job
-
-    model_settings(read_checkpoint(checkpoint), settings, **changes)  # refused here, not on a rank
-    return run_job(_full_model_rank, 1, checkpoint, settings, changes, needs="loading the full model")
