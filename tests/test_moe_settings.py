@@ -28,6 +28,10 @@ def test_expert_parallelism_must_fit_the_ranks_it_regroups():
     assert args.world_size == 2 and args.layout.name == "tp2-ep2-etp1-sp"
     with pytest.raises(ConfigError, match=r"--etp 2 = 4 must divide --tp 2 x --dp 1 = 2 .*use --dp 2"):
         TrainArgs(tp=2, ep=2, sp=True, num_moe_experts=4)
+    # context-parallel ranks are regrouped too (the check's cp2-ep2): taken, and counted when they fall short
+    assert TrainArgs(tp=1, cp=2, ep=2, num_moe_experts=4).layout.name == "cp2-ep2"
+    with pytest.raises(ConfigError, match=r"--ep 4 x .*--etp 1 = 4 must divide --tp 1 x --cp 2 x --dp 1 = 2 .*use --dp 2"):
+        TrainArgs(tp=1, cp=2, ep=4, num_moe_experts=4)
 
 
 @pytest.mark.stack_independent

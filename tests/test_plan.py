@@ -400,7 +400,7 @@ REFUSALS = {
     "stock scheme": (["--norm", "pre"], "use --norm siamese or --norm siamese-layer"),
     "flash without TE": (["--transformer-impl", "local", "--attention-backend", "flash"],
                          "add --transformer-impl transformer_engine"),
-    "CP split": (["--cp", "3"], "must be a multiple of 2 x --context-parallel-size = 6"),
+    "CP split": (["--cp", "3"], "--seq-length 4096 must be a multiple of 2 x --cp 3 = 6"),
     "CP in TE's unfused attention": (["--cp", "2", "--attention-backend", "unfused"],
                                      "Transformer Engine runs CP in its flash or fused attention"),
     "EP dispatcher": (["--num-experts", "16", "--ep", "4", "--moe-token-dispatcher-type", "allgather",
@@ -413,6 +413,12 @@ REFUSALS = {
                                     "--num-experts", "16", "--moe-grouped-gemm", "--disable-bias-linear"],
                                    "plan does not model selective recompute of moe_act"),
 }
+
+
+def test_a_problem_is_said_once():
+    """The CP sequence rule is the split's (``divisibility.context_problems``); plan said it again in its words."""
+    done = cli_here("plan", *flags(GPT3_70B), "--cp", "3")
+    assert done.returncode == 2 and done.stderr.count("must be a multiple of 2 x") == 1, done.stderr
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))

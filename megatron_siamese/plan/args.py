@@ -16,7 +16,7 @@ from megatron_siamese.plan.recompute import MODELED_MODULES, unmodeled_modules
 from megatron_siamese.plan.shapes import SIAMESE_SCHEMES, shape_of
 from megatron_siamese.plan.states import layout_sharding
 from megatron_siamese.runtime.registry import ConfigError, setting
-from megatron_siamese.training.args import BYTE_VOCAB, PARALLELISM, TrainArgs, padded_vocab_size
+from megatron_siamese.training.args import BYTE_VOCAB, TrainArgs, padded_vocab_size
 from megatron_siamese.training.args import problems as train_problems
 
 PLAN = "plan"  # the argparse group of the plan's own settings
@@ -32,8 +32,6 @@ def _switch(default: bool, flag: str, help: str):
 class PlanArgs(TrainArgs):
     """``train``'s settings and the plan's own."""
 
-    cp: int = setting(1, group=PARALLELISM, flag=("--context-parallel-size", "--cp"), minimum=1, layout="cp",
-                      help="context-parallel size")
     vocab_size: int = setting(BYTE_VOCAB, group=PLAN, flag="--vocab-size", minimum=1,
                               help="tokens in the vocabulary, padded to a multiple of 64 as Megatron-LM pads it "
                                    "(default: the embedded corpus's byte vocabulary)")
@@ -131,13 +129,9 @@ def problems(args: PlanArgs) -> List[str]:
     if flash and args.transformer_impl != "transformer_engine":
         found.append(f"--attention-backend {args.attention_backend} is Transformer Engine's attention: add "
                      "--transformer-impl transformer_engine (Megatron's local modules compute it unfused)")
-    if args.cp > 1:
-        if args.transformer_impl == "transformer_engine" and args.attention == "unfused":
-            found.append(f"--attention-backend {args.attention_backend} under context parallelism: Transformer "
-                         "Engine runs CP in its flash or fused attention; use --attention-backend flash, fused or auto")
-        if args.seq_length % (2 * args.cp):
-            found.append(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size = "
-                         f"{2 * args.cp} (context parallelism splits each sequence into 2 cp balanced chunks)")
+    if args.cp > 1 and args.transformer_impl == "transformer_engine" and args.attention == "unfused":
+        found.append(f"--attention-backend {args.attention_backend} under context parallelism: Transformer "
+                     "Engine runs CP in its flash or fused attention; use --attention-backend flash, fused or auto")
     return found
 
 

@@ -229,16 +229,17 @@ def problems(args: TrainArgs) -> List[str]:
 
 
 def _expert_layout_problems(args: TrainArgs) -> List[str]:
-    """Expert parallelism regroups each pipeline stage's tp x dp ranks (Layout): --ep x --etp must divide them."""
-    if any(not isinstance(value, int) or value < 1 for value in (args.tp, args.dp, args.ep, args.etp or args.tp)):
+    """Expert parallelism regroups each pipeline stage's tp x cp x dp ranks (Layout): --ep x --etp must divide them."""
+    if any(not isinstance(value, int) or value < 1 for value in (args.tp, args.cp, args.dp, args.ep, args.etp or args.tp)):
         return []  # refused by the settings' own checks
-    experts = args.ep * (args.etp or args.tp)
-    if (args.tp * args.dp) % experts == 0:
+    experts, dense = args.ep * (args.etp or args.tp), args.tp * args.cp
+    if (dense * args.dp) % experts == 0:
         return []
-    multiple = experts // math.gcd(args.tp, experts)
+    multiple = experts // math.gcd(dense, experts)
     dp = next(dp for dp in range(args.dp, args.dp + multiple + 1) if dp % multiple == 0)
+    cp = f" x --cp {args.cp}" if args.cp > 1 else ""
     return [f"--expert-model-parallel-size/--ep {args.ep} x --expert-tensor-parallel-size/--etp {args.etp or args.tp} "
-            f"= {experts} must divide --tp {args.tp} x --dp {args.dp} = {args.tp * args.dp} (expert parallelism "
+            f"= {experts} must divide --tp {args.tp}{cp} x --dp {args.dp} = {dense * args.dp} (expert parallelism "
             f"adds no ranks: it regroups those of a pipeline stage): use --dp {dp}"
             + ("" if multiple == dp else f" (a multiple of {multiple})")]
 
@@ -253,7 +254,7 @@ def _fsdp_problems(args: TrainArgs) -> List[str]:
                      "add --use-megatron-fsdp")
     if args.fsdp == "none":
         return found
-    return found + fsdp_refusals(args.fsdp, tp=args.tp, cp=getattr(args, "cp", 1), dp=args.dp, pp=args.pp,
+    return found + fsdp_refusals(args.fsdp, tp=args.tp, cp=args.cp, dp=args.dp, pp=args.pp,
                                  ep=args.ep, expert_tp=args.etp or args.tp,
                                  distributed_optimizer=args.distributed_optimizer, words=TRAIN_FLAGS)
 
