@@ -2,7 +2,7 @@
 plan is caught (each case the review asked to measure: bf16, FSDP2's gradients, Megatron-FSDP,
 what FSDP gathers, dropout, the fused activation, recompute modules and methods).
 
-One job runs every case of ``check/plan_agreement.CASES`` (stock Pre-Norm and SiameseNorm under
+One job runs every case of bench/plan_agreement.py's ``CASES`` (stock Pre-Norm and SiameseNorm under
 single, tp2, tp2-sp, pp2, pp2-vpp2, dp2-do, dp2-fsdp2, full and selective recompute; the apart and
 PyTorch paths; multi-head attention without RoPE; an MoE model under ep2) through the runtime the
 check uses, measuring each rank's states,
@@ -13,11 +13,15 @@ planted faults in the plan's arithmetic each fail exactly the terms they drop.
 """
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 
-from megatron_siamese.check import plan_agreement
-from megatron_siamese.check.plan_agreement import CASES, TERMS, compare, format_terms, measure
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the measurement is a bench's
+import plan_agreement  # noqa: E402
+from plan_agreement import CASES, TERMS, compare, format_terms, measure  # noqa: E402
+
 from megatron_siamese.plan import activations as plan_activations
 from megatron_siamese.plan import per_gpu, recompute, states, traffic
 from megatron_siamese.plan.activations import STOCK

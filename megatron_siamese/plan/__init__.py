@@ -17,6 +17,6 @@ Pure arithmetic over a run's settings (no torch, no ranks), split by concern:
   that does; ``args.py``: the command's settings (train's and the plan's own); ``gpus.py``: GPU
   memories by name.
 
-``check/costs.py`` measures the same quantities on CPU ranks, ``check/plan_agreement.py`` and
-``tests/test_plan_measured.py`` hold the two together (docs/scale.md).
+bench/plan_costs.py measures the same quantities on CPU ranks, bench/plan_agreement.py and
+tests/test_plan_measured.py hold the two together (docs/scale.md).
 """

@@ -1,7 +1,7 @@
 """The bytes one GPU sends per training step, by kind of parallelism.
 
 Each collective is booked by the rule of the usual ring and pairwise algorithms (``sent_bytes``;
-``check/collectives.py`` books what it measures by it too): an all-reduce of N bytes over g ranks sends ``2 (g-1)/g N`` per rank, an
+bench/collective_counter.py books what it measures by it too): an all-reduce of N bytes over g ranks sends ``2 (g-1)/g N`` per rank, an
 all-gather, reduce-scatter or all-to-all ``(g-1)/g N``, a send N. With ``N = T h B`` a
 microbatch's hidden states on a rank (``T = s b / cp``), per microbatch:
 
@@ -61,7 +61,7 @@ SUBLAYER_COLLECTIVES = {ALL_REDUCE: 2, ALL_GATHER: 3, REDUCE_SCATTER: 2}
 
 def sent_bytes(op: str, payload: float, group_size: int) -> float:
     """Bytes one rank sends for ``op`` on a payload of ``payload`` bytes over ``group_size`` ranks
-    (the rule in the module docstring; ``check/collectives.py`` measures by it too)."""
+    (the rule in the module docstring; bench/collective_counter.py measures by it too)."""
     if op == SEND:
         return float(payload)
     if group_size <= 1 or op == RECV:

@@ -1,6 +1,6 @@
 """What one training step costs a rank, measured: the counterpart of ``megatron-siamese plan``.
 
-``measure_rank(case, layout)`` runs on every rank of a launched job, like ``step.run_rank``: it
+``measure_rank(case, layout)`` runs on every rank of a launched job, like the check's ``step.run_rank``: it
 builds the same seeded ``MegatronGPT`` and runs one step (schedule, ``finalize_model_grads``,
 optimizer) while it measures
 
@@ -13,7 +13,7 @@ optimizer) while it measures
   of each backward pass). Storages the rank received from the previous pipeline stage, and the
   stage outputs it keeps until their backward (a chunk's output streams, while alive), are its
   pipeline buffers instead;
-* the bytes the rank sends, by process group (``collectives.py``).
+* the bytes the rank sends, by process group (``collective_counter.py``).
 
 ``measure_layouts(case, layouts)`` runs a list of layouts in one job (each on the job's first
 ranks, as the check does) and returns every rank's measurements per layout.
@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_siamese.check.case import ModelCase
-from megatron_siamese.check.collectives import CollectiveCounter, group_kinds
+from collective_counter import CollectiveCounter, group_kinds
 from megatron_siamese.check.sharding import is_dtensor
 from megatron_siamese.runtime.layout import Layout
 
