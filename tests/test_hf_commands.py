@@ -130,7 +130,7 @@ def test_export_of_a_layout_computes_the_megatron_model(megatron_single_rank, sa
 
 
 def _full_state(checkpoint: str):
-    from megatron_siamese.inference.session import load_full_model
+    from saved_models import load_full_model
 
     return {k: v for k, v in load_full_model(checkpoint).state_dict.items() if not k.endswith("_extra_state")}
 
@@ -284,7 +284,7 @@ def test_every_load_takes_a_runs_directory(trained_run, tmp_path, corpus_cache):
     # ... and back, at the vocabulary Megatron-LM padded (384 at TP 1, not our 320): the same weights
     imported = cli_here("import-hf", "--hf", tmp_path / "hf", "--output-dir", tmp_path / "imported")
     assert imported.returncode == 0, imported.stderr
-    from megatron_siamese.inference.session import load_full_model
+    from saved_models import load_full_model
 
     original, back = load_full_model(str(trained_run / "checkpoints")), load_full_model(str(tmp_path / "imported"))
     assert back.vocab_size == original.vocab_size == 384 and set(back.state_dict) == set(original.state_dict)
