@@ -1,12 +1,10 @@
 """Jobs that share a data cache directory (two runs from one directory, a study's runs side by
 side) build in it one at a time: a build waits while another job holds the cache's build lock,
-and then finds whole files instead of mapping Megatron's index caches mid-write."""
+and then finds whole files instead of reading a corpus mid-write."""
 
 import os
 import threading
 import time
-
-import numpy
 
 from megatron_siamese.data.cache_lock import building
 from megatron_siamese.data.corpus import ByteTokenizer, build_indexed_dataset
@@ -42,19 +40,6 @@ def blocked_while_held(cache, build):
     if failure:
         raise failure[0]
     return finished_while_held, during != before, built_files(cache)
-
-
-def test_megatrons_index_caches_are_built_only_while_no_other_job_builds(tmp_path):
-    from megatron_siamese.data.gpt_dataset import build_gpt_datasets
-
-    rng = numpy.random.default_rng(0)
-    prefix = build_indexed_dataset([bytes(rng.integers(97, 123, 300, dtype=numpy.uint8)).decode()
-                                    for _ in range(40)], str(tmp_path / "corpus"), ByteTokenizer())
-    cache = str(tmp_path / "indices")
-    finished, wrote, after = blocked_while_held(
-        cache, lambda: build_gpt_datasets(prefix, ByteTokenizer(), 32, 1, 16, 4, cache))
-    assert not finished and not wrote
-    assert sum(name.endswith("shuffle_index.npy") for name in after) == 2  # train and validation
 
 
 def test_a_corpus_is_built_only_while_no_other_job_builds(tmp_path):
