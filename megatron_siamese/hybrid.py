@@ -37,7 +37,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-import torch
 from torch import Tensor
 
 from megatron.core.transformer.identity_op import IdentityOp
