@@ -11,7 +11,6 @@ from cli_refusals import record_rank_starts
 from cli_runs import cli, cli_here
 
 from megatron_siamese.cli import build_parser
-from megatron_siamese.training.args import TrainArgs
 
 
 @pytest.fixture
@@ -30,9 +29,8 @@ def assert_refused(done, *messages):
 
 # plan checks the model and layout settings before anything runs (train is Megatron-LM's parser)
 BAD_INPUT = {
-    "warm-up over the run": (["plan", "--steps", "5", "--warmup-steps", "30"], "must lie in [0, --train-iters)"),
-    "no steps": (["plan", "--steps", "0"], "--train-iters/--steps must be at least 1 (got 0)"),
-    "negative steps": (["plan", "--steps", "-5"], "must be at least 1 (got -5)"),
+    "no micro-batch": (["plan", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1 (got 0)"),
+    "negative layers": (["plan", "--num-layers", "-5"], "must be at least 1 (got -5)"),
     "fp16": (["plan", "--dtype", "fp16"], "fp16 is not supported"),
     "tp3 over 4 heads": (["plan", "--tp", "3"], "--num-attention-heads 4 does not split over --tp 3"),
     "megatron's name": (["plan", "--tensor-model-parallel-size", "3"], "does not split over --tp 3"),
@@ -84,8 +82,8 @@ def test_no_prefix_matching_of_flags_save_int_is_not_save_interval():
 
 @pytest.mark.stack_independent
 def test_every_problem_is_listed_at_once():
-    done = cli("plan", "--steps", "0", "--tp", "3", "--dtype", "fp16")
-    problems = ["--steps must be at least 1", "--num-attention-heads 4 does not split over --tp 3",
+    done = cli("plan", "--global-batch-size", "0", "--tp", "3", "--dtype", "fp16")
+    problems = ["--global-batch-size must be at least 1", "--num-attention-heads 4 does not split over --tp 3",
                 "the MLP width 512 (--ffn-hidden-size) does not split over --tp 3",
                 "the vocabulary (320) does not split over --tp 3", "--dtype fp16 is not supported"]
     assert_refused(done, *problems)
@@ -119,15 +117,15 @@ def subparser(name):
 @pytest.mark.stack_independent
 def test_megatron_names_are_accepted_beside_the_short_ones():
     options = subparser("plan").parse_args(
-        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "7",
-         "--micro-batch-size", "1", "--global-batch-size", "4", "--seq-length", "64", "--lr-warmup-iters", "1",
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--micro-batch-size", "1", "--global-batch-size", "4", "--seq-length", "64",
          "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--bf16", "--sequence-parallel",
          "--use-distributed-optimizer", "--num-virtual-stages-per-pipeline-rank", "2", "--disable-bias-linear"])
-    assert (options.tp, options.pp, options.steps, options.micro_batch_size, options.global_batch_size,
-            options.seq_length, options.warmup_steps, options.dtype, options.sp, options.distributed_optimizer,
-            options.vpp, options.add_bias_linear) == (2, 2, 7, 1, 4, 64, 1, "bf16", True, True, 2, False)
-    short = subparser("plan").parse_args(["--tp", "2", "--pp", "2", "--steps", "7", "--warmup-steps", "1"])
-    assert (short.tp, short.pp, short.steps, short.warmup_steps) == (2, 2, 7, 1)
+    assert (options.tp, options.pp, options.micro_batch_size, options.global_batch_size,
+            options.seq_length, options.dtype, options.sp, options.distributed_optimizer,
+            options.vpp, options.add_bias_linear) == (2, 2, 1, 4, 64, "bf16", True, True, 2, False)
+    short = subparser("plan").parse_args(["--tp", "2", "--pp", "2", "--dp", "4", "--sp"])
+    assert (short.tp, short.pp, short.dp, short.sp) == (2, 2, 4, True)
 
 
 @pytest.mark.stack_independent
@@ -165,12 +163,6 @@ def test_subcommands_list_only_their_own_flags():
         text = subparser(command).format_help()
         assert "--load" in text and "--hidden-size" in text
         assert "--train-iters" not in text and "--tensor-model-parallel-size" not in text and "--lr" not in text
-
-
-@pytest.mark.stack_independent
-def test_warm_up_defaults_to_a_tenth_of_the_run():
-    assert [TrainArgs(steps=s).warmup for s in (300, 5, 1)] == [30, 0, 0]
-    assert TrainArgs(steps=300, warmup_steps=7).warmup == 7
 
 
 # -- checkpoints: a broken one is named, with the complete ones to load instead ---------------

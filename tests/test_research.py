@@ -99,7 +99,7 @@ def test_upcycling_refuses_another_number_of_mtp_layers(megatron_single_rank, he
         upcycled_state(state("pre", held), state("siamese", asked), False)
 
 
-TINY = dict(steps=8, warmup_steps=1, num_layers=4, hidden_size=64, seq_length=64, micro_batch_size=4,
+TINY = dict(num_layers=4, hidden_size=64, seq_length=64, micro_batch_size=4,
             global_batch_size=8, tp=1,
             init_method_std=0.2)  # far from a uniform guess: a wrong upcycled function shows in its loss
 
@@ -157,7 +157,7 @@ def test_upcycle_carries_the_mtp_layers(tmp_path, corpus_cache, monkeypatch):
     from megatron_siamese.research.upcycle import upcycle
     from megatron_siamese.training.checkpoint_files import CheckpointError
 
-    smallest = dict(TINY, steps=2, mtp_num_layers=1)
+    smallest = dict(TINY, mtp_num_layers=1)
     args = TrainArgs(**smallest, cache_dir=corpus_cache, output_dir=str(tmp_path / "upcycled"))
     pre_checkpoint = pre_norm_checkpoint(args, tmp_path / "pre" / "checkpoints")
     with pytest.raises(CheckpointError, match=r"another model than the flags describe \(--mtp-num-layers 1 -> unset"):

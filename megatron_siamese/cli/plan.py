@@ -20,9 +20,9 @@ interleaved schedule keeps in flight), the bytes each GPU sends per step over TP
 EP, the difference, whether the most loaded pipeline stage fits --gpu-memory, and the largest
 micro-batch that does. Arithmetic only: no rank starts, nothing is imported from torch.
 
-Every flag of `megatron-siamese train` means the same here (those that do not change the cost,
-such as the learning rate, are read and ignored), so a training command becomes its plan by
-changing its first word. Measured against the CPU ranks within 5% per term
+Every flag of `megatron-siamese train` means the same here (with megatron-core >= 0.17, those
+that do not change the cost, such as the learning rate, are read by Megatron-LM's parser and
+ignored), so a training command becomes its plan by changing its first word. Measured against the CPU ranks within 5% per term
 (tests/test_plan_measured.py; docs/scale.md):
 
   megatron-siamese plan --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \\

@@ -45,7 +45,7 @@ class SavedCheckpoint:
 
 def recorded_settings(common: Dict[str, Any]) -> Optional[ModelSettings]:
     """The ModelSettings a checkpoint's common state records (None when it records none): our
-    trainer's settings, else what Megatron-LM's args of our pretrain say (inference/saved_args.py)."""
+    model-only checkpoints' settings (upcycle, import-hf), else what Megatron-LM's args of our pretrain say (inference/saved_args.py)."""
     from megatron_siamese.inference.saved_args import settings_from_args
     from megatron_siamese.training.checkpoint_settings import SETTINGS_KEY
 

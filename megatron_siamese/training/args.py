@@ -1,12 +1,12 @@
-"""A training run's settings, and every problem with them found before any rank starts.
+"""A model on its ranks: the model (``ModelSettings``), its layout and batch, in ``train``'s flags,
+and every problem with them found before any rank starts.
 
-Plain data and arithmetic, no torch or Megatron import: the command line builds ``TrainArgs``
-in the launching process and a bad value is refused in a fraction of a second, each problem
-on one line saying what to change (``ConfigError``). Library users get the same list when
-they construct ``TrainArgs``.
-
-It is long because every setting of a run is declared here, with its default and its help text,
-beside the checks that read several of them together (recompute, expert layout, FSDP).
+What ``plan`` costs, and what ``upcycle``, ``analyze``, ``export`` and ``import-hf`` build a model
+from. The learning-rate schedule, optimizer and data are Megatron-LM's to decide (``train`` is its
+loop), so none is here. Plain data and arithmetic, no torch or Megatron import: the command line
+builds ``TrainArgs`` in the launching process and a bad value is refused in a fraction of a
+second, each problem on one line saying what to change (``ConfigError``). Library users get the
+same list when they construct ``TrainArgs``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from megatron_siamese.runtime.registry import ConfigError, Switch, definitions, 
 from megatron_siamese.runtime.settings import ModelSettings, model_class_problems, scheme_setting_problems
 from megatron_siamese.training import recompute_flags
 
-WARMUP_FRACTION = 0.1  # of the run, when no warm-up is given (Megatron-LM's --lr-warmup-fraction)
 BYTE_VOCAB = 258  # ByteTokenizer: 256 bytes, end of document, padding
 VOCAB_MULTIPLE = 64
 
@@ -122,14 +121,6 @@ class TrainArgs(ModelSettings):
                                     help="sequences per microbatch")
     global_batch_size: int = setting(16, group=TRAINING, flag="--global-batch-size", minimum=1,
                                      help="sequences per optimizer step (a multiple of micro batch size x DP)")
-    steps: int = setting(300, group=TRAINING, flag=("--train-iters", "--steps"), minimum=1, help="optimizer steps")
-    lr: float = setting(2e-3, group=TRAINING, flag="--lr", help="peak learning rate (linear warm-up, cosine decay)")
-    min_lr: float = setting(2e-4, group=TRAINING, flag="--min-lr", help="final learning rate")
-    # None: WARMUP_FRACTION of the run
-    warmup_steps: Optional[int] = setting(None, group=TRAINING, flag=("--lr-warmup-iters", "--warmup-steps"),
-                                          help="warm-up steps (default: 10%% of the run)")
-    weight_decay: float = setting(0.1, group=TRAINING, flag="--weight-decay", help="weight decay")
-    clip_grad: float = setting(1.0, group=TRAINING, flag="--clip-grad", help="gradient norm clipping")
     seed: int = setting(1234, group=TRAINING, flag="--seed", help="random seed (weights and data order)")
     distributed_timeout_minutes: float = setting(
         60.0, group=TRAINING, flag="--distributed-timeout-minutes", minimum=0.01,
@@ -163,13 +154,6 @@ class TrainArgs(ModelSettings):
         return Recompute(self.recompute_granularity, self.recompute_method, self.recompute_num_layers, modules or ())
 
     @property
-    def warmup(self) -> int:
-        """Warm-up steps: as given, else WARMUP_FRACTION of the run (below its length)."""
-        if self.warmup_steps is not None:
-            return self.warmup_steps
-        return min(round(WARMUP_FRACTION * self.steps), max(self.steps - 1, 0))
-
-    @property
     def fsdp(self) -> str:
         """Layout.fsdp: which fully sharded data parallelism the two Megatron-LM flags ask for."""
         return "torch" if self.use_torch_fsdp2 else "megatron" if self.use_megatron_fsdp else "none"
@@ -200,12 +184,6 @@ def problems(args: TrainArgs) -> List[str]:
     found = list(invalid.values())
     if args.fp8 is not None and args.transformer_impl != "transformer_engine":
         found.append("--fp8-format needs Transformer Engine's GEMMs: add --transformer-impl transformer_engine")
-    if args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
-        found.append(f"learning rates must satisfy 0 <= --min-lr <= --lr (got --lr {args.lr:g}, --min-lr {args.min_lr:g})")
-    if "steps" not in invalid:
-        if args.warmup_steps is not None and not 0 <= args.warmup_steps < args.steps:
-            found.append(f"--lr-warmup-iters/--warmup-steps must lie in [0, --train-iters) (got {args.warmup_steps} "
-                         f"for {args.steps} steps): lower it, or leave it out for {WARMUP_FRACTION:.0%} of the run")
 
     if args.sp and args.tp == 1:
         found.append("--sequence-parallel/--sp needs --tp > 1")

@@ -72,7 +72,7 @@ def save_model(chunks: List[torch.nn.Module], args, directory: str, step: int = 
     torch.distributed.barrier()
     state = sharded_model_state(chunks)
     vocab_size = vocab_size or getattr(chunks[0], "vocab_size", None) or padded_vocab_size()  # the model's own
-    state["args"] = megatron_lm_args.checkpoint_args(args, step, vocab_size, VOCAB_MULTIPLE, model_only=True)
+    state["args"] = megatron_lm_args.checkpoint_args(args, step, vocab_size, VOCAB_MULTIPLE)
     state["checkpoint_version"] = megatron_lm_args.CHECKPOINT_VERSION
     state["iteration"] = step
     state["num_floating_point_operations_so_far"] = 0

@@ -4,8 +4,9 @@ Megatron-LM stores its whole argparse.Namespace in every checkpoint and its ``lo
 reads it back: the TP/PP/DP sizes (whether RNG and optimizer state can load as saved),
 ``no_save_rng`` / ``no_save_optim`` (whether they were saved at all), the consumed samples
 (where its data continues), and ``check_checkpoint_args`` compares the model's shape with the
-resuming run's. Writing the same names lets ``pretrain_gpt.py --load`` resume a checkpoint of
-this trainer, and ``--use-checkpoint-args`` rebuild its model from it.
+resuming run's. Writing the same names lets Megatron-LM's loop (``megatron-siamese train --load``,
+``pretrain_gpt.py --load``) start from a model-only checkpoint of ours (upcycle, import-hf), and
+``--use-checkpoint-args`` rebuild its model from it.
 
 Plain values only (str, int, float, bool, None, a list of ints): megatron-core 0.19 reads the common state with
 ``weights_only=True``, which allows a Namespace but not arbitrary objects.
@@ -18,8 +19,6 @@ from argparse import Namespace
 from megatron_siamese.hybrid_pattern import hybrid_pattern, num_layers
 from megatron_siamese.runtime.settings import ModelSettings, moe_layer_freq
 
-ADAM_BETAS = dict(adam_beta1=0.9, adam_beta2=0.95)  # the trainer's Adam (Megatron-LM's --adam-beta1/2)
-LR_DECAY_STYLE = "cosine"  # the trainer's schedule (Megatron-LM's --lr-decay-style; its default is linear)
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current "checkpoint_version" (3.0: no QKV reordering on load)
 # the layer spec Megatron-LM's --spec names for a scheme, where there is one (docs/megatron-lm.md)
 SPECS = {"siamese-layer": ["megatron_siamese.specs", "siamese_layer_spec"]}
@@ -81,8 +80,9 @@ def model_args(model: ModelSettings, vocab_size: int, vocab_multiple: int) -> di
     )
 
 
-def checkpoint_args(args, step: int, vocab_size: int, vocab_multiple: int, model_only: bool) -> Namespace:
-    """The Namespace a checkpoint of ``args`` (a TrainArgs) saved at ``step`` carries."""
+def checkpoint_args(args, step: int, vocab_size: int, vocab_multiple: int) -> Namespace:
+    """The Namespace a model-only checkpoint of ``args`` (a TrainArgs) saved at ``step`` carries: the
+    model and its layout (no optimizer state, no schedule: Megatron-LM's loop starts both fresh)."""
     return Namespace(
         **model_args(args, vocab_size, vocab_multiple),
         **args.layout.model_parallel_sizes(),
@@ -95,25 +95,12 @@ def checkpoint_args(args, step: int, vocab_size: int, vocab_multiple: int, model
         # the run is deterministic without RNG state (no dropout; the data is a function of the
         # step): none is saved, and Megatron-LM's loader then skips it (no --no-load-rng needed)
         no_save_rng=True,
-        no_save_optim=model_only,  # a model-only checkpoint: Megatron-LM then starts a fresh optimizer
+        no_save_optim=True,  # Megatron-LM then starts a fresh optimizer
         iteration=step,
-        train_iters=args.steps,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         consumed_train_samples=step * args.global_batch_size,
         skipped_train_samples=0,
-        consumed_valid_samples=0,  # validation reads the same fixed batches each time
-        lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_iters=args.warmup,
-        lr_decay_iters=args.steps,
-        lr_decay_style=LR_DECAY_STYLE,
-        weight_decay=args.weight_decay,
-        start_weight_decay=args.weight_decay,
-        end_weight_decay=args.weight_decay,
-        weight_decay_incr_style="constant",
-        clip_grad=args.clip_grad,
-        **ADAM_BETAS,
-        optimizer="adam",
+        consumed_valid_samples=0,
         seed=args.seed,
     )
