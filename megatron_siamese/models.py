@@ -1,6 +1,6 @@
 """Residual schemes, and stock Megatron ``GPTModel`` / ``HybridModel`` chunks built with them.
 
-``SCHEMES`` names the block specs that the trainer, the correctness check and the tests
+``SCHEMES`` names the block specs that train, the correctness check and the tests
 build models from:
 
 * ``siamese``: SiameseNorm via the Python API (``get_siamese_block_spec``);

@@ -50,7 +50,7 @@ and the distributed optimizer), expert parameters compared per global expert:
   megatron-siamese check --num-experts 4 --disable-bias-linear
 """
 
-# the model settings the check takes, as the trainer defines them, with the check's tiny defaults
+# the model settings the check takes, as train and plan define them, with the check's tiny defaults
 CASE_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                  "seq_length", "normalization", "add_bias_linear", "qk_layernorm", "model", "hybrid_layer_pattern", "dtype",
                  "transformer_impl", "fp8", "fp8_recipe",
@@ -72,9 +72,9 @@ CASE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Model
 
 def add_case_flags(parser: argparse.ArgumentParser) -> None:
     settings = definitions(ModelSettings)
-    group = parser.add_argument_group("model and precision (the trainer's flags; defaults: the check's tiny GPT)")
+    group = parser.add_argument_group("model and precision (train's flags; defaults: the check's tiny GPT)")
     for name in CASE_SETTINGS:
-        # the trainer's own default, where its help names one, is not the check's
+        # train's own default, where its help names one, is not the check's
         help = re.sub(r" \(\)", "", re.sub(r"(; )?default: [^)]*\)", ")", settings[name].help))
         default = CASE_DEFAULTS[name]
         if name == GROUPS_UNLESS_MLA:  # left unset: the check's groups, or none under MLA (run())

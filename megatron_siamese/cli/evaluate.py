@@ -18,7 +18,7 @@ def _parser(commands, name: str) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         name, help="lm-evaluation-harness on an exported model (needs the [hf] extra)",
         description="Run lm-evaluation-harness (--model hf, trust_remote_code) on a Transformers model directory, "
-                    "by default on the held-out synthetic addition problems the trainer evaluates "
+                    "by default on the held-out synthetic addition problems the study scores "
                     "(docs/evaluate.md). Prints the harness's table and writes its results as JSON.",
         formatter_class=flags.HelpFormatter)
     model = parser.add_mutually_exclusive_group(required=True)

@@ -3,9 +3,9 @@ run time: a JSON-lines file of held-out problems and one task config per variant
 harness runs it offline (``dataset_path: json``).
 
 Each problem is a log-likelihood request: the context ``"\\n347+58="`` (the newline a problem
-boundary, as the trainer's own evaluation left-pads) and the continuation ``"405\\n"``. The
+boundary, as the study's scoring left-pads) and the continuation ``"405\\n"``. The
 harness's ``acc`` for such a request is whether greedy decoding produces the continuation, so
-it is the trainer's exact-match accuracy (every digit, then the end of the line), from one
+it is the study's exact-match accuracy (every digit, then the end of the line), from one
 forward pass per problem.
 """
 
@@ -17,9 +17,9 @@ from typing import Dict, Iterable, Tuple
 
 from megatron_siamese.data.addition import answer, split
 
-# task name: the sum written least significant digit first (the trainer's --task names)
+# task name: the sum written least significant digit first (the study's addition-reversed)
 TASKS: Dict[str, bool] = {"siamese_addition": False, "siamese_addition_reversed": True}
-# the trainer's held-out problems (data/addition.py: exact_match_accuracy's defaults)
+# the study's held-out problems (data/addition.py: exact_match_accuracy's defaults)
 SEED = 7
 
 

@@ -181,7 +181,7 @@ def load_exported(directory: str):
 def verify(model, directory: str) -> float:
     """The exported model's logits against the Megatron model's on ``VERIFY_TEXT``, relative to
     their largest magnitude; ExportError above ``VERIFY_RTOL`` (fp32) or ``VERIFY_RTOL_16BIT``
-    (bf16 weights, run as the trainer runs them, in Megatron's Float16Module: rounding alone
+    (bf16 weights, run as Megatron's loop runs them, in Megatron's Float16Module: rounding alone
     reaches about 2e-2 there, a misplaced weight gives errors of order 1)."""
     sixteen_bit = model.config.params_dtype != torch.float32
     tolerance = VERIFY_RTOL_16BIT if sixteen_bit else VERIFY_RTOL

@@ -1,2 +1,2 @@
-"""After pretraining: a checkpoint's model without the trainer (``session.py``), and text
+"""After pretraining: a checkpoint's model without a training loop (``session.py``), and text
 generation through Megatron's inference engine (``generate.py``)."""

@@ -83,7 +83,7 @@ class Generation:
 
 
 class InferenceTokenizer(ByteTokenizer):
-    """The trainer's byte tokenizer with what Megatron's text-generation controller reads."""
+    """The embedded corpus's byte tokenizer with what Megatron's text-generation controller reads."""
 
     bos = None  # no beginning-of-sequence token
 

@@ -1,7 +1,7 @@
 """Checkpoint directories on disk: which steps are complete, what is wrong with a broken one.
 
-Layout: Megatron-LM's, so that checkpoints move both ways between this trainer and
-Megatron-LM's ``pretrain_gpt.py``: ``<dir>/iter_<N, 7 digits>/`` per checkpoint (Megatron's
+Layout: Megatron-LM's, so that model-only checkpoints of ours (upcycle, import-hf) load in
+Megatron-LM's loop: ``<dir>/iter_<N, 7 digits>/`` per checkpoint (Megatron's
 torch_dist format: ``metadata.json``, torch's ``.metadata`` and ``*.distcp`` shards, and up to
 megatron-core 0.18 ``common.pt``; from 0.19 the common state is a shard too) and
 ``<dir>/latest_checkpointed_iteration.txt`` holding the newest complete one's iteration. The
@@ -9,8 +9,7 @@ tracker is written only after every rank finished saving, and atomically (a rena
 names a partial checkpoint.
 
 Checkpoints of earlier releases (``<dir>/step_<N>/`` and ``<dir>/latest`` naming one) are still
-read: ``resolve`` follows either tracker, and their common state is read in today's keys
-(``in_megatron_keys``).
+read: ``resolve`` follows either tracker, and ``iteration`` reads their step under its old key.
 
 Everything here runs in the launching process before any rank starts (torch and Megatron's
 checkpoint reader are imported only to read a checkpoint's metadata and common state), so a

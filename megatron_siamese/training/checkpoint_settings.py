@@ -109,6 +109,6 @@ def model_problem(checkpoint: str, common: Mapping[str, Any], args, flags_descri
         return None
     if flags_describe:
         return (f"--load {checkpoint} holds another model than the flags describe ({', '.join(differ)}; "
-                "checkpoint -> flags): give the checkpoint's model flags (its run's settings.json lists them)")
+                "checkpoint -> flags): give the checkpoint's model flags")
     return (f"--load {checkpoint} holds another model than this run builds ({', '.join(differ)}; "
             "checkpoint -> this run): give the checkpoint's values, or start without --load")

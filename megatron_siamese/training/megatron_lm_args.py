@@ -23,7 +23,7 @@ CHECKPOINT_VERSION = 3.0  # Megatron-LM's current "checkpoint_version" (3.0: no 
 # the layer spec Megatron-LM's --spec names for a scheme, where there is one (docs/megatron-lm.md)
 SPECS = {"siamese-layer": ["megatron_siamese.specs", "siamese_layer_spec"]}
 MOE_SPECS = {"siamese-layer": ["megatron_siamese.specs", "siamese_moe_layer_spec"]}  # with --num-experts
-# pretrain_hybrid.py's --spec: the whole HybridModel stack (local modules, as this trainer builds it)
+# pretrain_hybrid.py's --spec: the whole HybridModel stack (local modules, as train builds it)
 HYBRID_SPEC = ["megatron_siamese.hybrid", "siamese_hybrid_stack_spec"]
 
 
