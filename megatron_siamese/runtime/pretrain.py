@@ -173,6 +173,9 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
+    from megatron_siamese.runtime.quiet import silence_known_notices
+
+    silence_known_notices(on_cpu_shim=not device.uses_cuda())  # again: Megatron-LM has set up its logging now
     args = get_args()
     config = siamese_config(config or core_transformer_config_from_args(args), args)
     spec = layer_spec(args, config, vp_stage)

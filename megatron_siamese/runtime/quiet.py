@@ -46,15 +46,24 @@ KNOWN_NOTICES = (
     # generate runs the static engine on purpose where the dynamic one cannot run (docs/inference.md)
     "The static engine will be deprecated",
 )
+# where the CPU stands in for the GPU (the CPU shim), Megatron's CUDA RNG tracker forks the CPU's
+# generator: the dropout it draws inside the fork changes the state this warns about, every layer,
+# every microbatch (thousands of lines a run). On a GPU it means what it says, and shows.
+CPU_SHIM_NOTICES = ("CPU RNG state changed within GPU RNG context",)
 _PATTERN = re.compile("|".join(f"(?:{notice})" for notice in KNOWN_NOTICES))
+_CPU_PATTERN = re.compile("|".join(f"(?:{notice})" for notice in KNOWN_NOTICES + CPU_SHIM_NOTICES))
 # loggers that log a known notice while torch is being imported, before its handlers exist:
 # filtered at the logger itself
 _SOURCE_LOGGERS = ("torch.utils.cpp_extension",)
 
 
 class _KnownNoticeFilter(logging.Filter):
+    def __init__(self, pattern: re.Pattern = _PATTERN):
+        super().__init__()
+        self.pattern = pattern
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not _PATTERN.match(record.getMessage())
+        return not self.pattern.match(record.getMessage())
 
 
 def warning_options() -> str:
@@ -65,13 +74,24 @@ def warning_options() -> str:
     return ",".join(f"ignore:{notice}" for notice in literal)
 
 
-def silence_known_notices() -> None:
-    """Hide the known notices in this process (warnings and log records; idempotent)."""
+def silence_known_notices(on_cpu_shim: bool = False) -> None:
+    """Hide the known notices in this process (warnings and log records; idempotent), and with
+    ``on_cpu_shim`` those of the CPU standing in for the GPU. Log handlers added later (Megatron-LM's
+    logging setup adds its own) are covered by calling this again once they exist."""
     for notice in KNOWN_NOTICES:
         warnings.filterwarnings("ignore", message=notice)
-    noticed = _KnownNoticeFilter()
+    noticed = _KnownNoticeFilter(_CPU_PATTERN if on_cpu_shim else _PATTERN)
     handlers = [logging.lastResort] + [h for name in (None, "torch", "megatron", "megatron.core")
                                        for h in logging.getLogger(name).handlers]
     for filterer in handlers + [logging.getLogger(name) for name in _SOURCE_LOGGERS]:
-        if filterer is not None and not any(isinstance(f, _KnownNoticeFilter) for f in filterer.filters):
-            filterer.addFilter(noticed)
+        if filterer is not None:
+            _guard(filterer, noticed)
+
+
+def _guard(filterer: logging.Filterer, noticed: _KnownNoticeFilter) -> None:
+    """``noticed`` ahead of ``filterer``'s own filtering (replacing an earlier guard). Composed
+    rather than added with ``addFilter``: Megatron-LM's log handler overrides ``filter`` without
+    calling the filters added to it."""
+    own = getattr(filterer, "_unguarded_filter", filterer.filter)
+    filterer._unguarded_filter = own
+    filterer.filter = lambda record: noticed.filter(record) and own(record)
