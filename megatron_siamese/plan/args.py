@@ -33,8 +33,12 @@ class PlanArgs(TrainArgs):
     """``train``'s settings and the plan's own."""
 
     vocab_size: int = setting(BYTE_VOCAB, group=PLAN, flag="--vocab-size", minimum=1,
-                              help="tokens in the vocabulary, padded to a multiple of 64 as Megatron-LM pads it "
-                                   "(default: the embedded corpus's byte vocabulary)")
+                              help="tokens in the vocabulary, padded as Megatron-LM pads it (to a multiple of "
+                                   "--make-vocab-size-divisible-by x --tp; default: the embedded corpus's byte "
+                                   "vocabulary)")
+    make_vocab_size_divisible_by: int = setting(128, group=PLAN, flag="--make-vocab-size-divisible-by", minimum=1,
+                                                help="Megatron-LM's: the vocabulary is padded to a multiple of this "
+                                                     "times --tp")
     gpu_memory: str = setting("h100-80gb", group=PLAN, flag="--gpu-memory", check=gpu_memory_problem,
                               metavar="GPU|SIZE",
                               help="the memory of one GPU: a100-40gb, a100-80gb, h100-80gb (h100), h200-141gb "
@@ -74,7 +78,17 @@ class PlanArgs(TrainArgs):
 
     @property
     def padded_vocab(self) -> int:
-        return padded_vocab_size(self.vocab_size)
+        """The vocabulary Megatron-LM's loop builds (its ``vocab_utils``): padded to a multiple of
+        --make-vocab-size-divisible-by x --tp, so it always splits over TP."""
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by * self.tp)
+
+    @property
+    def mlp_width(self) -> int:
+        """The dense MLP's width as Megatron-LM's parser sets it: --ffn-hidden-size, else 4 x hidden,
+        with --swiglu two thirds of that rounded down to a multiple of 64 (two input projections)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.gated_linear_unit else 4 * self.hidden_size
 
     @property
     def attention(self) -> str:
