@@ -270,7 +270,13 @@ def test_a_failure_midway_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
     with written_atomically(str(target)) as partial:
         open(os.path.join(partial, "config.json"), "w").close()
+        os.chmod(os.path.join(partial, "config.json"), 0o600)  # as safetensors writes its file
     assert os.listdir(tmp_path) == ["out"] and os.listdir(target) == ["config.json"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    # others may read what was written, as any new file of this user (mkdtemp made the directory 0700)
+    assert oct(os.stat(target).st_mode & 0o777) == oct(0o777 & ~umask)
+    assert oct(os.stat(target / "config.json").st_mode & 0o777) == oct(0o666 & ~umask)
 
 
 def test_every_load_takes_a_runs_directory(trained_run, tmp_path, corpus_cache):

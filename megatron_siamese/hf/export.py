@@ -60,11 +60,19 @@ def refuse_existing(output_dir: str) -> None:
 
 @contextmanager
 def written_atomically(output_dir: str) -> Iterator[str]:
-    """A fresh directory beside ``output_dir``, renamed to it when the block succeeds, removed when not."""
+    """A fresh directory beside ``output_dir``, renamed to it when the block succeeds, removed when not.
+    What it holds gets the permissions the user's umask gives new files (mkdtemp makes the directory
+    0700, safetensors its file 0600: on a shared cluster nobody else could read the export)."""
     parent = os.path.dirname(os.path.abspath(output_dir))
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.", suffix=".partial", dir=parent)
     try:
         yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        for directory, _, files in os.walk(tmp):
+            os.chmod(directory, 0o777 & ~umask)
+            for name in files:
+                os.chmod(os.path.join(directory, name), 0o666 & ~umask)
         os.rename(tmp, output_dir)  # fails, rather than merges, if the target appeared meanwhile
     finally:
         if os.path.isdir(tmp):
