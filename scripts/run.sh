@@ -27,4 +27,5 @@ flags=()
 for ((i = 0; i < ${#defaults[@]}; i += 2)); do  # each default unless the command line gives that flag
   case " ${given[*]:-} " in *" ${defaults[i]} "*) ;; *) flags+=("${defaults[i]}" "${defaults[i + 1]}") ;; esac
 done
-"$venv/bin/megatron-siamese" train "${flags[@]}" "$@" 2>&1 | tee -a "$run/train.log"
+# tee -i: a Ctrl-C reaches the whole foreground group; the log keeps what train says as it stops
+"$venv/bin/megatron-siamese" train "${flags[@]}" "$@" 2>&1 | tee -i -a "$run/train.log"
