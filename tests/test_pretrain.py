@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -295,6 +296,11 @@ def test_a_rank_killed_under_torchrun_max_restarts_is_restarted_and_resumes_bitw
     status, log = interrupted(command, r"iteration\s+6/", kill_rank_1, tmp_path / "log")
     assert status == 0, log[-3000:]
     assert [int(step) for step, _ in ITERATION.findall(log)] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
+    # the killed rank's helpers die with it: the checkpoint writer's queue manager (a fork of the
+    # rank, with its command line) was left running for good
+    time.sleep(2)
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if checkpoints in " ".join(p.info["cmdline"] or [])]
+    assert left == [], left
     restarted, _ = read_losses(str(tmp_path / "tb"))
     assert restarted == uninterrupted
 

@@ -14,9 +14,13 @@ _megatrons_loop = None  # PersistentAsyncCaller.async_loop before install() (a f
 
 
 def async_loop(*args, **kwargs):
+    import signal
+
     import torch
 
-    from megatron_siamese.runtime import cpu_shim
+    from megatron_siamese.runtime import cpu_shim, orphans
+
+    orphans.die_with_parent(signal.SIGKILL)  # its parent, the rank's fork server, ends with the rank
 
     cpu_shim.install()
     torch.cuda.device_count = lambda: 1

@@ -6,7 +6,9 @@ stops (and saves) when its agent dies. A rank ``launch.py`` started has the fork
 parent, which outlives a killed launcher, so it ``watch``es the launcher itself (a thread waiting
 on a pidfd of it) and is SIGKILLed within a second of the launcher's death, instead of finishing
 the run or waiting forever for peers. Megatron's checkpoint writer's manager process gets the
-parent-death signal of its rank (``checkpoint_writer_dies_with_its_rank``). Elsewhere than Linux
+parent-death signal of its rank (``checkpoint_writer_dies_with_its_rank``: our writer's and
+Megatron-LM's loop's), and on CPU Megatron's persistent checkpoint worker that of the fork server
+it was started from, which ends with the rank (``cpu_checkpoint_worker``). Elsewhere than Linux
 the parent-death signal does nothing and the watch looks once a second.
 """
 

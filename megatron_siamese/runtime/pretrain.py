@@ -352,6 +352,10 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"megatron-siamese train: --load {args.load} holds model weights only (upcycle, import-hf), so "
                   "--no-load-optim: a fresh optimizer from its weights", flush=True)
+    if args.save:  # Megatron's writer would fork a results-queue manager that outlives a killed rank
+        from megatron_siamese.runtime.orphans import checkpoint_writer_dies_with_its_rank
+
+        checkpoint_writer_dies_with_its_rank()
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider, store=load.restart_store(args))
