@@ -297,12 +297,26 @@ def test_a_rank_killed_under_torchrun_max_restarts_is_restarted_and_resumes_bitw
     assert status == 0, log[-3000:]
     assert [int(step) for step, _ in ITERATION.findall(log)] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
     # the killed rank's helpers die with it: the checkpoint writer's queue manager (a fork of the
-    # rank, with its command line) was left running for good
+    # rank) and the persistent worker with its fork server were left running for good
     time.sleep(2)
-    left = [p.pid for p in psutil.process_iter(["cmdline"]) if checkpoints in " ".join(p.info["cmdline"] or [])]
-    assert left == [], left
+    assert orphans_of_this_test() == []
     restarted, _ = read_losses(str(tmp_path / "tb"))
     assert restarted == uninterrupted
+
+
+def orphans_of_this_test():
+    """Processes this test started (they inherit its PYTEST_CURRENT_TEST) that outlived their parents."""
+    import psutil
+
+    this = os.environ["PYTEST_CURRENT_TEST"].split()[0]
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.ppid() == 1 and process.environ().get("PYTEST_CURRENT_TEST", "").split()[:1] == [this]:
+                found.append(" ".join(process.cmdline())[:200])
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            pass
+    return found
 
 
 @needs_training

@@ -14,13 +14,17 @@ _megatrons_loop = None  # PersistentAsyncCaller.async_loop before install() (a f
 
 
 def async_loop(*args, **kwargs):
-    import signal
+    import multiprocessing
 
     import torch
 
     from megatron_siamese.runtime import cpu_shim, orphans
 
-    orphans.die_with_parent(signal.SIGKILL)  # its parent, the rank's fork server, ends with the rank
+    # ends with its rank (the process that asked for it): its fork server lives as long as it does
+    # (it holds the server's keep-alive pipe), so neither would end otherwise
+    rank = multiprocessing.parent_process()
+    if rank is not None:
+        orphans.watch(rank.pid)
 
     cpu_shim.install()
     torch.cuda.device_count = lambda: 1

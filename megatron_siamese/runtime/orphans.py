@@ -7,8 +7,8 @@ parent, which outlives a killed launcher, so it ``watch``es the launcher itself 
 on a pidfd of it) and is SIGKILLed within a second of the launcher's death, instead of finishing
 the run or waiting forever for peers. Megatron's checkpoint writer's manager process gets the
 parent-death signal of its rank (``checkpoint_writer_dies_with_its_rank``: our writer's and
-Megatron-LM's loop's), and on CPU Megatron's persistent checkpoint worker that of the fork server
-it was started from, which ends with the rank (``cpu_checkpoint_worker``). Elsewhere than Linux
+Megatron-LM's loop's), and on CPU Megatron's persistent checkpoint worker ``watch``es its rank
+(``cpu_checkpoint_worker``). Elsewhere than Linux
 the parent-death signal does nothing and the watch looks once a second.
 """
 
@@ -84,13 +84,16 @@ def _checkpoint_writer_manager() -> None:
     import torch.distributed.checkpoint  # noqa: F401
 
 
-def checkpoint_writer_dies_with_its_rank() -> None:
+def checkpoint_writer_dies_with_its_rank(start_method: str = "spawn") -> None:
     """Megatron's checkpoint writer (dist_checkpointing's ``filesystem_async``) keeps its results
     queue in a multiprocessing manager, a process it spawns at a rank's first save and nothing
     ends once the rank is gone: a rank SIGKILLed under torchrun (which stops a failed worker's
     process group only while the worker lives) left it and its resource tracker running for
     good. This gives the writer its queue from a manager that gets SIGKILL when its rank dies
-    (the tracker then sees its last holder go and exits); Megatron uses a queue already there."""
+    (the tracker then sees its last holder go and exits); Megatron uses a queue already there.
+    ``start_method`` "fork" (what Megatron-LM's loop uses, in well under a second) only before the
+    rank has process groups, whose threads a fork would copy mid-work; "spawn" (seconds: a new
+    interpreter) at any time."""
     from multiprocessing import get_context
     from multiprocessing.managers import SyncManager
 
@@ -98,6 +101,6 @@ def checkpoint_writer_dies_with_its_rank() -> None:
 
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
-    manager = SyncManager(ctx=get_context("spawn"))
+    manager = SyncManager(ctx=get_context(start_method))
     manager.start(initializer=_checkpoint_writer_manager)
     filesystem_async._results_queue = manager.Queue()  # its proxy keeps the manager alive

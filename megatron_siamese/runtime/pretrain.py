@@ -355,7 +355,7 @@ def main() -> None:
     if args.save:  # Megatron's writer would fork a results-queue manager that outlives a killed rank
         from megatron_siamese.runtime.orphans import checkpoint_writer_dies_with_its_rank
 
-        checkpoint_writer_dies_with_its_rank()
+        checkpoint_writer_dies_with_its_rank("fork")  # no process group yet
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider, store=load.restart_store(args))
