@@ -247,10 +247,10 @@ def test_train_and_check_refuse_a_context_parallel_split_with_the_same_rule():
     with pytest.raises(ConfigError) as refused:
         TrainArgs(seq_length=102, cp=2)
     assert refused.value.problems == ["--seq-length 102 must be a multiple of 2 x --cp 2 = 4 (context parallelism "
-                                      "cuts each sequence into 2 cp chunks, two per rank)"]
+                                      "cuts each sequence into 2 x cp chunks, two per rank)"]
     assert check.problems(ModelCase(seq_length=20), ["cp4"]) == [
         "layout cp4: --seq-length 20 must be a multiple of 2 x cp4 = 8 (context parallelism cuts each sequence into "
-        "2 cp chunks, two per rank)"]
+        "2 x cp chunks, two per rank)"]
     with pytest.raises(ConfigError) as refused:
         TrainArgs(seq_length=36, cp=2, tp=4, sp=True, num_query_groups=4)
     assert refused.value.problems == [

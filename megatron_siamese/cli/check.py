@@ -150,7 +150,7 @@ def _split_problems(case: ModelCase, layout: Layout) -> List[str]:
 
 def packed_problems(case: ModelCase, layout: Layout) -> List[str]:
     """What keeps ``--packed-sequences`` from cutting the check's sequences into documents that
-    ``layout`` can split (each document into 2 cp chunks under context parallelism)."""
+    ``layout`` can split (each document into 2 x cp chunks under context parallelism)."""
     if not case.packed_sequences:
         return []
     if case.mtp_num_layers:

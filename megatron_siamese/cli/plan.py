@@ -76,7 +76,7 @@ def describe(args: PlanArgs) -> str:
         f"MLP {args.mlp_width} ({mlp}){experts}, vocabulary {args.padded_vocab}, sequence {args.seq_length}; "
         f"{args.dtype}, {args.transformer_impl} modules, {args.attention} attention",
         f"layout {layout.name}: {layout.world_size} GPU{'' if layout.world_size == 1 else 's'}; micro-batch {args.micro_batch_size}, "
-        f"{args.num_microbatches} microbatches a step on each data-parallel rank; recompute {layout.recompute}; "
+        f"{args.num_microbatches} microbatch{'' if args.num_microbatches == 1 else 'es'} a step on each data-parallel rank; recompute {layout.recompute}; "
         f"data parallelism: {layout_sharding(layout).name}",
     ])
 

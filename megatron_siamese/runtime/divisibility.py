@@ -175,7 +175,7 @@ def context_problems(model: ModelSettings, layout: Layout, spell: Callable[[str,
     found = []
     if _positive(seq) and seq % (2 * cp):
         found.append(f"--seq-length {seq} must be a multiple of 2 x {spell('cp', cp)} = {2 * cp} (context "
-                     "parallelism cuts each sequence into 2 cp chunks, two per rank)")
+                     "parallelism cuts each sequence into 2 x cp chunks, two per rank)")
     elif layout.sp and _positive(seq) and (seq // cp) % layout.tp:
         found.append(f"each CP rank's {seq // cp} tokens (--seq-length {seq} / {spell('cp', cp)}) must split over "
                      f"{spell('tp', layout.tp)} under sequence parallelism: use a sequence length that is a multiple "

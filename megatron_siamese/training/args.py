@@ -64,13 +64,13 @@ class TrainArgs(ModelSettings):
                                  minimum=1, layout="vpp",
                                  help="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
     cp: int = setting(1, group=PARALLELISM, flag=("--context-parallel-size", "--cp"), minimum=1, layout="cp",
-                      help="context-parallel size: each sequence split over this many ranks (2 cp chunks, two per "
+                      help="context-parallel size: each sequence split over this many ranks (2 x cp chunks, two per "
                            "rank; the local attention all-gathers keys and values, Transformer Engine's runs its ring)")
     dp: int = setting(1, group=PARALLELISM, flag=("--data-parallel-size", "--dp"), minimum=1, layout="dp",
                       help="data-parallel size")
     ep: int = setting(1, group=PARALLELISM, flag=("--expert-model-parallel-size", "--ep"), minimum=1, layout="ep",
                       help="expert-parallel size: MoE layers' experts split over this many of a pipeline stage's "
-                           "tp x dp ranks (adds no ranks: --ep x --etp must divide --tp x --dp)")
+                           "tp x cp x dp ranks (adds no ranks: --ep x --etp must divide --tp x --cp x --dp)")
     etp: Optional[int] = setting(None, group=PARALLELISM, flag=("--expert-tensor-parallel-size", "--etp"), minimum=1,
                                  layout="etp", help="tensor-parallel size of the experts (unset: --tp)")
     sp: bool = setting(False, group=PARALLELISM, flag=("--sequence-parallel", "--sp"), action="store_true",
