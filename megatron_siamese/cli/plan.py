@@ -59,7 +59,9 @@ def ignore_the_rest_of_a_train_command(rest: list) -> None:
 
         unknown = megatron_parser().parse_known_args(rest)[1]
     if unknown:
-        raise ConfigError([f"unrecognized arguments: {' '.join(unknown)} (see megatron-siamese plan --help)"])
+        why = "" if ships_megatron_training() else (": megatron-core < 0.17 has no Megatron-LM parser to tell its "
+                                                    "other flags from typos, so plan takes only its own")
+        raise ConfigError([f"unrecognized arguments: {' '.join(unknown)} (see megatron-siamese plan --help){why}"])
 
 
 def describe(args: PlanArgs) -> str:
