@@ -62,8 +62,8 @@ def untested_notice(found: str) -> str | None:
 
 
 def _rank_zero() -> bool:
-    """Not one of the job's other ranks (torchrun's and SLURM's variables; no launcher: rank 0)."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    """Not one of the job's other ranks (RANK; no launcher: rank 0)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def check_megatron_core() -> None:

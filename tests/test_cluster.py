@@ -1,5 +1,5 @@
 """Commands as cluster jobs run them: two torchrun agents on this machine standing in for two
-nodes (c10d rendezvous on localhost), SLURM steps with their variables set by hand, and the
+nodes (c10d rendezvous on localhost), ranks started by hand with their env:// variables, and the
 launcher's variables read and refused as a cluster would give them.
 
 The jobs' ranks run Megatron (checks): those tests run on each stack (training on clusters is
@@ -18,7 +18,7 @@ from job_runs import jobs  # noqa: F401  (the fixture)
 
 from megatron_siamese.check.matrix import layouts_that_fit, whole_job_layouts
 from megatron_siamese.runtime.launch import free_port
-from megatron_siamese.runtime.launchers import LaunchError, detect, first_host, reporter
+from megatron_siamese.runtime.launchers import LaunchError, detect, reporter
 from megatron_siamese.runtime.layout import parse_layout
 from megatron_siamese.versions import ships_megatron_training
 
@@ -47,66 +47,52 @@ def finished(job, timeout):
     return job.returncode, out
 
 
-def srun_tasks(jobs, ntasks, args, env=None, started=None, python=None):
-    """The tasks of an srun step of ``ntasks`` on one node, started by hand (only those in
-    ``started``; ``python``: what a rank runs instead of ``-m megatron_siamese.cli``)."""
+def env_ranks(jobs, ranks, args, started=None):
+    """The ``ranks`` of an env:// job on this host, started by hand (only those in ``started``)."""
     port = free_port()
-    return [jobs.start([sys.executable, *((python or {}).get(rank) or CLI), *map(str, args)], merge_output=True,
-                       env={**srun_environment(ntasks, rank, port), **(env or {})})
-            for rank in (range(ntasks) if started is None else started)]
+    return [jobs.start([sys.executable, *CLI, *map(str, args)], merge_output=True,
+                       env=env_launch(ranks, rank, port)) for rank in (range(ranks) if started is None else started)]
 
 
-def srun_environment(ntasks, rank, port=None):
-    """What srun sets for task ``rank`` of a step of ``ntasks`` on one node."""
-    return dict(SLURM_NTASKS=str(ntasks), SLURM_NNODES="1", SLURM_NODEID="0", SLURM_NODELIST="localhost",
-                SLURM_STEP_ID="0", SLURM_JOB_ID="1", MASTER_PORT=str(port or free_port()), SLURM_PROCID=str(rank),
-                SLURM_LOCALID=str(rank))
+def env_launch(ranks, rank, port=None):
+    """What an env:// launcher sets for ``rank`` of a job of ``ranks`` on one host."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port or free_port()))
 
 
-def srun(jobs, ntasks, args, env=None, started=None, timeout=300):
-    """Such a step run to its end: (rc, output) per task."""
-    return [finished(task, timeout) for task in srun_tasks(jobs, ntasks, args, env, started)]
+def env_job(jobs, ranks, args, timeout=300):
+    """Such a job run to its end: (rc, output) per rank."""
+    return [finished(task, timeout) for task in env_ranks(jobs, ranks, args)]
 
 
 # -- reading the launcher's variables ------------------------------------------------------
 
 
 @pytest.mark.stack_independent
-def test_torchrun_and_slurm_variables_are_read_as_one_job():
+def test_torchrun_variables_are_read_as_one_job():
     torchrun = detect(dict(TORCHELASTIC_RUN_ID="x", RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4",
                            GROUP_RANK="1", MASTER_ADDR="head", MASTER_PORT="29400",
-                           SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_STEP_ID="0"))  # torchrun inside srun wins
+                           SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_STEP_ID="0"))  # srun's agent: not a rank
     assert (torchrun.launcher, torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.nnodes) == \
         ("torchrun", 5, 8, 1, 2)
-    slurm = detect(dict(SLURM_PROCID="6", SLURM_NTASKS="8", SLURM_LOCALID="2", SLURM_NODEID="1", SLURM_NNODES="2",
-                        SLURM_NODELIST="gpu[007-008]", SLURM_STEP_ID="3", SLURM_JOB_ID="12345"))
-    assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.node_rank, slurm.master_addr, slurm.master_port) == \
-        (6, 8, 2, 1, "gpu007", 29500 + 2345)
-    assert slurm.environment()["RANK"] == "6" and not reporter(dict(SLURM_PROCID="6", SLURM_NTASKS="8",
-                                                                    SLURM_NODELIST="n1", SLURM_STEP_ID="0"))
-    # a batch script is not a step: it spawns its own ranks
-    assert detect(dict(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_NODELIST="n[1-2]")) is None
-    assert detect({}) is None
-
-
-@pytest.mark.stack_independent
-@pytest.mark.parametrize("nodelist, first", [("node[003-010,12],gpu7", "node003"), ("a1,b2", "a1"),
-                                             ("rack[2-3]-n[07,09]", "rack2-n07"), ("localhost", "localhost")])
-def test_first_host_of_a_slurm_node_list(nodelist, first):
-    assert first_host(nodelist) == first
+    assert torchrun.environment()["RANK"] == "5" and not reporter(env_launch(8, 5))
+    # srun's tasks without torchrun would each start ranks of their own: refused, saying how to launch
+    with pytest.raises(LaunchError, match="srun started this process as one of 8 tasks.*torchrun"):
+        detect(dict(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_STEP_ID="0"))
+    # one task (srun -n 1), or the batch script itself (no step), starts its ranks here
+    assert detect(dict(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_STEP_ID="0")) is None
+    assert detect(dict(SLURM_PROCID="0", SLURM_NTASKS="8")) is None and detect({}) is None
 
 
 @pytest.mark.stack_independent
 @pytest.mark.parametrize("env, message", [
-    (dict(SLURM_PROCID="3", SLURM_NTASKS="2"), "SLURM_PROCID=3 is not below SLURM_NTASKS=2"),
-    (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="1"), "SLURM_LOCALID=1 exceeds SLURM_PROCID=0"),
-    (dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_NODEID="2", SLURM_NNODES="2"), "SLURM_NODEID=2 is not below"),
-    (dict(SLURM_PROCID="1", SLURM_NTASKS="2", RANK="0"), "SLURM says rank 1 but RANK=0"),
-    (dict(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NODELIST="n[1"), "cannot read the first host"),
+    (dict(RANK="3", WORLD_SIZE="2"), "RANK=3 is not below WORLD_SIZE=2"),
+    (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="1"), "LOCAL_RANK=1 exceeds RANK=0"),
+    (dict(RANK="0", WORLD_SIZE="two"), "WORLD_SIZE='two' is not a count"),
 ])
-def test_slurm_variables_that_disagree_are_refused(env, message):
-    with pytest.raises(LaunchError, match=message.replace("[", r"\[")):
-        detect({"SLURM_NODELIST": "n1", "SLURM_STEP_ID": "0", **env})
+def test_env_variables_that_disagree_are_refused(env, message):
+    with pytest.raises(LaunchError, match=message):
+        detect({"MASTER_ADDR": "head", "MASTER_PORT": "29400", **env})
 
 
 @pytest.mark.stack_independent
@@ -141,7 +127,7 @@ def test_check_on_two_nodes(tmp_path, jobs):
 
 
 def test_a_failing_layout_fails_every_rank_of_the_job(jobs):
-    runs = srun(jobs, 2, ["check", "--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"])
+    runs = env_job(jobs, 2, ["check", "--layouts", "tp2-sp", "--num-layers", "2", "--plant-fault", "no-sp-flag"])
     assert [rc for rc, _ in runs] == [1, 1], runs
     assert "FAIL" in runs[0][1] and "layout" not in runs[1][1]  # rank 0 speaks for the job
 
@@ -149,37 +135,31 @@ def test_a_failing_layout_fails_every_rank_of_the_job(jobs):
 # -- jobs that cannot be this run ------------------------------------------------------------
 
 
-def test_a_slurm_step_runs_the_check(jobs):
-    runs = srun(jobs, 2, ["check", "--layouts", "tp2,pp2", "--num-layers", "2"])
-    assert [rc for rc, _ in runs] == [0, 0], runs
-    assert "slurm job of 2 ranks" in runs[0][1] and "2 passed, 0 failed" in runs[0][1] and runs[1][1] == ""
-
-
 def test_a_job_of_the_wrong_size_is_refused_on_rank_0(tmp_path, jobs):
-    runs = srun(jobs, 2, ["check", "--layouts", "tp2,tp2-pp2"])
+    runs = env_job(jobs, 2, ["check", "--layouts", "tp2,tp2-pp2"])
     assert [rc for rc, _ in runs] == [2, 2] and "layout tp2-pp2 needs 4 ranks but the launched job has 2" in runs[0][1]
     # a one-rank command under a larger job says how to launch it: refused before it joins the job
-    # (in this process, as each task of the step; the message from rank 0)
+    # (in this process, as each rank of the job; the message from rank 0)
     runs = []
     for rank in range(2):
         done = cli_here("analyze", *STEP_LAYOUT_MODEL, "--load", STEP_LAYOUT, "--output-dir", tmp_path / "analysis",
-                        env=srun_environment(2, rank))
+                        env=env_launch(2, rank))
         runs.append((done.returncode, done.stdout + done.stderr))
     assert [rc for rc, _ in runs] == [2, 2], runs
-    assert "but analyze uses 1 rank: launch 1 rank (torchrun --nproc-per-node 1, srun --ntasks 1)" in runs[0][1], runs
+    assert "but analyze uses 1 rank: launch 1 rank (torchrun --nproc-per-node 1)" in runs[0][1], runs
     assert runs[1][1] == ""
 
 
 def test_a_rank_that_never_joins_ends_the_job_with_a_timeout(jobs):
-    # two steps at once (their own rendezvous each), one without its rank 1, one without its rank 0
+    # two jobs at once (their own rendezvous each), one without its rank 1, one without its rank 0
     check = ["check", "--layouts", "tp2", "--distributed-timeout-minutes", "0.1"]
-    without_1, without_0 = (srun_tasks(jobs, 2, check, started=[rank]) for rank in (0, 1))
+    without_1, without_0 = (env_ranks(jobs, 2, check, started=[rank]) for rank in (0, 1))
     (rc, out), = [finished(task, timeout=120) for task in without_1]
     assert rc == 2 and "did not meet the others within 6s" in out and "1/2 clients joined" in out, out
     assert "Traceback" not in out
     # the one missing may be rank 0: the others say so themselves
     (rc, out), = [finished(task, timeout=120) for task in without_0]
-    assert rc == 2 and "megatron-siamese check: error: rank 1: rank 1 of the slurm job of 2 ranks" in out, out
+    assert rc == 2 and "megatron-siamese check: error: rank 1: rank 1 of the env job of 2 ranks" in out, out
 
 
 # -- the SLURM examples ------------------------------------------------------------------------
@@ -211,6 +191,7 @@ def test_the_slurm_check_and_megatron_lm_examples_hand_commands_that_parse(tmp_p
     from megatron_siamese.check.case import ModelCase
 
     check = submitted("check.sbatch", tmp_path)
+    assert check[1] == "torchrun" and check[check.index("--nnodes") + 1] == "2"  # one agent per node
     cli_args = check[check.index("megatron_siamese.cli") + 1:]
     options = build_parser().parse_args(cli_args)
     assert options.layouts == "all" and options.transformer_impl == "transformer_engine" and options.dtype == "bf16"

@@ -26,7 +26,7 @@ def test_older_releases_are_refused_and_newer_ones_warned(found, refused, warned
 @pytest.fixture
 def installed(monkeypatch):
     """Pretend ``found`` is installed, no variable set, on rank 0 of no launcher."""
-    for name in (versions.UNTESTED_ENV, "RANK", "SLURM_PROCID"):
+    for name in (versions.UNTESTED_ENV, "RANK"):
         monkeypatch.delenv(name, raising=False)
     return lambda found: monkeypatch.setattr(versions, "installed_megatron_core", lambda: found)
 
@@ -45,7 +45,7 @@ def test_a_newer_release_warns_on_rank_zero_naming_the_check(installed, monkeypa
     with pytest.warns(UserWarning, match=r"0\.20\.0 is newer than .* Run `megatron-siamese check --layouts all`") as caught:
         versions.check_megatron_core()
     assert len(caught) == 1
-    for name, value in (("RANK", "3"), ("SLURM_PROCID", "5"), (versions.UNTESTED_ENV, "1")):
+    for name, value in (("RANK", "3"), (versions.UNTESTED_ENV, "1")):
         with monkeypatch.context() as context, warnings.catch_warnings():
             context.setenv(name, value)
             warnings.simplefilter("error")  # any warning fails

@@ -7,7 +7,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # export NCCL_IB_HCA=mlx5                    # the InfiniBand adapters NCCL may use
 # export NCCL_IB_GID_INDEX=3                 # RoCE clusters
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-# the rendezvous: the step's first node (the commands read SLURM_NODELIST themselves; torchrun needs it named)
+# torchrun's rendezvous: the job's first node
 # (read whole: `| head -n 1` would end scontrol with SIGPIPE, which `set -o pipefail` makes fatal)
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 HEAD_NODE=${NODES[0]}

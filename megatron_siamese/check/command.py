@@ -2,7 +2,7 @@
 what one device computes.
 
 One job runs every layout: spawned here (gloo on CPU, NCCL when CUDA is present) with as
-many ranks as the largest layout needs, or the job ``torchrun`` or ``srun`` launched across
+many ranks as the largest layout needs, or the job ``torchrun`` launched across
 nodes. Each layout runs on the job's first ranks while the others wait
 (``runtime.job.on_first_ranks``): it builds the same GPT from global-name-seeded weights, runs one
 training step of the same global batch through Megatron's schedules,
@@ -39,7 +39,7 @@ def unavailable_reason(layout: Layout, spec: str, world_size: int, biases: bool 
         return ("stock Megatron's selective 'mlp' recompute with biases recurses forever: its checkpoint returns the "
                 "bias Parameter, which becomes its own grad_fn (docs/design.md)")
     if layout.world_size > world_size:  # spawned on a GPU host: one rank per visible GPU
-        return f"needs {layout.world_size} GPUs, {world_size} visible (launch it with torchrun or srun across nodes)"
+        return f"needs {layout.world_size} GPUs, {world_size} visible (launch it with torchrun across nodes)"
     return None
 
 

@@ -24,8 +24,8 @@ Every command checks all of its settings before starting any rank and says, one 
 problem, what to change (exit status 2). Failures print one line; ``--debug`` (or
 MEGATRON_SIAMESE_DEBUG=1) prints the traceback too.
 
-Every command also runs as the ranks of a job ``torchrun`` or ``srun`` launched (single- or
-multi-node; runtime/launch.py): then rank 0 speaks for the job (settings problems, tables,
+Every command also runs as the ranks of a job ``torchrun`` launched (single- or
+multi-node, ``srun torchrun`` on SLURM; runtime/launch.py): then rank 0 speaks for the job (settings problems, tables,
 summaries), every rank exits with the same status, and a rank's own failure names the rank.
 """
 
@@ -129,7 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _say_where_a_crash_was() -> None:
-    """A native crash (SIGSEGV in torch, gloo, a kernel), under torchrun or srun too, prints each
+    """A native crash (SIGSEGV in torch, gloo, a kernel), under torchrun too, prints each
     thread's Python stack (spawned ranks enable it themselves)."""
     if not faulthandler.is_enabled():
         try:

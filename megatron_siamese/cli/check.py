@@ -29,7 +29,7 @@ parameter after the step. One row per layout; the exit status is 1 (on every ran
 layout fails.
 
 Run here, it starts the ranks itself (gloo on CPU, NCCL when CUDA is present), as many as the
-largest layout needs. Under torchrun or srun, across nodes, the job's ranks run it: layouts
+largest layout needs. Under torchrun (srun torchrun on SLURM), across nodes, the job's ranks run it: layouts
 smaller than the job use its first ranks while the others wait, and --layouts all picks every
 layout that fits the job (docs/parallelism.md, "On a cluster"):
 

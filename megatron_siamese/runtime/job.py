@@ -1,8 +1,8 @@
 """This process as one rank of a job: joining it, re-forming its process groups, and what every
 rank may call inside it.
 
-``join(launch, timeout_s)`` meets the other ranks (env://, as torchrun, torch's agent in
-``launch.py`` and SLURM set it), takes this rank's GPU or installs the CPU shim, and forms
+``join(launch, timeout_s)`` meets the other ranks (env://, as torchrun and torch's agent in
+``launch.py`` set it), takes this rank's GPU or installs the CPU shim, and forms
 torch.distributed over the whole job. ``on_first_ranks(size,
 fn)`` runs ``fn`` on the job's first ``size`` ranks as their whole world (Megatron builds its
 groups over the default group), while the other ranks wait: how ``check`` runs layouts of every

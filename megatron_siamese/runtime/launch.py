@@ -11,7 +11,7 @@ machinery), or this process joining a job a launcher started.
   fails, torch's agent stops the others at once and the failure is raised here as ``RankFailed``:
   one line naming the rank and its error, with every failed rank's traceback and output as
   details;
-* under ``torchrun``, a SLURM step (``srun``) or another ``env://`` launcher, this process joins
+* under ``torchrun`` (on SLURM: ``srun torchrun``) or another ``env://`` launcher, this process joins
   the job and returns its own value of ``fn(*args)``. The job's size must be the run's; a later
   ``run_job`` in the same process reuses the joined job.
 
@@ -61,8 +61,8 @@ class RankFailed(RuntimeError):
 
 
 def free_port() -> int:
-    """A port free now, for a server another process binds later (torchrun's --rdzv-endpoint, a
-    SLURM step's MASTER_PORT). Below the kernel's ephemeral range: a port bound to 0 in between (a
+    """A port free now, for a server another process binds later (torchrun's --rdzv-endpoint,
+    MASTER_PORT). Below the kernel's ephemeral range: a port bound to 0 in between (a
     gloo listener of another job on this machine) is never given one from there, and one was
     (torchrun's agents then reached that listener: "Connection reset by peer")."""
     low, _ = ephemeral_ports()
@@ -336,4 +336,4 @@ def _mismatch(launch: Launch, world_size: int, needs: str) -> str:
     layout = needs.startswith("--") or needs.startswith("layout")
     return (f"the {launch.launcher} job has {launch.world_size} ranks but {what} {ranks}: launch {ranks}"
             + (f", or change the layout to use {launch.world_size}" if layout else
-               f" (torchrun --nproc-per-node {world_size}, srun --ntasks {world_size})"))
+               f" (torchrun --nproc-per-node {world_size})"))

@@ -1,13 +1,11 @@
-"""Who started this process: ``torchrun``, a SLURM step (``srun``), another ``env://``
-launcher, or nobody (then our commands spawn their own ranks on this host).
+"""Who started this process: ``torchrun`` (on SLURM: one ``srun`` task per node, each a torchrun
+agent, as Megatron-LM and torchtitan run; examples/slurm/), another ``env://`` launcher, or
+nobody (then our commands spawn their own ranks on this host).
 
 Plain environment reading, no torch import: ``detect()`` returns this process's place in a
 launched job (``Launch``) or ``None``, and raises ``LaunchError`` (one line saying what to
-change) when the variables contradict one another. Read as Megatron-LM and torchtitan read
-them: torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT``
-win (torchrun inside ``srun`` is common, and there SLURM's variables describe the agents);
-otherwise a SLURM step's ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` /
-``SLURM_NODELIST``, with the first node of the step as the rendezvous host.
+change) when the variables contradict one another. Read as torch.distributed reads them:
+``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT``.
 """
 
 from __future__ import annotations
@@ -16,9 +14,6 @@ import os
 import re
 from dataclasses import dataclass
 from typing import List, Mapping, Optional
-
-DEFAULT_PORT = 29500  # torchrun's default; a SLURM job without MASTER_PORT gets one from its job id
-
 
 class LaunchError(RuntimeError):
     """The launcher's variables cannot describe one job; the message says which and what to change."""
@@ -33,7 +28,7 @@ class JoinError(LaunchError):
 class Launch:
     """This process's place in a job some launcher started."""
 
-    launcher: str  # "torchrun", "slurm" or "env" (RANK/WORLD_SIZE set by another launcher)
+    launcher: str  # "torchrun" or "env" (RANK/WORLD_SIZE set by another launcher)
     rank: int
     world_size: int
     local_rank: int
@@ -63,23 +58,7 @@ def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> in
     return int(value)
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list (``node[003-010,12],gpu7`` -> ``node003``)."""
-    depth, end = 0, len(nodelist)
-    for i, char in enumerate(nodelist):  # the first item: up to a comma outside brackets
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            end = i
-            break
-    item = nodelist[:end].strip()
-    # each bracketed range contributes its first value: "rack[2-3]-n[07,09]" -> "rack2-n07"
-    host = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], item)
-    if not host or "[" in host or "]" in host:
-        raise LaunchError(f"cannot read the first host of SLURM_NODELIST={nodelist!r}: set MASTER_ADDR")
-    return host
-
-
-def _torchrun(env: Mapping[str, str], launcher: str) -> Launch:
+def _env_launch(env: Mapping[str, str], launcher: str) -> Launch:
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in env]
     if missing:
         raise LaunchError(f"{', '.join(missing)} not set while {'RANK' if 'RANK' in env else 'WORLD_SIZE'} is: "
@@ -90,52 +69,29 @@ def _torchrun(env: Mapping[str, str], launcher: str) -> Launch:
                     local_rank=_int(env, "LOCAL_RANK", _int(env, "RANK")),
                     node_rank=_int(env, "GROUP_RANK", 0), nnodes=max(1, world // max(local_world, 1)),
                     master_addr=env["MASTER_ADDR"], master_port=_int(env, "MASTER_PORT"))
-    _check(launch, dict(rank="RANK", world="WORLD_SIZE", local="LOCAL_RANK", node="GROUP_RANK"))
-    return launch
-
-
-def _slurm(env: Mapping[str, str]) -> Launch:
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if not nodelist and "MASTER_ADDR" not in env:
-        raise LaunchError("SLURM_PROCID is set but no SLURM_NODELIST: set MASTER_ADDR to the first node's address")
-    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT + _int(env, "SLURM_JOB_ID", 0) % 10000
-    launch = Launch(launcher="slurm", rank=_int(env, "SLURM_PROCID"), world_size=_int(env, "SLURM_NTASKS"),
-                    local_rank=_int(env, "SLURM_LOCALID", 0), node_rank=_int(env, "SLURM_NODEID", 0),
-                    nnodes=_int(env, "SLURM_NNODES", 1), master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
-                    master_port=port)
-    _check(launch, dict(rank="SLURM_PROCID", world="SLURM_NTASKS", local="SLURM_LOCALID", node="SLURM_NODEID",
-                        nnodes="SLURM_NNODES"))
-    for ours, theirs in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):  # a stale export from another launcher
-        if theirs in env and _int(env, theirs) != getattr(launch, ours):
-            raise LaunchError(f"SLURM says {ours.replace('_', ' ')} {getattr(launch, ours)} but {theirs}="
-                              f"{env[theirs]}: unset {theirs}, or launch with torchrun instead of srun")
-    return launch
-
-
-def _check(launch: Launch, names: dict) -> None:
     problems: List[str] = []
     if launch.world_size < 1:
-        problems.append(f"{names['world']}={launch.world_size} must be at least 1")
+        problems.append(f"WORLD_SIZE={launch.world_size} must be at least 1")
     elif not 0 <= launch.rank < launch.world_size:
-        problems.append(f"{names['rank']}={launch.rank} is not below {names['world']}={launch.world_size}")
+        problems.append(f"RANK={launch.rank} is not below WORLD_SIZE={launch.world_size}")
     if launch.local_rank > launch.rank:
-        problems.append(f"{names['local']}={launch.local_rank} exceeds {names['rank']}={launch.rank}")
-    if "nnodes" in names and not 0 <= launch.node_rank < launch.nnodes:
-        problems.append(f"{names['node']}={launch.node_rank} is not below {names['nnodes']}={launch.nnodes}")
-    if launch.nnodes > launch.world_size >= 1:
-        problems.append(f"{launch.nnodes} nodes for {launch.world_size} ranks")
+        problems.append(f"LOCAL_RANK={launch.local_rank} exceeds RANK={launch.rank}")
     if problems:
-        raise LaunchError(f"the {launch.launcher} variables contradict one another: {'; '.join(problems)}")
+        raise LaunchError(f"the {launcher} variables contradict one another: {'; '.join(problems)}")
+    return launch
 
 
 def detect(env: Mapping[str, str] = os.environ) -> Optional[Launch]:
     """This process's place in a launched job, or None when no launcher started it."""
     if "TORCHELASTIC_RUN_ID" in env:
-        return _torchrun(env, "torchrun")
-    if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
-        return _slurm(env)  # a task of an srun step (a batch script itself is no step: it spawns here)
+        return _env_launch(env, "torchrun")
     if "RANK" in env or "WORLD_SIZE" in env:
-        return _torchrun(env, "env")
+        return _env_launch(env, "env")
+    if ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) and env.get("SLURM_NTASKS", "1").strip() != "1":
+        raise LaunchError(f"srun started this process as one of {env['SLURM_NTASKS']} tasks, each of which would start "
+                          "ranks of its own: run one task per node, each a torchrun agent (srun --ntasks-per-node 1 "
+                          "torchrun --nnodes $SLURM_NNODES --nproc-per-node GPUS --rdzv-backend c10d ...; "
+                          "examples/slurm/)")
     return None
 
 
