@@ -38,3 +38,11 @@ def test_the_vocabulary_is_padded_as_megatron_lm_pads_it(vocab, divisible, tp):
     plan = PlanArgs(vocab_size=vocab, make_vocab_size_divisible_by=divisible, tp=tp, num_attention_heads=4,
                     hidden_size=128)
     assert plan.padded_vocab == calculate_padded_vocab_size(vocab, divisible, tp, logging_enabled=False)
+
+
+def test_a_bad_value_of_a_megatron_lm_flag_is_refused_in_plans_own_name():
+    from cli_runs import cli_here
+
+    done = cli_here("plan", "--lr", "abc")
+    assert done.returncode == 2 and "megatron-siamese plan: error: argument --lr: invalid float value" in done.stderr
+    assert "usage: megatron-siamese plan" in done.stderr and "megatron-siamese train" not in done.stderr, done.stderr

@@ -57,7 +57,8 @@ def ignore_the_rest_of_a_train_command(rest: list) -> None:
     if ships_megatron_training():
         from megatron_siamese.runtime.pretrain import megatron_parser
 
-        unknown = megatron_parser().parse_known_args(rest)[1]
+        usage = "megatron-siamese plan [plan's flags] [the rest of a train command: Megatron-LM's flags]"
+        unknown = megatron_parser(usage).parse_known_args(rest)[1]
     if unknown:
         why = "" if ships_megatron_training() else (": megatron-core < 0.17 has no Megatron-LM parser to tell its "
                                                     "other flags from typos, so plan takes only its own")

@@ -76,9 +76,9 @@ OUR_LOOP_FLAGS = {"--tp": "--tensor-model-parallel-size", "--pp": "--pipeline-mo
                   "--recompute": "--recompute-granularity"}
 
 
-def megatron_parser():
+def megatron_parser(usage: str = USAGE):
     """Megatron-LM's argument parser as its parse_args builds it, with our group; a flag of our own
-    loop's is named with Megatron-LM's for it."""
+    loop's is named with Megatron-LM's for it. ``usage``: the command whose flags these are."""
     import argparse
 
     from megatron.training.arguments import add_megatron_arguments
@@ -92,7 +92,7 @@ def megatron_parser():
             super().error(message)
 
     return add_siamese_arguments(add_megatron_arguments(
-        Parser(prog="megatron-siamese train", usage=USAGE, description="Megatron-LM Arguments", allow_abbrev=False)))
+        Parser(prog=" ".join(usage.split()[:2]), usage=usage, description="Megatron-LM Arguments", allow_abbrev=False)))
 
 
 def print_help() -> None:
