@@ -101,8 +101,9 @@ def run(options: argparse.Namespace) -> int:
 
 
 def start_ranks(ranks: int, flags: list) -> int:
-    """The job's ranks through torchrun's machinery; its exit status. A failed rank has printed
-    its own error (Megatron's); torchrun's summary names it."""
+    """The job's ranks through torchrun's machinery; its exit status: 2 when the ranks refused the
+    flags (rank 0 said why), 1 when a rank failed (it printed its own error; torchrun's summary
+    names it)."""
     print(f"megatron-siamese train: {ranks} rank{'s' if ranks > 1 else ''} on this host "
           f"(torchrun --standalone --nproc-per-node {ranks})", flush=True)
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -123,6 +124,8 @@ def start_ranks(ranks: int, flags: list) -> int:
               "each finishes its iteration and saves a checkpoint first)", file=sys.stderr, flush=True)
         return 128 + stopped.sigval
     except ChildFailedError as failure:
+        if any(error.exitcode == 2 for error in failure.failures.values()):  # a usage error: rank 0 said it
+            return 2
         rank, error = next(iter(failure.failures.items()))
         print(f"megatron-siamese train: error: rank {rank} exited with status {error.exitcode} "
               "(its own error is above)", file=sys.stderr, flush=True)

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from megatron_siamese import device  # noqa: E402
 from megatron_siamese.runtime import pretrain_load as load  # noqa: E402
-from megatron_siamese.runtime.pretrain_flags import add_defaults  # noqa: E402
+from megatron_siamese.runtime.pretrain_flags import add_defaults, refuse, speaks_for_the_job  # noqa: E402
 
 def require_megatron_training() -> None:
     from megatron_siamese.versions import training_loop_problem
@@ -85,6 +85,8 @@ def megatron_parser(usage: str = USAGE):
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
+            if not speaks_for_the_job():  # every rank refuses the same flags; rank 0 says so
+                self.exit(2)
             if message.startswith("unrecognized arguments:"):
                 renamed = [f"{flag} is {OUR_LOOP_FLAGS[flag]}" for flag in message.split(":", 1)[1].split()
                            if flag.split("=", 1)[0] in OUR_LOOP_FLAGS]
@@ -316,9 +318,9 @@ NOT_FOLLOWED = (("--sft", "sft", False), ("--fim-data", "fim_data", False),
 def refuse_what_is_not_followed(args) -> None:
     given = [flag for flag, name, off in NOT_FOLLOWED if getattr(args, name, off) != off]
     if given:
-        raise SystemExit(f"megatron_siamese.runtime.pretrain does not follow {', '.join(given)} yet (Megatron-LM's "
-                         "pretrain_gpt.py changes its model or data for them); run without, or use Megatron-LM's "
-                         "script with --spec megatron_siamese.specs siamese_layer_spec (docs/megatron-lm.md).")
+        refuse([f"megatron_siamese.runtime.pretrain does not follow {', '.join(given)} yet (Megatron-LM's "
+                "pretrain_gpt.py changes its model or data for them); run without, or use Megatron-LM's script with "
+                "--spec megatron_siamese.specs siamese_layer_spec (docs/megatron-lm.md)."])
 
 
 def main() -> None:
@@ -341,15 +343,15 @@ def main() -> None:
     try:
         args = parse_and_validate_args(add_siamese_arguments, args_defaults={"tokenizer_type": "NullTokenizer"})
     except AssertionError as refused:  # Megatron-LM checks its flags with asserts, some without a message
-        raise SystemExit(f"megatron-siamese train: Megatron-LM refuses these flags: {failed_check(refused)}") from None
+        refuse([f"Megatron-LM refuses these flags: {failed_check(refused)}"])
     refuse_what_is_not_followed(args)
     problems = scheme_problems(args)
     problems += [problem] if (problem := load.checkpoint_problem(args)) else []
     if problems:
-        raise SystemExit("\n".join(f"megatron-siamese train: {problem}" for problem in problems))
+        refuse(problems)
     if load.loads_weights_only(args):
         args.no_load_optim = True
-        if os.environ.get("RANK", "0") == "0":
+        if speaks_for_the_job():
             print(f"megatron-siamese train: --load {args.load} holds model weights only (upcycle, import-hf), so "
                   "--no-load-optim: a fresh optimizer from its weights", flush=True)
     if args.save:  # Megatron's writer would fork a results-queue manager that outlives a killed rank

@@ -6,6 +6,7 @@ import here (the launching process counts ranks from the same flags)."""
 from __future__ import annotations
 
 import os
+import sys
 
 # what a CPU run needs that a GPU run does not (no NCCL; no TE or apex for the fused norm, the
 # gradient-accumulation fusion and the RoPE fusion; no TE layers; no CUDA kernel for the masked
@@ -55,9 +56,9 @@ def embedded_data_flags(argv: list, given: set) -> list:
                 f"--vocab-size {vocab}" if vocab is not None and not (vocab.isdigit() and int(vocab) >= vocab_size)
                 else None)
     if mismatch:
-        raise SystemExit(f"megatron-siamese train: the embedded corpus (no --data-path given) is byte "
-                         f"tokens, read with --tokenizer-type NullTokenizer --vocab-size {vocab_size} "
-                         f"(or more); got {mismatch}. Give --data-path for data of your own tokenizer.")
+        refuse([f"the embedded corpus (no --data-path given) is byte tokens, read with --tokenizer-type "
+                f"NullTokenizer --vocab-size {vocab_size} (or more); got {mismatch}. Give --data-path for data of your "
+                "own tokenizer."])
     flags = byte_data_flags(embedded_corpus(os.environ.get(CACHE_VARIABLE, ".cache/megatron_siamese")))
     pairs = zip(flags[::2], flags[1::2])
     return [word for flag, value in pairs if flag not in given for word in (flag, value)]
@@ -79,6 +80,17 @@ SAID_OTHERWISE = {"--lr-warmup-fraction": ("--lr-warmup-iters", "--lr-warmup-sam
                   "--train-iters": ("--train-samples",), "--lr-decay-style": ("--lr-wsd-decay-style",)}
 
 
+def speaks_for_the_job() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def refuse(problems: list) -> None:
+    """Flags every rank refuses alike: rank 0 says why, once; each rank exits 2 (a usage error)."""
+    if speaks_for_the_job():
+        print("\n".join(f"megatron-siamese train: {problem}" for problem in problems), file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def add_defaults(argv: list, gpu: bool) -> list:
     """``argv`` with what the command line leaves out: the CPU's flags off a GPU, the embedded
     default job without a model, the embedded corpus without a data source. Said once, by rank 0."""
@@ -88,7 +100,7 @@ def add_defaults(argv: list, gpu: bool) -> list:
     job = [] if "--num-layers" in given or asks_help else [
         word for flag in EMBEDDED_JOB if not given & {flag[0], *SAID_OTHERWISE.get(flag[0], ())} for word in flag]
     data = [] if given & set(DATA_SOURCE_FLAGS) or asks_help else embedded_data_flags(argv, given)
-    if os.environ.get("RANK", "0") == "0":
+    if speaks_for_the_job():
         if cpu:
             print("megatron-siamese train: no GPU, so on CPU with " + " ".join(cpu), flush=True)
         if job:
