@@ -2,11 +2,18 @@
 single-rank tests run Megatron in this process on CPU through the CPU harness.
 
 Which stack a test runs on (docs/testing.md, "Two stacks"): every test runs on each stack of a
-run, unless it is marked ``stack_independent``, which it may be only if it touches no Megatron
-API: it builds no Megatron model in this process (no ``megatron_single_rank``), starts no ranks
-(``launch``) and no Python process of it imports megatron (recorded through
-``tests/megatron_guard``). A marked test that does any of these fails, naming what it did, so
-the mark cannot silently drop a version-dependent test from the second stack.
+run, unless it is marked
+
+* ``stack_independent``, which it may be only if it touches no Megatron API: it builds no
+  Megatron model in this process (no ``megatron_single_rank``), starts no ranks (``launch``) and
+  no Python process of it imports megatron (recorded through ``tests/megatron_guard``). A marked
+  test that does any of these fails, naming what it did, so the mark cannot silently drop a
+  version-dependent test from the second stack. It runs on the run's first stack;
+* ``users_stack(why)``: it uses Megatron, but what it proves is ours or torch's (the launch, the
+  sanitizer harness, the plan's arithmetic, the GPU kit that carries 0.19.2) or serves what only
+  the users' stack runs (``study``'s schemes), and the Megatron paths it goes through run on
+  every stack in other tests. It runs on the run's last stack, megatron-core 0.19, the release
+  users install; ``why`` says which of these holds.
 
 Tests are independent of their order: ``megatron_single_rank`` sets up and tears down the CPU
 shim, torch.distributed and Megatron's process groups around each test that asks for them.
@@ -34,6 +41,9 @@ def pytest_configure(config):
         "markers", "stack_independent: touches no Megatron API (no Megatron model, no ranks, no process importing "
         "megatron; enforced in tests/conftest.py); in a run over several stacks (scripts/test.sh) it runs on the "
         "first only")
+    config.addinivalue_line(
+        "markers", "users_stack(why): uses Megatron, but proves something of ours or torch's whose Megatron paths "
+        "other tests run on every stack; in a run over several stacks it runs on the last only (megatron-core 0.19)")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -53,12 +63,19 @@ def pytest_collection_modifyitems(config, items):
         random.Random(int(order.split(":", 1)[1])).shuffle(items)
     elif order:
         raise pytest.UsageError(f"{ORDER_ENV} must be 'reverse' or 'shuffle:SEED', got {order!r}")
-    if len(RUN_STACKS) < 2 or THIS_STACK == RUN_STACKS[0]:
-        return
-    skip = pytest.mark.skip(reason=f"stack-independent: ran on {RUN_STACKS[0]}, the first stack of this run")
     for item in items:
-        if item.get_closest_marker("stack_independent"):
-            item.add_marker(skip)
+        mark = item.get_closest_marker("users_stack")
+        if mark is not None and not (mark.args and mark.args[0]):
+            raise pytest.UsageError(f"{item.nodeid}: users_stack needs its reason, users_stack(why)")
+    if len(RUN_STACKS) < 2:
+        return
+    first, last = RUN_STACKS[0], RUN_STACKS[-1]
+    for item in items:
+        if item.get_closest_marker("stack_independent"):  # touches no Megatron: the first stack, whichever
+            if THIS_STACK != first:
+                item.add_marker(pytest.mark.skip(reason=f"stack-independent: ran on {first}, the first stack of this run"))
+        elif THIS_STACK != last and (mark := item.get_closest_marker("users_stack")):
+            item.add_marker(pytest.mark.skip(reason=f"runs on {last}, the users' stack, only: {mark.args[0]}"))
 
 
 @pytest.fixture(autouse=True)

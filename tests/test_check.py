@@ -124,7 +124,11 @@ def test_stream_norms_left_out_of_fsdp_fail_the_fsdp2_layouts_only():
 
 
 # The baselines and the ablation in one job (its ranks start once): each model under its layouts,
-# and planted faults that must fail exactly the layouts they break.
+# and planted faults that must fail exactly the layouts they break. They serve `study`, which only
+# the users' stack runs (megatron-core >= 0.17); their layers' Megatron paths are SiameseNorm's,
+# which the matrices above check on every stack.
+BASELINES = pytest.mark.users_stack("the baselines serve study (megatron-core >= 0.17); their Megatron paths are "
+                                    "checked on every stack by the SiameseNorm matrices")
 RUNNABLE = tuple(DEFAULT_LAYOUTS)  # context parallelism included: the local attention runs it on CPU
 BASELINE_SUBJECTS = {
     "hybridnorm": Subject(ModelCase(norm="hybridnorm"), "hybridnorm", RUNNABLE),
@@ -150,6 +154,7 @@ def baseline_rows():
     return {name: {row.layout: row for row in subject_rows} for name, subject_rows in zip(BASELINE_SUBJECTS, rows)}
 
 
+@BASELINES
 @pytest.mark.parametrize("name", ["hybridnorm", "mixln", "post", "mixln-moe", "ablation"])
 def test_the_baselines_and_the_ablation_pass_their_layouts(baseline_rows, name):
     """HybridNorm (its value norm's gradient summed over TP), Mix-LN cut by pipeline and virtual
@@ -159,12 +164,14 @@ def test_the_baselines_and_the_ablation_pass_their_layouts(baseline_rows, name):
         BASELINE_SUBJECTS[name].layouts, "PASS")
 
 
+@BASELINES
 def test_a_value_norm_left_unreduced_over_tp_fails_tp_only(baseline_rows):
     rows = baseline_rows["value-norm-unreduced"]
     assert {layout: row.status for layout, row in rows.items()} == {"tp2": "FAIL", "pp2": "PASS"}
     assert "v_layernorm" in rows["tp2"].detail
 
 
+@BASELINES
 def test_norms_placed_by_the_stage_local_layer_number_fail_pipeline_layouts_only(baseline_rows):
     """Mix-LN's Post-Norm layers counted on each stage: stage 2 of pp2 starts Post-Norm again."""
     rows = baseline_rows["baseline-local-layer-number"]

@@ -2,10 +2,11 @@
 nodes (c10d rendezvous on localhost), ranks started by hand with their env:// variables, and the
 launcher's variables read and refused as a cluster would give them.
 
-The jobs' ranks run Megatron (checks): those tests run on each stack (training on clusters is
-Megatron-LM's loop under torchrun: test_pretrain.py). Reading the launcher's variables,
-the layouts that fit a job and the SLURM examples parsed against a stand-in srun touch no
-Megatron: ``stack_independent``. Every process a test starts ends with it (tests/job_runs.py)."""
+The jobs' ranks run Megatron (checks), but what they prove is the launch (ours and torch's): they
+run on the users' stack (the check's layouts run on every stack in test_check.py; training on
+clusters is Megatron-LM's loop under torchrun: test_pretrain.py). Reading the launcher's
+variables, the layouts that fit a job and the SLURM examples parsed against a stand-in srun touch
+no Megatron: ``stack_independent``. Every process a test starts ends with it (tests/job_runs.py)."""
 
 import json
 import os
@@ -23,6 +24,8 @@ from megatron_siamese.runtime.layout import parse_layout
 from megatron_siamese.versions import ships_megatron_training
 
 CLI = ["-m", "megatron_siamese.cli"]
+pytestmark = pytest.mark.users_stack("the launch across nodes is the subject (torch's agent, env://); the check's "
+                                     "layouts run on every stack in test_check.py")
 # written by an earlier release (tests/data/step_layout/README.md)
 STEP_LAYOUT = os.path.join(os.path.dirname(__file__), "data", "step_layout", "checkpoints")
 STEP_LAYOUT_MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16"]

@@ -23,6 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA_SOURCES = ["dual_norm_cuda.cu"]
 
 
+def skip_where_the_cuda_stack_builds_it():
+    stacks = os.environ.get("MEGATRON_SIAMESE_TEST_STACKS", "").split()
+    if "mcore019" in stacks and os.environ.get("MEGATRON_SIAMESE_TEST_STACK") != "mcore019":
+        pytest.skip("this run's mcore019 stack builds and links the CUDA kernels, and checks them")
+
+
 @pytest.mark.parametrize("source", CUDA_SOURCES)
 def test_cuda_kernels_compile_for_sm90(tmp_path, source):
     if torch.version.cuda is not None:
@@ -32,9 +38,7 @@ def test_cuda_kernels_compile_for_sm90(tmp_path, source):
 
         assert ops.has_cuda_kernels(), ops.unavailable_reason("cuda")
         return
-    stacks = os.environ.get("MEGATRON_SIAMESE_TEST_STACKS", "").split()
-    if "mcore019" in stacks and os.environ.get("MEGATRON_SIAMESE_TEST_STACK") != "mcore019":
-        pytest.skip("this run's mcore019 stack builds and links the CUDA kernels, and checks them (below)")
+    skip_where_the_cuda_stack_builds_it()
     if shutil.which("nvcc") is None and os.environ.get("MEGATRON_SIAMESE_SKIP_NVCC") == "1":
         pytest.skip("MEGATRON_SIAMESE_SKIP_NVCC=1 and no nvcc on PATH")
     command = torch_cuda_command(source, tmp_path / "kernels.o", tmp_path, "-arch=sm_90")
@@ -50,6 +54,7 @@ def test_host_layer_registers_cuda_kernels_when_built_with_cuda():
 
         assert ops.has_cuda_kernels(), ops.unavailable_reason("cuda")
         return
+    skip_where_the_cuda_stack_builds_it()
     command = [
         "g++", "-std=c++20", "-fsyntax-only", "-DWITH_CUDA", str(ROOT / "csrc" / "ops.cpp"),
         *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",

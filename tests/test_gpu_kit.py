@@ -30,6 +30,7 @@ from megatron_siamese.versions import ships_megatron_training
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "gpu"
+pytestmark = pytest.mark.users_stack("the kit carries megatron-core 0.19.2: its rehearsals rehearse that stack")
 
 
 def load(name):
@@ -370,17 +371,6 @@ def test_moe_training_rehearsal_trains_an_moe_model_and_reads_its_routers(tmp_pa
     assert all(1.0 - 1e-3 <= value <= 4.0 for value in balance.values())
     assert cpu["balanced"] == (balance[6] <= record["balance_limit"])
     assert "Transformer Engine" in record["stopped_at_gpu"]
-
-
-@pytest.mark.skipif(ships_megatron_training(), reason="megatron-core >= 0.17 runs the kit's training steps")
-def test_the_training_steps_say_the_release_they_need(tmp_path):
-    result = tmp_path / "train-bf16.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GPU_KIT_WORK=str(tmp_path / "work"))
-    process = subprocess.run([sys.executable, str(BENCH / "training.py"), "train-bf16", "--result", str(result),
-                              "--rehearse"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert process.returncode != 0 and not result.exists()
-    assert "bench/gpu/training.py runs Megatron-LM's own training loop, which needs megatron-core >= 0.17" in (
-        process.stderr)
 
 
 def test_host_cost_rehearsal_counts_the_layers_in_a_rank(tmp_path):
