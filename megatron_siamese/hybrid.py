@@ -63,8 +63,6 @@ from megatron_siamese.siamese_sublayer import SiameseSublayerMixin
 from megatron_siamese.specs import local_stock_layer, siamese_layer_from
 from megatron_siamese.support import UnsupportedConfigError, check_supported
 
-SUPPORTED_SYMBOLS = (Symbols.ATTENTION, Symbols.MLP, Symbols.MAMBA, Symbols.GDN)
-
 
 class RefusedLayer(MegatronModule):
     """Stands in a stack slot SiameseNorm cannot fill: building it says why and what to change."""

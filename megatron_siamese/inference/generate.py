@@ -56,10 +56,6 @@ class Sampling:
     top_p: float = 0.0  # 0: no nucleus cut
     seed: int = 1234
 
-    @property
-    def greedy(self) -> bool:
-        return self.top_k == 1
-
     def problems(self) -> List[str]:
         found = []
         if not self.temperature > 0:

@@ -47,11 +47,6 @@ class Shape:
     moe_layers: Tuple[bool, ...] = ()  # per layer: an MoE layer
 
     @property
-    def norm_size(self) -> int:
-        """Parameters per hidden channel of one norm: weight (and bias for LayerNorm)."""
-        return 2 if self.layer_norm else 1
-
-    @property
     def norm_statistics(self) -> int:
         """fp32 statistics a norm keeps per token: mean and rstd, or rstd."""
         return 2 if self.layer_norm else 1
