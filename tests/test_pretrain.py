@@ -64,6 +64,8 @@ def test_pp2_with_experts_and_multi_token_prediction_trains_in_megatrons_loop():
                    "--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", "2", "--mtp-num-layers", "1",
                    "--position-embedding-type", "rope", "--disable-bias-linear", *MOCK_DATA)  # --distributed-backend given as --flag=value: not added
     assert "no GPU, so on CPU with --transformer-impl local --no-persist-layer-norm" in log
+    assert "one_logger (NVIDIA's internal metrics package) is not installed, so --no-one-logger" in log
+    assert "confluence.nvidia.com" not in log  # Megatron-LM's pointer to install it, inside NVIDIA only
     assert sorted(losses(log)) == [1, 2] and all(0 < float(loss) < 7 for loss in losses(log).values())
     assert "load_balancing_loss:" in log and "mtp_1 loss:" in log
     assert "PP>1 sends [s, b, 2h] between stages" in log  # our layers, not Megatron's stock ones

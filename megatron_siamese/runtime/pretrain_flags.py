@@ -1,10 +1,11 @@
 """What ``megatron-siamese train`` adds to a Megatron-LM command line that leaves it out: the
 CPU's flags off a GPU, the embedded default job where no model is named, the embedded corpus
-where no data is. Each added only where the command line does not give it, and said. No torch
+where no data is, ``--no-one-logger`` where NVIDIA's internal one_logger is not installed. Each added only where the command line does not give it, and said. No torch
 import here (the launching process counts ranks from the same flags)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -100,6 +101,9 @@ def add_defaults(argv: list, gpu: bool) -> list:
     job = [] if "--num-layers" in given or asks_help else [
         word for flag in EMBEDDED_JOB if not given & {flag[0], *SAID_OTHERWISE.get(flag[0], ())} for word in flag]
     data = [] if given & set(DATA_SOURCE_FLAGS) or asks_help else embedded_data_flags(argv, given)
+    # else Megatron-LM tries it, fails and points at an NVIDIA-internal page to install it
+    one_logger = [] if given & {"--no-one-logger", "--one-logger-project", "--one-logger-run-name",
+                                "--one-logger-async"} or importlib.util.find_spec("one_logger") else ["--no-one-logger"]
     if speaks_for_the_job():
         if cpu:
             print("megatron-siamese train: no GPU, so on CPU with " + " ".join(cpu), flush=True)
@@ -109,4 +113,7 @@ def add_defaults(argv: list, gpu: bool) -> list:
         if data:
             print("megatron-siamese train: no data source given, so the embedded corpus: "
                   + " ".join(data), flush=True)
-    return argv + cpu + job + data
+        if one_logger:
+            print("megatron-siamese train: one_logger (NVIDIA's internal metrics package) is not installed, so "
+                  "--no-one-logger", flush=True)
+    return argv + cpu + job + data + one_logger
