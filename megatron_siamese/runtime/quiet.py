@@ -45,6 +45,10 @@ KNOWN_NOTICES = (
     "MCore's async save is deprecated",
     # generate runs the static engine on purpose where the dynamic one cannot run (docs/inference.md)
     "The static engine will be deprecated",
+    # our one-process readers of a checkpoint (export, generate, analyze) load it without torch.distributed
+    "torch.distributed is disabled, unavailable or uninitialized",
+    # analyze's validation batches are built in memory, on purpose (data/gpt_dataset.py)
+    "Unable to save GPTDataset indexes because path_to_cache is None",
 )
 # where the CPU stands in for the GPU (the CPU shim), Megatron's CUDA RNG tracker forks the CPU's
 # generator: the dropout it draws inside the fork changes the state this warns about, every layer,
