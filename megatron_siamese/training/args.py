@@ -67,7 +67,8 @@ class TrainArgs(ModelSettings):
                       help="context-parallel size: each sequence split over this many ranks (2 x cp chunks, two per "
                            "rank; the local attention all-gathers keys and values, Transformer Engine's runs its ring)")
     dp: int = setting(1, group=PARALLELISM, flag=("--data-parallel-size", "--dp"), minimum=1, layout="dp",
-                      help="data-parallel size")
+                      help="data-parallel size (train takes it from its ranks: --nproc-per-node or torchrun's, "
+                           "over TP x PP x CP)")
     ep: int = setting(1, group=PARALLELISM, flag=("--expert-model-parallel-size", "--ep"), minimum=1, layout="ep",
                       help="expert-parallel size: MoE layers' experts split over this many of a pipeline stage's "
                            "tp x cp x dp ranks (adds no ranks: --ep x --etp must divide --tp x --cp x --dp)")
