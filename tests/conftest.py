@@ -9,11 +9,14 @@ run, unless it is marked
   no Python process of it imports megatron (recorded through ``tests/megatron_guard``). A marked
   test that does any of these fails, naming what it did, so the mark cannot silently drop a
   version-dependent test from the second stack. It runs on the run's first stack;
-* ``users_stack(why)``: it uses Megatron, but what it proves is ours or torch's (the launch, the
-  sanitizer harness, the plan's arithmetic, the GPU kit that carries 0.19.2) or serves what only
-  the users' stack runs (``study``'s schemes), and the Megatron paths it goes through run on
-  every stack in other tests. It runs on the run's last stack, megatron-core 0.19, the release
-  users install; ``why`` says which of these holds.
+* ``once(why)``: it uses Megatron, but what it proves is ours or torch's (the launch, the
+  sanitizer harness, the plan's arithmetic, the baselines' layer code), and the Megatron paths it
+  goes through run on every stack in other tests. It runs on the run's first stack (whose leg
+  has the time: the second builds the CUDA extension first);
+* ``users_stack(why)``: as ``once``, but it needs the release users install (the GPU kit carries
+  megatron-core 0.19.2): it runs on the run's last stack.
+
+``why`` says which of these holds.
 
 Tests are independent of their order: ``megatron_single_rank`` sets up and tears down the CPU
 shim, torch.distributed and Megatron's process groups around each test that asks for them.
@@ -42,8 +45,11 @@ def pytest_configure(config):
         "megatron; enforced in tests/conftest.py); in a run over several stacks (scripts/test.sh) it runs on the "
         "first only")
     config.addinivalue_line(
-        "markers", "users_stack(why): uses Megatron, but proves something of ours or torch's whose Megatron paths "
-        "other tests run on every stack; in a run over several stacks it runs on the last only (megatron-core 0.19)")
+        "markers", "once(why): uses Megatron, but proves something of ours or torch's whose Megatron paths other "
+        "tests run on every stack; in a run over several stacks it runs on the first only")
+    config.addinivalue_line(
+        "markers", "users_stack(why): as once, but needs the release users install; in a run over several stacks "
+        "it runs on the last only (megatron-core 0.19)")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -64,9 +70,10 @@ def pytest_collection_modifyitems(config, items):
     elif order:
         raise pytest.UsageError(f"{ORDER_ENV} must be 'reverse' or 'shuffle:SEED', got {order!r}")
     for item in items:
-        mark = item.get_closest_marker("users_stack")
-        if mark is not None and not (mark.args and mark.args[0]):
-            raise pytest.UsageError(f"{item.nodeid}: users_stack needs its reason, users_stack(why)")
+        for name in ("once", "users_stack"):
+            mark = item.get_closest_marker(name)
+            if mark is not None and not (mark.args and mark.args[0]):
+                raise pytest.UsageError(f"{item.nodeid}: {name} needs its reason, {name}(why)")
     if len(RUN_STACKS) < 2:
         return
     first, last = RUN_STACKS[0], RUN_STACKS[-1]
@@ -74,8 +81,11 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("stack_independent"):  # touches no Megatron: the first stack, whichever
             if THIS_STACK != first:
                 item.add_marker(pytest.mark.skip(reason=f"stack-independent: ran on {first}, the first stack of this run"))
-        elif THIS_STACK != last and (mark := item.get_closest_marker("users_stack")):
-            item.add_marker(pytest.mark.skip(reason=f"runs on {last}, the users' stack, only: {mark.args[0]}"))
+        elif mark := item.get_closest_marker("users_stack"):  # before once: a module's once, a test's users_stack
+            if THIS_STACK != last:
+                item.add_marker(pytest.mark.skip(reason=f"runs on {last}, the users' stack, only: {mark.args[0]}"))
+        elif THIS_STACK != first and (mark := item.get_closest_marker("once")):
+            item.add_marker(pytest.mark.skip(reason=f"runs once, on {first}: {mark.args[0]}"))
 
 
 @pytest.fixture(autouse=True)

@@ -124,11 +124,10 @@ def test_stream_norms_left_out_of_fsdp_fail_the_fsdp2_layouts_only():
 
 
 # The baselines and the ablation in one job (its ranks start once): each model under its layouts,
-# and planted faults that must fail exactly the layouts they break. They serve `study`, which only
-# the users' stack runs (megatron-core >= 0.17); their layers' Megatron paths are SiameseNorm's,
-# which the matrices above check on every stack.
-BASELINES = pytest.mark.users_stack("the baselines serve study (megatron-core >= 0.17); their Megatron paths are "
-                                    "checked on every stack by the SiameseNorm matrices")
+# and planted faults that must fail exactly the layouts they break. Their layers' Megatron paths
+# are SiameseNorm's, which the matrices above check on every stack: once.
+BASELINES = pytest.mark.once("the baselines' layer code is ours; their Megatron paths are checked on every stack "
+                             "by the SiameseNorm matrices")
 RUNNABLE = tuple(DEFAULT_LAYOUTS)  # context parallelism included: the local attention runs it on CPU
 BASELINE_SUBJECTS = {
     "hybridnorm": Subject(ModelCase(norm="hybridnorm"), "hybridnorm", RUNNABLE),

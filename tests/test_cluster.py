@@ -3,7 +3,7 @@ nodes (c10d rendezvous on localhost), ranks started by hand with their env:// va
 launcher's variables read and refused as a cluster would give them.
 
 The jobs' ranks run Megatron (checks), but what they prove is the launch (ours and torch's): they
-run on the users' stack (the check's layouts run on every stack in test_check.py; training on
+run once, on the first stack (the check's layouts run on every stack in test_check.py; training on
 clusters is Megatron-LM's loop under torchrun: test_pretrain.py). Reading the launcher's
 variables, the layouts that fit a job and the SLURM examples parsed against a stand-in srun touch
 no Megatron: ``stack_independent``. Every process a test starts ends with it (tests/job_runs.py)."""
@@ -24,8 +24,8 @@ from megatron_siamese.runtime.layout import parse_layout
 from megatron_siamese.versions import ships_megatron_training
 
 CLI = ["-m", "megatron_siamese.cli"]
-pytestmark = pytest.mark.users_stack("the launch across nodes is the subject (torch's agent, env://); the check's "
-                                     "layouts run on every stack in test_check.py")
+pytestmark = pytest.mark.once("the launch across nodes is the subject (torch's agent, env://); the check's "
+                              "layouts run on every stack in test_check.py")
 # written by an earlier release (tests/data/step_layout/README.md)
 STEP_LAYOUT = os.path.join(os.path.dirname(__file__), "data", "step_layout", "checkpoints")
 STEP_LAYOUT_MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16"]
@@ -209,6 +209,7 @@ def test_the_slurm_check_and_megatron_lm_examples_hand_commands_that_parse(tmp_p
     assert hasattr(importlib.import_module(module), name)
 
 
+@pytest.mark.users_stack("reads the example's flags with Megatron-LM's parser, which megatron-core >= 0.17 ships")
 @pytest.mark.skipif(not ships_megatron_training(), reason="megatron-core < 0.17: no Megatron-LM parser to read it")
 def test_the_slurm_pretrain_example_hands_megatron_lm_flags_to_one_torchrun_per_node(tmp_path):
     from cli_runs import megatron_lm_args

@@ -7,8 +7,8 @@ import pytest
 
 from megatron_siamese.runtime.launch import RankFailed, _start_method, ephemeral_ports, free_port, launch, start_rank_server
 
-pytestmark = pytest.mark.users_stack("the launch is ours and torch's; every multi-rank test starts its ranks through it "
-                                     "on every stack")
+pytestmark = pytest.mark.once("the launch is ours and torch's; every multi-rank test starts its ranks through it on "
+                              "every stack")
 
 
 def _rank_and_world():

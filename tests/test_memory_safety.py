@@ -43,7 +43,7 @@ def test_a_megatron_fsdp_step_leaves_no_collective_running(tmp_path):
         assert len(counts) == 1 + 2 + 4 + 2 and set(counts) == {expected}, counts  # the one-rank reference too
 
 
-SANITIZER_HARNESS = pytest.mark.users_stack(
+SANITIZER_HARNESS = pytest.mark.once(
     "the sanitizer harness and our kernels are the subject; the Megatron-FSDP step's own check (no collective "
     "left running, above) and the fully sharded layouts run on every stack")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.users_stack("the plan's arithmetic is one for every release (no term depends on it); "
-                                     "its layouts' Megatron paths run on every stack in the check's tests")
+pytestmark = pytest.mark.once("the plan's arithmetic is one for every release (no term depends on it); its "
+                              "layouts' Megatron paths run on every stack in the check's tests")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the measurement is a bench's
 import plan_agreement  # noqa: E402
