@@ -24,9 +24,10 @@ Every command checks all of its settings before starting any rank and says, one 
 problem, what to change (exit status 2). Failures print one line; ``--debug`` (or
 MEGATRON_SIAMESE_DEBUG=1) prints the traceback too.
 
-Every command also runs as the ranks of a job ``torchrun`` launched (single- or
-multi-node, ``srun torchrun`` on SLURM; runtime/launch.py): then rank 0 speaks for the job (settings problems, tables,
-summaries), every rank exits with the same status, and a rank's own failure names the rank.
+Every command also runs as the ranks of a job ``torchrun`` launched (single- or multi-node,
+``srun torchrun`` on SLURM; runtime/launch.py): then rank 0 speaks for the job (settings
+problems, tables, summaries), every rank exits with the same status, and a rank's own failure
+names the rank.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ parameter after the step. One row per layout; the exit status is 1 (on every ran
 layout fails.
 
 Run here, it starts the ranks itself (gloo on CPU, NCCL when CUDA is present), as many as the
-largest layout needs. Under torchrun (srun torchrun on SLURM), across nodes, the job's ranks run it: layouts
-smaller than the job use its first ranks while the others wait, and --layouts all picks every
-layout that fits the job (docs/parallelism.md, "On a cluster"):
+largest layout needs. Under torchrun (srun torchrun on SLURM), across nodes, the job's ranks
+run it: layouts smaller than the job use its first ranks while the others wait, and --layouts
+all picks every layout that fits the job (docs/parallelism.md, "On a cluster"):
 
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m megatron_siamese.cli check --layouts all --bf16 --json check.json

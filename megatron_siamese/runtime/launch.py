@@ -11,8 +11,8 @@ machinery), or this process joining a job a launcher started.
   fails, torch's agent stops the others at once and the failure is raised here as ``RankFailed``:
   one line naming the rank and its error, with every failed rank's traceback and output as
   details;
-* under ``torchrun`` (on SLURM: ``srun torchrun``) or another ``env://`` launcher, this process joins
-  the job and returns its own value of ``fn(*args)``. The job's size must be the run's; a later
+* under ``torchrun`` (on SLURM: ``srun torchrun``) or another ``env://`` launcher, this process
+  joins the job and returns its own value of ``fn(*args)``. The job's size must be the run's; a later
   ``run_job`` in the same process reuses the joined job.
 
 ``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
