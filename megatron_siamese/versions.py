@@ -61,7 +61,7 @@ def untested_notice(found: str) -> str | None:
             f"{UNTESTED_ENV}=1 silences this.")
 
 
-def _rank_zero() -> bool:
+def speaks_for_the_job() -> bool:
     """Not one of the job's other ranks (RANK; no launcher: rank 0)."""
     return os.environ.get("RANK", "0") == "0"
 
@@ -76,7 +76,7 @@ def check_megatron_core() -> None:
         warnings.warn(f"{reason} Going on because {UNTESTED_ENV}=1.", stacklevel=3)
         return
     notice = untested_notice(found)
-    if notice is not None and not untested and _rank_zero():
+    if notice is not None and not untested and speaks_for_the_job():
         warnings.warn(notice, stacklevel=3)
 
 

@@ -32,7 +32,8 @@ import torch  # noqa: E402
 
 from megatron_siamese import device  # noqa: E402
 from megatron_siamese.runtime import pretrain_load as load  # noqa: E402
-from megatron_siamese.runtime.pretrain_flags import add_defaults, refuse, speaks_for_the_job  # noqa: E402
+from megatron_siamese.runtime.pretrain_flags import add_defaults, refuse  # noqa: E402
+from megatron_siamese.versions import speaks_for_the_job  # noqa: E402
 
 def require_megatron_training() -> None:
     from megatron_siamese.versions import training_loop_problem

@@ -1,13 +1,16 @@
 """What ``megatron-siamese train`` adds to a Megatron-LM command line that leaves it out: the
 CPU's flags off a GPU, the embedded default job where no model is named, the embedded corpus
-where no data is, ``--no-one-logger`` where NVIDIA's internal one_logger is not installed. Each added only where the command line does not give it, and said. No torch
-import here (the launching process counts ranks from the same flags)."""
+where no data is, ``--no-one-logger`` where NVIDIA's internal one_logger is not installed. Each
+added only where the command line does not give it, and said. No torch import here (the
+launching process counts ranks from the same flags)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+
+from megatron_siamese.versions import speaks_for_the_job
 
 # what a CPU run needs that a GPU run does not (no NCCL; no TE or apex for the fused norm, the
 # gradient-accumulation fusion and the RoPE fusion; no TE layers; no CUDA kernel for the masked
@@ -81,10 +84,6 @@ SAID_OTHERWISE = {"--lr-warmup-fraction": ("--lr-warmup-iters", "--lr-warmup-sam
                   "--train-iters": ("--train-samples",), "--lr-decay-style": ("--lr-wsd-decay-style",)}
 
 
-def speaks_for_the_job() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def refuse(problems: list) -> None:
     """Flags every rank refuses alike: rank 0 says why, once; each rank exits 2 (a usage error)."""
     if speaks_for_the_job():
@@ -102,8 +101,8 @@ def add_defaults(argv: list, gpu: bool) -> list:
         word for flag in EMBEDDED_JOB if not given & {flag[0], *SAID_OTHERWISE.get(flag[0], ())} for word in flag]
     data = [] if given & set(DATA_SOURCE_FLAGS) or asks_help else embedded_data_flags(argv, given)
     # else Megatron-LM tries it, fails and points at an NVIDIA-internal page to install it
-    one_logger = [] if given & {"--no-one-logger", "--one-logger-project", "--one-logger-run-name",
-                                "--one-logger-async"} or importlib.util.find_spec("one_logger") else ["--no-one-logger"]
+    one_logger = [] if any(flag.startswith(("--one-logger", "--no-one-logger")) for flag in given) or \
+        importlib.util.find_spec("one_logger") else ["--no-one-logger"]
     if speaks_for_the_job():
         if cpu:
             print("megatron-siamese train: no GPU, so on CPU with " + " ".join(cpu), flush=True)
