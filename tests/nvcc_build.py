@@ -24,14 +24,15 @@ def nvcc() -> str:
     return found
 
 
-def torch_cuda_command(source: str, output: Path, workdir: Path, *nvcc_flags: str) -> List[str]:
+def torch_cuda_command(source: str, output: Path, workdir: Path, *nvcc_flags: str, stage: str = "-c") -> List[str]:
     """The nvcc command compiling csrc/``source`` into ``output`` with ``nvcc_flags`` (architectures,
-    --resource-usage, ...)."""
+    --resource-usage, ...). ``stage`` "-fatbin": the device code alone (ptxas's figures without the
+    host compiler's pass over torch's headers, which is nearly half the time)."""
     shim = workdir / "include" / "c10" / "cuda" / "impl"
     shim.mkdir(parents=True, exist_ok=True)
     (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     return [
-        nvcc(), "-std=c++20", "-O3", *nvcc_flags, "-c", str(CSRC / source), "-o", str(output),
+        nvcc(), "-std=c++20", "-O3", *nvcc_flags, stage, str(CSRC / source), "-o", str(output),
         f"-I{workdir / 'include'}", *(f"-I{p}" for p in cpp_extension.include_paths()),
         f"-I{sysconfig.get_paths()['include']}", *cpp_extension.COMMON_NVCC_FLAGS,
         "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",

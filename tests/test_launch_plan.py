@@ -64,7 +64,7 @@ def compiled(command):
 @functools.lru_cache(maxsize=None)
 def ptxas_figures():
     """ptxas's figures for tiled_kernels.cu (which needs no torch header) on every arch."""
-    return compiled([nvcc(), "-std=c++20", "-O3", *GENCODE, "--resource-usage", "-c",
+    return compiled([nvcc(), "-std=c++20", "-O3", *GENCODE, "--resource-usage", "-fatbin",
                      str(ROOT / "csrc" / "tiled_kernels.cu"), "-o", "/dev/null"])
 
 
@@ -136,7 +136,7 @@ def test_the_boundary_ops_kernels_compile_without_spills_and_launch_on_every_arc
     spill, and registers that let its block launch (256 threads a row; the weight-gradient
     kernel's 32 x 8)."""
     figures = compiled(torch_cuda_command("residual_norm_cuda.cu", Path("/dev/null"), tmp_path, *GENCODE,
-                                          "--resource-usage"))
+                                          "--resource-usage", stage="-fatbin"))
     kernels = ("boundary_forward_kernel", "boundary_backward_rows_kernel", "boundary_weight_grad_kernel")
     for arch, device in ARCHES.items():
         found = {}
