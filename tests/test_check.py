@@ -128,11 +128,15 @@ def test_stream_norms_left_out_of_fsdp_fail_the_fsdp2_layouts_only():
 # are SiameseNorm's, which the matrices above check on every stack: once.
 BASELINES = pytest.mark.once("the baselines' layer code is ours; their Megatron paths are checked on every stack "
                              "by the SiameseNorm matrices")
-RUNNABLE = tuple(DEFAULT_LAYOUTS)  # context parallelism included: the local attention runs it on CPU
+# Each parallelism of the CPU matrix at least once, combined (a baseline's layer is Megatron's
+# TransformerLayer with our norms: what could differ from SiameseNorm's paths is its norms' sums
+# over TP, SP, CP and DP shards, and where the pipeline cuts it)
+EVERY_KIND = ("tp2-sp", "pp2-vpp2-full", "dp2-tp2-sp-do", "tp2-pp2-vpp2-sel", "tp2-cp2-sp", "tp2-dp2-sp-fsdp2",
+              "tp2-dp2-sp-mfsdp3")
 BASELINE_SUBJECTS = {
-    "hybridnorm": Subject(ModelCase(norm="hybridnorm"), "hybridnorm", RUNNABLE),
+    "hybridnorm": Subject(ModelCase(norm="hybridnorm"), "hybridnorm", EVERY_KIND),
     # half the layers Post-Norm: pipeline stages (and virtual stages) cut the model between them
-    "mixln": Subject(ModelCase(norm="mixln", mix_ln_alpha=0.5), "mixln", RUNNABLE),
+    "mixln": Subject(ModelCase(norm="mixln", mix_ln_alpha=0.5), "mixln", EVERY_KIND + ("pp2", "pp4", "pp2-cp2")),
     "post": Subject(ModelCase(norm="post"), "post", ("tp2-sp", "pp2-vpp2", "dp2-do", "sel")),
     "mixln-moe": Subject(dataclasses.replace(MOE_CASE, norm="mixln", mix_ln_alpha=0.5), "mixln",
                          ("tp2-ep2-sp", "pp2-vpp2-ep2", "dp4-ep2-do")),
@@ -158,7 +162,8 @@ def baseline_rows():
 def test_the_baselines_and_the_ablation_pass_their_layouts(baseline_rows, name):
     """HybridNorm (its value norm's gradient summed over TP), Mix-LN cut by pipeline and virtual
     stages, Post-Norm, with MoE and expert parallelism, and the SiameseNorm ablation, under TP, SP,
-    PP, VPP, DP, the distributed optimizer and full and selective recompute, against one rank."""
+    PP, VPP, DP, the distributed optimizer, full and selective recompute (and HybridNorm and Mix-LN
+    under CP, FSDP2 and Megatron-FSDP), against one rank."""
     assert {layout: row.status for layout, row in baseline_rows[name].items()} == dict.fromkeys(
         BASELINE_SUBJECTS[name].layouts, "PASS")
 
