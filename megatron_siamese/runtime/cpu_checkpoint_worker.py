@@ -1,11 +1,8 @@
 """Megatron's persistent checkpoint worker on CPU (``--async-save --use-persistent-ckpt-worker``).
 
-The worker is a process of its own (spawned, or forked from a fork server) whose first act is
-``torch.cuda.set_device(rank % torch.cuda.device_count())``: with no GPU that divides by zero, the
-worker dies, and the ranks wait for their saves forever. ``install`` (from the CPU shim's
-``megatron_lm.serve_megatron_training_on_cpu``) points the worker's entry at ``async_loop`` here,
-which a spawned worker imports by name: it gives the worker the CPU shim and one device, the CPU,
-then runs Megatron's loop.
+The worker's first act is ``torch.cuda.set_device(rank % torch.cuda.device_count())``: with no GPU it
+divides by zero, dies, and the ranks wait for their saves forever. ``install`` points its entry at
+``async_loop`` here, which gives the worker the CPU shim and one device, the CPU.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Megatron's fully sharded data parallelism on the CPU shim (cpu_shim.py installs these).
 
-Its torch FSDP2 wrapper (``TorchFullyShardedDataParallel``) and Megatron-FSDP's adapter
-(``FullyShardedDataParallel``) build their device meshes with ``DeviceMesh.from_group(..., "cuda")``:
-asked for CUDA, those meshes are made on the CPU (torch's ``fully_shard`` then keeps the parameters
-where they are, and DTensor runs its collectives over gloo).
-
-Megatron-FSDP's parameter all-gathers finish before they return. On a GPU they overlap compute
-on a stream of their own; on gloo an asynchronous collective runs on the process group's worker
-thread, beside this rank's own work, and a rank running the Megatron-FSDP layouts so had its heap
-corrupted about once in 120 runs (docs/testing.md, "Memory safety in the ranks"). On one CPU there
-is no overlap to lose.
+The device meshes its FSDP2 wrapper and Megatron-FSDP's adapter build for CUDA are made on the CPU,
+and Megatron-FSDP's parameter all-gathers finish before they return: async on gloo, they ran on the
+worker thread beside the rank's own work and corrupted its heap about once in 120 runs
+(docs/testing.md, "Memory safety in the ranks"). One CPU has no overlap to lose.
 """
 
 from __future__ import annotations
@@ -19,8 +13,7 @@ from typing import Any, Dict, Tuple
 
 
 class _MeshOnCpu:
-    """Stands in for ``DeviceMesh`` where Megatron's FSDP wrappers name it: the meshes they build
-    for CUDA are built on the CPU (the ranks' gloo groups are the same groups)."""
+    """``DeviceMesh`` where Megatron's FSDP wrappers name it: meshes asked for on CUDA, on the CPU."""
 
     @staticmethod
     def from_group(group, device_type: str, *args: Any, **kwargs: Any):

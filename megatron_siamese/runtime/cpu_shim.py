@@ -1,66 +1,12 @@
 """Run Megatron-Core on CPU with the gloo backend.
 
-megatron-core assumes a GPU in a handful of places: tensors allocated on
-``torch.cuda.current_device()`` or ``device="cuda"``, ``torch.cuda.synchronize()``,
-the CUDA RNG state behind its tensor-parallel RNG tracker, and optimizer type checks
-against ``"torch.cuda.FloatTensor"``. This module redirects exactly those to CPU so
-that TP, SP, PP (1F1B and interleaved), CP, DP with the distributed optimizer and fully
-sharded DP (torch FSDP2, Megatron-FSDP) run
-as several CPU processes on one machine. Nothing in Megatron is edited on disk.
-
-What ``install()`` changes, and only while it is installed:
-
-* every device request that names CUDA (``"cuda"``, ``"cuda:N"``, an int ordinal,
-  ``torch.device("cuda")``) in torch's tensor factories (``torch.empty``, ``zeros``,
-  ``tensor``, ...), in ``Tensor.new_empty/new_zeros/new_ones/new_full/new_tensor`` and in
-  ``Tensor.to`` is served on CPU, and ``Tensor.cuda()`` returns the
-  tensor itself (plain wrappers rather than a ``TorchFunctionMode``: a mode is switched
-  off inside its own handler, so the backward pass launched through it would escape);
-* ``Tensor.type()`` with no argument reports the CUDA type name
-  (``"torch.cuda.FloatTensor"``), which Megatron's optimizers check before accepting
-  a parameter;
-* Megatron's inference pipeline broadcasts (``communication_utils._is_cuda``) accept CPU
-  tensors;
-* ``torch.Generator`` asked for on a CUDA device is made on the CPU (Megatron's inference
-  controller seeds its sampler there);
-* ``torch.cuda.Stream/Event/current_stream/default_stream/stream`` are host stand-ins
-  (CPU kernels run in program order; an async gloo collective does not, and is safe only where
-  Megatron waits on its ``Work`` before a buffer it uses is read or freed), and
-  ``torch.cuda.current_device/synchronize/empty_cache`` and the CUDA RNG entry points
-  (``get_rng_state``/``set_rng_state``/``manual_seed`` and Megatron's own
-  ``_get_cuda_rng_state``/``_set_cuda_rng_state``) work against a private CPU
-  ``torch.Generator`` that stands in for the GPU generator. CPU operations (dropout
-  included) always draw from the CPU default generator, so forking Megatron's RNG
-  tracker on CPU changes bookkeeping only, not which numbers CPU ops draw;
-* Megatron's MoE layers and token dispatchers (expert parallelism on gloo):
-  ``maybe_move_tensor_to_cpu(as_numpy=True)`` converts CPU tensors too (the original converts
-  only CUDA ones, leaving the alltoall dispatcher's split sizes tensors, which gloo's
-  ``all_to_all_single`` rejects); the uneven all-gather and reduce-scatter along the first
-  dimension that the alltoall dispatcher runs over the expert TP group
-  (``mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` with split
-  sizes), which gloo lacks, become an even all-gather of pieces padded to the largest one,
-  and an all-reduce followed by this rank's slice (the same sums); and megatron-core 0.16.1's
-  router, built without Transformer Engine, gets the ``te_general_gemm = None`` it leaves
-  undefined;
-* Megatron's fully sharded data parallelism (cpu_fsdp.py): the device meshes its torch FSDP2
-  wrapper and Megatron-FSDP's adapter build for CUDA are made on the CPU, and Megatron-FSDP's
-  parameter all-gathers finish before they return (no collective left running on gloo's worker
-  thread beside the rank's own work: docs/testing.md, "Memory safety in the ranks"). Megatron-FSDP
-  waits on its gradient-reduce events (``Event.wait``: a no-op, as every stand-in stream's; safe
-  because the reduce-scatter they follow is synchronous), and megatron-core 0.16.1's adapter asks
-  ``isinstance(module, TELinear)`` under TP, which without Transformer Engine is a MagicMock that
-  ``isinstance`` refuses: there it is a class no module is an instance of (and in multi-latent
-  attention, which asks the same of its output projection);
-* without Transformer Engine, the FP8 bookkeeping that Megatron's ``CheckpointWithoutOutput`` asks
-  TE for whatever its ``fp8`` argument (stock selective "layernorm" recompute): FP8 off, as TE
-  answers when FP8 is off.
-
-It refuses to install when CUDA is available: on a GPU machine Megatron must run on
-the GPU, never through this shim. Only the launcher (``runtime/launch.py``, for gloo
-ranks), the Megatron-LM CPU runner (``runtime/megatron_lm.py``) and the tests install it.
-
-It is long because install() must undo exactly what it did: every stand-in above is registered in
-one table and restored from it, so splitting them over modules would split that bookkeeping.
+megatron-core assumes a GPU in a handful of places (tensors on ``"cuda"``, ``torch.cuda.synchronize``,
+the CUDA RNG behind its tensor-parallel RNG tracker, ``"torch.cuda.FloatTensor"`` type checks, and a
+few MoE, FSDP, MLA, inference and recompute paths: each ``_*_replacements`` below says which and why).
+``install()`` redirects exactly those to CPU, so every kind of parallelism runs as CPU processes, with
+nothing of Megatron edited on disk. Plain wrappers, not a ``TorchFunctionMode``: a mode is off inside
+its own handler, so a backward pass launched through it would escape. It refuses to install when CUDA
+is available. The full list: docs/testing.md, "The CPU shim"; FSDP's calls: docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -167,9 +113,8 @@ def _cuda_rng_replacements(generator: torch.Generator) -> Dict[Tuple[Any, str], 
 
 
 class HostStream:
-    """Stands in for a CUDA stream or event: CPU work runs in program order, so there is
-    nothing to wait for or record (megatron-core >= 0.19 syncs DDP's gradient buffers through
-    streams even without overlap)."""
+    """A CUDA stream or event on the host: CPU work runs in program order (an async gloo collective
+    does not, and is safe only where Megatron waits on its ``Work`` before using the buffer)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.recorded_at = time.perf_counter()
@@ -205,9 +150,7 @@ class HostStream:
 
 
 class _GeneratorOnCpu(type):
-    """``torch.Generator(device=<CUDA>)`` (Megatron's text-generation controller seeds its sampler
-    on ``torch.cuda.current_device()``) made on the CPU; ``isinstance`` still means a torch
-    Generator."""
+    """``torch.Generator(device=<CUDA>)`` (Megatron's sampler) made on the CPU; ``isinstance`` still works."""
 
     original = torch.Generator
 
@@ -250,20 +193,16 @@ def _fsdp_replacements() -> Dict[Tuple[Any, str], Any]:
 
 
 def _no_te_classes(*modules) -> Dict[Tuple[Any, str], Any]:
-    """Where megatron-core 0.16.1 without Transformer Engine left a MagicMock for ``TELinear``, which
-    ``isinstance()`` refuses (Megatron-FSDP's adapter under TP; multi-latent attention's output
-    projection): a class no module is an instance of."""
+    """megatron-core 0.16.1 without TE leaves a MagicMock for ``TELinear``, which ``isinstance()`` refuses
+    (Megatron-FSDP's adapter under TP; MLA's output projection): a class no module is an instance of."""
     no_te = type("NoTELinear", (), {})
     return {(module, "TELinear"): no_te for module in modules
             if not isinstance(getattr(module, "TELinear", type), type)}
 
 
 def _attention_replacements() -> Dict[Tuple[Any, str], Any]:
-    """Multi-latent attention without Transformer Engine (``_no_te_classes``; megatron-core 0.19
-    leaves the duplicated local ``Linear`` its local spec uses None, imported in TE's try block), and
-    its YaRN RoPE,
-    which MLA builds without ``use_cpu_initialization``: under ``with torch.device(current_device())``,
-    a CUDA device; built on the CPU here."""
+    """Multi-latent attention without TE (``TELinear`` above; 0.19's local ``Linear`` is None, imported in
+    TE's try block), and its YaRN RoPE, which MLA builds on ``current_device()`` (CUDA): on the CPU here."""
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
     from megatron.core.transformer import multi_latent_attention
 
@@ -339,11 +278,9 @@ def _moe_replacements() -> Dict[Tuple[Any, str], Any]:
 
 
 def _recompute_replacements() -> Dict[Tuple[Any, str], Any]:
-    """Megatron's ``CheckpointWithoutOutput()``, built with its default ``fp8=False``, takes FP8 as on
-    (``self.fp8 = fp8 is not None``) and asks Transformer Engine whether FP8 runs: stock selective
-    "layernorm" recompute then fails without TE (``NameError: FP8GlobalStateManager``, 0.16.1 and
-    0.19.2). Without TE these are its answers with FP8 off: no FP8, no recipe, no recompute phase to
-    mark (the phase only TE's FP8 modules read), no FP8 autocast for the recomputation."""
+    """``CheckpointWithoutOutput()`` takes its default ``fp8=False`` as on (``self.fp8 = fp8 is not None``)
+    and asks TE, so stock "layernorm" recompute fails without TE (``NameError: FP8GlobalStateManager``,
+    0.16.1 and 0.19.2): TE's answers with FP8 off."""
     import types
 
     from megatron.core.tensor_parallel import random
@@ -364,11 +301,9 @@ def is_installed() -> bool:
 
 
 def _remember_real_factories() -> None:
-    """``with torch.device(...)`` (transformers' meta-device loading) recognizes factories by
-    identity, from a set torch builds once, on first use, from the ``torch.*`` attributes of that
-    moment. Built while the factories are wrapped, it holds the wrappers, and the device context
-    then ignores the real factories for the rest of the process (RoPE buffers made on the CPU
-    instead of the meta device come back uninitialized). So it is built now, from the real ones."""
+    """``with torch.device(...)`` knows factories by identity, from a set torch builds once on first use:
+    built while they are wrapped, it would ignore the real ones for good (RoPE buffers come back
+    uninitialized under transformers' meta-device loading). So it is built now, from the real ones."""
     import torch.utils._device
 
     torch.utils._device._device_constructors()

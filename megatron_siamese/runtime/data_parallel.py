@@ -1,31 +1,11 @@
-"""Model chunks wrapped for data parallelism as the layout says, with Megatron's own wrappers.
+"""Model chunks wrapped for data parallelism as the layout says, with Megatron's own wrappers:
+``DistributedDataParallel``, ``TorchFullyShardedDataParallel`` (torch FSDP2) or Megatron-FSDP's
+``FullyShardedDataParallel``, configured as Megatron-LM's ``get_model`` does.
 
-* ``fsdp="none"``: ``DistributedDataParallel`` (gradient buckets all-reduced, or reduce-scattered
-  for the distributed optimizer), as before;
-* ``fsdp="torch"``: ``TorchFullyShardedDataParallel``, Megatron's torch-FSDP2 wrapper
-  (``use_torch_fsdp2``): each TransformerLayer (SiameseTransformerLayer is one), the embedding
-  and the rotary embedding ``fully_shard``-ed as units over the DP group, the rest in the root
-  unit. Parameters become DTensors sharded along dim 0; their gradients are reduce-scattered
-  by FSDP2 itself, and Megatron's non-distributed optimizer steps the shards;
-* ``fsdp="megatron"``: Megatron-FSDP's ``FullyShardedDataParallel`` (``use_megatron_fsdp``)
-  with the layout's ``data_parallel_sharding_strategy``, stepped by Megatron's distributed
-  optimizer (Megatron-FSDP v1 needs it; Megatron-LM switches it on).
-
-The DistributedDataParallelConfig is built as Megatron-LM's ``get_model`` builds it for each.
-Two departures, both said here and in docs/parallelism.md:
-
-* Tied embeddings under torch FSDP2: Megatron-LM refuses ``--use-torch-fsdp2`` without
-  ``--untie-embeddings-and-output-weights``, because its wrapper shards the embedding as a unit
-  of its own, which is resharded before the output layer reads the same weight ("aten.mm got
-  mixed torch.Tensor and DTensor"). Here a model that ties them keeps the embedding in the root
-  unit instead (the wrapper's own ``sub_modules_to_wrap``, less ``LanguageModelEmbedding``), so
-  the embedding is gathered with the output layer, for the whole forward.
-* megatron-core < 0.19's torch-FSDP2 wrapper inherits ``finish_grad_sync()`` without the
-  ``force_all_reduce`` that ``finalize_model_grads`` passes (NVIDIA/Megatron-LM#4669, fixed by
-  #4953 in 0.19): ``TorchFSDP`` below accepts it, as 0.19's wrapper does.
-
-On gloo, Megatron-FSDP's gradient averaging is a multiply then a sum
-(``gradient_reduce_div_fusion=False``): gloo has no ``PREMUL_SUM``, NCCL's fused form of it.
+Two departures: a model with tied embeddings keeps the embedding in FSDP2's root unit (Megatron's
+units would reshard it before the output layer reads it), and megatron-core < 0.19's FSDP2 wrapper
+gets the ``force_all_reduce`` keyword (NVIDIA/Megatron-LM#4669, fixed by #4953). On gloo, no
+``PREMUL_SUM``: ``gradient_reduce_div_fusion=False``. docs/parallelism.md, "Fully sharded data parallelism".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Whether a model's sizes fit together and split over a layout: each rule written once.
 
-``training/args.py`` applies these to a run's settings and ``cli/check.py`` to the check's
-model under each of its layouts, before any rank starts. Each problem is one line naming
-the flag to change. A rule whose sizes are below 1 is skipped: the callers refuse those
-sizes themselves, and a remainder by zero says nothing useful.
+Applied by ``training/args.py`` and ``cli/check.py`` before any rank starts; each problem is one line
+naming the flag to change. Sizes below 1 are skipped: the callers refuse those themselves.
 """
 
 from __future__ import annotations
@@ -132,10 +130,8 @@ def _moe_shape_problems(model: ModelSettings) -> List[str]:
 def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, micro_batch_size: int,
                    global_batch_size: int, global_batch_flag: str = "--global-batch-size",
                    spell: Callable[[str, int], str] = short_flag, training: bool = True) -> List[str]:
-    """What of ``model`` and its batch does not split over ``layout``: heads, query groups, MLP
-    width and vocabulary over TP, layers (or the hybrid pattern) over the pipeline stages, the
-    global batch over microbatches x DP. ``spell`` names a layout size in the messages.
-    ``training=False``: forward passes only (the rules about gradients left out)."""
+    """What of ``model`` and its batch does not split over ``layout`` (TP, pipeline stages, experts,
+    CP, FSDP, the global batch). ``spell`` names a layout size; ``training=False`` leaves out gradient rules."""
     found = []
     tp, heads, groups = layout.tp, model.num_attention_heads, model.num_query_groups
     if _positive(tp, heads) and heads % tp:

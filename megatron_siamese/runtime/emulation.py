@@ -1,10 +1,7 @@
-"""Which collective the CPU shim is emulating right now, for a count of collectives to book.
-
-On gloo the shim stands in for some collectives with others (a reduce-scatter as an all-reduce and
-a slice, for one). A counter of collectives (bench/collective_counter.py) should book the collective
-Megatron asked for, with its payload, not the calls the emulation makes: the shim marks the span
-with ``standing_in_for`` and the counter reads ``emulated_collective``. Its own module so that the
-counter need not import the shim (only the launchers install it)."""
+"""Which collective the CPU shim is emulating right now, so that a collective counter
+(bench/collective_counter.py) books the one Megatron asked for, not the calls standing in for it.
+Its own module so that the counter need not import the shim.
+"""
 
 from __future__ import annotations
 

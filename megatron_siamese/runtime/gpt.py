@@ -1,15 +1,9 @@
 """One rank's Megatron GPT: the runtime of the parallel check, the plan's measurements and the benches.
 
-    ModelSettings + Layout --transformer_config--> SiameseTransformerConfig (SiameseMLATransformerConfig with MLA)
-      --models.build_model_chunks--> GPTModel or HybridModel chunks (one per virtual stage)
-      --init_weights (optional)--> GPU, Float16Module (bf16), DistributedDataParallel or a fully
-          sharded wrapper (torch FSDP2, Megatron-FSDP; runtime/data_parallel.py)
-      --> Megatron optimizer (distributed or not), finalize_model_grads and the overlapped
-          gradient sync wired as Megatron-LM wires them
-      --> get_forward_backward_func over microbatches, with SiameseP2PCommunicator when the
-          model sends packed streams between pipeline stages
-
-Everything here is Megatron's own machinery; this module only puts it together once.
+ModelSettings + Layout -> SiameseTransformerConfig -> GPTModel or HybridModel chunks -> GPU, Float16Module,
+DDP or a fully sharded wrapper (runtime/data_parallel.py) -> Megatron's optimizer and finalize_model_grads
+-> get_forward_backward_func, with SiameseP2PCommunicator when stages send packed streams. Everything
+is Megatron's own machinery, put together once here.
 """
 
 from __future__ import annotations
@@ -30,11 +24,8 @@ assert tuple(DTYPES) == DTYPE_NAMES, "runtime/settings.py offers the dtypes this
 
 
 def transformer_config(model: ModelSettings, layout: Layout, **overrides):
-    """The SiameseTransformerConfig of ``model`` under ``layout`` (``overrides`` win).
-
-    Settings that TransformerConfig takes as they are come from their definitions
-    (``config=`` in runtime/settings.py and runtime/layout.py); the rest are computed here.
-    """
+    """The SiameseTransformerConfig of ``model`` under ``layout`` (``overrides`` win); settings
+    TransformerConfig takes as they are come from their definitions (runtime/settings.py, layout.py)."""
     import torch.nn.functional as F
 
     from megatron_siamese.config import siamese_config_class
@@ -99,8 +90,7 @@ def packs_streams(chunks: Sequence[torch.nn.Module]) -> bool:
 
 
 def pipeline_communication(chunks: Sequence[torch.nn.Module], config) -> dict:
-    """Schedule keywords: ``SiameseP2PCommunicator`` (2h-wide buffers, no shape exchange) when
-    stages send packed streams, else nothing (Megatron's own communicator)."""
+    """Schedule keywords: ``SiameseP2PCommunicator`` when stages send packed streams, else none."""
     if config.pipeline_model_parallel_size == 1 or not packs_streams(chunks):
         return {}
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -112,11 +102,8 @@ def pipeline_communication(chunks: Sequence[torch.nn.Module], config) -> dict:
 
 
 def loss_func(loss_mask: Tensor, output: Tensor):
-    """The microbatch's mean token loss. Under context parallelism each rank holds part of the
-    tokens: its loss is its tokens' sum over the whole sequence's count, which Megatron's
-    schedule multiplies by the CP size and DDP averages over DP x CP, so the gradient is the
-    whole sequence's mean loss's (exactly, however the loss mask falls on the chunks); the
-    reported loss is that mean, the same on every CP rank."""
+    """The microbatch's mean token loss. Under CP a rank's loss is its tokens' sum over the whole
+    sequence's count, so the gradient is the whole sequence's mean loss's however the mask falls."""
     from megatron.core import parallel_state
 
     total, count = (output.float() * loss_mask).sum(), loss_mask.sum().float()
@@ -130,9 +117,8 @@ def loss_func(loss_mask: Tensor, output: Tensor):
 
 
 def forward_step(data_iterator, model):
-    """Megatron's forward-step contract: a microbatch of tokens/labels/positions/mask/loss mask
-    (the whole sequence: under context parallelism this rank's chunks are taken here), or a packed
-    row of documents (``cu_seqlens`` their bounds, no mask: the attention masks by document)."""
+    """Megatron's forward-step contract, on a microbatch (this rank's CP chunks taken here) or a
+    packed row of documents (``cu_seqlens``, no mask: the attention masks by document)."""
     from megatron.core import parallel_state
 
     from megatron_siamese.context_parallel import batch_on_rank
@@ -168,12 +154,8 @@ def unwrap(chunk):
 class MegatronGPT:
     """This rank's GPT chunks wrapped for training, their optimizer, and the schedule.
 
-    ``optimizer`` holds OptimizerConfig fields (lr, weight decay, betas, clipping, ...); Adam
-    and the precision and sharding settings come from the model and layout. ``init_weights``
-    may overwrite the freshly built chunks' parameters before they are wrapped.
-    ``siamese_p2p=False`` leaves Megatron's default communicator (with shape exchange, as
-    Megatron-LM's ``pretrain_gpt.py`` runs).
-    """
+    ``optimizer``: OptimizerConfig fields; ``init_weights`` may overwrite the built chunks before wrapping;
+    ``siamese_p2p=False`` keeps Megatron's own communicator (as ``pretrain_gpt.py`` runs)."""
 
     def __init__(
         self,
@@ -239,8 +221,7 @@ class MegatronGPT:
 
     def forward_backward(self, microbatches: List[Dict[str, Tensor]], forward_only: bool = False,
                          step: Callable = forward_step) -> List[dict]:
-        """Megatron's schedule over this rank's microbatches; the loss dicts on the last stage.
-        ``step``: the forward-step function (``forward_step``, or one that wraps it)."""
+        """Megatron's schedule over this rank's microbatches; the loss dicts on the last stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iterators = [iter(microbatches) for _ in self.model]

@@ -1,13 +1,6 @@
 """This process as one rank of a job: joining it, re-forming its process groups, and what every
-rank may call inside it.
-
-``join(launch, timeout_s)`` meets the other ranks (env://, as torchrun and torch's agent in
-``launch.py`` set it), takes this rank's GPU or installs the CPU shim, and forms
-torch.distributed over the whole job. ``on_first_ranks(size,
-fn)`` runs ``fn`` on the job's first ``size`` ranks as their whole world (Megatron builds its
-groups over the default group), while the other ranks wait: how ``check`` runs layouts of every
-size in one job. ``console(line)`` prints for the job (rank 0) even when rank 0's own output
-goes to a log; ``gather_to_rank0`` is a collective every rank calls.
+rank may call inside it (``join``, ``on_first_ranks``: how ``check`` runs layouts of every size in one
+job, ``console``, ``gather_to_rank0``).
 """
 
 from __future__ import annotations
@@ -22,8 +15,7 @@ from megatron_siamese import device
 from megatron_siamese.runtime import cpu_shim, launchers
 from megatron_siamese.runtime.launchers import JoinError, Launch, LaunchError
 
-# the joined job: its launch, backend, timeout, the rendezvous store the process groups
-# are formed on, and how many times they were re-formed
+# the joined job: launch, backend, timeout, rendezvous store, times its groups were re-formed
 _job: dict = {}
 _console = {"queue": None}  # ranks started by ``launch.py``: the launcher prints what rank 0 puts there
 
@@ -41,9 +33,8 @@ def joined() -> Optional[Launch]:
 
 
 def console(line: str) -> None:
-    """Print ``line`` for the job, on rank 0 only: in a launched job to its output, in a job
-    ``launch.py`` started by the process that started it (whose output that is: the ranks' own
-    is the fork server's, or a quiet rank's log)."""
+    """Print ``line`` for the job, on rank 0 only, through the launcher when ``launch.py`` started the
+    ranks (their own output is the fork server's, or a quiet rank's log)."""
     launch = joined()
     if launch is not None and launch.rank != 0:
         return
@@ -59,11 +50,9 @@ def set_console(queue) -> None:
 
 
 def _init_group(size: int, tag: str) -> None:
-    """torch.distributed over the job's first ``size`` ranks, on the rendezvous store under
-    ``tag``; returns once every one of them has formed it. torch returns from
-    ``init_process_group`` when this rank's own connections are made (its barrier there is off
-    by default), and a rank that then tears the group down again (``on_first_ranks``) would
-    close connections a slower rank is still completing: gloo's "Connection closed by peer"."""
+    """torch.distributed over the job's first ``size`` ranks; returns once every one has formed it.
+    torch returns when this rank's own connections are made, and a rank tearing the group down then
+    would close connections a slower rank is still completing (gloo's "Connection closed by peer")."""
     store = torch.distributed.PrefixStore(tag, _job["store"])
     rank = _job["launch"].rank
     torch.distributed.init_process_group(backend=_job["backend"], store=store, rank=rank, world_size=size,
@@ -73,17 +62,15 @@ def _init_group(size: int, tag: str) -> None:
 
 
 def restart_count() -> int:
-    """How many times torchrun restarted this job's workers (``--max-restarts``; 0 elsewhere).
-    Its agent's store outlives a restart, so each attempt forms its groups under a prefix of its
-    own: the new ranks would otherwise read the dead ranks' gloo addresses, still in the store
-    under the same keys, and fail with "Connection refused" (or wait on a peer that reads them)."""
+    """How many times torchrun restarted this job's workers (0 elsewhere). The agent's store outlives a
+    restart, so each attempt uses a prefix of its own: else new ranks read the dead ranks' gloo
+    addresses ("Connection refused")."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def join(launch: Launch, timeout_s: float) -> None:
-    """Join ``launch``'s job: the rendezvous (env://; every rank within ``timeout_s``, else an
-    error saying so), this rank's GPU (its local rank) or the CPU shim, and torch.distributed
-    over the whole job."""
+    """Join ``launch``'s job (every rank within ``timeout_s``), take this rank's GPU or the CPU shim,
+    and form torch.distributed over the whole job."""
     os.environ.update(launch.environment(), CUDA_DEVICE_MAX_CONNECTIONS="1")
     backend = device.backend()
     if backend == "nccl":
@@ -107,11 +94,8 @@ def join(launch: Launch, timeout_s: float) -> None:
 
 
 def group_timeout_minutes() -> float:
-    """How long, in minutes, a rank waits for the others in the process groups Megatron forms over
-    the joined job (``gpt.initialize_model_parallel``): the job's own timeout, as in the groups
-    ``join`` forms (--distributed-timeout-minutes), not Megatron's default of 30 minutes, during
-    which a rank whose peer died or hung while it formed or used those groups would sit in C code,
-    deaf to SIGTERM. Megatron's default outside a joined job."""
+    """Minutes a rank waits for the others in Megatron's process groups: the job's own timeout, not
+    Megatron's 30, during which a rank whose peer died would sit in C code, deaf to SIGTERM."""
     return _job["timeout_s"] / 60.0 if _job else MEGATRON_GROUP_TIMEOUT_MINUTES
 
 
@@ -150,11 +134,9 @@ def _regroup(size: int, tag: str) -> None:
 
 
 def on_first_ranks(size: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on the job's first ``size`` ranks, torch.distributed's default group being
-    just them; the other ranks wait and get None. Every rank of the job must call it (the
-    groups are re-formed over the job's rendezvous store; ``RegroupError`` if they cannot be).
-    An error in ``fn`` is raised on its ranks after the job is whole again, except
-    ``GroupsBroken`` (a rank hangs: the job cannot be whole again), raised at once."""
+    """``fn(*args)`` on the job's first ``size`` ranks as the whole default group; the others wait and
+    get None. Every rank must call it. ``fn``'s error is raised once the job is whole again, except
+    ``GroupsBroken`` (a rank hangs), raised at once."""
     launch = joined()
     world = launch.world_size
     if size > world:

@@ -1,21 +1,10 @@
-"""Run a function on the ranks of a job: started here by torch's elastic launcher (torchrun's
-machinery), or this process joining a job a launcher started.
+"""Run a function on the ranks of a job: ``run_job(fn, world_size, *args)``, the one way every command
+runs on ranks.
 
-``run_job(fn, world_size, *args)`` is the one way every command runs on ranks:
-
-* no launcher started this process (``launchers.detect()`` is None): torch's ``elastic_launch``
-  starts ``world_size`` ranks on this host, exactly as ``torchrun --nproc-per-node`` would (CPU
-  processes with gloo, forked from a server that imported torch and Megatron once; one spawned
-  process per GPU with NCCL). Each joins the job (``job.join``) and runs ``fn(*args)``;
-  ``run_job`` returns rank 0's value (``launch`` returns all of them, in rank order). When a rank
-  fails, torch's agent stops the others at once and the failure is raised here as ``RankFailed``:
-  one line naming the rank and its error, with every failed rank's traceback and output as
-  details;
-* under ``torchrun`` (on SLURM: ``srun torchrun``) or another ``env://`` launcher, this process
-  joins the job and returns its own value of ``fn(*args)``. The job's size must be the run's; a later
-  ``run_job`` in the same process reuses the joined job.
-
-``quiet_ranks`` send those ranks' output to a log file, shown only when they fail.
+With no launcher, torch's ``elastic_launch`` starts the ranks here as ``torchrun --nproc-per-node`` would
+(gloo ranks forked from a server that imported torch and Megatron once; NCCL ranks spawned); a failed
+rank stops the others and is raised as ``RankFailed``. Under torchrun or another ``env://`` launcher this
+process joins the job. docs/parallelism.md, "On a cluster".
 """
 
 from __future__ import annotations
@@ -61,10 +50,8 @@ class RankFailed(RuntimeError):
 
 
 def free_port() -> int:
-    """A port free now, for a server another process binds later (torchrun's --rdzv-endpoint,
-    MASTER_PORT). Below the kernel's ephemeral range: a port bound to 0 in between (a
-    gloo listener of another job on this machine) is never given one from there, and one was
-    (torchrun's agents then reached that listener: "Connection reset by peer")."""
+    """A port free now, for a server another process binds later. Below the kernel's ephemeral range:
+    a port bound to 0 in between (another job's gloo listener) once got the same one."""
     low, _ = ephemeral_ports()
     candidates = range(max(1024, low - 10000), low)
     for port in random.sample(candidates, min(64, len(candidates))):
@@ -90,9 +77,8 @@ def ephemeral_ports() -> Tuple[int, int]:
 
 
 class Report(NamedTuple):
-    """What a failed rank leaves for the launcher (in the launch's directory): its error in one
-    line, its traceback, a ConfigError's problems (settings, not a crash: the launcher raises them
-    as the job's own ConfigError), and when it failed."""
+    """What a failed rank leaves for the launcher: its error in one line, its traceback, a ConfigError's
+    problems (raised as the job's own ConfigError), and when it failed."""
 
     summary: str
     traceback: str
@@ -100,11 +86,8 @@ class Report(NamedTuple):
     time: float
 
 
-# How a rank fails when a peer went away first: on the broken connection (gloo's "Connection
-# closed by peer ... Check the logs of the remote worker", a reset, a refused connect, the
-# rendezvous store's "Connection was likely closed"), or where the package's own agreement says
-# another rank failed. Such a rank waits a moment before it exits, so that the peer's own error,
-# not its consequence, is the job's.
+# How a rank fails when a peer went away first; such a rank waits before it exits, so that the
+# peer's own error, not its consequence, is the job's.
 _PEER_GONE = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|[Cc]onnection refused|logs of the remote worker"
                         r"|[Cc]onnection was likely closed|on another rank")
 PEER_REPORT_WAIT_S = 10.0
@@ -202,18 +185,15 @@ def _failure(failed, directory: str, world_size: int) -> BaseException:
     return RankFailed(summary, "\n".join(details))
 
 
-# Imported once by the fork server, so that a rank starts in well under a second instead of
-# importing torch and Megatron again (several seconds a rank, most of a CPU test's time).
+# Imported once by the fork server: a rank then starts in well under a second, not several.
 _PRELOAD = ["megatron_siamese.runtime.forkserver_preload", "torch", "megatron.core", "megatron.core.distributed",
             "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron_siamese.runtime.gpt",
             "megatron_siamese.models", "matplotlib.pyplot"]
 
 
 def _start_method(backend: str) -> str:
-    """On gloo, ranks forked from a server that imported torch and Megatron once, in a clean
-    process (never from the caller, whose threads and state a fork would copy). On NCCL, spawned
-    ranks: those imports ask torch.cuda.is_available(), after which CUDA refuses to start in any
-    process forked from the server."""
+    """On gloo, ranks forked from a clean server that imported torch and Megatron once. On NCCL, spawned:
+    those imports ask torch.cuda.is_available(), after which CUDA refuses to start in a forked process."""
     if backend == "nccl":
         return "spawn"
     mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
@@ -224,10 +204,8 @@ def _start_method(backend: str) -> str:
 
 
 def start_rank_server() -> None:
-    """Start the fork server that ``launch`` forks ranks from, now, if this process will start
-    ranks (no launcher started it, and gloo: on NCCL ranks are spawned fresh). Its imports of
-    torch and Megatron (several seconds) then run beside the caller's own, rather than after
-    them when the first rank starts."""
+    """Start the fork server now, if this process will fork ranks, so its imports (several seconds) run
+    beside the caller's own."""
     if job.joined() is None and launchers.detect() is None and device.backend() == "gloo":
         from multiprocessing import forkserver
 
@@ -307,10 +285,8 @@ def launch(
 
 def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeout_s: float = 600.0,
             needs: str = "", **launch_options) -> Any:
-    """``fn(*args)`` on the job's ranks. Started here (``launch_options`` go to ``launch``) when no
-    launcher started this process: rank 0's value. In a launched job: this rank's value, after
-    joining the job (or reusing the one joined before). ``world_size`` None takes the launched
-    job's size; otherwise it must match (``needs`` says what asks for it, for the error)."""
+    """``fn(*args)`` on the job's ranks: rank 0's value when started here, this rank's in a launched job.
+    ``world_size`` None takes the launched job's size; otherwise it must match (``needs`` names the asker)."""
     joined = job.joined()
     if joined is None:
         joined = launchers.detect()

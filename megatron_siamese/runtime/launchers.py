@@ -1,11 +1,8 @@
-"""Who started this process: ``torchrun`` (on SLURM: one ``srun`` task per node, each a torchrun
-agent, as Megatron-LM and torchtitan run; examples/slurm/), another ``env://`` launcher, or
-nobody (then our commands spawn their own ranks on this host).
+"""Who started this process: ``torchrun`` (on SLURM, one ``srun`` task per node, each a torchrun agent;
+examples/slurm/), another ``env://`` launcher, or nobody (our commands then start their own ranks).
 
-Plain environment reading, no torch import: ``detect()`` returns this process's place in a
-launched job (``Launch``) or ``None``, and raises ``LaunchError`` (one line saying what to
-change) when the variables contradict one another. Read as torch.distributed reads them:
-``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT``.
+Plain environment reading, no torch import, as torch.distributed reads it: ``detect()`` returns a
+``Launch`` or ``None``, or raises ``LaunchError`` when the variables contradict one another.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Parallel layouts: how one model is split over ranks (and recomputes), and their names.
 
-A layout name reads like ``tp2-pp2-sp`` or ``pp2-vpp2-full``: the parallel sizes
-(``tp``, ``pp``, ``vpp``, ``cp``, ``dp``, and for mixture-of-experts layers ``ep`` expert
-parallel and ``etp`` expert tensor parallel), then flags: ``sp`` (sequence parallel),
-``do`` (distributed optimizer), ``full`` (full recompute), ``sel`` (selective recompute
-of "layernorm" and "mlp"), and the fully sharded kinds of data parallelism: ``fsdp2`` (torch
-FSDP2 through Megatron's ``TorchFullyShardedDataParallel``) and ``mfsdpN`` (Megatron-FSDP with
-``data_parallel_sharding_strategy`` N, Megatron-FSDP's own numbering: 0 ``no_shard``, 1
-``optim``, 2 ``optim_grads``, 3 ``optim_grads_params``). ``single`` is one rank with nothing split.
-
-Expert parallelism adds no ranks: as in Megatron, each pipeline stage's ``tp x cp x dp``
-ranks are regrouped as ``etp x ep x`` expert-data-parallel for the experts. A name that
-gives ``ep`` without ``dp`` takes the smallest DP that holds it (``ep2`` is ``dp2-ep2``,
-``tp2-ep2`` is ``tp2-dp2-ep2``), and names leave that DP out again.
+A name reads ``tp2-pp2-sp``: sizes (``tp pp vpp cp dp ep etp``), then flags: ``sp``, ``do`` (distributed
+optimizer), ``full``/``sel`` (recompute), ``fsdp2`` (torch FSDP2), ``mfsdpN`` (Megatron-FSDP, strategy N
+in its own numbering); ``single`` is one rank. Expert parallelism adds no ranks (as in Megatron), so a
+name with ``ep`` but no ``dp`` takes the smallest DP that holds it. docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -35,12 +26,8 @@ DEFAULT_RECOMPUTE_MODULES = ("core_attn",)  # Megatron's, when selective names n
 
 @dataclass(frozen=True)
 class Recompute:
-    """Activation recompute as Megatron's TransformerConfig has it (Megatron-LM's flags of the same
-    names): ``full`` granularity checkpoints whole layers, ``uniform``ly in groups of ``num_layers``
-    or the first ``num_layers`` of each model chunk (``block``); ``selective`` checkpoints
-    ``modules`` inside each layer. A layout name spells it ``full`` (uniform, 1), ``fullN``
-    (uniform, N), ``fullblockN``, ``sel`` (the package's preset: layernorm and mlp) or
-    ``sel=MOD.MOD`` (``sel=core_attn``)."""
+    """Activation recompute as Megatron's TransformerConfig has it. A layout name spells it ``full``
+    (uniform, 1), ``fullN``, ``fullblockN``, ``sel`` (layernorm and mlp) or ``sel=MOD.MOD``."""
 
     granularity: Optional[str] = None
     method: Optional[str] = None
@@ -154,9 +141,8 @@ TRAIN_FLAGS = LayoutWords(lambda key, value: f"--{key} {value}", "--use-torch-fs
 
 def fsdp_refusals(fsdp: str, *, tp: int, cp: int, dp: int, pp: int, ep: int, expert_tp: int,
                   distributed_optimizer: bool, words: LayoutWords = LAYOUT_NAME) -> List[str]:
-    """What fully sharded data parallelism ``fsdp`` ("torch", "megatron") cannot run with, each
-    rule written once (``Layout`` refuses the first, ``train`` lists them all in its flags' words):
-    Megatron-LM's refusals with ``--use-torch-fsdp2``, and what Megatron-FSDP cannot train."""
+    """What FSDP ``fsdp`` ("torch", "megatron") cannot run with, each rule written once (``Layout``
+    refuses the first, ``train`` lists them all in its flags' words)."""
     if fsdp == "none":
         return []
     flag = words.torch_fsdp if fsdp == "torch" else words.megatron_fsdp
@@ -181,9 +167,7 @@ def fsdp_refusals(fsdp: str, *, tp: int, cp: int, dp: int, pp: int, ep: int, exp
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to split a model over ranks. The fields TransformerConfig takes as they are
-    say so (``runtime/registry.config_kwargs``); the command line's settings fill them
-    (``training/args.TrainArgs.layout``)."""
+    """One way to split a model over ranks; fields TransformerConfig takes as they are say so."""
 
     tp: int = setting(1, config="tensor_model_parallel_size")
     pp: int = setting(1, config="pipeline_model_parallel_size")
@@ -196,11 +180,8 @@ class Layout:
     distributed_optimizer: bool = False  # DistributedDataParallelConfig's and OptimizerConfig's
     # several TransformerConfig fields (Recompute.config); a preset's name (RECOMPUTE_PRESETS) is taken too
     recompute: Recompute = Recompute()
-    # fully sharded data parallelism over the dp ranks (runtime/data_parallel.py): "torch" wraps each model
-    # chunk in Megatron's TorchFullyShardedDataParallel (use_torch_fsdp2: parameters, gradients and optimizer
-    # state sharded), "megatron" in Megatron-FSDP (use_megatron_fsdp), whose fsdp_sharding (its
-    # DistributedDataParallelConfig.data_parallel_sharding_strategy, Megatron's default "no_shard")
-    # says what it shards: "optim_grads_params" is full sharding
+    # fully sharded data parallelism over the dp ranks (FSDP_KINDS, runtime/data_parallel.py); fsdp_sharding is
+    # Megatron-FSDP's data_parallel_sharding_strategy ("optim_grads_params": full sharding)
     fsdp: str = "none"
     fsdp_sharding: str = "no_shard"
 

@@ -1,7 +1,6 @@
-"""The end-of-run loss curve of Megatron's loop: drawn from the TensorBoard events Megatron wrote
-under ``--tensorboard-dir`` (its ``lm loss`` scalar each iteration, ``lm loss validation`` at each
-evaluation), every event file of the directory read in order, so a resumed run's curve is the
-whole run's."""
+"""The end-of-run loss curve of Megatron's loop, drawn from the TensorBoard events under
+``--tensorboard-dir``; every event file read in order, so a resumed run's curve is the whole run's.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +19,9 @@ def read_losses(directory: str) -> Tuple[Dict[int, float], Dict[int, float]]:
 
 
 def read_scalars(directory: str, *tags: str) -> Dict[str, Dict[int, float]]:
-    """Each tag's values by iteration, over the directory's event files in order: a later file (a
-    resumed run's) replaces every point from its own first iteration on, so a run resumed from an
-    earlier checkpoint, or started again in the same directory, does not mix timelines. Within a
-    file the first value of an iteration is kept: after training Megatron evaluates the
-    validation set and then the test set, both under the validation tag."""
+    """Each tag's values by iteration over the event files in order: a later (resumed) file replaces every
+    point from its first iteration on. Within a file the first value of an iteration is kept: Megatron
+    logs the validation and then the test set under the validation tag."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.util.tensor_util import make_ndarray
 

@@ -82,10 +82,9 @@ def serve_megatron_training_on_cpu() -> None:
 
 
 def _build_loaders_without_drawing_dropout() -> None:
-    """On CPU, dropout draws from torch's CPU generator, and so does each ``iter(DataLoader)`` (its
-    base seed). ``pretrain()`` restores a checkpoint's RNG state before it builds the data
-    iterators, so a resumed run drew other dropout masks than the uninterrupted one. The
-    iterators are built on a forked RNG state (0.17+: ``megatron.training`` in the wheel)."""
+    """On CPU dropout and each ``iter(DataLoader)`` draw from the one CPU generator, and ``pretrain()``
+    restores a checkpoint's RNG state before building the iterators: a resumed run drew other dropout
+    masks. The iterators are built on a forked RNG state (0.17+)."""
     try:
         from megatron.training import training
     except ImportError:
@@ -100,11 +99,9 @@ def _build_loaders_without_drawing_dropout() -> None:
 
 
 def _warm_up_without_drawing_the_init() -> None:
-    """Its start-up warms up the jit fusions on ``torch.rand`` tensors of ``seq_length / cp``
-    rows, before the model is built. On a GPU those draws come from CUDA's generator; served on
-    CPU they come from the generator the model's weights are then drawn from, so every layout
-    with another CP size (or TP under SP) built another model: a CP 2 run was not the CP 1 run
-    split. The warm-up keeps its own RNG state here."""
+    """Its start-up warms up the jit fusions on ``torch.rand`` tensors of ``seq_length / cp`` rows; on CPU
+    they draw from the generator the weights are drawn from next, so each CP size built another model.
+    The warm-up keeps its own RNG state here (docs/megatron-lm.md)."""
     try:
         from megatron.training import initialize
     except ImportError:
@@ -119,9 +116,8 @@ def _warm_up_without_drawing_the_init() -> None:
 
 
 def _keep_built_dataset_helpers() -> None:
-    """Its start-up compiles the dataset helpers with the ``python3`` and ``pybind11`` on PATH,
-    whatever interpreter runs it, and exits when that fails; a tree that already holds them built
-    for this interpreter (the wheel's ``helpers_cpp*.so`` copied in) needs no compiler."""
+    """Its start-up compiles the dataset helpers with the ``python3`` on PATH and exits if that fails;
+    a tree already holding them built for this interpreter needs no compiler."""
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
         from megatron.core.datasets import utils

@@ -1,15 +1,10 @@
 """No orphan ranks: a rank that outlives the process that started it ends itself.
 
-``die_with_parent(signum)`` asks Linux to send this process ``signum`` when its parent dies
-(``prctl(PR_SET_PDEATHSIG)``), whatever killed the parent, SIGKILL included: a torchrun rank
-stops (and saves) when its agent dies. A rank ``launch.py`` started has the fork server for its
-parent, which outlives a killed launcher, so it ``watch``es the launcher itself (a thread waiting
-on a pidfd of it) and is SIGKILLed within a second of the launcher's death, instead of finishing
-the run or waiting forever for peers. Megatron's checkpoint writer's manager process gets the
-parent-death signal of its rank (``checkpoint_writer_dies_with_its_rank``: our writer's and
-Megatron-LM's loop's), and on CPU Megatron's persistent checkpoint worker ``watch``es its rank
-(``cpu_checkpoint_worker``). Elsewhere than Linux
-the parent-death signal does nothing and the watch looks once a second.
+``die_with_parent`` asks Linux for a signal when the parent dies (``PR_SET_PDEATHSIG``, SIGKILL of the
+parent included). A rank ``launch.py`` started has the fork server for parent, which outlives a killed
+launcher, so it ``watch``es the launcher (a pidfd) and is SIGKILLed within a second of its death.
+Megatron's checkpoint writer's manager and its persistent CPU worker die with their rank too.
+Elsewhere than Linux the death signal does nothing and the watch polls once a second.
 """
 
 from __future__ import annotations
@@ -27,9 +22,8 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def die_with_parent(signum: int, launcher_pid: Optional[int] = None) -> bool:
-    """Have ``signum`` sent to this process when its parent dies; returns whether it is set.
-    If the parent (or ``launcher_pid``) is already gone, the signal is sent now: the death
-    signal is not sent for a parent that died before it was asked for."""
+    """Have ``signum`` sent to this process when its parent dies; returns whether it is set. A parent
+    already gone gets the signal sent now: Linux does not send it for a parent that died before."""
     if not sys.platform.startswith("linux"):
         return False
     parent = os.getppid()
@@ -77,23 +71,17 @@ def watch(pid: int, signum: int = signal.SIGKILL) -> bool:
 
 
 def _checkpoint_writer_manager() -> None:
-    """The writer's manager: dies with its rank, and imports what the writer's results are made of
-    now, while its rank waits for it to start, rather than at the first result it is sent (seconds
-    of importing torch: an --async-save's writer would wait that long to report)."""
+    """The writer's manager: dies with its rank, and imports the writer's result types now, while its
+    rank waits, rather than at the first result (seconds an --async-save's writer would wait)."""
     die_with_parent(signal.SIGKILL)
     import torch.distributed.checkpoint  # noqa: F401
 
 
 def checkpoint_writer_dies_with_its_rank(start_method: str = "spawn") -> None:
-    """Megatron's checkpoint writer (dist_checkpointing's ``filesystem_async``) keeps its results
-    queue in a multiprocessing manager, a process it spawns at a rank's first save and nothing
-    ends once the rank is gone: a rank SIGKILLed under torchrun (which stops a failed worker's
-    process group only while the worker lives) left it and its resource tracker running for
-    good. This gives the writer its queue from a manager that gets SIGKILL when its rank dies
-    (the tracker then sees its last holder go and exits); Megatron uses a queue already there.
-    ``start_method`` "fork" (what Megatron-LM's loop uses, in well under a second) only before the
-    rank has process groups, whose threads a fork would copy mid-work; "spawn" (seconds: a new
-    interpreter) at any time."""
+    """Megatron's checkpoint writer keeps its results queue in a multiprocessing manager that nothing
+    ends once its rank is gone (a rank SIGKILLed under torchrun left it and its resource tracker running
+    for good). This gives the writer a queue from a manager SIGKILLed when its rank dies. ``start_method``
+    "fork" only before the rank has process groups, whose threads a fork would copy; "spawn" any time."""
     from multiprocessing import get_context
     from multiprocessing.managers import SyncManager
 

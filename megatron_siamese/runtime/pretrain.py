@@ -1,20 +1,13 @@
 """Megatron's own training loop with the SiameseNorm layer: ``megatron.training.pretrain`` and
-Megatron-LM's flags, our model provider, forward step and dataset provider (megatron-core >= 0.17,
-whose wheel ships ``megatron.training``).
+Megatron-LM's flags, our model provider, forward step and dataset provider (megatron-core >= 0.17).
 
     torchrun --nproc-per-node 2 -m megatron_siamese.runtime.pretrain --tensor-model-parallel-size 2 \\
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
         --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 --mock-data \\
         --tokenizer-type NullTokenizer --vocab-size 512 --train-iters 10 --lr 1e-3 --log-interval 1
 
-Every flag is Megatron-LM's and means what it means there. The layers are SiameseNorm's
-block spec for the config (``megatron_siamese.specs.get_siamese_block_spec``: Transformer Engine's
-modules with ``--transformer-impl transformer_engine``), a HybridModel's with
-``--hybrid-layer-pattern``, or the ``--spec MODULE NAME`` given. Data:
-``--mock-data``, ``--data-path`` (a Megatron indexed dataset) or, with neither, the embedded corpus
-(the King James Bible, byte tokens, written once as an indexed dataset under
-``$MEGATRON_SIAMESE_CACHE``, default ``.cache/megatron_siamese``; ``embedded_data_flags``). Without a GPU
-it runs on CPU with gloo, through the CPU shim (megatron_lm.py).
+Every flag is Megatron-LM's. Without ``--mock-data`` or ``--data-path`` it trains on the embedded
+corpus; without a GPU it runs on gloo through the CPU shim. docs/training.md, docs/megatron-lm.md.
 """
 
 from __future__ import annotations
@@ -151,10 +144,8 @@ def siamese_config(config, args):
 
 
 def layer_spec(args, config, vp_stage=None):
-    """``--spec MODULE NAME`` as Megatron-LM reads it, else ours for the model and ``--norm``:
-    a HybridModel's stack spec (``--hybrid-layer-pattern``), or the scheme's block spec for this
-    (virtual) pipeline stage, which follows the config as Megatron's own GPT block spec does (dense
-    and MoE layers per ``--moe-layer-freq``, QK-norm, multi-latent attention, a pipeline layout)."""
+    """``--spec MODULE NAME`` as Megatron-LM reads it, else ours for the model and ``--norm``: a
+    HybridModel's stack spec, or the scheme's block spec for this (virtual) pipeline stage."""
     if args.spec:
         module, name = args.spec
         return getattr(importlib.import_module(module), name)
@@ -169,10 +160,8 @@ def layer_spec(args, config, vp_stage=None):
 
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None):
-    """What ``pretrain()``'s ``get_model`` calls: a GPTModel of SiameseNorm layers (with Megatron-LM's
-    multi-token prediction block where asked) or, with ``--hybrid-layer-pattern``, a HybridModel of
-    SiameseNorm sublayers (megatron_siamese/hybrid.py). GPTModel's arguments are those Megatron-LM's
-    own GPT builder derives from the flags."""
+    """What ``pretrain()``'s ``get_model`` calls: a GPTModel of SiameseNorm layers (with MTP where
+    asked), or a HybridModel with ``--hybrid-layer-pattern``, built as Megatron-LM's GPT builder does."""
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
@@ -202,10 +191,8 @@ SPIKY_LOSS_FACTOR = 10  # Megatron-LM's: a loss ten times the largest seen so fa
 
 
 def loss_func(loss_mask, output_tensor):
-    """Megatron's (summed loss, tokens, logged values) contract for its loss averaging, with
-    Megatron-LM's checks of each rank's loss before the data-parallel reduction: NaN and Inf
-    (``--check-for-nan-in-loss-and-grad``, on by default; fatal) and spikes
-    (``--check-for-spiky-loss``), through its rerun state machine (``--rerun-mode``)."""
+    """Megatron's (summed loss, tokens, logged values) contract, with Megatron-LM's NaN/Inf and spiky-loss
+    checks through its rerun state machine."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args
 
@@ -226,9 +213,8 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    """Each rank of a stage that needs the batch reads it itself (every rank builds the dataset,
-    cheap at this size), so no tensor-parallel broadcast is needed; a context-parallel rank keeps
-    its two chunks of each sequence (Megatron's split)."""
+    """Each rank of a stage that needs the batch reads it itself (no tensor-parallel broadcast); a
+    context-parallel rank keeps its two chunks of each sequence."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
     from megatron.training.utils.common_utils import is_first_or_last_pipeline_stage
@@ -281,9 +267,8 @@ datasets_provider.is_distributed = True  # every rank builds its own (pretrain_g
 
 
 def draw_the_loss_curve(args) -> None:
-    """On the rank that writes Megatron's TensorBoard events (``--tensorboard-dir``; the last rank):
-    the run's loss curve beside them (runtime/loss_curve.py), and where it is. A curve that cannot
-    be drawn is a warning: the run's own outcome (and exit code) stands."""
+    """On the rank writing Megatron's TensorBoard events (the last), the run's loss curve beside them.
+    A curve that cannot be drawn is a warning: the run's outcome stands."""
     from megatron.training.global_vars import get_tensorboard_writer
 
     writer = get_tensorboard_writer()

@@ -1,8 +1,7 @@
-"""What ``megatron-siamese train`` adds to a Megatron-LM command line that leaves it out: the
-CPU's flags off a GPU, the embedded default job where no model is named, the embedded corpus
-where no data is, ``--no-one-logger`` where NVIDIA's internal one_logger is not installed. Each
-added only where the command line does not give it, and said. No torch import here (the
-launching process counts ranks from the same flags)."""
+"""What ``megatron-siamese train`` adds to a Megatron-LM command line that leaves it out (the CPU's
+flags off a GPU, the embedded default job and corpus, ``--no-one-logger``), each only where not given,
+and said. No torch import: the launching process counts ranks from the same flags.
+"""
 
 from __future__ import annotations
 
@@ -49,9 +48,8 @@ def byte_data_flags(prefix: str) -> list:
 
 
 def embedded_data_flags(argv: list, given: set) -> list:
-    """The embedded corpus as Megatron-LM's flags (``byte_data_flags``), each added only where the
-    command line does not give it; every rank builds or waits for the one corpus (the cache
-    directory's lock)."""
+    """The embedded corpus as Megatron-LM's flags, each only where not given; every rank builds or
+    waits for the one corpus (the cache directory's lock)."""
     from megatron_siamese.data.corpus import ByteTokenizer, embedded_corpus
 
     vocab_size = ByteTokenizer().vocab_size

@@ -1,7 +1,6 @@
-"""What ``megatron-siamese train`` settles about the checkpoint and the store before Megatron-LM's
-``pretrain()`` starts (runtime/pretrain.py): a ``--load`` of another model refused by name, a
-``--load`` of model weights only given ``--no-load-optim``, and under torchrun a rendezvous store of
-this restart attempt's own."""
+"""What ``megatron-siamese train`` settles before Megatron-LM's ``pretrain()`` starts: a ``--load`` of
+another model refused, ``--no-load-optim`` for weights only, and a rendezvous store per restart.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +20,8 @@ def _common_state(load: str):
 
 
 def checkpoint_problem(args):
-    """One line refusing ``--load`` of a checkpoint whose model is another than this run builds (its
-    scheme, say, which Megatron-LM's own argument check does not compare), naming each difference;
-    None where it is the same model, says nothing of its model, or is not there yet (an empty
-    ``--save`` directory: Megatron-LM starts from scratch)."""
+    """One line refusing a ``--load`` of another model than this run builds (its scheme, say, which
+    Megatron-LM does not compare); None for the same model, one that says nothing of it, or none yet."""
     import dataclasses
 
     from megatron_siamese.inference.saved_args import settings_from_args
@@ -44,10 +41,8 @@ def checkpoint_problem(args):
 
 
 def loads_weights_only(args) -> bool:
-    """Whether ``--load`` names a checkpoint of model weights alone (what upcycle and import-hf
-    write: its args say no_save_optim), and the run does not say so itself. Megatron-LM then skips
-    the optimizer's state in what it reads but still asks for it (KeyError 'optimizer'), so such a
-    run gets ``--no-load-optim``: a fresh optimizer from those weights."""
+    """Whether ``--load`` names model weights alone (upcycle, import-hf: no_save_optim) and the run does
+    not say so: Megatron-LM would still ask for the optimizer's state (KeyError 'optimizer')."""
     from megatron_siamese.training import checkpoint_files
 
     common = _common_state(args.load) if args.load and not (args.no_load_optim or args.finetune) else None
@@ -57,12 +52,9 @@ def loads_weights_only(args) -> bool:
 def restart_store(args):
     """Under torchrun, the rendezvous store of this attempt alone, or None (Megatron's env:// init).
 
-    torchrun's agent serves one store for every restart of its workers (``--max-restarts``), and
-    torch's env:// init gives each worker a plain client of it (torch 2.14's rendezvous.py: "a new
-    TCPStore for every retry", which the agent no longer makes), so a restarted rank reads what the
-    failed attempt's ranks left there: gloo dialled the address of a dead rank ("Connection
-    refused" in connectFullMesh, or a hang while the key was read before being rewritten; NCCL's
-    unique id alike, pytorch/pytorch#167288). Each attempt gets its own prefix, as torch did."""
+    torchrun's agent serves one store for every restart, so a restarted rank read what the failed
+    attempt's ranks left there: a dead rank's gloo address ("Connection refused" in connectFullMesh, or a
+    hang; NCCL's unique id alike, pytorch/pytorch#167288). Each attempt gets its own prefix."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     from datetime import timedelta

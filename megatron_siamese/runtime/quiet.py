@@ -1,11 +1,9 @@
 """Megatron's and torch's known notices, silenced by message in our commands.
 
-On a machine without apex or Transformer Engine, megatron-core warns about each missing
-package at import, logs GPTModel's deprecation for every model built, torch's CUDA build says
-it found no CUDA runtime, and multiprocessing's resource tracker reports the queues
-Megatron's checkpoint writer leaves: per process, and our commands start several. These are known
-and say nothing about the run, so the commands hide exactly them (by message, never by
-category: any other warning still shows). The test suite hides the same ones in pytest.ini.
+Without apex or TE megatron-core warns about each missing package, logs GPTModel's deprecation per
+model, torch finds no CUDA runtime, and the resource tracker reports the checkpoint writer's queues:
+per process. They say nothing about the run, so exactly they are hidden (by message, never by category).
+The test suite hides the same ones in pytest.ini.
 """
 
 from __future__ import annotations
@@ -50,9 +48,8 @@ KNOWN_NOTICES = (
     # analyze's validation batches are built in memory, on purpose (data/gpt_dataset.py)
     "Unable to save GPTDataset indexes because path_to_cache is None",
 )
-# where the CPU stands in for the GPU (the CPU shim), Megatron's CUDA RNG tracker forks the CPU's
-# generator: the dropout it draws inside the fork changes the state this warns about, every layer,
-# every microbatch (thousands of lines a run). On a GPU it means what it says, and shows.
+# on the CPU shim Megatron's CUDA RNG tracker forks the CPU's generator, whose dropout draws change the
+# state this warns about (thousands of lines a run). On a GPU it means what it says, and shows.
 CPU_SHIM_NOTICES = ("CPU RNG state changed within GPU RNG context",)
 _PATTERN = re.compile("|".join(f"(?:{notice})" for notice in KNOWN_NOTICES))
 _CPU_PATTERN = re.compile("|".join(f"(?:{notice})" for notice in KNOWN_NOTICES + CPU_SHIM_NOTICES))
@@ -71,17 +68,15 @@ class _KnownNoticeFilter(logging.Filter):
 
 
 def warning_options() -> str:
-    """The known warnings as PYTHONWARNINGS entries (literal message prefixes), for Python
-    processes started from here: the rank fork server imports Megatron before any code of ours
-    could install a filter."""
+    """The known warnings as PYTHONWARNINGS entries, for processes started from here: the fork server
+    imports Megatron before any code of ours could install a filter."""
     literal = [n for n in KNOWN_NOTICES if not re.search(r"[.*+?\\()\[\]{}|^$,:]", n.replace(".", ""))]
     return ",".join(f"ignore:{notice}" for notice in literal)
 
 
 def silence_known_notices(on_cpu_shim: bool = False) -> None:
-    """Hide the known notices in this process (warnings and log records; idempotent), and with
-    ``on_cpu_shim`` those of the CPU standing in for the GPU. Log handlers added later (Megatron-LM's
-    logging setup adds its own) are covered by calling this again once they exist."""
+    """Hide the known notices in this process (idempotent); ``on_cpu_shim`` adds the CPU shim's. Call it
+    again once later log handlers exist (Megatron-LM's logging setup adds its own)."""
     for notice in KNOWN_NOTICES:
         warnings.filterwarnings("ignore", message=notice)
     noticed = _KnownNoticeFilter(_CPU_PATTERN if on_cpu_shim else _PATTERN)
@@ -93,9 +88,8 @@ def silence_known_notices(on_cpu_shim: bool = False) -> None:
 
 
 def _guard(filterer: logging.Filterer, noticed: _KnownNoticeFilter) -> None:
-    """``noticed`` ahead of ``filterer``'s own filtering (replacing an earlier guard). Composed
-    rather than added with ``addFilter``: Megatron-LM's log handler overrides ``filter`` without
-    calling the filters added to it."""
+    """``noticed`` ahead of ``filterer``'s own filtering, composed rather than added with ``addFilter``:
+    Megatron-LM's log handler overrides ``filter`` without calling its filters."""
     own = getattr(filterer, "_unguarded_filter", filterer.filter)
     filterer._unguarded_filter = own
     filterer.filter = lambda record: noticed.filter(record) and own(record)

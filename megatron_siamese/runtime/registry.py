@@ -1,10 +1,7 @@
 """Each setting defined once, as a dataclass field: ``x: int = setting(1, help=..., flag=...)``.
 
-The field's metadata holds what the rest of the package derives from it: the command-line
-flags and their help (``cli/flags.py`` builds its argparse groups from them), the allowed
-values and the lower bound (``field_problems`` turns them into one line per problem), and
-the TransformerConfig field a setting sets as it is (``config_kwargs``, for
-``runtime/gpt.py``). ``definitions`` reads a class's fields and refuses a flag defined twice.
+Its metadata holds what the package derives from it: flags and help (``cli/flags.py``), allowed values
+and bounds (``field_problems``), and the TransformerConfig field it sets as it is (``config_kwargs``).
 Plain data, no torch or Megatron import: the command line uses it before any rank starts.
 """
 
@@ -19,9 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 class ConfigError(ValueError):
-    """Settings a run cannot honour; ``problems`` holds one line per problem (each saying what
-    to change). Raised before any rank starts, or by the ranks of a job, which then re-raise
-    it wherever the job was launched from."""
+    """Settings a run cannot honour; ``problems`` holds one line per problem, each saying what to change.
+    Raised by the ranks of a job, it is re-raised wherever the job was launched from."""
 
     def __init__(self, problems: List[str]):
         self.problems = list(problems)

@@ -1,10 +1,7 @@
-"""``megatron-siamese train --compare pre,siamese``: one Megatron-LM run per residual scheme, with
-the same flags (data, seed, model, schedule, layout) but ``--norm``, one after the other; then a
-table of each run's last training and validation loss and their curves in one plot, read from the
-TensorBoard events each run wrote (runtime/loss_curve.py).
-
-Each run's events go to ``DIR/<scheme>`` under ``--tensorboard-dir DIR`` (default
-``runs/compare-<date>-<time>``), and its checkpoints, with ``--save DIR``, to ``DIR/<scheme>``."""
+"""``megatron-siamese train --compare pre,siamese``: one Megatron-LM run per residual scheme, with the
+same flags but ``--norm``, then a table of each run's last losses and their curves in one plot.
+Each run's events (and checkpoints, with ``--save DIR``) go to ``DIR/<scheme>``.
+"""
 
 from __future__ import annotations
 

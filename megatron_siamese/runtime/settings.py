@@ -1,10 +1,7 @@
 """What a model is, apart from how it is split over ranks: plain data, no torch or Megatron import.
 
-Each field is the setting's one definition (``runtime/registry.py``): its type, default,
-flags and help, allowed values, and the TransformerConfig field it sets as it is. The
-command line builds its model flags from them and validates them (``training/args.py``) in
-the launching process before any rank starts, so a bad flag costs a fraction of a second;
-``runtime/gpt.py`` turns them into Megatron's TransformerConfig and model chunks.
+Each field is the setting's one definition (``runtime/registry.py``), validated in the launching
+process before any rank starts; ``runtime/gpt.py`` turns them into Megatron's TransformerConfig.
 """
 
 from __future__ import annotations
