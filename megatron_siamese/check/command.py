@@ -1,22 +1,11 @@
 """``megatron-siamese check``: prove on your own machines that every parallel layout computes
 what one device computes.
 
-One job runs every layout: spawned here (gloo on CPU, NCCL when CUDA is present) with as
-many ranks as the largest layout needs, or the job ``torchrun`` launched across
-nodes. Each layout runs on the job's first ranks while the others wait
-(``runtime.job.on_first_ranks``): it builds the same GPT from global-name-seeded weights, runs one
-training step of the same global batch through Megatron's schedules,
-``finalize_model_grads`` and optimizer, and rank 0 compares it against the single-rank run
-(computed once): every per-microbatch loss, every parameter gradient (gathered
-over TP, stitched from the distributed optimizer's shards) and every parameter after the
-optimizer step. It prints one row per layout with the worst relative error of each
-quantity and PASS/FAIL; every rank exits non-zero if any layout fails.
-
-Layout names: parallel sizes ``tpN``, ``ppN``, ``vppN`` (virtual stages per pipeline
-rank), ``cpN``, ``dpN`` and flags ``sp`` (sequence parallel), ``do`` (distributed
-optimizer), ``full`` / ``sel`` (full / selective recompute; ``fullN``, ``fullblockN`` and
-``sel=MODULE.MODULE`` spell Megatron-LM's other recompute settings), ``fsdp2`` / ``mfsdpN`` (torch
-FSDP2, Megatron-FSDP), joined by ``-``; ``single`` is one rank. Example: ``tp2-pp2-sp``.
+One job runs every layout, each on the job's first ranks while the others wait
+(``runtime.job.on_first_ranks``): the same GPT from global-name-seeded weights, one training step of
+the same global batch through Megatron's schedules and optimizer, compared by rank 0 against the
+single-rank run (losses, every gradient, every parameter after the step). One row per layout; every
+rank exits non-zero if any fails. Layout names: ``runtime/layout.py``; docs/parallelism.md.
 """
 
 from __future__ import annotations

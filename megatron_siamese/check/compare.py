@@ -1,23 +1,11 @@
 """Comparing one layout's step against the single-rank reference step.
 
-fp32: each quantity (per-microbatch losses, every gradient, every parameter after the
-step) passes when every element satisfies ``|a - b| <= atol * max(1, max|b|) + rtol * |b|``
-(``torch.testing.assert_close`` with the absolute tolerance scaled up for tensors whose
-values exceed 1, since rounding error grows with the magnitudes summed).
-
-bf16: a layout sums in a different order than one rank, and in bf16 that alone moves
-reduction-heavy gradients (norm weights summed over every token) by a few percent, more
-than Transformer Engine's per-module bf16 tolerance (rtol 1.6e-2, atol 1e-5) allows for a
-whole model. So bf16 is judged against bf16's own noise, as flash-attention judges its
-kernels: the reference is the fp32 single-rank run, and each tensor's normwise relative
-error may be at most ``noise_factor`` times the worst one the bf16 single-rank run shows
-for that quantity (plus ``atol * max(1, max|b|)``). A per-tensor noise floor would be
-fragile (one scalar loss can land close to fp32 by luck); the quantity-wide one is what
-bf16 can promise. A real bug (a missing all-reduce, a wrong scale) lands far outside it,
-but bf16 cannot see errors below its own noise: run fp32 for exactness.
-
-The reported error is the worst normwise relative error ``max|a - b| / max|b|`` over the
-quantity's tensors, which reads the same whatever the tensor's scale.
+fp32: every element within ``atol * max(1, max|b|) + rtol * |b|`` (atol scaled up with the magnitudes
+summed). bf16: a layout's other summation order alone moves reduction-heavy gradients by a few
+percent, so each tensor is judged against the fp32 reference within ``noise_factor`` times the worst
+error the bf16 single-rank run shows for that quantity (quantity-wide: a per-tensor floor is fragile).
+The reported error is the worst normwise relative error ``max|a - b| / max|b|``.
+docs/parallelism.md, "The correctness matrix".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Planted bugs, for proving that the correctness check can fail (``check --plant-fault``).
 
-Each fault is a realistic mistake a SiameseNorm integration (or a baseline's) could make,
-applied by patching this process's classes before the model is built (``run_rank`` does it on
-every rank when ``ModelCase.fault`` names one, and undoes it after the layout: one job checks
-faulty and sound models side by side). Nothing here is imported by the layer itself.
+Each is a realistic mistake a SiameseNorm integration (or a baseline's) could make, patched into this
+process's classes before the model is built and undone after the layout. The layer never imports this.
 """
 
 from __future__ import annotations
@@ -50,9 +48,8 @@ def _norms_without_sequence_parallel_flag() -> None:
 
 
 def _experts_reduced_over_data_parallel() -> None:
-    """Expert parameters not tagged ``allreduce=False``: DistributedDataParallel then reduces
-    their gradients over the whole data-parallel group, as a dense layer's, instead of the
-    expert-data-parallel group, summing different experts' gradients under expert parallelism."""
+    """Expert parameters not tagged ``allreduce=False``: DDP reduces their gradients over the whole DP
+    group instead of the expert-data-parallel one, summing different experts' gradients under EP."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     original_init = MoELayer.__init__
@@ -80,9 +77,8 @@ def _aux_loss_averaged_over_data_parallel_twice() -> None:
 
 
 def _qk_norm_without_config_flag() -> None:
-    """QK-norm in the layers but not in the config that Megatron's gradient finalization reads
-    (``qk_layernorm``): each TP rank's QK-norm gradient covers only its own heads and is never
-    summed over TP (what a spec with QK-norm built for a config without it would train)."""
+    """QK-norm in the layers but not in the config's ``qk_layernorm``, which gradient finalization
+    reads: each TP rank's QK-norm gradient covers only its own heads, never summed over TP."""
     import copy
     import importlib
 
@@ -132,10 +128,8 @@ def _baseline_placement_by_local_layer_number() -> None:
 
 
 def _stream_norms_left_out_of_torch_fsdp() -> None:
-    """SiameseNorm's X/Y stream norms left out of torch FSDP2's units (``fully_shard``'s
-    ``ignored_params``), as a wrapper that shards only the modules it knows would leave them:
-    FSDP2 then neither shards them nor reduces their gradients, and each DP rank steps them with
-    its own microbatches' gradient. Megatron's DDP and Megatron-FSDP are untouched."""
+    """The X/Y stream norms left out of FSDP2's units (``ignored_params``): FSDP2 neither shards nor
+    reduces them, and each DP rank steps them with its own gradient."""
     import importlib
 
     from megatron_siamese.layer import SiameseTransformerLayer
@@ -153,9 +147,8 @@ def _stream_norms_left_out_of_torch_fsdp() -> None:
 
 
 def _mla_column_parallel_down_projections() -> None:
-    """Multi-latent attention's down projections split over TP as Megatron's local spec builds
-    them (ColumnParallelLinear), not duplicated (megatron_siamese/mla.py): the decoupled RoPE key's
-    gradient is never summed over TP."""
+    """MLA's down projections split over TP (ColumnParallelLinear, as Megatron's local spec), not
+    duplicated (mla.py): the decoupled RoPE key's gradient is never summed over TP."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megatron_siamese import specs
@@ -179,9 +172,8 @@ def _mtp_embedding_unsynced() -> None:
 
 
 def _stream_norms_reduced_over_data_parallel_only() -> None:
-    """The stream norms' gradients averaged over the data-parallel ranks alone, as a hand-made
-    reduction over ``get_data_parallel_group()`` (which leaves context parallelism out) would:
-    each CP rank keeps the gradient of its own chunks of the sequence (Megatron-LM#1528's kind)."""
+    """The stream norms' gradients averaged over ``get_data_parallel_group()``, which leaves CP out:
+    each CP rank keeps its own chunks' gradient (Megatron-LM#1528's kind)."""
     import torch
 
     import megatron.core.distributed as distributed
@@ -206,9 +198,8 @@ def _stream_norms_reduced_over_data_parallel_only() -> None:
 
 
 def _cp_contiguous_chunks() -> None:
-    """Each context-parallel rank given a contiguous piece of the sequence, the naive split,
-    while Megatron's rotary embedding and the context-parallel attention expect chunks r and
-    2 cp - 1 - r."""
+    """Each CP rank given a contiguous piece of the sequence, while Megatron's RoPE and CP attention
+    expect chunks r and 2 cp - 1 - r."""
     from megatron_siamese import context_parallel
 
     def batch_on_rank(batch, cp, rank):

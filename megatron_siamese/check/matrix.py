@@ -1,8 +1,7 @@
-"""Which layouts ``check --layouts all`` runs: the CPU matrix's layouts that fit the job, and
-splits of the whole job into tensor, pipeline and data parallelism (a launched job of 16:
-tp8-pp2, tp4-pp2-dp2-sp, pp4-vpp2-dp4, dp8-tp2-do, ...), those without pipeline stages once
-more fully sharded (tp2-dp8-sp-fsdp2, tp2-dp8-sp-mfsdp3); for an MoE model, the MoE matrix's
-and each split once more with its data-parallel ranks holding the experts (expert parallelism)."""
+"""Which layouts ``check --layouts all`` runs: the CPU (or MoE) matrix's layouts that fit the job,
+and splits of the whole job into TP x PP x DP (once more fully sharded without PP; with experts, once
+more with EP).
+"""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ def cpu_matrix(num_experts: Optional[int] = None) -> List[str]:
 
 
 def whole_job_layouts(world: int, num_experts: Optional[int] = None) -> List[str]:
-    """Every split of ``world`` ranks into tp (at most 8) x pp x dp: once plain, once with
-    everything that split admits turned on (SP, two virtual stages, the distributed optimizer)
-    and, with experts, once more with them split over as many DP ranks as they divide."""
+    """Every split of ``world`` ranks into tp (at most 8) x pp x dp: plain, with everything it admits
+    (SP, two virtual stages, the distributed optimizer), and with experts over as many DP ranks as divide."""
     names: List[str] = []
     for tp in (t for t in (1, 2, 4, 8) if t <= MAX_TP and world % t == 0):
         for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0):

@@ -1,27 +1,10 @@
 """From local (sharded) Megatron parameters to global, layout-independent ones and back.
 
-A parameter's *global name* is its name in a single-rank model: the local layer index
-of a pipeline stage is replaced by the global one (``layer_number - 1``), and the output
-layer that shares the word embeddings on the last stage is named after the embedding.
-Its *global tensor* undoes tensor parallelism with Megatron's own split rule (the one
-``_initialize_affine_weight_cpu`` uses): along ``partition_dim`` the global tensor is cut
-into ``tp * partition_stride`` equal chunks and rank r holds chunks r, r + tp, ...
-(stride 2 is how gated MLPs keep [gate, up] halves per rank).
-
-Mixture-of-experts layers: expert parallelism gives each EP rank ``num_experts / ep`` of a
-layer's experts, numbered locally from 0 (SequentialMLP's ``mlp.experts.local_experts.K.``,
-TEGroupedMLP's ``mlp.experts.linear_fc1.weightK``); a global name numbers them as one rank
-does, by the MoE layer's own ``local_expert_indices`` (``ep_rank * num_local + K``). Expert
-weights are split over the expert tensor-parallel group (``etp``, Megatron's default the
-attention's ``tp``) by the same rule, so every function here that takes a TP rank and size
-takes the expert ones for expert parameters (``is_expert``). The router and shared experts
-are not experts: replicated, and split over ``tp``, as dense layers are.
-
-Fully sharded data parallelism (torch FSDP2, Megatron-FSDP) holds each (TP-local) parameter
-as a DTensor sharded over the DP ranks: each rank's local tensor is one contiguous range of the
-flattened parameter (FSDP2's even row chunks; Megatron-FSDP's uneven slices of its flat
-buffer), in DP rank order, so a rank's range starts where the lower ranks' end
-(``shard_starts``).
+A *global name* is the name in a single-rank model (global layer index; a tied output layer named after
+the embedding; experts numbered by ``local_expert_indices``). A *global tensor* undoes TP with Megatron's
+own split rule (``_initialize_affine_weight_cpu``): ``tp * partition_stride`` chunks, rank r holding r,
+r + tp, ...; expert weights by the expert TP rank and size (``is_expert``). Under FSDP each rank holds
+one contiguous range of the flattened parameter, in DP rank order (``shard_starts``).
 """
 
 from __future__ import annotations
@@ -44,9 +27,8 @@ def is_dtensor(tensor) -> bool:
 
 
 def shard_starts(sizes: List[int], group) -> List[int]:
-    """Where this rank's shards of several parameters start in their flattened parameters, given
-    their sizes here: the sum of the same shards' sizes on the lower ranks of ``group`` (the DP
-    group they are sharded over; every rank of it calls this, for the same parameters)."""
+    """Where this rank's shards of several parameters start in their flattened parameters: the sum of
+    their sizes on the lower ranks of ``group`` (every rank of it calls this, for the same parameters)."""
     everyone = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(everyone, sizes, group=group)
     lower = everyone[: torch.distributed.get_rank(group)]
@@ -128,11 +110,8 @@ def unshard(locals_by_rank: List[Tensor], param: Tensor) -> Tensor:
 
 
 def seeded_tensor(name: str, shape: Tuple[int, ...], seed: int) -> Tensor:
-    """A deterministic fp32 tensor for ``name``: identical on every rank and layout.
-
-    Norm weights stay near their init (so zero-centred gamma and degenerate weights are
-    meaningful), biases are small, matrices are scaled by fan-in so activations stay O(1).
-    """
+    """A deterministic fp32 tensor for ``name``, identical on every rank and layout: norm weights near
+    their init, small biases, matrices scaled by fan-in so activations stay O(1)."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     noise = torch.randn(shape, generator=generator)
     if len(shape) == 1:
@@ -145,11 +124,8 @@ _NORM_WEIGHT = re.compile(r"(norm\.weight|layer_norm_weight)$")
 
 def seed_parameters(model_chunks, seed: int, tp_rank: int, tp: int, zero_centered_gamma: bool,
                     expert_tp_rank: Optional[int] = None, expert_tp: Optional[int] = None):
-    """Overwrite every parameter with the slice of its global-name-seeded tensor (experts: cut
-    by the expert TP rank and size, when they differ from ``tp``'s).
-
-    Norm weights are centred on 1 (on 0 when stored zero-centred), everything else on 0.
-    """
+    """Overwrite every parameter with its slice of the global-name-seeded tensor (experts cut by the
+    expert TP rank and size). Norm weights are centred on 1 (0 when stored zero-centred), the rest on 0."""
     gamma_centre = 0.0 if zero_centered_gamma else 1.0
     with torch.no_grad():
         for chunk in model_chunks:

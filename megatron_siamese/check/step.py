@@ -1,14 +1,9 @@
 """One training step of a tiny GPT under a parallel layout, reported layout-independently.
 
-``run_rank(case, layout)`` runs on every rank of a launched job: it builds this rank's
-``MegatronGPT`` (Megatron's process groups, model chunks, DistributedDataParallel and
-optimizer; ``runtime/gpt.py``) with every parameter overwritten by its global-name-seeded
-value, runs the schedule over the case's global batch (each DP rank its share of the
-microbatches), lets ``finalize_model_grads`` reduce gradients, takes one optimizer step, and
-returns what it holds locally: per-microbatch losses, gradients (the range it owns under the
-distributed optimizer) and updated parameters. ``assemble(results)`` then puts the ranks'
-pieces back together into global tensors keyed by global parameter name, so any two
-layouts can be compared tensor by tensor.
+``run_rank(case, layout)`` runs on every rank: this rank's ``MegatronGPT`` with global-name-seeded
+weights, one step over its share of the global batch, and what it holds locally (losses, gradients or
+the range it owns, updated parameters). ``assemble(results)`` puts the pieces back together as global
+tensors, so any two layouts compare tensor by tensor.
 """
 
 from __future__ import annotations
@@ -173,9 +168,8 @@ def _pieces(chunks, tensor_of, optimizer, tp_rank: int, expert_tp_rank: int, fsd
 
 
 def fsdp_shards(chunk) -> Dict[int, Tensor]:
-    """Megatron-FSDP: the DTensor its optimizer steps for each module parameter (this rank's
-    shard of the TP-local parameter, ``orig_param``, with its gradient), by the id of the module's
-    parameter (between steps the module holds other DTensors, spanning the TP ranks too)."""
+    """Megatron-FSDP: the DTensor its optimizer steps for each module parameter (``orig_param``, with its
+    gradient), by the module parameter's id (between steps the module holds other DTensors)."""
     # named as in the module Megatron-FSDP wraps: Float16Module (bf16) adds "module."
     by_name = {name.removeprefix("module."): shard
                for name, shard in chunk.param_and_grad_buffer.optimizer_named_parameters}
@@ -201,9 +195,8 @@ def _owned_range(optimizer, param) -> Tuple[int, int]:
 
 
 def with_case_fault(case: ModelCase, layout: Layout, body: Callable[[ModelCase, Layout], T]) -> T:
-    """``body(case, layout)`` with the case's fault planted, undone after (the job's next layout
-    may check a sound model), and Megatron's process groups torn down after it, after an error
-    too (a layout left half-built must not leave its groups to the next one)."""
+    """``body(case, layout)`` with the case's fault planted and undone after, and Megatron's process
+    groups torn down after it, after an error too (the next layout must not inherit them)."""
     from megatron.core import parallel_state
 
     from megatron_siamese.check.faults import planted
@@ -296,11 +289,8 @@ class _Meta:
 
 
 def _fill_copies(pieces: List[Piece]) -> List[Tensor]:
-    """Full local tensors from pieces of one TP rank.
-
-    Whole pieces are separate copies (DP replicas, or the two holders of tied embeddings);
-    ranged pieces (distributed optimizer) are stitched into one tensor and must cover it.
-    """
+    """Full local tensors from pieces of one TP rank: whole pieces are copies (DP replicas, tied
+    embeddings); ranged pieces (distributed optimizer) are stitched and must cover the tensor."""
     numel = 1
     for size in pieces[0].local_shape:
         numel *= size

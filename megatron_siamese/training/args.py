@@ -1,12 +1,9 @@
 """A model on its ranks: the model (``ModelSettings``), its layout and batch, in ``train``'s flags,
 and every problem with them found before any rank starts.
 
-What ``plan`` costs, and what ``upcycle``, ``analyze``, ``export`` and ``import-hf`` build a model
-from. The learning-rate schedule, optimizer and data are Megatron-LM's to decide (``train`` is its
-loop), so none is here. Plain data and arithmetic, no torch or Megatron import: the command line
-builds ``TrainArgs`` in the launching process and a bad value is refused in a fraction of a
-second, each problem on one line saying what to change (``ConfigError``). Library users get the
-same list when they construct ``TrainArgs``.
+What ``plan`` costs and ``upcycle``, ``analyze``, ``export`` and ``import-hf`` build a model from; the
+schedule, optimizer and data are Megatron-LM's. Plain data, no torch or Megatron import, so a bad value
+is refused in the launching process, each problem one line (``ConfigError``).
 """
 
 from __future__ import annotations
@@ -38,12 +35,8 @@ VOCAB_MULTIPLE = 64
 
 
 def padded_vocab_size(vocab_size: int = BYTE_VOCAB, multiple: int = VOCAB_MULTIPLE) -> int:
-    """The vocabulary padded to a multiple of 64, whatever the TP size.
-
-    The padded rows are real logits in the softmax, so their number must not change with the
-    layout: a checkpoint then loads at any TP size dividing it and computes the same losses
-    (Megatron-LM pads to a multiple of 128 * TP, which ties checkpoints to TP).
-    """
+    """The vocabulary padded to a multiple of 64, whatever the TP size: the padded rows are real logits,
+    so a checkpoint loads at any TP dividing it (Megatron-LM's 128 * TP ties checkpoints to TP)."""
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 

@@ -1,18 +1,9 @@
-"""Model-only checkpoints in Megatron-LM's layout, through megatron.core.dist_checkpointing
-(torch_dist format): what ``upcycle`` and ``import-hf`` write (a new model, no optimizer), and the
-sharded description every reader of a checkpoint's weights loads with.
+"""Model-only checkpoints in Megatron-LM's layout (torch_dist, through dist_checkpointing): what
+``upcycle`` and ``import-hf`` write, and the sharded description every reader of a checkpoint loads with.
+Megatron-LM's keys and common state with ``no_save_optim``, so its loop starts them with a fresh optimizer.
 
-Each model chunk's ``sharded_state_dict`` (global layer indices, TP shards described by offsets)
-under Megatron-LM's keys (``model``, or ``model0``, ``model1``, ... per virtual stage), so a
-checkpoint saved at one TP/PP layout loads at another. The common state is Megatron-LM's
-(``checkpoint_files.py``: ``<dir>/iter_0000010/``, ``<dir>/latest_checkpointed_iteration.txt``
-written once every rank finished; ``args``, ``iteration``, ``checkpoint_version`` and the
-sharded-state-dict content metadata), with ``no_save_optim`` set, so Megatron-LM's loop
-(``megatron-siamese train --load``) starts it with a fresh optimizer.
-
-On CPU the torch_dist writer hangs when psutil is missing (its worker calls a memory probe
-outside its try block, dies, and the parent waits forever); psutil is a dependency, and
-``require_psutil`` turns its absence into an error instead of a hang.
+On CPU the torch_dist writer hangs without psutil (its worker calls a memory probe outside its try
+block, dies, and the parent waits forever): ``require_psutil`` makes that an error instead.
 """
 
 from __future__ import annotations
@@ -55,10 +46,8 @@ def sharded_model_state(chunks: List[torch.nn.Module]) -> dict:
 
 def save_model(chunks: List[torch.nn.Module], args, directory: str, step: int = 0,
                vocab_size: Optional[int] = None) -> str:
-    """On the ranks of a joined job: this rank's ``chunks`` of the model ``args`` (a TrainArgs)
-    describes, under its layout, saved model-only at ``directory/iter_<step>`` (its settings
-    recorded, and the padded vocabulary its embedding holds); returns that path. A leftover
-    ``iter_<step>`` is replaced, never mixed with."""
+    """This rank's ``chunks`` of the model ``args`` describes, saved model-only at ``directory/iter_<step>``
+    (a leftover one replaced, never mixed with); returns that path."""
     from megatron.core import dist_checkpointing
 
     require_psutil()

@@ -1,20 +1,9 @@
 """Checkpoint directories on disk: which steps are complete, what is wrong with a broken one.
 
-Layout: Megatron-LM's, so that model-only checkpoints of ours (upcycle, import-hf) load in
-Megatron-LM's loop: ``<dir>/iter_<N, 7 digits>/`` per checkpoint (Megatron's
-torch_dist format: ``metadata.json``, torch's ``.metadata`` and ``*.distcp`` shards, and up to
-megatron-core 0.18 ``common.pt``; from 0.19 the common state is a shard too) and
-``<dir>/latest_checkpointed_iteration.txt`` holding the newest complete one's iteration. The
-tracker is written only after every rank finished saving, and atomically (a rename), so it never
-names a partial checkpoint.
-
-Checkpoints of earlier releases (``<dir>/step_<N>/`` and ``<dir>/latest`` naming one) are still
-read: ``resolve`` follows either tracker, and ``iteration`` reads their step under its old key.
-
-Everything here runs in the launching process before any rank starts (torch and Megatron's
-checkpoint reader are imported only to read a checkpoint's metadata and common state), so a
-checkpoint that cannot load is reported naming the file, what is wrong with it, and the
-complete steps to load instead.
+Megatron-LM's layout (``<dir>/iter_0000010/``, ``<dir>/latest_checkpointed_iteration.txt``, written
+atomically once every rank saved, so it never names a partial checkpoint); earlier releases'
+``step_<N>/`` and ``latest`` are still read. Runs in the launching process before any rank starts, so
+a checkpoint that cannot load is reported naming the file, what is wrong, and the steps to load instead.
 """
 
 from __future__ import annotations
@@ -186,9 +175,8 @@ def _read_metadata(checkpoint: str):
 
 
 def _shard_problems(checkpoint: str) -> Tuple[List[str], bool]:
-    """torch's .metadata must unpickle, and every shard file must hold the bytes it lists, each
-    item starting as a torch.save archive does (a cheap look, not a full read); also whether the
-    common state is one of the shards."""
+    """torch's .metadata must unpickle and every shard file hold the bytes it lists, each item starting
+    as a torch.save archive does (a cheap look); also whether the common state is one of the shards."""
     index = os.path.join(checkpoint, ".metadata")
     try:
         metadata = _read_metadata(checkpoint)
@@ -225,10 +213,8 @@ def _items_start_as_archives(path: str, infos) -> bool:
 
 
 def damaged_shards(checkpoint: str) -> List[str]:
-    """The shard files holding an item whose bytes fail its own CRC-32 (each item is a zip that
-    torch.save wrote with one per record; torch's loader does not check them, so damage inside a
-    tensor would load as wrong numbers). Reads every byte: run before loading (``problems``, up
-    to ``VERIFIED_BYTES``) and after a load failed."""
+    """The shard files holding an item whose bytes fail its own CRC-32 (torch's loader does not check
+    them: damage would load as wrong numbers). Reads every byte."""
     import io
     import zipfile
 
@@ -256,9 +242,8 @@ def instead(checkpoint: str) -> str:
 
 
 def holds_no_checkpoint(directory: str) -> bool:
-    """Whether ``directory`` holds no complete checkpoint (it may not exist yet): what a job's
-    ``--save`` directory holds before its first save (a requeued job's ``--load`` of it starts
-    from step 0, as Megatron-LM's does)."""
+    """Whether ``directory`` holds no complete checkpoint (it may not exist): a requeued job's first
+    ``--load`` of its ``--save`` directory starts from step 0, as Megatron-LM's does."""
     if not os.path.isdir(directory):
         return True
     tracker = os.path.isfile(os.path.join(directory, TRACKER)) or os.path.isfile(os.path.join(directory, LATEST))
@@ -277,10 +262,8 @@ def checked(path: str) -> str:
 
 
 MODEL_CLASS = "model_class"  # common state: "gpt" (GPTModel) or "hybrid" (HybridModel); see model_class()
-# Megatron-LM's common state, which its loop and ``checkpoint.save_model`` write: "args" (an argparse.Namespace
-# with Megatron-LM's argument names), "checkpoint_version", "iteration", "opt_param_scheduler"
-# (its step counts in samples, as Megatron-LM's training loop steps it), "optimizer",
-# "num_floating_point_operations_so_far". Earlier releases wrote these instead:
+# Megatron-LM's common state has "args", "checkpoint_version", "iteration", "opt_param_scheduler", "optimizer", ...;
+# earlier releases wrote the step under this key instead:
 LEGACY_STEP = "step"
 
 
@@ -295,9 +278,8 @@ def saved_args(common: dict) -> Namespace:
 
 
 def model_class(common: dict) -> str:
-    """"gpt" or "hybrid": what ``checkpoint.save_model`` recorded, else what Megatron-LM's loader reads (a
-    checkpoint of pretrain_hybrid.py has a layer pattern in its args, one of pretrain_gpt.py none;
-    hybrid_override_pattern is that pattern's name before megatron-core 0.19)."""
+    """"gpt" or "hybrid": what ``checkpoint.save_model`` recorded, else what Megatron-LM's loader reads
+    (a layer pattern in the args; hybrid_override_pattern before megatron-core 0.19)."""
     if MODEL_CLASS in common:
         return common[MODEL_CLASS]
     args = saved_args(common)

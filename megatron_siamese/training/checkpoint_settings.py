@@ -1,19 +1,10 @@
 """The model settings inside a checkpoint, and which of them another run may change.
 
-A model-only checkpoint of ours (``checkpoint.save_model``) holds its ``TrainArgs`` as a plain
-dict under ``SETTINGS_KEY``; Megatron-LM's loop keeps its ``args`` (``inference/saved_args.py``
-reads the model from them). On ``--load``, before any rank starts, the settings that make the
-model must be the checkpoint's: every ``ModelSettings``
-field except those whose definition says ``resumable`` (kernels, FP8, the init of weights the
-checkpoint replaces; of mixture-of-experts, the aux-loss and z-loss coefficients and the
-load-balancing type, which shape the training objective, and the token dispatcher, which only
-moves tokens). The number of experts, top-k, the dense/MoE layer pattern and the expert widths
-make another model and must be the checkpoint's. The rest may change: the layout (TP, PP,
-virtual stages, DP, EP, expert TP, SP, recompute; dist_checkpointing reshards the experts as
-it does every other weight), the batch and schedule, data, logging and output.
-
-Checkpoints written before the settings were stored load as before (their settings are
-unknown, nothing is compared). Plain data, no torch import.
+A model-only checkpoint of ours holds its ``TrainArgs`` as a dict under ``SETTINGS_KEY`` (Megatron-LM's
+loop keeps its ``args``). On ``--load`` every ``ModelSettings`` field must be the checkpoint's except
+those defined ``resumable`` (kernels, FP8, init, MoE loss coefficients, balancing and dispatcher); the
+layout, batch, schedule and data may change (dist_checkpointing reshards). Checkpoints without stored
+settings are not compared. Plain data, no torch import.
 """
 
 from __future__ import annotations
@@ -98,9 +89,8 @@ def model_differences(saved: Mapping[str, Any], args) -> List[str]:
 
 
 def model_problem(checkpoint: str, common: Mapping[str, Any], args, flags_describe: bool = False) -> Optional[str]:
-    """One line refusing to load ``checkpoint`` into another model (None: the same model, or a
-    checkpoint that does not say). ``flags_describe``: a command whose flags describe the saved
-    model (generate, export, analyze, upcycle), not a run that builds one."""
+    """One line refusing to load ``checkpoint`` into another model (None: the same, or it does not say).
+    ``flags_describe``: a command whose flags describe the saved model, not a run that builds one."""
     saved = common.get(SETTINGS_KEY)
     if not isinstance(saved, Mapping):
         return None

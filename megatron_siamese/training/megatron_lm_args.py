@@ -1,15 +1,9 @@
 """The run's arguments as Megatron-LM names them: the ``args`` of a checkpoint's common state.
 
-Megatron-LM stores its whole argparse.Namespace in every checkpoint and its ``load_checkpoint``
-reads it back: the TP/PP/DP sizes (whether RNG and optimizer state can load as saved),
-``no_save_rng`` / ``no_save_optim`` (whether they were saved at all), the consumed samples
-(where its data continues), and ``check_checkpoint_args`` compares the model's shape with the
-resuming run's. Writing the same names lets Megatron-LM's loop (``megatron-siamese train --load``,
-``pretrain_gpt.py --load``) start from a model-only checkpoint of ours (upcycle, import-hf), and
-``--use-checkpoint-args`` rebuild its model from it.
-
-Plain values only (str, int, float, bool, None, a list of ints): megatron-core 0.19 reads the common state with
-``weights_only=True``, which allows a Namespace but not arbitrary objects.
+Megatron-LM's ``load_checkpoint`` reads them back (parallel sizes, ``no_save_rng``/``no_save_optim``,
+consumed samples, ``check_checkpoint_args``), so writing the same names lets its loop start from a
+model-only checkpoint of ours and ``--use-checkpoint-args`` rebuild the model. Plain values only:
+megatron-core 0.19 reads the common state with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -28,8 +22,7 @@ HYBRID_SPEC = ["megatron_siamese.hybrid", "siamese_hybrid_stack_spec"]
 
 
 def _model_class_args(model: ModelSettings) -> dict:
-    """What tells Megatron-LM's loader a HybridModel checkpoint from a GPTModel's: the layer
-    pattern (a checkpoint without one loads into pretrain_hybrid.py as a GPT's, translated),
+    """What tells Megatron-LM's loader a HybridModel checkpoint from a GPTModel's: the layer pattern,
     and num_layers counted as it derives it, one per pattern symbol."""
     if model.model != "hybrid":
         return dict(num_layers=model.num_layers, spec=(MOE_SPECS if model.num_moe_experts else SPECS).get(model.norm))

@@ -1,6 +1,6 @@
-"""The recompute flags of ``train`` (Megatron-LM's --recompute-granularity, --recompute-method,
---recompute-num-layers, --recompute-modules, and the package's --recompute preset): what of them
-Megatron refuses or this model cannot use, in the flags' words."""
+"""``train``'s recompute flags (Megatron-LM's and the package's --recompute preset): what of them
+Megatron refuses or this model cannot use, in the flags' words.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ _RECOMPUTE_FLAGS = {"recompute_granularity": "--recompute-granularity", "recompu
 
 
 def problems(args) -> List[str]:
-    """What of ``args``' (TrainArgs) recompute flags Megatron refuses or cannot honour here, in the flags' words:
-    Megatron's rules (``recompute_problem``), a module the installed megatron-core lacks, and a
-    module with nothing to recompute in this model."""
+    """What of ``args``' recompute flags Megatron refuses, the installed megatron-core lacks, or has
+    nothing to recompute in this model, in the flags' words."""
     from megatron_siamese.versions import installed_megatron_core, release
 
     if args.recompute != "none" and args.recompute_granularity is not None:
