@@ -1,58 +1,12 @@
 """What one microbatch's forward keeps for backward, per model chunk, stock and SiameseNorm.
 
-Per rank, with ``T = s b / cp`` tokens of the microbatch and ``Ts = T / tp`` of them under
-sequence parallelism (else ``T``), ``B`` bytes an activation element, each layer keeps (Megatron's
-modules, counted as storages: a view keeps its whole storage):
-
-* every sublayer: its residual input, kept by its norm with the norm's statistics (2 a token
-  for LayerNorm, 1 for RMSNorm; fp32 on CUDA, torch's CPU LayerNorm keeps them in its weights'
-  dtype: ``Implementation.norm_stat_bytes``), and the normalized input its first linear keeps:
-  ``Ts h`` each;
-* attention: Q, K and V as they are stored, and its output (the output projection's input,
-  ``T a d / tp``): V is a view that keeps the QKV projection's output ``T (a + 2g) d / tp`` whole,
-  as Q and K are unless new (RoPE makes new ones, ``T (a + g) d / tp``; GQA a new Q); RoPE's
-  cosines and sines for Q and K (``4 s d``) unless RoPE is fused; Megatron's local
-  ``DotProductAttention`` repeats K and V to every head when ``g < a`` (``3 T a d / tp`` then, the
-  projection's output freed) and keeps the probabilities ``T (a / tp) s`` (torch's softmax in
-  fp32 keeps its fp32 output beside the 16-bit copy: 6 bytes an element in bf16; Megatron's fused
-  masked softmax only the copy); flash attention keeps its fp32 log-sum-exp (``T a / tp``)
-  instead; dropout adds its masks; under context parallelism the local specs' attention
-  (``core_attention.py``) keeps the CP group's all-gathered K and V (``cp`` times as long; repeated
-  to every head under GQA), scores of its ``s / cp`` queries over all ``s`` keys, and its mask
-  over them (a bool per sample, query and key), made anew by each layer;
-* dense MLP: ``linear_fc1``'s output as the activation keeps it and ``linear_fc2``'s input: GELU
-  ``2 T f / tp``; a gated unit ``3 T f / tp`` fused (Transformer Engine, bias-SwiGLU), ``5 T f / tp``
-  in Megatron's local composition (the gate's output and the linear half are kept apart);
-* MoE MLP: the router and the permutation (fp32 logits, their log-sum-exp and the aux loss's
-  scores, a routing map and per-expert probabilities, top-k indices and weights), and the
-  experts' MLP over the ``Ts k`` routed token copies (times expert TP; a balanced router: each
-  rank's experts get as many as it sends) with the routing weight applied to the activation
-  (``6 f`` a copy in Megatron's local gated unit, ``4 f`` fused, ``3 f`` GELU), the shared expert
-  as a dense MLP;
-* the embedding's token ids (int64), and on the last chunk the final norm, the output layer's
-  input and the cross entropy's fp32 probabilities ``T V / tp`` (with its targets and mask).
-
-SiameseNorm changes only the norms and residuals (attention, MLP and head are stock modules on
-``h``-wide inputs), by path (``stream_arithmetic.py``, docs/kernels.md):
-
-* ``pytorch``: each sublayer keeps its packed ``[Ts, 2h]`` input (PostNorm's and PreNorm's views),
-  InputNorm's input ``u + PreNorm(y)``, and three norms' statistics;
-* ``apart`` (fused ``dual_norm`` + ``dual_residual`` per sublayer): each sublayer's packed input
-  and 6 statistics;
-* ``joined`` (the boundary ops): the layer's packed input once, the attention's output ``z``
-  (``Ts h``), 14 statistics;
-* the first layer's input is the ``h``-wide embedding (x = y), and the final merge keeps the
-  packed streams and two more norms' statistics.
-
-Recompute (``plan/recompute.py``): ``full`` keeps the input of each group of layers it
-checkpoints (uniform: groups of N; block: the first N layers of each chunk, one by one), and one
-group's activations while it is recomputed in backward (its microbatch's head freed by then).
-Selective, per module: ``layernorm`` drops the normalized inputs and the torch norms'
-statistics (their checkpoint keeps the MLP sublayer's input; the joined ops keep z and their
-statistics throughout), ``mlp`` a dense MLP's internals, ``moe`` an MoE layer's router and experts
-(and shared expert), ``shared_experts`` the shared expert's, ``core_attn`` the core attention's
-(its checkpoint keeps Q, K and V); each sublayer's backward brings back what it dropped, and the
-peak over the schedule adds the larger of the two sublayers' working sets once.
+Counted per rank as Megatron's modules keep it, as storages: a view keeps its whole storage (V, and
+Q and K unless RoPE makes new ones, keep the QKV projection's output whole). ``T = s b / cp`` tokens,
+``Ts = T / tp`` under sequence parallelism. SiameseNorm changes only the norms' and residuals' share,
+by path (pytorch, apart, joined); attention, MLP and head are stock modules on ``h``-wide inputs.
+Recompute (``recompute.py``): a sublayer's backward brings back what it dropped, and the peak adds
+the larger of the two sublayers' working sets once.
+Full story, term by term: docs/scale.md, "Where it comes from" and "Where SiameseNorm adds".
 """
 
 from __future__ import annotations
@@ -138,11 +92,8 @@ class AttentionKept:
 
 
 def _attention(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementation) -> AttentionKept:
-    """Q, K and V as stored, the output (the output projection's input, ``T a d / tp``), RoPE's
-    cosines and sines unless RoPE is fused, and what the core attention keeps: flash attention its
-    fp32 log-sum-exp; Megatron's local attention the probabilities (torch's softmax its fp32 output
-    beside the 16-bit copy the next matmul keeps), dropout's mask and output, and, under GQA, Q
-    (a copy) and K and V repeated to every head, in place of the QKV projection's output."""
+    """Q, K and V as stored, the output, RoPE's cosines and sines unless fused, and the core attention's share:
+    flash its fp32 log-sum-exp; the local one the probabilities, dropout, and under GQA / CP K and V repeated."""
     heads, groups = shape.heads // layout.tp, max(shape.groups // layout.tp, 1)
     d, b, per_head = shape.head_dim, impl.bytes, tokens.whole * heads
     gqa = groups < heads
@@ -178,18 +129,13 @@ def _mlp_internals(shape: Shape, rows: int, width: int, impl: Implementation) ->
 
 
 def _router(shape: Shape, tokens: int) -> float:
-    """The router and the token permutation for ``tokens`` tokens: fp32 logits, their log-sum-exp
-    and the aux loss's scores, a routing map (bool) and the probabilities per expert, the top-k
-    indices and probabilities (int64, fp32) kept thrice over, the tokens per expert."""
+    """The router and the token permutation for ``tokens`` tokens (the top-k indices and weights kept thrice)."""
     experts, topk = shape.experts, shape.topk
     return tokens * (experts * (3 * STAT + 1) + STAT + topk * (3 * IDS + STAT)) + experts * IDS
 
 
 def _experts(shape: Shape, routed: int, width: int, impl: Implementation) -> float:
-    """The experts' MLP over ``routed`` token copies: their permuted inputs and routing weights,
-    and the MLP's internals with the weight applied to the activation (``linear_fc1``'s output,
-    the activation's output, the weighted product that ``linear_fc2`` keeps; Megatron's local
-    gated unit keeps its two halves apart as well)."""
+    """The experts' MLP over ``routed`` token copies, the routing weight applied to the activation."""
     internals = (4 if impl.fused_activation else 6) if shape.glu else 3
     return routed * (shape.hidden * impl.bytes + STAT + internals * width * impl.bytes)
 
@@ -223,10 +169,8 @@ def _streams(shape: Shape, tokens: Tokens, impl: Implementation, variant: str, f
 
 def _streams_without_norm_outputs(shape: Shape, tokens: Tokens, impl: Implementation, variant: str,
                                   rest: float) -> Tuple[float, float]:
-    """Under selective "layernorm": what the norms and residuals keep past the layer input
-    (``rest`` without it), and what one sublayer's norms keep when they run again in backward.
-    The norms' checkpoint keeps their input (the MLP sublayer's: stock's residual, SiameseNorm's
-    packed streams) and no statistics; the joined ops keep theirs throughout."""
+    """Under selective "layernorm": what the norms and residuals keep past the layer input, and what one
+    sublayer's norms keep when run again in backward (the joined ops keep theirs throughout)."""
     t, h, b = tokens.sharded, shape.hidden, impl.bytes
     torch_stats = t * impl.norm_stat_bytes * shape.norm_statistics
     return {STOCK: (t * h * b, torch_stats), "joined": (rest, 0.0), "apart": (t * 2 * h * b, t * STAT * 6),
@@ -235,9 +179,8 @@ def _streams_without_norm_outputs(shape: Shape, tokens: Tokens, impl: Implementa
 
 def layer_activations(shape: Shape, layout: Layout, tokens: Tokens, impl: Implementation, variant: str,
                       layer: int, index_in_chunk: int = 0) -> LayerActivations:
-    """Bytes one layer keeps for one microbatch, and what its selective recomputation brings back at
-    once (``index_in_chunk``: its place in its model chunk). Full recompute, which checkpoints
-    whole layers, is the chunk's (``chunk_activations``)."""
+    """Bytes one layer keeps for one microbatch, and what its selective recomputation brings back at once
+    (full recompute is ``chunk_activations``'s)."""
     streams = _streams(shape, tokens, impl, variant, first=layer == 0)
     t, h, b = tokens.sharded, shape.hidden, impl.bytes
     attention = _attention(shape, layout, tokens, impl)

@@ -1,14 +1,8 @@
 """The microbatches in flight on a pipeline rank, as Megatron's schedules order them.
 
-A rank runs its chunks' forward passes in the order of Megatron's schedule table (microbatches
-in groups of ``pp`` per virtual stage, ``get_schedule_table``), ``warmup`` of them before its
-first backward (1F1B: ``pp - rank - 1``; interleaved: ``2 (pp - rank - 1) + (vpp - 1) pp``,
-``get_pp_rank_microbatches``), then one forward and one backward at a time, the backward passes
-in the same order with the chunks reversed. Between a forward and the next backward the
-forwards run so far, less the backwards run, hold their activations: ``peak`` is the largest
-sum of what they hold over those moments (for one chunk, ``min(pp - rank, microbatches)``
-microbatches; rank 0 of an interleaved schedule ``pp (1 + (pp - 1) / (pp vpp))`` on average,
-Megatron's own estimate).
+Forward passes in the order of Megatron's schedule table, ``warmup`` of them before the first backward, then one
+forward and one backward at a time (backwards in the same order, chunks reversed). ``peak``: the most the
+forwards not yet run backward hold at once (one chunk: ``min(pp - rank, microbatches)`` microbatches).
 """
 
 from __future__ import annotations

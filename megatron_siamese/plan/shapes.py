@@ -1,13 +1,7 @@
 """A GPT's sizes and its parameter tensors, as Megatron-Core builds them (plain arithmetic).
 
-``Shape`` holds the sizes the plan needs, read from the run's ``ModelSettings``;
-``layer_parameters`` lists one decoder layer's parameter tensors (stock Pre-Norm or
-SiameseNorm, dense or MoE) with how each is split over ranks, and ``embedding_parameters`` /
-``head_parameters`` the rest. Each tensor's local size follows from a layout
-(``Parameter.local_numel``). Counted as Megatron's local and Transformer Engine specs build
-them (the same tensors under other names): the QKV projection ``[(a + 2g) d, h]`` split over
-TP by rows, the output projection and ``linear_fc2`` split by columns with their bias whole on
-every TP rank, norms whole on every TP rank; each MoE layer's router in fp32.
+Every parameter tensor, stock Pre-Norm or SiameseNorm, with how ranks split it (``Parameter.local_numel``), as
+Megatron's local and TE specs build them (the same tensors under other names). docs/scale.md, "Where it comes from".
 """
 
 from __future__ import annotations
@@ -82,13 +76,8 @@ def shape_of(settings, vocab: int) -> Shape:
 
 @dataclass(frozen=True)
 class Parameter:
-    """One parameter tensor of the model (whole), and how ranks split it.
-
-    ``split``: "tp" (tensor-parallel), "expert" (one expert's tensor, ``count`` experts split over
-    EP and each over expert TP), or "" (whole on every TP rank). ``tp_reduced``: a whole-on-TP
-    parameter whose gradient finalize_model_grads sums over TP under sequence parallelism (norms,
-    row-parallel biases); ``qk_norm``: summed over TP whenever QK-norm is on.
-    """
+    """One parameter tensor of the model (whole), and how ranks split it: ``split`` "tp", "expert" (``count``
+    experts over EP, each over expert TP) or "" (whole). ``tp_reduced``: its gradient summed over TP under SP."""
 
     name: str
     numel: int
@@ -172,9 +161,7 @@ def embedding_parameters(shape: Shape, pipeline: int) -> List[Parameter]:
 
 
 def head_parameters(shape: Shape, scheme: str, pipeline: int) -> List[Parameter]:
-    """The last stage's final norm (SiameseNorm's merge norms with it) and output layer: its own
-    weight when untied, a copy of the word embedding when tied over several stages, nothing more
-    when tied on one stage (the embedding itself)."""
+    """The last stage's final norm (and SiameseNorm's merge norms) and output layer (none when tied on one stage)."""
     merge = ("final_layernorm", "final_layernorm.merge.x_norm", "final_layernorm.merge.y_norm")
     found = _norms("decoder.", shape, merge if scheme == "siamese" else merge[:1])
     if not shape.tied or pipeline > 1:

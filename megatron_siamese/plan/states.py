@@ -1,39 +1,13 @@
 """Weights, gradients and optimizer state per GPU, and what data parallelism shards of them.
 
-Bytes per parameter as Megatron keeps them: the weights in the model's dtype; gradients in fp32
-(``grad_reduce_in_fp32``, Megatron-LM's default for bf16, which Megatron DDP and Megatron-FSDP
-honour) except under torch FSDP2, whose Megatron wrapper sets no mixed-precision policy: it
-reduces and keeps the gradients in the parameters' dtype (measured: bf16 shards, a bf16
-reduce-scatter); Adam's two moments in fp32, and an fp32 main copy of each 16-bit weight (18
-bytes a bf16 parameter in all under DDP, 16 an fp32 one, whose weights are their own main copy).
-A 16-bit optimizer's fp32 main gradients exist from its step to the next ``zero_grad``, when no
-activation is held: they do not add to the peak and are not counted. Data parallelism shards some of them over its
-ranks (``DataParallelSharding``): nothing (DDP), the optimizer state (the distributed optimizer;
-Megatron-FSDP's ``optim``), also the gradients (``optim_grads``), or everything
-(``optim_grads_params``, torch FSDP2). Dense parameters are sharded over the data-parallel
-group (with context parallelism, ``dp x cp``), experts over the expert-data-parallel group.
-
-Under the distributed optimizer Megatron's DDP pads its weight and gradient buffers (each
-parameter starts at a multiple of 64 elements, each bucket ends at a multiple of
-``lcm(dp, 128)``, the word embedding tied over stages in a bucket of its own): counted here
-(``padded_numel``), as they decide the buffers' size on small models.
-
-Sharded weights are gathered for compute unit by unit, each decoder layer a unit; the rest of a
-chunk (the embedding, the head) is its root (``gathered_bytes``, counted apart from the shards):
-
-* torch FSDP2 holds its root unsharded from its forward to its backward, a layer unsharded while
-  it computes and the next one's all-gather beside it (on CUDA the prefetch overlaps the compute;
-  on the CPU, in program order, only one is held), one layer's unsharded gradients until their
-  reduce-scatter, and the head's until the root's, at the end of the backward (Megatron's wrapper
-  shards the embedding as a unit of its own when untied); it all-gathers every unit, the root
-  too, for each forward and again for each backward;
-* Megatron-FSDP (optim_grads_params) keeps its root's weights gathered (all-gathered once a step,
-  after the optimizer), all-gathers each layer for each forward and backward, ahead of the layer
-  computing until ``MEGATRON_FSDP_PREFETCH`` elements are in flight (its suggested all-gather
-  size: half of at least 10^9 elements, so every layer of a small chunk), and holds a layer's and
-  the root's unsharded gradients; with optim_grads, whose chunk is one unit, the whole chunk's
-  gradients unsharded, and its weights all-gathered once a step (measured: docs/scale.md).
-Megatron-FSDP also keeps fp32 main weights whatever the parameters' dtype (its main_weight buffer).
+Bytes per parameter as Megatron keeps them (18 bytes a bf16 parameter under DDP); torch FSDP2's wrapper sets
+no mixed-precision policy, so its gradients stay in the parameters' dtype. A 16-bit optimizer's fp32 main
+gradients live only from its step to the next ``zero_grad``, when no activation is held: not counted.
+Megatron DDP's buffer padding under the distributed optimizer is counted (``padded_numel``): it decides the
+buffers' size on small models. FSDP gathers unit by unit (each decoder layer; the rest of a chunk is the root):
+torch FSDP2 holds its root, the layer computing and the next one's all-gather (one on the CPU), one layer's
+gradients and the head's; Megatron-FSDP its root, the layers it prefetches and a layer's and the root's gradients.
+Full story: docs/scale.md, "Where it comes from" and "Measured against CPU ranks".
 """
 
 from __future__ import annotations
@@ -53,11 +27,8 @@ MAIN_PARAM_BYTES = 4
 
 @dataclass(frozen=True)
 class DataParallelSharding:
-    """Which training states data parallelism shards, by what name, and how often it moves them:
-    whether gradients are reduce-scattered after every microbatch's backward instead of once a
-    step, and how many times a microbatch weights are all-gathered (0: once a step, after the
-    optimizer's). Megatron-FSDP's counts are what the CPU ranks measure in a step after the first
-    (docs/scale.md)."""
+    """Which training states data parallelism shards, and how often it moves them (``gathers_per_microbatch``
+    0: once a step, after the optimizer's; Megatron-FSDP's counts as measured, docs/scale.md)."""
 
     name: str
     weights: bool = False
@@ -77,9 +48,7 @@ class DataParallelSharding:
 
 def data_parallel_sharding(distributed_optimizer: bool, fsdp: str = "none",
                            strategy: str = "no_shard") -> DataParallelSharding:
-    """The sharding of a job: Megatron DDP with or without the distributed optimizer
-    (``fsdp="none"``), torch FSDP2's ``fully_shard`` (``"torch"``: all three), or Megatron-FSDP
-    with its ``data_parallel_sharding_strategy`` (``"megatron"``)."""
+    """The sharding of a job: Megatron DDP (``fsdp="none"``), torch FSDP2 (``"torch"``) or Megatron-FSDP."""
     if fsdp not in FSDP_KINDS:
         raise ValueError(f"fsdp must be one of {FSDP_KINDS}, got {fsdp!r}")
     if fsdp == "none":
@@ -124,9 +93,8 @@ def _pad(value: int, divisor: int) -> int:
 
 
 def padded_numel(numels: Sequence[int], shared: Sequence[bool], dp: int, size: float) -> int:
-    """A distributed-optimizer buffer's elements: parameters (taken last to first, as DDP does)
-    starting at multiples of 64, buckets closed once they reach ``size`` and ending at multiples
-    of ``lcm(dp, 128)``, a shared embedding in a bucket of its own."""
+    """A distributed-optimizer buffer's elements: parameters (last to first, as DDP takes them) at multiples of
+    64, buckets closed at ``size`` and ending at multiples of ``lcm(dp, 128)``, a shared embedding alone."""
     divisor = math.lcm(dp, 128)
     end = bucket_start = 0
     open_bucket = False
@@ -158,8 +126,7 @@ def _buffer(params: List[Parameter], layout: Layout, dp: int, padded: bool, buck
 
 
 def _groups(params: List[Parameter], layout: Layout):
-    """DDP's buffers: dense parameters (over the data-parallel group) and experts (over the expert
-    one), each per dtype (the fp32 router apart): ``(expert, fp32, members, dp)``."""
+    """DDP's buffers, dense and expert, each per dtype: ``(expert, fp32, members, dp)``."""
     for expert, dp in ((False, dense_dp_size(layout)), (True, expert_dp_size(layout))):
         for fp32 in (False, True):
             members = [p for p in params if p.expert == expert and p.fp32 == fp32]
@@ -201,10 +168,8 @@ def chunk_states(params: Iterable[Parameter], layout: Layout, param_bytes: int, 
 
 def gathered_bytes(sharding: DataParallelSharding, layers: Sequence[int], root: int, head: int, param_bytes: int,
                    overlapped_prefetch: bool = True) -> float:
-    """What fully sharded data parallelism holds unsharded at most at once on one GPU (the module
-    docstring), from the elements of each decoder layer (a unit) and of the rest of the chunk
-    (``root``, of which ``head`` are the head's: the final norms and an output layer of its own)
-    on this GPU; ``overlapped_prefetch``: CUDA's (the CPU holds one layer, not two)."""
+    """What FSDP holds unsharded at most at once on one GPU (the module docstring), from the elements of each
+    layer and of the ``root`` (``head`` of them the head's); ``overlapped_prefetch``: CUDA's, not the CPU's."""
     if not (sharding.weights or sharding.grads):
         return 0.0
     largest, grad_bytes = max(layers, default=0), sharding.grad_bytes(param_bytes)

@@ -1,41 +1,12 @@
 """The bytes one GPU sends per training step, by kind of parallelism.
 
-Each collective is booked by the rule of the usual ring and pairwise algorithms (``sent_bytes``;
-bench/collective_counter.py books what it measures by it too): an all-reduce of N bytes over g ranks sends ``2 (g-1)/g N`` per rank, an
-all-gather, reduce-scatter or all-to-all ``(g-1)/g N``, a send N. With ``N = T h B`` a
-microbatch's hidden states on a rank (``T = s b / cp``), per microbatch:
-
-* TP (all-reduces over the tensor-parallel group, without SP): 4 a dense layer (forward: the
-  attention's and the MLP's output projections; backward: their input projections' input
-  gradients), one more for each sublayer whose forward runs again in backward (full recompute:
-  both; selective "mlp": the MLP; ``plan/recompute.py``), one for
-  the embedding and one for the output layer's input gradient; the cross entropy's 3 of ``T``
-  fp32 values; once a step the gradients TP does not split but sums (norms, row-parallel
-  biases and the router under SP, QK-norm always): SiameseNorm's four stream norms a layer add
-  to those;
-* SP (all-gathers and reduce-scatters over the same group, with sequence parallelism): 6
-  all-gathers and 4 reduce-scatters a dense layer (each column-parallel linear gathers its input
-  again in backward), 1 + 1 more for each sublayer run again; the embedding's
-  reduce-scatter (an all-reduce, TP's, when it adds learned positions) and all-gather, the output
-  layer's 2 all-gathers and a reduce-scatter;
-* PP: the streams each chunk sends on, and their gradients back: ``[Ts, b, h]`` stock,
-  ``[Ts, b, 2h]`` SiameseNorm (``Ts = T / tp`` under SP); once a step the tied embedding's
-  gradient all-reduce between the first and last stage;
-* DP: the gradient buffers (fp32) all-reduced once a step; the distributed optimizer
-  reduce-scatters them and all-gathers the weights instead; FSDP reduce-scatters them every
-  microbatch (torch FSDP2, Megatron-FSDP from ``optim`` on) and all-gathers sharded weights for
-  every forward and backward (Megatron-FSDP: its layers; its root, and every weight under
-  ``optim`` and ``optim_grads``, once a step);
-* EP (Megatron's alltoall dispatcher): per MoE layer 3 all-to-alls forward (hidden states,
-  routing probabilities, the experts' outputs back) and 3 backward of ``Ts k`` token copies
-  (a balanced router), and an all-gather of the tokens per expert; under expert TP the routed
-  copies are all-gathered and reduce-scattered over it, 2 + 2 a microbatch; the forward ones
-  again where the experts are recomputed (full, or selective "moe");
-* CP, with the local specs' attention (``gathered_kv``: keys and values all-gathered over the CP
-  group, ``core_attention.py``): per layer 2 all-gathers of the whole sequence's K and V forward
-  (again when the core attention is recomputed: full, or selective "core_attn") and 2 reduce-scatters of their gradients backward,
-  ``s b g d / tp`` elements each; on the last stage the loss's sum and token count, all-reduced
-  per microbatch. Transformer Engine's ring or all-to-all exchange is its own and not counted.
+Each collective is booked by the ring rule (``sent_bytes``; bench/collective_counter.py measures by it too): an
+all-reduce of N bytes over g ranks sends ``2 (g-1)/g N`` per rank, an all-gather, reduce-scatter or all-to-all
+``(g-1)/g N``, a send N. The counts per kind are in the code; besides: a sublayer whose forward runs again
+in backward (``recompute.py``) repeats its forward collectives; PP sends ``[Ts, b, 2h]`` SiameseNorm streams
+(``[Ts, b, h]`` stock); SiameseNorm's four stream norms a layer join the once-a-step TP sum of norm gradients;
+EP books Megatron's alltoall dispatcher under a balanced router; CP only the local attention's K/V all-gathers
+(Transformer Engine's exchange is its own, the same for stock). docs/scale.md, "Where SiameseNorm adds".
 """
 
 from __future__ import annotations
@@ -81,8 +52,7 @@ class Traffic:
 
 
 def _replays(shape: Shape, layout: Layout, index: int, layer: int) -> Dict[str, int]:
-    """How many times a layer's sublayers run forward again in backward (0 or 1): the attention,
-    a dense MLP or an MoE layer's routed experts, its shared expert."""
+    """How many times (0 or 1) each of a layer's sublayers runs forward again in backward."""
     again = layer_recompute(layout.recompute, shape.is_moe(layer), index)
     return dict(attention=int(again.whole), core_attention=int(again.whole or again.core_attention),
                 mlp=int(again.whole or again.mlp), shared=int(again.whole or again.shared_expert))
@@ -133,9 +103,7 @@ def _summed_over_tp(params: List[Parameter], layout: Layout) -> int:
 def step_traffic(shape: Shape, layout: Layout, chunks: List[Chunk], params: List[List[Parameter]], variant: str,
                  tokens: Tokens, activation_bytes: int, microbatches: int, sharding: DataParallelSharding,
                  buffers: List[Dict[str, float]], gathered_kv: bool = False) -> Dict[str, float]:
-    """The bytes this GPU sends in one step, by kind. ``params``: each chunk's parameters;
-    ``buffers``: each chunk's gradient and weight buffer bytes, dense and expert
-    (``grads``, ``weights``, ``expert_grads``, ``expert_weights``)."""
+    """The bytes this GPU sends in one step, by kind. ``params``, ``buffers``: each chunk's (``chunk_buffers``)."""
     traffic = Traffic()
     if layout.tp > 1:
         _tensor_parallel(traffic, shape, layout, chunks, tokens, activation_bytes, microbatches)
@@ -201,7 +169,8 @@ def _expert_parallel(traffic: Traffic, shape: Shape, layout: Layout, chunks: Lis
             if not shape.is_moe(layer):
                 continue
             forwards = microbatches * (1 + _replays(shape, layout, index, layer)["mlp"])
-            for times in (forwards, microbatches):  # forward passes (again when recomputed), backward
+            # forward passes (again when recomputed), backward: the tokens there and back, their routing weights
+            for times in (forwards, microbatches):
                 traffic.add("ep", ALL_TO_ALL, routed * shape.hidden * activation_bytes, ep, 2 * times)
                 traffic.add("ep", ALL_TO_ALL, routed * STAT, ep, times)
             traffic.add("ep", ALL_GATHER, ep * shape.experts * 8, ep, forwards)  # tokens per expert, int64
