@@ -1,31 +1,9 @@
 """Weights between a whole (one-rank) Megatron GPTModel and the Hugging Face layout, both ways.
 
-Plain torch on state dicts, no Megatron import. The Megatron side is the module state dict of
-a GPTModel built with one rank (``model.state_dict()``: the names below, TP and PP already
-undone by the checkpoint's resharding load; Transformer Engine's names for the InputNorms,
-``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``, are read too); the Hugging Face side is what
-``modeling_siamese.SiameseNormForCausalLM`` (SiameseNorm) or transformers'
-``LlamaForCausalLM`` (a Pre-Norm model, ``pre_norm=True``) holds.
-
-Per layer i (Megatron ``decoder.layers.i.`` -> Hugging Face ``model.layers.i.``):
-
-    self_attention.linear_qkv          -> self_attn.q_proj, k_proj, v_proj  (rows grouped per query
-                                          group as [its q heads, k, v] in Megatron; split here)
-    self_attention.linear_proj         -> self_attn.o_proj
-    self_attention.q_layernorm/k_layernorm -> self_attn.q_norm/k_norm
-    mlp.linear_fc1                     -> mlp.gate_proj, up_proj (gated: Megatron's [gate, up] halves)
-                                          or mlp.up_proj
-    mlp.linear_fc2                     -> mlp.down_proj
-    input_layernorm                    -> input_layernorm        (the attention's InputNorm)
-    pre_mlp_layernorm                  -> post_attention_layernorm (the MLP's InputNorm)
-    attn_x_norm, attn_y_norm           -> attn_x_norm (hybrid variant: attn_x_scale), attn_y_norm
-    mlp_x_norm, mlp_y_norm             -> mlp_x_norm, mlp_y_norm
-
-and embedding.word_embeddings -> model.embed_tokens, embedding.position_embeddings ->
-model.embed_positions, decoder.final_layernorm -> model.norm, its merge.x_norm/merge.y_norm
-(``decoder.layers.<last>.output_merge`` in a Megatron-LM ``--spec`` model) -> model.norm_x /
-model.norm_y, output_layer -> lm_head (untied only). Every tensor is moved as it is: the
-conversion is a renaming plus the QKV and gated-MLP splits, so a round trip is bit-exact.
+Plain torch on state dicts, no Megatron import: the Megatron side is a one-rank GPTModel's ``state_dict()``
+(TE's InputNorm names read too), the Hugging Face side ``SiameseNormForCausalLM`` or, for a Pre-Norm model,
+transformers' ``LlamaForCausalLM``. A renaming plus the QKV and gated-MLP splits, so a round trip is bit-exact.
+The name table: docs/export.md, "Weight names".
 """
 
 from __future__ import annotations
@@ -112,10 +90,8 @@ _MLP_SIDE = ("mlp.", "mlp_x_norm.", "mlp_y_norm.", "pre_mlp_layernorm.")
 
 
 def hybrid_to_gpt_names(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """A ``*-*-...`` HybridModel's state dict under the equivalent SiameseNorm GPTModel's names
-    (hybrid layer 2i holds GPT layer i's attention side, 2i + 1 its MLP side; the stack's
-    ``final_norm`` is the GPT's ``final_layernorm``): the two compute the same function
-    (tests/test_hybrid.py)."""
+    """A ``*-*-...`` HybridModel's state dict under the equivalent GPTModel's names (hybrid layer 2i holds GPT
+    layer i's attention side, 2i + 1 its MLP side)."""
     renamed = {}
     for name, tensor in state.items():
         if name.startswith("decoder.layers."):
@@ -128,8 +104,8 @@ def hybrid_to_gpt_names(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Te
 
 
 def megatron_to_hf(state: Mapping[str, torch.Tensor], config: Mapping, pre_norm: bool = False) -> Dict[str, torch.Tensor]:
-    """The Hugging Face state dict of a one-rank Megatron GPTModel's ``state``; ``config`` is the
-    Hugging Face config (dict). Refuses any tensor it has no place for."""
+    """The Hugging Face state dict of a one-rank GPTModel's ``state`` (``config``: the Hugging Face config);
+    refuses any tensor it has no place for."""
     last = f"decoder.layers.{config['num_hidden_layers'] - 1}.output_merge."
     hybrid = config.get("siamese_variant") == "hybrid"
     out: Dict[str, torch.Tensor] = {}
@@ -161,8 +137,7 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], config: Mapping, pre_norm:
 
 
 def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Mapping, pre_norm: bool = False) -> Dict[str, torch.Tensor]:
-    """The inverse of ``megatron_to_hf``: Megatron module names of a Python-API GPTModel (the
-    merge norms under ``decoder.final_layernorm.merge``)."""
+    """The inverse of ``megatron_to_hf``, under a Python-API GPTModel's names."""
     top = {hf: megatron for megatron, hf in _TOP_NAMES}
     layer = {hf: megatron for megatron, hf in _LAYER_NAMES}
     layer["attn_x_scale."] = layer["attn_x_norm."] = "attn_x_norm."

@@ -1,19 +1,9 @@
 """``megatron-siamese export`` and ``import-hf``: a checkpoint as a Hugging Face model directory,
-and such a directory back as a checkpoint.
+and such a directory back as a (model-only, step 0) checkpoint.
 
-Export: the checkpoint's whole model on one rank (``inference.session``: any TP/PP/VPP layout,
-resharded by dist_checkpointing on load), its config.json (``architecture.py``), its weights
-renamed (``convert.py``) into ``model.safetensors``, the modeling file (SiameseNorm) and the
-byte-level tokenizer's files (``tokenizer.py``). Before anything is kept, the exported model's
-logits on a fixed text are compared with the Megatron model's (fp32: 1e-4 relative) and the
-export refuses on a mismatch. Everything is written into a temporary directory beside the
-target, renamed into place at the end: nothing is ever left half-written.
-
-Import: config.json read as this package's model settings (a field it cannot build exactly is
-refused naming it), the weights renamed back, loaded strictly into a one-rank GPTModel and
-saved as a model-only torch_dist checkpoint (step 0, no optimizer, as ``upcycle`` writes):
-``megatron-siamese train --load OUT/checkpoints`` fine-tunes it at any layout (torch_dist
-reshards on load, so no layout needs choosing when writing).
+Export verifies the written model's logits against the Megatron model's before keeping anything, and both
+commands write into a temporary directory renamed into place at the end: nothing is left half-written.
+Full story: docs/export.md.
 """
 
 from __future__ import annotations
@@ -61,8 +51,7 @@ def refuse_existing(output_dir: str) -> None:
 @contextmanager
 def written_atomically(output_dir: str) -> Iterator[str]:
     """A fresh directory beside ``output_dir``, renamed to it when the block succeeds, removed when not.
-    What it holds gets the permissions the user's umask gives new files (mkdtemp makes the directory
-    0700, safetensors its file 0600: on a shared cluster nobody else could read the export)."""
+    Its files get the umask's permissions: mkdtemp's 0700 and safetensors' 0600 would hide them on a cluster."""
     parent = os.path.dirname(os.path.abspath(output_dir))
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.", suffix=".partial", dir=parent)
     try:
@@ -148,8 +137,7 @@ def hf_config(model, norm: str) -> Dict[str, object]:
 
 
 def write_directory(model, norm: str, directory: str) -> Dict[str, object]:
-    """config.json, model.safetensors, the modeling file (SiameseNorm) and the tokenizer of the
-    one-rank GPTModel ``model`` (scheme ``norm``) into ``directory``; returns the config."""
+    """The Hugging Face files of the one-rank GPTModel ``model`` into ``directory``; returns the config."""
     from safetensors.torch import save_file
 
     from megatron_siamese.hf.tokenizer import save_tokenizer
@@ -176,9 +164,7 @@ def write_directory(model, norm: str, directory: str) -> Dict[str, object]:
 
 
 def load_exported(directory: str):
-    """The model in an exported ``directory`` (AutoModelForCausalLM, local files, remote code), eval
-    mode. Also in a process running Megatron through the CPU shim (a spawned rank, the tests):
-    the shim keeps torch's device contexts working (tests/test_cpu_shim.py)."""
+    """The model in an exported ``directory`` (AutoModelForCausalLM, local files, remote code), eval mode."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
@@ -187,10 +173,8 @@ def load_exported(directory: str):
 
 
 def verify(model, directory: str) -> float:
-    """The exported model's logits against the Megatron model's on ``VERIFY_TEXT``, relative to
-    their largest magnitude; ExportError above ``VERIFY_RTOL`` (fp32) or ``VERIFY_RTOL_16BIT``
-    (bf16 weights, run as Megatron's loop runs them, in Megatron's Float16Module: rounding alone
-    reaches about 2e-2 there, a misplaced weight gives errors of order 1)."""
+    """The exported model's logits against the Megatron model's on ``VERIFY_TEXT``, relative to their largest
+    magnitude; ExportError above the tolerance (bf16: rounding alone reaches 2e-2, a misplaced weight order 1)."""
     sixteen_bit = model.config.params_dtype != torch.float32
     tolerance = VERIFY_RTOL_16BIT if sixteen_bit else VERIFY_RTOL
     megatron = model
@@ -242,8 +226,7 @@ def read_hf_weights(directory: str) -> Dict[str, torch.Tensor]:
 
 
 def check_tokenizer(directory: str) -> None:
-    """ExportError unless ``directory``'s tokenizer gives ByteTokenizer's ids (the checkpoint was
-    trained on those: UTF-8 bytes 0-255, end of document 256)."""
+    """ExportError unless ``directory``'s tokenizer gives ByteTokenizer's ids, which the checkpoint was trained on."""
     # the fast tokenizer's class itself: AutoTokenizer would read config.json and, for a remote-code
     # model, ask on the terminal whether to trust its code (a tokenizer needs none)
     from transformers import PreTrainedTokenizerFast
@@ -272,8 +255,7 @@ def import_args(hf: Dict[str, object], output_dir: str):
 
 
 def import_hf(hf_dir: str, output_dir: str) -> str:
-    """Write ``output_dir/checkpoints/iter_0000000`` (model only) from the Hugging Face directory
-    ``hf_dir``; returns the checkpoint's path."""
+    """Write ``output_dir/checkpoints/iter_0000000`` (model only) from ``hf_dir``; returns its path."""
     from megatron_siamese.runtime.launch import run_job
 
     require_packages()

@@ -12,12 +12,8 @@ c = sqrt(2 L):
     u = PostNorm_k(x);  z = Sublayer_k(InputNorm_k(u + PreNorm_k(y)));  x = u + z / c;  y = y + z
 
 with x = y = the embedding before the first layer and logits = head(FinalNorm(NormX(x) +
-NormY(y))). The "hybrid" variant's attention sublayer has no PostNorm and no InputNorm: it
-sees c1 * x + PreNorm(y) (c1 a learned per-channel scale), the X stream continues from x,
-and attention normalizes queries and keys per head (QK-norm). Norms are LayerNorm or
-RMSNorm computed in fp32 (gamma = 1 + w when zero-centred); RoPE is Megatron's (base,
-rotary percent, interleaved or not); attention is causal with grouped key/value heads;
-the MLP is gated (SwiGLU: [gate, up]) or not. Generation uses transformers' KV cache.
+NormY(y))). The "hybrid" variant's attention sublayer sees c1 * x + PreNorm(y) (c1 a learned
+per-channel scale; no PostNorm, no InputNorm, QK-norm in attention) and the X stream continues from x.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Megatron's dynamic inference engine (paged KV cache), for GPUs: ``generate --engine dynamic``.
 
-    this rank's model chunk --SiameseGPTInferenceWrapper (generate.py)-->
-      --DynamicInferenceContext--> a paged KV cache: blocks of 256 tokens, enough for every
-          prompt at the model's --seq-length; no CUDA graphs, no unified memory
-      --TextGenerationController + DynamicInferenceEngine--> requests stepped as one ragged
-          token batch (prompts and decode steps mixed)
-
-Megatron attends over the paged cache only through flash-attn's CUDA kernels
-(``Attention.flash_decode_and_prefill``: ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``
-with a block table, or FA3/FA4); it keeps no other implementation. So the dynamic engine runs
-on a GPU with flash-attn >= 2.7.3, and is refused elsewhere (``dynamic_engine_problem``); on
-CPU ``generate`` runs the static engine (docs/inference.md, "Why the static engine on CPU").
-No GPU has run this module yet: on CPU its construction is tested (tests/test_inference.py),
-not its generation.
-
-megatron-core 0.16.1 builds the context from keyword sizes and the engine with
-``enable_cuda_graph``/``random_seed``; 0.19.2 from the model config and an ``InferenceConfig``.
+Megatron attends over the paged cache only through flash-attn's CUDA kernels, so this runs on a GPU with
+flash-attn >= 2.7.3 and is refused elsewhere. No GPU has run it yet: on CPU only its construction is tested.
+docs/inference.md, "Which engine, on which megatron-core".
 """
 
 from __future__ import annotations
@@ -40,8 +27,7 @@ def has_dynamic_engine() -> bool:
 
 
 def _has_paged_attention_kernel() -> bool:
-    """The check Megatron's attention makes before a dynamic-batching step (FA4, FA3, or
-    flash-attn >= 2.7.3), without raising when flash-attn is absent."""
+    """Megatron's attention's check before a dynamic-batching step, without raising when flash-attn is absent."""
     from megatron.core.transformer import attention
     from megatron.core.utils import is_fa_min_version
 
@@ -76,9 +62,7 @@ def dynamic_engine_problem() -> Optional[str]:
 
 
 def kv_buffer_gb(config, max_requests: int, max_sequence_length: int) -> float:
-    """GiB of paged KV cache that hold ``max_requests`` sequences of ``max_sequence_length``
-    tokens on this rank (its layers, its share of the KV heads), plus Megatron's dummy block
-    and one spare."""
+    """GiB of paged KV cache for ``max_requests`` sequences on this rank, plus Megatron's dummy block and a spare."""
     from megatron.core import parallel_state
 
     layers = config.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
@@ -89,9 +73,7 @@ def kv_buffer_gb(config, max_requests: int, max_sequence_length: int) -> float:
 
 
 def dynamic_context(model, max_requests: int, max_sequence_length: int):
-    """Megatron's DynamicInferenceContext for ``model`` (this rank's chunk): room for
-    ``max_requests`` sequences of ``max_sequence_length`` tokens, CUDA graphs and unified
-    memory off, Megatron's own KV append (its Triton kernel where Triton runs)."""
+    """Megatron's DynamicInferenceContext for this rank's chunk, CUDA graphs and unified memory off."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
     config = model.config
@@ -123,8 +105,7 @@ def dynamic_engine(controller, context, seed: int):
 
 
 def generated_tokens(records) -> list:
-    """Each finished request's generated token ids, in the order the prompts were added
-    (``DynamicInferenceEngine.generate`` returns request records, sorted by request id)."""
+    """Each finished request's generated token ids, in the order the prompts were added."""
     requests = [record.merge() if hasattr(record, "merge") else record for record in records]
     return [[int(t) for t in (r.generated_tokens.tolist() if torch.is_tensor(r.generated_tokens)
                               else r.generated_tokens)] for r in requests]

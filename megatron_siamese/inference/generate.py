@@ -1,35 +1,9 @@
 """Text generation from a checkpoint through Megatron-Core's own inference stack.
 
-    checkpoint --session.open_session(layout)--> this rank's model chunk (TP/PP/EP as asked)
-      --SiameseGPTInferenceWrapper--> Megatron's GPTInferenceWrapper, pipeline receive buffers
-          2h wide where stages send SiameseNorm's packed streams
-      --TextGenerationController + StaticInferenceEngine(legacy=True)--> batched prompts, the KV
-          cache in a StaticInferenceContext: the prompt once, then one new token per step
-      --SamplingParams--> greedy (top-k 1) or temperature / top-k / top-p sampling, seeded
-
-Megatron's attention keeps the KV cache; a SiameseNorm sublayer hands its attention the one
-normalized input both streams share (``InputNorm(PostNorm(x) + PreNorm(y))``) together with
-``inference_context``, so one cache serves both streams, and a decode step runs both streams
-of the new positions only (docs/inference.md).
-
-The engine is the static one by default, which Megatron keeps as the "legacy" path of
-``StaticInferenceEngine`` in megatron-core 0.16.1 and 0.19.2 alike, on CPU (gloo, the CPU shim)
-and GPU. ``engine="dynamic"`` (``--engine dynamic``) runs Megatron's dynamic engine with its
-paged KV cache instead (``inference/dynamic.py``): on a GPU with flash-attn only, since Megatron
-attends over the paged cache with flash-attn's CUDA kernels alone; elsewhere it is refused
-before any rank starts. Either engine decodes greedily with Megatron's own sampler (top-k 1).
-
-The tests check it against the same model re-run on the whole sequence at every step, no
-inference context (``greedy_without_cache`` in tests/test_inference.py).
-
-Multi-token prediction heads are a training objective: generation predicts with the decoder and
-its output layer alone, as Megatron's inference does (0.19 skips the heads in inference mode;
-0.16's GPTModel would run them and ask for labels). ``generate`` builds the model without them
-and leaves their weights in the checkpoint unread (``open_session(with_mtp=False)``).
-Multi-latent attention runs on the static engine (under TP without SP too: the rule that asks
-for SP is about training's gradients); Megatron's dynamic engine takes MLA only with its FlashMLA
-latent cache, so ``--engine dynamic`` is refused for it. Megatron's static engine runs SP only
-for MoE layers under expert parallelism, so there ``--sp`` without ``--ep`` > 1 is refused.
+A SiameseNorm sublayer hands its attention the one normalized input both streams share, so one KV cache serves
+both. The static engine (Megatron's "legacy" path) runs on CPU and GPU; the dynamic one needs a GPU with flash-attn
+(``dynamic.py``). Generation runs without the MTP heads (0.16's GPTModel would run them and ask for labels).
+Full story, and what is refused: docs/inference.md.
 """
 
 from __future__ import annotations
@@ -111,9 +85,8 @@ def prompt_problems(prompts: Sequence[str], max_new_tokens: int, seq_length: int
 
 
 def _wrapper_class():
-    """Megatron's GPTInferenceWrapper with pipeline receive buffers as wide as what the previous
-    stage sends: SiameseNorm's packed ``[s, b, 2h]`` streams (the wrapper sizes them
-    ``[s, b, hidden_size]``, as the training schedules do: ``pipeline.py``)."""
+    """Megatron's GPTInferenceWrapper with pipeline receive buffers ``2h`` wide for the packed streams
+    (``pipeline.py``)."""
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
 
     class SiameseGPTInferenceWrapper(GPTInferenceWrapper):
@@ -144,9 +117,7 @@ def engine_problem(engine: str) -> Optional[str]:
 
 
 def inference_wrapper(model, max_batch_size: int, max_sequence_length: int, vocab_size: int, context=None):
-    """Megatron's inference wrapper of ``model`` with ``context``, by default a static KV cache
-    for ``max_batch_size`` sequences of ``max_sequence_length`` tokens (megatron-core 0.16's
-    wrapper takes an InferenceWrapperConfig, 0.19's reads the model's config)."""
+    """Megatron's inference wrapper of ``model`` with ``context``, by default a static KV cache."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     from megatron_siamese.runtime.gpt import packs_streams
@@ -171,9 +142,7 @@ def inference_wrapper(model, max_batch_size: int, max_sequence_length: int, voca
 
 
 def build_engine(session, max_requests: int, sampling: Sampling, engine: str = "static"):
-    """Megatron's ``engine`` ("static": StaticInferenceEngine(legacy=True) with a static KV
-    cache; "dynamic": DynamicInferenceEngine with a paged one) over this rank's chunk, for
-    ``max_requests`` prompts of up to the model's --seq-length tokens."""
+    """Megatron's ``engine`` ("static" or "dynamic") over this rank's chunk, for ``max_requests`` prompts."""
     from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
@@ -201,10 +170,8 @@ def build_engine(session, max_requests: int, sampling: Sampling, engine: str = "
 
 @contextlib.contextmanager
 def process_inference_flag_kept():
-    """megatron-core 0.19's engines mark the whole process as inferring when they are built
-    (``InferenceMode``, after which GPTModel refuses an ordinary forward) and leave it so, as a
-    server would; a generate call inside a longer-lived process (the Python API, a notebook, the
-    tests) puts the flag back as it found it. 0.16 has no such flag."""
+    """megatron-core 0.19's engines leave the process marked as inferring (GPTModel then refuses an ordinary
+    forward): put the flag back as found, for longer-lived processes (the Python API, the tests)."""
     try:
         from megatron.core.inference.utils import InferenceMode
     except ImportError:
@@ -220,10 +187,8 @@ def process_inference_flag_kept():
 
 def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, sampling: Sampling,
                       engine: str = "static") -> List[Generation]:
-    """On every rank of the session's job: the prompts' continuations (every rank returns them),
-    by Megatron's ``engine`` (``build_engine``; ``generate`` refuses an engine that cannot run
-    here, this function trusts its caller: the tests run the dynamic one on CPU with a stand-in
-    attention kernel)."""
+    """On every rank of the session's job: the prompts' continuations (every rank returns them). Trusts its
+    caller's ``engine`` (the tests run the dynamic one on CPU with a stand-in attention kernel)."""
     from megatron.core.inference.sampling_params import SamplingParams
 
     from megatron_siamese.inference.dynamic import generated_tokens
@@ -262,10 +227,8 @@ def _on_cpu() -> bool:
 
 def generate(checkpoint: str, prompts: Sequence[str], max_new_tokens: int = 32, sampling: Sampling = Sampling(),
              layout: Layout = Layout(), engine: str = "static") -> List[Generation]:
-    """The continuations of ``prompts`` by the model in ``checkpoint`` (saved at any layout), run
-    at ``layout`` by Megatron's ``engine`` ("static", or "dynamic" on a GPU with flash-attn):
-    spawned here (gloo ranks on CPU, one per GPU), or as this rank of a launched job. Every
-    problem with the input is refused before any rank starts (ConfigError)."""
+    """The continuations of ``prompts`` by the model in ``checkpoint``, run at ``layout``; every problem with
+    the input is refused before any rank starts (ConfigError)."""
     from megatron_siamese.inference.session import layout_problems, model_settings, read_checkpoint
     from megatron_siamese.runtime.launch import run_job
     from megatron_siamese.training.checkpoint_files import CheckpointError

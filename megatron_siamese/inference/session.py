@@ -1,22 +1,7 @@
 """A checkpoint's model on this rank, for reading and running its weights: no optimizer, no data,
-no schedule (training is Megatron-LM's loop).
-
-    checkpoint dir --checkpoint_files.checked--> one complete iter_<N>
-      --its common state--> the ModelSettings the run recorded (norm, model class, sizes, ...)
-      --runtime.gpt--> Megatron's process groups for the requested Layout, this rank's chunks
-      --dist_checkpointing.load--> the weights, resharded from whatever TP/PP/VPP/EP layout
-          saved them into this one --> eval mode
-
-On the ranks of a job (inside ``run_job``)::
-
-    session = open_session("runs/x/checkpoints", Layout(tp=2))
-    session.chunks[0](tokens, position_ids, attention_mask)  # this rank's GPTModel chunk(s)
-    session.close()                                            # Megatron's process groups
-
-``read_checkpoint`` tells what a checkpoint holds without starting any rank (for refusing bad
-input before launching). The settings come from the checkpoint; a checkpoint that records none
-(Megatron-LM's, or an earlier release's) needs ``settings`` from the caller, and settings
-given for one that records them must describe the same model.
+no schedule (training is Megatron-LM's loop). ``open_session`` builds this rank's chunks from the settings the
+checkpoint records and loads the weights, resharded from whatever layout saved them; ``read_checkpoint`` reads
+what a checkpoint holds without starting any rank. docs/inference.md, "The model session".
 """
 
 from __future__ import annotations
@@ -44,8 +29,7 @@ class SavedCheckpoint:
 
 
 def recorded_settings(common: Dict[str, Any]) -> Optional[ModelSettings]:
-    """The ModelSettings a checkpoint's common state records (None when it records none): our
-    model-only checkpoints' settings (upcycle, import-hf), else what Megatron-LM's args of our pretrain say (inference/saved_args.py)."""
+    """The ModelSettings a checkpoint's common state records (ours, else read from Megatron-LM's args), or None."""
     from megatron_siamese.inference.saved_args import settings_from_args
     from megatron_siamese.training.checkpoint_settings import SETTINGS_KEY
 
@@ -72,9 +56,8 @@ def read_checkpoint(path: str) -> SavedCheckpoint:
 
 
 def model_settings(saved: SavedCheckpoint, settings: Optional[ModelSettings] = None, **changes) -> ModelSettings:
-    """The settings to build ``saved``'s model with: the recorded ones, else ``settings``; given
-    ``settings`` must describe the recorded model (``checkpoint_settings.model_problem``).
-    ``changes`` may set only settings the weights do not depend on (kernels, FP8, MoE dispatch)."""
+    """The settings to build ``saved``'s model with: the recorded ones, else ``settings`` (which must then
+    describe the same model); ``changes`` only settings the weights do not depend on."""
     from megatron_siamese.training.checkpoint_settings import SETTINGS_KEY, model_fields, model_problem
 
     fixed = sorted(set(changes) & set(model_fields()))
@@ -99,9 +82,8 @@ def model_settings(saved: SavedCheckpoint, settings: Optional[ModelSettings] = N
 
 
 def layout_problems(settings: ModelSettings, layout: Layout, world_size: Optional[int] = None) -> List[str]:
-    """What of ``settings``' model does not split over ``layout`` (and, given, a job of
-    ``world_size`` ranks that is not the layout's): one line each, empty when it fits. Rules
-    about gradients do not apply (multi-latent attention runs under TP without SP here)."""
+    """What of ``settings``' model does not split over ``layout`` (or ``world_size``), one line each. Rules about
+    gradients do not apply (MLA runs under TP without SP here)."""
     from megatron_siamese.runtime.divisibility import split_problems
     from megatron_siamese.training.args import padded_vocab_size
 
@@ -113,10 +95,8 @@ def layout_problems(settings: ModelSettings, layout: Layout, world_size: Optiona
 
 
 class ModelSession:
-    """This rank's chunks of a checkpoint's model under a layout, in eval mode; Megatron's
-    process groups for that layout stay up until ``close``. ``with_mtp=False`` builds and loads
-    the model without its multi-token prediction layers (``settings`` still name them), as
-    inference runs it."""
+    """This rank's chunks of a checkpoint's model under a layout, in eval mode, process groups up until
+    ``close``. ``with_mtp=False``: without the multi-token prediction layers, as inference runs it."""
 
     def __init__(self, saved: SavedCheckpoint, settings: ModelSettings, layout: Layout, seed: int = 1234,
                  with_mtp: bool = True):
@@ -205,11 +185,8 @@ def _groups_for(layout: Layout) -> bool:
 
 def open_session(checkpoint: str, layout: Layout = Layout(), settings: Optional[ModelSettings] = None,
                  seed: int = 1234, with_mtp: bool = True, **changes) -> ModelSession:
-    """On each rank of a joined job (e.g. inside ``run_job``): this rank's chunks of the model in
-    ``checkpoint`` under ``layout`` (whose world size must be the job's). ``settings``: for a
-    checkpoint that records none, or to insist on a model; ``with_mtp=False``: without its
-    multi-token prediction layers (``ModelSession``); ``changes``: settings the weights do not
-    depend on (e.g. ``fused_ops=False``)."""
+    """On each rank of a job: this rank's chunks of the model in ``checkpoint`` under ``layout``. ``settings``:
+    for a checkpoint that records none; ``changes``: settings the weights do not depend on (``model_settings``)."""
     saved = read_checkpoint(checkpoint)
     chosen = model_settings(saved, settings, **changes)
     problems = layout_problems(chosen, layout, torch.distributed.get_world_size())

@@ -21,41 +21,18 @@ init) on x instead, and QK-norm inside attention:
 
 and its MLP sublayer is the standard one above (PostNorm before the MLP).
 
-The sublayer's element-wise work is written once, as the fused ops split it
-(``megatron_siamese.ops``, csrc/), with the ops' own signatures:
+The element-wise work is written as the fused ops split it, with their signatures: ``dual_norm`` /
+``dual_residual`` per sublayer, and ``entry_norm`` / ``residual_dual_norm`` where a layer joins its two
+sublayers (docs/kernels.md). The ablation (``siamese_input_norm``, ``siamese_depth_scale``) drops InputNorm
+and/or sets c = 1.
 
-* ``dual_norm`` (``hybrid_dual_norm`` for the hybrid attention side): packed streams in,
-  ``base = [u | y]`` (what the residual adds to) and the sublayer's normalized input out;
-* ``dual_residual``: ``base + [z / c | z]`` with ``z = (out + bias) * mask * scale``;
-
-and, where a layer holds two sublayers, as the boundary ops split it (docs/kernels.md):
-
-* ``entry_norm`` (``hybrid_entry_norm``): the first sublayer's normalized input alone; its
-  residual base is not written but recomputed from the streams by
-* ``residual_dual_norm``: the first sublayer's residual update and the second sublayer's
-  ``dual_norm`` in one: ``dual_norm(dual_residual([PostNorm_prev(x) | y], out, ...))``.
-
-The paper's component study (an ablation setting, ``SiameseTransformerConfig.siamese_input_norm``
-and ``siamese_depth_scale``) removes InputNorm (the sublayer sees ``u + PreNorm(y)`` itself)
-and/or the depth scale (``c = 1``: ``x = u + z``); ``depth_scale`` and ``dual_norm`` without
-``in_weight`` compute those.
-
-``stream_norms`` is the same composition over any norm callables; the layer's PyTorch path
-runs it with its norm modules.
-
-The single-stream baselines the study compares with (Post-Norm, HybridNorm, Mix-LN) place each
-sublayer's norm before it or after its residual add, per block (``norm_placement``):
+The single-stream baselines (Post-Norm, HybridNorm, Mix-LN; docs/research.md) place each norm per block
+(``norm_placement``):
 
     x = OutputNorm(x + dropout(Sublayer(InputNorm(x)) + bias))     # either norm may be absent
 
-Pre-Norm: InputNorm only; Post-Norm: OutputNorm only (no final norm: the stream leaving the last
-block is normalized); HybridNorm (Zhuo et al. 2025): attention with per-head norms of queries,
-keys and values and no InputNorm, then OutputNorm after the attention's residual add (the FFN
-sees and adds to ``Norm(x)``), the FFN without norms; HybridNorm* makes the first block Pre-Norm
-(with the same QKV-norm); Mix-LN (Li et al. 2024): Post-Norm in the first ``floor(alpha L)``
-blocks, Pre-Norm in the rest. HybridNorm and Mix-LN end in a final norm. Norms are computed in fp32 (fp64 for double inputs) and cast
-back to the input dtype, as Megatron's fused and Transformer Engine norms do; so is the
-residual update, which the fused op also rounds once.
+Norms and the residual update are computed in fp32 (fp64 for double inputs) and cast back once, as
+Megatron's fused and Transformer Engine norms do.
 """
 
 from __future__ import annotations
@@ -111,11 +88,8 @@ def depth_scale(block_number: int, scaled: bool = True) -> float:
 
 
 def gpt_equivalent_block(layer_number: int, sublayers_per_layer: int) -> int:
-    """The 1-based block, in a GPT of attention + MLP blocks, that global layer ``layer_number``
-    corresponds to: a GPT layer (two sublayers) is its own block; in a HybridModel stack (one
-    sublayer per layer, whatever its kind) layers 2b - 1 and 2b form block b, so a ``*-*-...``
-    pattern computes exactly the GPT's c, and every other pattern counts its depth in pairs of
-    sublayers."""
+    """The 1-based GPT block that global layer ``layer_number`` corresponds to: in a HybridModel stack (one
+    sublayer per layer) layers 2b - 1 and 2b form block b, so ``*-*-...`` computes exactly the GPT's c."""
     if sublayers_per_layer not in (1, 2):
         raise ValueError(f"a SiameseNorm layer holds one or two sublayers, got {sublayers_per_layer}")
     return math.ceil(layer_number * sublayers_per_layer / 2)
@@ -141,13 +115,8 @@ def stream_norms(
     *,
     residual_keeps_x: bool = False,
 ) -> Tuple[Tensor, Tensor]:
-    """A sublayer's norm half over any norm callables: ``(base, normed)``.
-
-    ``base = [u | y]`` with ``u = PostNorm(x)``, ``normed = InputNorm(u + PreNorm(y))``
-    (``u + PreNorm(y)`` when ``input_norm`` is None, e.g. when Transformer Engine fuses
-    it into the next GEMM). ``residual_keeps_x``: the hybrid variant's attention side,
-    where ``post_norm`` is the channel scale c1 and the X stream continues from x itself.
-    """
+    """A sublayer's norm half over any norm callables: ``(base = [u | y], normed = InputNorm(u + PreNorm(y)))``,
+    ``u = PostNorm(x)``. ``residual_keeps_x``: the hybrid attention side (``post_norm`` is c1, base is ``[x | y]``)."""
     x, y = _streams_of(streams, hidden)
     u = post_norm(x)
     a = u + pre_norm(y)
@@ -227,15 +196,12 @@ def dual_residual(
 
 
 def entry_norm(streams: Tensor, hidden: int, *weights_and_flags) -> Tensor:
-    """Reference of ``ops.entry_norm`` (``dual_norm``'s arguments): ``dual_norm``'s ``normed``
-    alone, for a layer's first sublayer (its residual base, ``[PostNorm(x) | y]``, is recomputed
-    by ``residual_dual_norm``)."""
+    """Reference of ``ops.entry_norm``: ``dual_norm``'s ``normed`` alone (``residual_dual_norm`` recomputes base)."""
     return dual_norm(streams, hidden, *weights_and_flags)[1]
 
 
 def hybrid_entry_norm(streams: Tensor, hidden: int, *weights_and_flags) -> Tensor:
-    """Reference of ``ops.hybrid_entry_norm`` (``hybrid_dual_norm``'s arguments):
-    ``hybrid_dual_norm``'s ``normed`` alone (its base is the streams themselves)."""
+    """Reference of ``ops.hybrid_entry_norm``: ``hybrid_dual_norm``'s ``normed`` alone."""
     return hybrid_dual_norm(streams, hidden, *weights_and_flags)[1]
 
 
@@ -251,15 +217,8 @@ def residual_dual_norm(
     prev_x_bias: Optional[Tensor],
     *norm_args,
 ) -> Tuple[Tensor, Tensor]:
-    """Reference of ``ops.residual_dual_norm``: the residual update of a layer's first sublayer
-    and the norms of its second, ``(base, normed)`` as ``dual_norm`` returns them.
-
-    The first sublayer's base is recomputed from the layer's streams, ``[PostNorm_prev(x) | y]``
-    (``[x | y]`` without ``prev_x_weight``: the hybrid variant's attention side), updated by
-    ``dual_residual`` and normalized by ``dual_norm`` (``norm_args``: its weights and flags,
-    ``x_weight, x_bias, y_weight, y_bias, in_weight, in_bias, eps, rms, zero_centered_gamma``),
-    all in the accumulation dtype: the updated streams ``[x' | y']`` are rounded only as outputs
-    (base holds ``PostNorm(x')`` and ``y'``)."""
+    """Reference of ``ops.residual_dual_norm``: ``dual_norm(dual_residual([PostNorm_prev(x) | y], out, ...))``
+    (``[x | y]`` without ``prev_x_weight``), ``norm_args`` as ``dual_norm``'s; rounded only as outputs."""
     compute = _compute_dtype(streams)
     x, y = _streams_of(streams.to(compute), hidden)
     u = x if prev_x_weight is None else _norm_fn(prev_x_weight, prev_x_bias, *norm_args[-3:])(x)
@@ -281,9 +240,8 @@ MIX_LN_ALPHA = 0.25  # the Mix-LN paper's share of Post-Norm blocks
 
 @dataclass(frozen=True)
 class NormPlacement:
-    """Which norms a single-stream block has: before a sublayer (``*_input``: the sublayer sees
-    Norm(x), the residual adds to x) or after its residual add (``after_*``: the stream itself
-    is normalized), for attention and the MLP."""
+    """Which norms a single-stream block has: before a sublayer (``*_input``) or after its residual add
+    (``after_*``: the stream itself is normalized)."""
 
     attention_input: bool
     after_attention: bool

@@ -1,20 +1,6 @@
-"""``megatron-siamese analyze``: what the two streams do in a trained checkpoint.
-
-On validation batches of the embedded corpus, single rank, PyTorch path (so every norm is a
-module whose output can be observed):
-
-* stream contribution: per block and sublayer, the X stream's share of the sublayer input,
-  from the norm weights (mean |gamma| of PostNorm vs PreNorm) and from measured activations
-  (RMS of PostNorm(x) vs PreNorm(y));
-* logit lens per stream: next-token loss when decoding at each block from x alone
-  (FinalNorm(NormX(x))), y alone (FinalNorm(NormY(y))) and the merge;
-* stream magnitude by depth: RMS of x and y after every block;
-* effective depth: loss when each block is skipped, and when the last k blocks are dropped
-  with no fine-tuning (the layer-pruning probe); with ``--compare-load`` a Pre-Norm checkpoint
-  gets the same probes side by side.
-
-Prints tables and writes contribution.png, logit_lens.png, magnitude.png, depth.png and
-pruning.png.
+"""``megatron-siamese analyze``: what the two streams do in a trained checkpoint (stream contribution, logit
+lens per stream, magnitude by depth, effective depth). Single rank, PyTorch path, so every norm is a module
+whose output can be observed. docs/research.md, "Analysis".
 """
 
 from __future__ import annotations

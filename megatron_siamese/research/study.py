@@ -1,22 +1,8 @@
 """``megatron-siamese study``: a small, reproducible comparison of residual schemes, each run
 Megatron-LM's own training loop (``megatron-siamese train``, one rank) with the same flags but the
-arm's and the grid's.
-
-Language modelling on the embedded corpus, one arm per scheme the paper compares (``ARMS``):
-Pre-Norm, Post-Norm, SiameseNorm and its hybrid variant, HybridNorm, Mix-LN, and the paper's
-component-study ablation (the hybrid variant's two streams without InputNorm and depth
-scaling), each at peak learning rates from ordinary to past where most schemes diverge, with a
-warmup of a quarter of the run; a second panel repeats the grid with a 10-step warmup for the
-single-stream schemes and SiameseNorm (does Post-Norm's plateau come from too short a warmup?);
-then synthetic multi-digit addition (exact-match accuracy of the saved model) for Pre-Norm vs
-SiameseNorm. Every run uses the same model size, data order per seed, schedule and budget; runs
-go two at a time (one CPU core each). Instability is reported as the paper marks it, per run:
-loss spikes (the training loss rising ``SPIKE_MARGIN`` above the lowest it had reached),
-divergence (a non-finite loss, or ending no better than a uniform guess) and, for this corpus,
-runs stuck at the unigram plateau. Losses are read from each run's TensorBoard events. Writes
-``<output_dir>/study.json``, the loss curves (spikes marked) and ``<output_dir>/results.md``
-(tables a person then reads and interprets in docs/results.md); each run's own directory holds
-its ``train.log`` and events.
+arm's and the grid's. A run that blows up is a result (reported diverged, stuck or spiked), a run that
+fails otherwise stops the study. Writes ``study.json``, the loss curves and ``results.md``, read and
+interpreted by hand in docs/results.md. The arms, grid and criteria: docs/research.md, "The study".
 """
 
 from __future__ import annotations

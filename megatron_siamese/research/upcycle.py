@@ -1,23 +1,10 @@
 """Pre-Norm upcycling: a stock Megatron Pre-Norm model becomes a SiameseNorm model.
 
-Every weight the two share keeps its value (embeddings, attention, MLP, the sublayers'
-InputNorms, the final norm). The X branch is switched off: every PostNorm and NormX gets
-gamma = 0 and beta = 0, so u = PostNorm(x) = 0 never reaches a sublayer and the merge sees
-only NormY(y). The Y branch's new norms (PreNorm, NormY) are plain (gamma = 1, beta = 0).
-Each sublayer then computes InputNorm(Norm(y)) where Pre-Norm computed InputNorm(y): the
-same function up to normalizing an already normalized vector, an O(eps / variance) change
-(tests/test_research.py: fp32 precision with a small eps, ~1e-3 relative at eps = 1e-5 on a
-trained model). Training continues from there and opens the X branch by itself.
-
-Multi-token prediction layers (``--mtp-num-layers``) are Megatron's stock ones in both models
-(docs/design.md), so they carry over as they are: they read the decoder's output, FinalNorm(NormY(y))
-here where Pre-Norm gave them FinalNorm(y), the same eps effect. The flags must give the
-checkpoint's number of them; another number is refused, also for a checkpoint that records no
-settings (Megatron-LM's), whose MTP layers would otherwise be left out unnoticed.
-
-Works on the model weights of any Megatron torch_dist checkpoint of the stock local or
-Transformer Engine GPT layer (both store their InputNorms under TE's names); anything the
-SiameseNorm GPT has no place for (MoE, QK-norm, MLA, biases it does not expect) is refused.
+Shared weights keep their values; every PostNorm and NormX gets gamma = beta = 0, so the X branch is off, and
+the new PreNorms and NormY are plain. Each sublayer then computes InputNorm(Norm(y)) for InputNorm(y): the same
+function up to normalizing twice, an O(eps / variance) change. Stock MTP layers carry over (the same eps effect);
+the flags must give the checkpoint's number of them, or a checkpoint without settings would silently lose them.
+docs/research.md, "Upcycling a Pre-Norm model".
 """
 
 from __future__ import annotations
@@ -125,8 +112,7 @@ def upcycle(args, pre_checkpoint: str) -> str:
 
 
 def checkpoint_mtp_layers(checkpoint: str) -> int:
-    """How many MTP layers a torch_dist checkpoint's model holds, from its tensors' names (torch's
-    .metadata): loading keeps only what the model built asks for, so the flags cannot tell."""
+    """How many MTP layers a torch_dist checkpoint's model holds, from its tensors' names (the flags cannot tell)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     return mtp_layers(FileSystemReader(checkpoint).read_metadata().state_dict_metadata)
