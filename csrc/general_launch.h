@@ -3,7 +3,7 @@
 // defined in dual_norm_cuda.cu.
 #pragma once
 
-#include <torch/types.h>
+#include "dual_norm.h"
 
 #include <cstdint>
 

@@ -4,8 +4,6 @@
 // per op; the CPU kernels read and write the weights' own dtypes themselves and need none of this.
 #pragma once
 
-#include <torch/types.h>
-
 #include <vector>
 
 #include "dual_norm.h"
