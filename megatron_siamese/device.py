@@ -1,8 +1,7 @@
 """Where this process computes: CUDA when torch sees a GPU, else the CPU. Decided here once.
 
-Every module asks this one (never ``torch.cuda.is_available()`` itself), so "are we on a
-GPU" has one answer per process, and CPU runs never depend on the CPU shim's redirection of
-``torch.cuda.current_device()`` to put a tensor somewhere.
+Nothing else asks ``torch.cuda.is_available()``, so a process has one answer, and CPU runs never rely on
+the CPU shim's redirection of ``torch.cuda.current_device()`` to place a tensor.
 """
 
 from __future__ import annotations

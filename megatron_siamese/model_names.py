@@ -1,8 +1,5 @@
-"""The names of the residual schemes and model classes, each list written once.
-
-Plain data, no torch or Megatron import: the command line offers these as choices before
-any rank starts; ``models.py`` builds one scheme per name and refuses to import if the two
-ever differ.
+"""The names of the residual schemes and model classes, each list written once. Plain data: the
+command line offers them before any rank starts; ``models.py`` refuses to import if they differ.
 """
 
 # siamese: SiameseNorm (Python API); siamese-layer: the layer spec Megatron-LM's --spec names;

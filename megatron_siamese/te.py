@@ -1,7 +1,5 @@
-"""Transformer Engine: whether it can be used here.
-
-Kept apart from the specs so that the layer's support check can ask about TE without
-importing the specs (which import the layer).
+"""Transformer Engine: whether it can be used here. Apart from the specs, so that the layer's
+support check can ask without importing them (they import the layer).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The megatron-core releases this package supports, checked once at import.
 
-Tested: 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12); the hooks it overrides are the same
-across that range (docs/design.md, "Megatron-Core versions"). HybridModel support needs 0.19.
-
-- Older than 0.16.1: the import fails naming the range (the hooks differ there);
-  MEGATRON_SIAMESE_UNTESTED_MEGATRON=1 turns that into a warning.
-- Newer than the tested range (0.20 and Megatron-LM main): the import warns once, on rank 0,
-  naming the parallel check to run on that release; MEGATRON_SIAMESE_UNTESTED_MEGATRON=1
-  silences it. What keeps a newer release from changing the math unnoticed is not this warning
-  but ``support.py``: a TransformerConfig field docs/settings.md has no row for
-  (``reviewed_settings.REVIEWED``) and a value other than its default is refused by name.
+Tested: 0.16.1 and 0.19.2 (HybridModel needs 0.19). Older fails the import, newer warns once on rank 0
+(MEGATRON_SIAMESE_UNTESTED_MEGATRON=1: a warning, or silence). What keeps a newer release from changing
+the math unnoticed is ``support.py``: a TransformerConfig field docs/settings.md has no row for, set
+to other than its default, is refused. docs/design.md, "Megatron-Core versions".
 """
 
 from __future__ import annotations

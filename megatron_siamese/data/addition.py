@@ -1,14 +1,9 @@
 """A synthetic multi-digit addition task: generated problems, exact-match accuracy.
 
-Training documents are lines ``"347+58=405\\n"`` with operands of 1 to ``digits`` digits, as
-byte tokens in Megatron's indexed format (packed into sequences by GPTDataset like any
-corpus). Evaluation prompts held-out problems with ``"347+58="`` and greedily decodes until
-the newline; a problem counts only if every digit of the sum is right.
-
-Two tasks: ``addition`` writes the sum as usual; ``addition-reversed`` writes it least
-significant digit first (``"347+58=504\\n"``), the order in which a left-to-right model can
-compute the carries, which small transformers learn far sooner (Lee et al., "Teaching
-Arithmetic to Small Transformers", 2023).
+Documents are lines ``"347+58=405\\n"`` as byte tokens in Megatron's indexed format; evaluation decodes
+greedily after ``"347+58="`` and counts a problem only if every digit is right. ``addition-reversed``
+writes the sum least significant digit first, the order a left-to-right model computes carries in,
+which small transformers learn far sooner (Lee et al., "Teaching Arithmetic to Small Transformers").
 """
 
 from __future__ import annotations
@@ -54,10 +49,7 @@ def line(a: int, b: int, reverse: bool = False) -> str:
 
 def addition_corpus(cache_dir: str, reverse: bool = False, digits: int = 3, train_count: int = 200_000,
                     seed: int = 7) -> str:
-    """The training problems as an indexed dataset under ``cache_dir``; returns its prefix.
-
-    Problems are grouped 64 to a document so GPTDataset's packing sees natural line breaks.
-    """
+    """The training problems as an indexed dataset under ``cache_dir`` (64 to a document); returns its prefix."""
     train, _ = split(digits, train_count, 1000, seed)
     key = hashlib.sha256(f"{digits}-{train_count}-{seed}{'-reversed' if reverse else ''}".encode()).hexdigest()[:10]
 

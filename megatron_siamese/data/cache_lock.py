@@ -1,11 +1,8 @@
 """One builder at a time in a data cache directory that concurrent jobs share.
 
-Two runs started from one directory share ``.cache/megatron_siamese``, and a study's runs go
-side by side on one cache. A corpus's indexed dataset (``.bin`` and ``.idx``) is not written
-atomically, and another job maps it as soon as both files exist: mid-write, that is "mmap length
-is greater than file size". So a corpus is built holding an exclusive ``flock`` on
-``<cache_dir>/LOCK_FILE``, and the builder looks again once it holds it: a second job waits for
-the first, then reads whole files.
+An indexed dataset is not written atomically, and another job maps it once both files exist ("mmap
+length is greater than file size" mid-write). So a corpus is built under an exclusive ``flock`` on
+``<cache_dir>/LOCK_FILE``, looking again once held: a second job waits, then reads whole files.
 """
 
 from __future__ import annotations

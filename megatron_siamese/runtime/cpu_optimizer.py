@@ -10,11 +10,8 @@ import torch
 
 
 def replacements() -> Dict[Tuple[Any, str], Any]:
-    """Megatron's optimizers (TE's or apex's FusedAdam / FusedSGD) and its gradient norm, clipping
-    and scaling (their multi-tensor kernels) are CUDA kernels whenever TE or apex imports, which
-    it does wherever it is installed, also on a machine without a usable GPU ("CUDA driver
-    version is insufficient"): the torch optimizers and Megatron's own torch implementations,
-    which it falls back to without them, on the CPU (the same update and the same norms)."""
+    """TE's or apex's fused optimizers and multi-tensor kernels are CUDA kernels wherever TE or apex
+    imports, even without a usable GPU: the torch optimizers and Megatron's own torch fallbacks instead."""
     import importlib
 
     from megatron.core import utils

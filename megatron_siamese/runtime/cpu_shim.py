@@ -1,12 +1,11 @@
 """Run Megatron-Core on CPU with the gloo backend.
 
-megatron-core assumes a GPU in a handful of places (tensors on ``"cuda"``, ``torch.cuda.synchronize``,
-the CUDA RNG behind its tensor-parallel RNG tracker, ``"torch.cuda.FloatTensor"`` type checks, and a
-few MoE, FSDP, MLA, inference and recompute paths: each ``_*_replacements`` below says which and why).
-``install()`` redirects exactly those to CPU, so every kind of parallelism runs as CPU processes, with
-nothing of Megatron edited on disk. Plain wrappers, not a ``TorchFunctionMode``: a mode is off inside
-its own handler, so a backward pass launched through it would escape. It refuses to install when CUDA
-is available. The full list: docs/testing.md, "The CPU shim"; FSDP's calls: docs/parallelism.md.
+megatron-core assumes a GPU in a handful of places (tensors on ``"cuda"``, ``torch.cuda.synchronize``, the
+CUDA RNG behind its TP RNG tracker, ``"torch.cuda.FloatTensor"`` type checks, and MoE, FSDP, MLA,
+inference and recompute paths: each ``_*_replacements`` below says why). ``install()`` redirects exactly
+those to CPU, editing nothing on disk, and refuses when CUDA is available. Plain wrappers, not a
+``TorchFunctionMode``: a mode is off inside its own handler, so a backward launched through it would
+escape. docs/testing.md, "The CPU shim"; FSDP's calls: docs/parallelism.md.
 """
 
 from __future__ import annotations
