@@ -1,17 +1,10 @@
 """Context parallelism's sequence split: which tokens each rank of a CP group holds.
 
-Megatron cuts every sequence into ``2 cp`` equal chunks and gives CP rank r chunks r and
-``2 cp - 1 - r``: under a causal mask the early chunks attend to little and the late ones to
-much, so each rank gets one of each and the same work (``get_batch_on_this_cp_rank``, and the
-rotary embedding's ``get_pos_emb_on_this_cp_rank``, which must agree with the batch). Gathered
-over the group in rank order, a tensor's sequence is then ``[c0, c(2cp-1), c1, c(2cp-2), ...]``:
-``gathered_positions`` names each gathered row's place in the sequence, which is how the
-context-parallel attention (``core_attention.py``) masks its keys without reordering them.
-
-Megatron's own batch splitter changed its signature between 0.16 and 0.19 (0.19's takes the
-world size when given no group) and does not split packed (THD) batches (Transformer Engine's
-CUDA partitioner does); ``batch_on_rank`` is the one the package uses, for both, and splits a
-packed batch per document (``document_positions_on_rank``).
+As Megatron (and its RoPE, which must agree) splits it: ``2 cp`` chunks a sequence, rank r holding chunks r and
+``2 cp - 1 - r`` so that causal attention's work is balanced. Gathered in rank order the rows are then out of
+sequence order; ``gathered_positions`` names their places, so the CP attention masks keys without reordering.
+``batch_on_rank`` replaces Megatron's splitter, whose signature changed in 0.19 and which splits no packed (THD)
+batch. docs/parallelism.md, "Context parallelism".
 """
 
 from __future__ import annotations
@@ -49,11 +42,8 @@ def gathered_positions(seq_length: int, cp: int) -> Tensor:
 
 
 def document_positions_on_rank(cu_seqlens: Tensor, cp: int, rank: int) -> Tensor:
-    """Packed (THD) sequences: the packed positions of CP rank ``rank``'s tokens. Each document
-    (``cu_seqlens``: its bounds) is cut into ``2 cp`` chunks of its own, and the rank holds each
-    document's chunks ``rank`` and ``2 cp - 1 - rank``, documents in order: the partition
-    Transformer Engine's THD attention and Megatron's THD RoPE (``_get_thd_freqs_on_this_cp_rank``)
-    assume."""
+    """Packed (THD) sequences: the packed positions of CP rank ``rank``'s tokens, each document split on its own
+    as TE's THD attention and Megatron's THD RoPE assume."""
     bounds = [int(b) for b in cu_seqlens.tolist()]
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     uneven = [length for length in lengths if cp > 1 and length % (2 * cp)]
@@ -78,9 +68,8 @@ def document_mask(queries: Tensor, keys: Tensor, cu_seqlens: Tensor) -> Tensor:
 
 
 def batch_on_rank(batch: Dict[str, Tensor], cp: int, rank: int) -> Dict[str, Tensor]:
-    """CP rank ``rank``'s part of a microbatch: its two chunks of every per-token tensor, and of
-    the attention mask its query rows (each query still sees every key). Unknown keys are
-    refused: a tensor split the wrong way would train on other tokens without a word."""
+    """CP rank ``rank``'s part of a microbatch (of the mask its query rows). Unknown keys are refused: a tensor
+    split the wrong way would silently train on other tokens."""
     if cp == 1:
         return batch
     unknown = sorted(set(batch) - set(_SEQUENCE_DIM) - {"attention_mask", "cu_seqlens"})

@@ -1,32 +1,12 @@
 """The core attention of the package's local-module specs, where Transformer Engine's is absent.
 
-Megatron's local ``DotProductAttention`` (softmax(Q K^T / sqrt(d)) V, unfused) assumes one head
-size for queries, keys and values (``kv_channels``). Multi-latent attention hands its core
-attention keys of ``qk_head_dim + qk_pos_emb_head_dim`` and values of ``v_head_dim`` per head, as
-``k_channels`` / ``v_channels``, which Transformer Engine's core attention takes and Megatron's
-local one refuses ("unexpected keyword argument 'k_channels'", megatron-core 0.16.1 and 0.19.2).
-``LocalCoreAttention`` is Megatron's own with those sizes: the scores take whatever head size Q
-and K carry, the output is ``v_channels`` per head. Without them it is Megatron's module, unchanged.
-
-**Context parallelism** (``ContextParallelCoreAttention``, which ``LocalCoreAttention`` builds when
-the config asks for CP): exact, by all-gathering keys and values. Under context parallelism each
-rank holds two of every sequence's ``2 cp`` chunks (``context_parallel.py``). Transformer Engine exchanges keys and values in a ring (or all-to-all)
-and needs CUDA; Megatron's local ``DotProductAttention`` refuses CP. Here every rank all-gathers
-the keys and values of its CP group (their query groups, before any GQA repeat) and attends its
-own queries over the whole sequence: the same softmax over the same keys as on one rank, so the
-same result up to summation order. The gather's backward is a reduce-scatter, which hands each
-rank the sum of every rank's gradient for its own keys and values.
-
-The gathered keys are in rank order, not sequence order: the mask, not the keys, is put in that
-order (``context_parallel.gathered_positions``). A causal mask comes from the positions; a given
-mask (``[b, 1, s/cp, s]``, its query rows split as Megatron-LM's batches have it, or whole)
-has its key columns reordered. RoPE was applied before, at each token's own position (the rotary
-embedding takes each rank's chunks itself).
-
-It costs what all-gather attention costs: every rank holds the whole sequence's keys and values
-and an ``[s/cp, s]`` score matrix per head. That is the point on CPU (it checks everything CP
-touches outside the attention); on GPUs Transformer Engine's attention stays, and what only it
-can show (its ring and all-to-all exchanges, FP8) awaits GPUs (docs/parallelism.md).
+Megatron's local ``DotProductAttention`` assumes one head size for Q, K and V and refuses MLA's
+``k_channels`` / ``v_channels``; ``LocalCoreAttention`` is Megatron's own with those sizes (unchanged without).
+Under context parallelism it becomes ``ContextParallelCoreAttention``: exact, by all-gathering the CP group's
+keys and values (Megatron's local attention refuses CP; TE's needs CUDA). The gathered keys arrive in rank
+order, not sequence order: the mask, not the keys, is put in that order. It costs what all-gather attention
+costs; it is there to check on CPU everything CP touches outside the attention.
+Full story: docs/parallelism.md, "Context parallelism"; docs/design.md, "Multi-latent attention".
 """
 
 from __future__ import annotations
@@ -52,11 +32,8 @@ from megatron_siamese.support import UnsupportedConfigError
 
 
 class LocalCoreAttention(DotProductAttention):
-    """Megatron's local core attention with K and V head sizes of their own (``k_channels``,
-    ``v_channels``, as MLA passes them); the softmax scale is MLA's own (``softmax_scale``) or
-    ``1 / sqrt(k_channels)``. Under context parallelism (``config.context_parallel_size`` > 1) it
-    builds ``ContextParallelCoreAttention``: the spec objects exist before any config, so the
-    choice is made here, when a layer is built."""
+    """Megatron's local core attention with K and V head sizes of their own (as MLA passes them). Under
+    context parallelism it builds ``ContextParallelCoreAttention``: spec objects exist before any config."""
 
     def __new__(cls, config, *args, **kwargs):
         if cls is LocalCoreAttention and config.context_parallel_size > 1:
@@ -87,9 +64,8 @@ class LocalCoreAttention(DotProductAttention):
         return self.attend_packed(query, key, value, document_mask(positions, positions, documents), attention_bias)
 
     def attend_packed(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor, attention_bias) -> Tensor:
-        """Packed (THD) ``[t, heads, d]`` queries, keys and values as one sample of ``t`` tokens,
-        ``mask`` (the documents') honoured whatever the softmax's mask type (a causal kernel would
-        ignore it); ``[t, 1, heads x d]`` out, as Megatron's attention reshapes TE's output."""
+        """Packed (THD) queries, keys and values as one sample, ``mask`` honoured whatever the softmax's mask
+        type (a causal kernel would ignore it); ``[t, 1, heads x d]`` out, as TE's."""
         softmax = self.scale_mask_softmax
         mask_type, softmax.attn_mask_type = softmax.attn_mask_type, AttnMaskType.padding
         try:
@@ -115,9 +91,7 @@ def packed_documents(packed_seq_params) -> Tensor:
 
 
 class ContextParallelCoreAttention(LocalCoreAttention):
-    """``LocalCoreAttention`` under context parallelism: this rank's queries over the CP group's
-    all-gathered keys and values. Built by ``LocalCoreAttention`` itself when the config asks
-    for CP (the local specs name only that class)."""
+    """``LocalCoreAttention`` under context parallelism: this rank's queries over the gathered keys and values."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, *args,
                  cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):

@@ -1,34 +1,11 @@
-"""SiameseNorm in Megatron-Core's HybridModel: one pattern symbol, one SiameseNorm sublayer.
+"""SiameseNorm in Megatron-Core's HybridModel (megatron-core >= 0.19): one pattern symbol, one sublayer.
 
-HybridModel (megatron-core >= 0.19 here; GPTModel is deprecated there in its favour) builds
-one layer per symbol of ``--hybrid-layer-pattern``: ``*`` attention, ``-`` dense MLP, ``M``
-Mamba-2, ``G`` gated delta net, ``E`` MoE, ``D`` / ``+`` DSA / MLA attention, ``|`` a
-pipeline boundary. In a SiameseNorm stack every ``*``, ``-``, ``E``, ``M`` and ``G`` layer is one
-SiameseNorm sublayer (its PostNorm, PreNorm and InputNorm, the shared update, packed
-``[s, b, 2h]`` streams between layers) and the stack's final norm merges the streams
-(``SiameseFinalNorm``). The depth scale counts sublayers in pairs
-(``reference.functional.gpt_equivalent_block``): layers 2b - 1 and 2b form block b, so a
-``*-*-...`` stack computes exactly the SiameseNorm GPTModel with the same weights, and a
-GPT checkpoint loads into it through Megatron's own translation
-(``dist_checkpointing.gpt_checkpoint_interop``).
-
-Two stack specs, each derived from Megatron's:
-
-* ``siamese_hybrid_stack_spec``: local modules (attention, MLP and MoE MLP split out of
-  ``get_gpt_layer_local_spec``): ``*``, ``-`` and ``E``; runs everywhere, CPU included.
-* ``siamese_hybrid_te_stack_spec``: Megatron's own ``hybrid_stack_spec`` (Transformer
-  Engine) with its layers made SiameseNorm sublayers: ``*``, ``-``, ``E`` (its
-  ``MoETransformerLayer`` slot: Megatron's MoELayer, TEGroupedMLP experts), ``M`` (needs
-  mamba_ssm and causal_conv1d), ``G`` (needs FLA); GPUs only.
-
-An ``E`` layer is the MLP half of a SiameseNorm block with Megatron's ``MoELayer`` as the
-sublayer, so ``*E*E...`` computes the SiameseNorm GPTModel whose every MLP is MoE. (Megatron's
-``MoETransformerLayer`` adds only the partial CUDA-graph capture of the router, which
-SiameseNorm refuses: the layer class stays ``SiameseTransformerLayer``.) ``D`` and ``+`` are
-refused at construction, as is multi-token prediction (``mtp_num_layers``, an MTP pattern: the
-stack refuses it), with what to change.
-
+Every ``*``, ``-``, ``E``, ``M`` and ``G`` layer is one SiameseNorm sublayer and the stack's final norm merges
+the streams. The depth scale counts sublayers in pairs, so ``*-*-...`` computes exactly the SiameseNorm GPTModel
+and loads its checkpoints. Two stack specs: local modules (``*``, ``-``, ``E``; CPU too) and Transformer Engine
+(``M`` and ``G`` too; GPUs only). ``D``, ``+`` and MTP are refused.
 Megatron-LM: ``pretrain_hybrid.py --spec megatron_siamese.hybrid siamese_hybrid_stack_spec``.
+Full story: docs/design.md, "Two model classes: GPTModel and HybridModel".
 """
 
 from __future__ import annotations
@@ -101,11 +78,7 @@ def _gpu_kernels_missing(symbol: str) -> Optional[str]:
 
 
 class SiameseHybridStack(HybridStack):
-    """Megatron's HybridStack with packed streams and a merging final norm.
-
-    HybridStack hard-codes Transformer Engine's norm as its final norm; this stack is built
-    without it and installs ``SiameseFinalNorm`` (FinalNorm(NormX(x) + NormY(y))) instead.
-    """
+    """Megatron's HybridStack with ``SiameseFinalNorm`` in place of its hard-coded TE final norm."""
 
     def __init__(self, config: TransformerConfig, submodules: HybridStackSubmodules,
                  layer_type_list: Optional[List[str]] = None, post_layer_norm: bool = True,
@@ -139,8 +112,7 @@ class SiameseHybridStack(HybridStack):
 
 @dataclass
 class SiameseMambaLayerSubmodules:
-    """Megatron's MambaLayerSubmodules (``norm`` is the InputNorm, IdentityOp when the mixer's
-    in_proj fuses it) plus the stream norms."""
+    """Megatron's MambaLayerSubmodules (``norm``: the InputNorm) plus the stream norms."""
 
     norm: Union[ModuleSpec, type] = IdentityOp
     mixer: Union[ModuleSpec, type] = IdentityOp
@@ -176,8 +148,7 @@ class SiameseMambaLayer(SiameseSublayerMixin, MegatronModule):
         self._init_siamese((self.x_norm, self.y_norm), sublayers_per_layer=1)
 
     def mamba_state_shapes_per_request(self):
-        """The mixer's conv and SSM state shapes per request (what Megatron's dynamic inference
-        engine sizes its Mamba state cache by, as from MambaLayer)."""
+        """The mixer's state shapes per request, which Megatron's dynamic engine sizes its Mamba cache by."""
         return self.mixer.mamba_state_shapes_per_request()
 
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None, inference_context=None,
@@ -251,10 +222,8 @@ def _te_layer(stock: ModuleSpec, **sublayers) -> ModuleSpec:
 
 
 def get_siamese_hybrid_te_stack_spec() -> ModuleSpec:
-    """Megatron's Transformer Engine ``hybrid_stack_spec`` with SiameseNorm layers: the attention,
-    MLP and MoE layers' InputNorms are ours feeding TE's plain linears (as in the GPT TE spec);
-    the Mamba and GDN mixers keep the InputNorm TE fuses into their ``in_proj``, which then
-    normalizes the merged input the stream norms hand it (docs/transformer-engine.md)."""
+    """Megatron's TE ``hybrid_stack_spec`` with SiameseNorm layers; the Mamba and GDN mixers keep the InputNorm
+    TE fuses into their ``in_proj`` (docs/transformer-engine.md)."""
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
     stock = hybrid_stack_spec.submodules

@@ -1,27 +1,11 @@
 """SiameseTransformerLayer: a Megatron ``TransformerLayer`` that carries two residual streams.
 
-Between layers the streams travel packed as ``[s, b, 2h]`` (X first, Y second, see
-``streams.py``), so TransformerBlock, recompute, pipeline p2p and CUDA graphs handle one
-tensor. The first global layer receives the embedding ``[s, b, h]`` and starts both
-streams from it. The math is ``reference.functional``; this module only wires it into
-Megatron's layer structure:
-
-* ``_forward_attention`` / ``_forward_mlp`` are overridden (they are the hooks Megatron's
-  full recompute, CUDA-graph capture and ``forward`` all go through), each running one
-  SiameseNorm sublayer (``siamese_sublayer.py``);
-* a layer holds both sublayers (a GPT block) or one of them (a HybridModel ``*`` or ``-``
-  layer: the other is Megatron's ``IdentityOp`` and passes the streams through);
-* where the boundary ops run, a GPT block's two sublayers are joined: ``_forward_attention``
-  hands ``_forward_mlp`` a ``JoinedSublayers`` instead of the packed streams between them
-  (Megatron's forward passes it on untouched); under Transformer Engine's CUDA graphs, which
-  capture the two hooks apart, each sublayer runs on its own (the same function);
-* selective recompute "layernorm" discards the stream norms' outputs and recomputes them
-  in backward, "mlp" checkpoints the MLP (``mlp_call.py``), as the base layer does for its
-  single stream;
-* the component study's ablations (``SiameseTransformerConfig.siamese_input_norm`` and
-  ``siamese_depth_scale``): without InputNorm the layer builds IdentityOp in the InputNorm slots
-  (each sublayer sees ``PostNorm(x) + PreNorm(y)``, on every path: the fused ops take no
-  InputNorm weights then), without depth scaling c = 1 (``siamese_sublayer.py``).
+The streams travel packed as one ``[s, b, 2h]`` tensor (``streams.py``), so Megatron's block, recompute, p2p
+and CUDA graphs move one tensor. It overrides ``_forward_attention`` / ``_forward_mlp``, the hooks ``forward``,
+full recompute and CUDA-graph capture all go through. A HybridModel layer holds one sublayer (the other
+IdentityOp). Where the boundary ops run, ``_forward_attention`` hands ``_forward_mlp`` a ``JoinedSublayers``
+(Megatron passes it on untouched), except under TE's CUDA graphs, which capture the two hooks apart.
+Full story: docs/design.md, "Two streams, one tensor" and "The layer".
 """
 
 from __future__ import annotations
@@ -53,13 +37,8 @@ from megatron_siamese.support import UnsupportedConfigError, check_moe_layer, ch
 
 @dataclass
 class SiameseTransformerLayerSubmodules(TransformerLayerSubmodules):
-    """TransformerLayerSubmodules plus the per-sublayer stream norms.
-
-    ``input_layernorm`` / ``pre_mlp_layernorm`` keep their Megatron meaning (InputNorm of
-    the attention / MLP sublayer; IdentityOp where the sublayer has none: the hybrid
-    variant's attention). ``output_merge`` is built on the last global layer only, for specs
-    that cannot give the block a merging final norm (Megatron-LM's ``--spec``).
-    """
+    """TransformerLayerSubmodules plus the per-sublayer stream norms; ``output_merge`` is built on the last
+    global layer only, for specs that cannot give the block a merging final norm (Megatron-LM's ``--spec``)."""
 
     attn_x_norm: Union[ModuleSpec, type] = IdentityOp  # PostNorm of the X stream
     attn_y_norm: Union[ModuleSpec, type] = IdentityOp  # PreNorm of the Y stream
@@ -74,9 +53,8 @@ def is_ours(slot, module: type) -> bool:
 
 
 def without_input_norms(submodules: SiameseTransformerLayerSubmodules) -> SiameseTransformerLayerSubmodules:
-    """``submodules`` for the ablation without InputNorm: its InputNorm slots IdentityOp. Refused
-    where a sublayer's InputNorm is not ours but fused into its first linear (Transformer Engine's
-    Mamba and GDN mixers normalize inside their ``in_proj``): removing it there would not remove it."""
+    """``submodules`` for the ablation without InputNorm; refused where the InputNorm is fused into the first
+    linear (TE's Mamba and GDN ``in_proj``), where removing the slot would not remove it."""
     fused = []
     if submodules.self_attention is not IdentityOp and not (
             is_ours(submodules.input_layernorm, TorchNorm) or is_ours(submodules.attn_x_norm, ChannelScale)):
@@ -190,12 +168,7 @@ class SiameseTransformerLayer(SiameseSublayerMixin, MLPCallMixin, TransformerLay
     def _forward_mlp(self, hidden_states: Union[Tensor, JoinedSublayers], inference_context=None, padding_mask=None,
                      packed_seq_params=None, **unused: Any):
         """MLP sublayer; returns packed streams, or the merged ``[s, b, h]`` if this layer merges.
-
-        ``hidden_states``: the packed streams, or what ``_forward_attention`` joined to this sublayer.
-        ``packed_seq_params``: as the stock layer (megatron-core >= 0.19) does, an MoE layer gets a
-        flattened packed (THD) batch back as ``[s, b, h]`` per sample, so that its per-sequence
-        aux loss sees sequences. Newer Megatron passes more keywords that the MLP does not use.
-        """
+        ``hidden_states``: the packed streams, or what ``_forward_attention`` joined to this sublayer."""
 
         def mlp(normed: Tensor):
             return self._call_mlp(normed, padding_mask, packed_seq_params)
@@ -213,9 +186,8 @@ class SiameseTransformerLayer(SiameseSublayerMixin, MLPCallMixin, TransformerLay
     # -- Megatron integration --------------------------------------------------------------
 
     def _get_submodules_under_cudagraphs(self):
-        """As the base layer's (whose parameter all-gather waits the distributed optimizer's
-        ``overlap_param_gather`` re-runs at a graph's replay), with each captured sublayer's
-        stream norms, and the output merge with the MLP: parameters a partial graph reads."""
+        """As the base layer's, plus each captured sublayer's stream norms and the output merge: parameters a
+        partial graph reads (the distributed optimizer's ``overlap_param_gather`` waits on them at replay)."""
         submodules = list(super()._get_submodules_under_cudagraphs())
         captured = lambda *modules: any(m is s for m in modules for s in submodules)  # noqa: E731
         ours = []
@@ -241,12 +213,8 @@ class SiameseTransformerLayer(SiameseSublayerMixin, MLPCallMixin, TransformerLay
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
     ) -> ShardedStateDict:
-        """As the base layer, but the output merge is one tensor, not a slice of a layer stack.
-
-        TransformerBlock stacks every layer parameter along a global layer axis; the merge
-        norms exist on the last layer only, so they are saved without that axis and the
-        stacked parameters stay identical across layers (checkpoints reshard over TP/PP).
-        """
+        """As the base layer, but the output merge is saved as one unstacked tensor: it exists on the last layer
+        only, and the stacked parameters must stay identical across layers to reshard over TP/PP."""
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if self.output_merge is not None:
             merge_prefix = f"{prefix}output_merge."

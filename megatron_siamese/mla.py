@@ -1,25 +1,8 @@
-"""Multi-latent attention on Megatron's local modules: Megatron's ``MLASelfAttention`` with its
-query and key/value down projections duplicated over tensor parallelism, as Transformer Engine's
-spec builds them (``TELinear``, ``parallel_mode="duplicated"``).
-
-Megatron's local spec makes those projections ``ColumnParallelLinear``s whose outputs MLA
-all-gathers over TP. Every rank then holds the whole decoupled RoPE key ``k_pos_emb`` and uses it
-for its own heads only, but the gather's backward takes this rank's slice of that partial
-gradient: the key's gradient is never summed over TP (measured on CPU ranks: stock MLA at tp2, with
-or without SP, has gradients 10-30% off the single rank's, megatron-core 0.16.1 and 0.19.2).
-Duplicated, the projections run on this rank's tokens (sequence parallelism), MLA gathers
-``k_pos_emb`` over the sequence (its backward a reduce-scatter: the sum), and their own gradients
-are summed over TP with the norms' (``sequence_parallel``): what TE's spec computes, on local
-modules. Without sequence parallelism a duplicated projection's gradient would stay partial: MLA
-under TP needs SP (``runtime/divisibility.py`` refuses it otherwise).
-
-Megatron's duplicated local ``Linear`` (``post_training.modelopt.layers``) is a plain
-``torch.nn.Linear`` that ignores ``init_method``; ``LocalMLASelfAttention`` initializes the
-projections as Megatron's other linears are (``config.init_method``, the same on every TP rank).
-Without ``q_lora_rank`` queries are projected directly and there is no query latent to normalize:
-the query latent norm slot is then left empty (0.16 builds a norm there unused). With
-``qk_layernorm`` megatron-core 0.19 then normalizes the query projection's input inside a
-Transformer Engine fused norm+linear, which the local modules have no counterpart for: refused.
+"""Multi-latent attention on Megatron's local modules, its down projections duplicated over TP as TE's spec
+builds them. Megatron's local spec makes them column-parallel, and the decoupled RoPE key's gradient is then
+never summed over TP (stock local MLA at TP2: gradients 10-30% off one rank's). Duplicated projections need SP
+to have their gradients summed, so MLA under TP needs SP. Megatron's duplicated ``Linear`` ignores
+``init_method``: initialized here as Megatron's other linears. docs/design.md, "Multi-latent attention".
 """
 
 from __future__ import annotations
@@ -49,6 +32,7 @@ class LocalMLASelfAttention(MLASelfAttention):
                     "normalizes the input of the direct query projection in a Transformer Engine fused norm+linear, "
                     "which Megatron's local modules have no counterpart for. Set q_lora_rank (--q-lora-rank), or "
                     "leave out qk_layernorm, or build the Transformer Engine spec (on a GPU).")
+            # no query latent to normalize (0.16 would build a norm there, unused)
             submodules = dataclasses.replace(submodules, q_layernorm=IdentityOp)
         super().__init__(config, submodules, *args, **kwargs)
         if not self.config.perform_initialization:

@@ -1,25 +1,9 @@
 """Residual schemes, and stock Megatron ``GPTModel`` / ``HybridModel`` chunks built with them.
 
-``SCHEMES`` names the block specs that train, the correctness check and the tests
-build models from:
-
-* ``siamese``: SiameseNorm via the Python API (``get_siamese_block_spec``);
-* ``siamese-layer``: SiameseNorm via the layer spec object Megatron-LM's ``--spec`` names
-  (the last layer merges the streams, the final norm is single-stream): ``siamese_layer_spec``,
-  or ``siamese_moe_layer_spec`` for a config with experts;
-* ``siamese-hybrid``: the authors' hybrid variant (Python API, local modules, QK-norm);
-* ``pre``: Megatron's stock Pre-Norm ``TransformerLayer`` from its GPT decoder block spec, on
-  Transformer Engine when ``transformer_impl`` says so (as Megatron builds it), else local with
-  its norms built as ``TorchNorm`` (the same math as torch's LayerNorm/RMSNorm, but usable
-  under sequence parallelism without apex);
-* ``post``, ``hybridnorm``, ``mixln``: the single-stream baselines on Megatron's
-  ``TransformerLayer`` (``single_stream.py``; local modules only, refused with
-  ``transformer_impl='transformer_engine'``): Post-Norm, HybridNorm (QKV-norm in attention,
-  Post-Norm on the FFN side; ``hybridnorm_star`` for HybridNorm*) and Mix-LN (Post-Norm in the
-  first ``floor(mix_ln_alpha * num_layers)`` layers, Pre-Norm in the rest).
-
-``build_model_chunks`` builds a ``GPTModel`` (any scheme) or a ``HybridModel`` (SiameseNorm,
-``hybrid.py``, megatron-core >= 0.19) for this rank's pipeline and virtual stages.
+``SCHEMES`` names the block specs that train, the check and the tests build models from: ``siamese`` (Python
+API), ``siamese-layer`` (the ``--spec`` object Megatron-LM names), ``siamese-hybrid``, Megatron's stock ``pre``,
+and the single-stream baselines ``post``, ``hybridnorm``, ``mixln`` (local modules only).
+``build_model_chunks`` builds this rank's ``GPTModel`` or ``HybridModel`` chunks. docs/research.md, "The baselines".
 """
 
 from __future__ import annotations
@@ -48,9 +32,7 @@ from megatron_siamese.specs import (
 
 
 def get_pre_norm_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
-    """Megatron's stock Pre-Norm decoder block as Megatron builds it for ``config``: Transformer
-    Engine's modules (FP8 and all) when ``transformer_impl`` asks for them, else the local ones
-    with SP-capable norms; MoE and QK-norm as the config says."""
+    """Megatron's stock Pre-Norm decoder block as Megatron builds it for ``config`` (local: SP-capable norms)."""
     use_te = uses_transformer_engine(config, None)
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
@@ -93,8 +75,7 @@ def scheme(name: str) -> Scheme:
 
 
 def _per_virtual_stage(build: Callable[..., object], **common) -> list:
-    """``build(**common, vp_stage=..., pre_process=..., post_process=...)`` for each of this rank's
-    virtual pipeline stages (one chunk without virtual stages)."""
+    """``build(**common, vp_stage=..., pre_process=..., post_process=...)`` for each of this rank's virtual stages."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -128,8 +109,7 @@ def build_gpt_chunks(
 
 
 def gpt_model(config: TransformerConfig, layer_spec, vp_stage: Optional[int] = None, **kwargs) -> GPTModel:
-    """A GPTModel of ``layer_spec`` (a block spec, or one layer's) with the multi-token prediction
-    block Megatron-LM builds beside it for ``config`` (``get_mtp_block_spec``); ``kwargs``: GPTModel's."""
+    """A GPTModel of ``layer_spec`` with the MTP block Megatron-LM builds beside it; ``kwargs``: GPTModel's."""
     model = GPTModel(config=config, transformer_layer_spec=layer_spec, vp_stage=vp_stage,
                      mtp_block_spec=get_mtp_block_spec(config, uses_transformer_engine(config, None), vp_stage),
                      **kwargs)
@@ -137,11 +117,8 @@ def gpt_model(config: TransformerConfig, layer_spec, vp_stage: Optional[int] = N
 
 
 def without_unused_output_weight(model: GPTModel) -> GPTModel:
-    """``model`` without the output layer's own weight where it never reads it: a last pipeline
-    stage with multi-token prediction and tied embeddings computes its logits with the word
-    embedding it keeps for MTP, yet Megatron allocates the output layer's weight all the same
-    (optimizer state and all), and its checkpoint code asserts the weight absent ("output layer
-    will not have any weight": every save of such a stage fails, megatron-core 0.16.1 and 0.19.2)."""
+    """``model`` without the output layer's weight where it never reads it (a last stage with MTP and tied
+    embeddings): Megatron allocates it anyway and its checkpoint code asserts it absent (docs/parallelism.md)."""
     if (getattr(model, "mtp_process", False) and model.post_process and not model.pre_process
             and model.share_embeddings_and_output_weights and model.output_layer.weight is not None):
         del model.output_layer.weight

@@ -1,17 +1,8 @@
-"""Norm modules that honour Megatron-Core's norm contract.
+"""Norm modules that honour Megatron-Core's norm contract (``build_module(spec, config=, hidden_size=, eps=)``).
 
-Megatron builds every norm as ``build_module(spec, config=..., hidden_size=..., eps=...)``.
-``TorchNorm`` follows ``config.normalization`` (LayerNorm or RMSNorm) and
-``config.layernorm_zero_centered_gamma``, accepts (and ignores) the fused-kernel knobs
-``persist_layer_norm`` / ``memory_efficient_layer_norm`` instead of asserting on them, and
-tags its parameters with ``sequence_parallel`` so that ``finalize_model_grads``
-all-reduces their gradients over the tensor-parallel group under sequence parallelism
-(each TP rank sees a different slice of the sequence, so each holds a partial gradient).
-
-The forward runs PyTorch's fused ``layer_norm`` / ``rms_norm`` kernels, which compute in
-fp32 for 16-bit inputs and keep only the input and per-token statistics for backward (the
-plain composition in ``reference.functional.normalize`` is the oracle they are tested
-against, and would keep several [T, h] intermediates).
+``TorchNorm`` tags its parameters ``sequence_parallel``: under SP each TP rank holds a partial norm gradient, and
+``finalize_model_grads`` sums exactly the tagged ones (missing it is silent drift). It runs torch's fused kernels,
+which keep only the input and per-token statistics for backward. docs/design.md, "Norms".
 """
 
 from __future__ import annotations
@@ -89,11 +80,8 @@ class TorchNorm(MegatronModule):
 
 
 class ChannelScale(MegatronModule):
-    """The hybrid variant's learnable per-channel scale c1 on the X stream (ones at init).
-
-    Used in a stream-norm slot, it marks that the residual keeps the unscaled input
-    (``residual_is_input``): the sublayer sees ``c1 * x`` but the X stream continues from x.
-    """
+    """The hybrid variant's learnable per-channel scale c1 on the X stream (ones at init); the sublayer sees
+    ``c1 * x`` but the X stream continues from x (``residual_is_input``)."""
 
     residual_is_input = True
 
@@ -113,18 +101,9 @@ class ChannelScale(MegatronModule):
 
 
 class QKNormPerConfig:
-    """A ``q_layernorm`` / ``k_layernorm`` slot (multi-latent attention's ``q_layernorm`` /
-    ``kv_layernorm``) that follows ``config.qk_layernorm``: ``norm`` with
-    QK-norm (so its parameters keep Megatron's names, ``q_layernorm.weight``), else Megatron's
-    ``IdentityOp`` (no parameters, as in Megatron's specs without QK-norm).
-
-    For layer spec objects made before any config exists (Megatron-LM's ``--spec`` imports a
-    module-level ``ModuleSpec``); Megatron's spec functions decide this from their
-    ``qk_layernorm`` argument instead. The SiameseNorm layer resolves the slots from its config
-    before it builds attention (``resolved``): megatron-core 0.19's SelfAttention refuses any
-    QK-norm module in a spec without ``qk_layernorm`` and calls the class it is given directly.
-    Built as a module anyway (0.16's ``build_module``), it returns the chosen one.
-    """
+    """A QK-norm slot that follows ``config.qk_layernorm`` (``norm``, else IdentityOp), for spec objects made
+    before any config (Megatron-LM's ``--spec``). The layer resolves it before building attention (``resolved``):
+    0.19's SelfAttention refuses a QK-norm module without ``qk_layernorm``; 0.16 builds it as a module."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *,
                 norm: "ModuleSpec | type", **kwargs):

@@ -1,27 +1,10 @@
 """Pipeline parallelism: stages exchange the packed ``[s, b, 2h]`` streams.
 
-Megatron's schedules size pipeline receive buffers as ``[s, b, config.hidden_size]``.
-Sending ``2h`` into an ``h`` buffer fails on gloo and corrupts or hangs on NCCL, so a
-SiameseNorm model with PP > 1 needs one of:
-
-* ``SiameseP2PCommunicator`` (fast path): a ``P2PCommunicator`` whose receive buffers are
-  ``2h`` wide. Pass it to the schedule together with ``pg_collection``::
-
-      forward_backward_func(..., p2p_communicator=SiameseP2PCommunicator(pp_group, config),
-                            pg_collection=pg_collection)
-
-* shape exchange (the safety net): when a SiameseNorm layer is built with PP > 1 it sets
-  ``config.variable_seq_lengths = True`` on the shared config, so a schedule called without
-  our communicator (Megatron-LM's ``pretrain_gpt.py``) exchanges tensor shapes before each
-  transfer. That costs one small p2p and a device synchronize per transfer.
-  ``SiameseP2PCommunicator`` undoes it when constructed (the caller has said it hands the
-  schedule our communicator): the schedule then sizes fixed ``h`` buffers, which the
-  communicator widens, with no exchange unless the user asked for variable sequence
-  lengths themselves. (megatron-core >= 0.19 also passes empty shapes to the communicator
-  while the flag is on, so leaving it on would break the fixed-shape path.)
-
-Once it exists, hand the same communicator to every schedule call of that model (training
-and evaluation alike): a call without it would receive ``2h`` into ``h``-wide buffers again.
+Megatron sizes receive buffers ``h`` wide; ``2h`` into them fails on gloo and corrupts or hangs on NCCL. Fast path:
+``SiameseP2PCommunicator`` (``2h`` buffers), passed to every schedule call of the model with ``pg_collection``.
+Safety net: a layer built with PP > 1 turns on ``config.variable_seq_lengths`` (shape exchange per transfer); the
+communicator restores the user's setting, since megatron-core >= 0.19 passes it empty shapes while the flag is on.
+docs/design.md, "Pipeline parallelism".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """One SiameseNorm sublayer on packed streams, shared by every SiameseNorm layer class.
 
-A Megatron layer class mixes in ``SiameseSublayerMixin`` and calls ``_init_siamese`` after
-its own ``__init__``; each of its sublayers (attention, MLP, a Mamba or GDN mixer) then runs
-as ``_siamese_sublayer(streams, x_norm, y_norm, input_norm, sublayer)``:
-
-    base, normed = norms(streams)       # base = [u | y], u = PostNorm(x); normed = InputNorm(u + PreNorm(y))
-    out, bias = sublayer(normed)
-    streams = base + [z / c | z]        # z = dropout(out + bias), one mask for both streams
-
-through the fused ops or the PyTorch composition (``stream_arithmetic.py``), with selective
-"layernorm" recompute releasing the norms' outputs until the backward needs them.
-
-A layer with two sublayers (a GPT block) runs them joined where the boundary ops run
-(``StreamArithmetic.joins``): ``_siamese_first_of_two`` runs the first sublayer between the
-entry op and the boundary op and returns ``JoinedSublayers`` (the second sublayer's base and
-normalized input), which ``_siamese_second_of_two`` finishes with the second sublayer and
-``dual_residual``. The packed streams between the two sublayers are never written. ``c`` comes
-from the global layer number and how many sublayers the layer holds
-(``reference.functional.gpt_equivalent_block``), so every pipeline and virtual-pipeline
-layout, and a HybridModel stack of one-sublayer layers, computes the GPT's function.
+A layer class mixes in ``SiameseSublayerMixin``, calls ``_init_siamese`` after its own ``__init__`` and runs
+each sublayer as ``_siamese_sublayer(streams, x_norm, y_norm, input_norm, sublayer)`` (the math:
+``reference.functional``). Where the boundary ops run, a GPT block's two sublayers run joined
+(``_siamese_first_of_two`` / ``_siamese_second_of_two``). ``c`` comes from the global layer number and the
+sublayers a layer holds, so every pipeline layout and a HybridModel stack compute the GPT's function.
+docs/design.md, "The layer"; docs/kernels.md, "Boundary ops".
 """
 
 from __future__ import annotations
@@ -40,10 +27,8 @@ Sublayer = Callable[[Tensor], Tuple[Tensor, Optional[Tensor]]]
 
 @dataclass
 class JoinedSublayers:
-    """What a layer's first sublayer hands its second when the boundary op joined them: the
-    second's residual base ``[PostNorm(x') | y']`` and normalized input. Not a tensor: a caller
-    that expects the packed streams between the sublayers (a CUDA graph of one sublayer) fails
-    instead of reading these as streams."""
+    """What a layer's first sublayer hands its second when joined: the second's base and normalized input.
+    Not a tensor, so a caller expecting the packed streams (a CUDA graph of one sublayer) fails loudly."""
 
     base: Tensor
     normed: Tensor
@@ -52,14 +37,9 @@ class JoinedSublayers:
 
 
 def release_until_backward(tensor: Tensor, recompute: Callable[[], Tensor], hook_tensor: Tensor) -> None:
-    """Selective "layernorm" recompute for the boundary ops: frees ``tensor``'s storage now, and
-    refills that same storage (which the next module saved for its backward) from
-    ``recompute()`` when ``hook_tensor``'s gradient arrives, before that module's backward.
-
-    Megatron's CheckpointWithoutOutput does this by re-running its function with autograd; the
-    fused ops' own backward never reads ``tensor``, so a plain recomputation refills it. As
-    there, the refill copies storage to storage: no tensor is written in place, so no version
-    counter moves under the views that modules made of ``tensor``."""
+    """Selective "layernorm" recompute for the boundary ops: frees ``tensor``'s storage now and refills it from
+    ``recompute()`` when ``hook_tensor``'s gradient arrives. The fused ops' backward never reads ``tensor``, so no
+    autograd is needed; storage-to-storage copy, so no version counter moves under views of ``tensor``."""
     if not (torch.is_grad_enabled() and hook_tensor.requires_grad):
         return
     storage = tensor.untyped_storage()
@@ -139,7 +119,6 @@ class SiameseSublayerMixin:
     def _siamese_first_of_two(self, hidden_states: Tensor, first_norms, second_norms,
                               sublayer: Sublayer) -> JoinedSublayers:
         """The first of two joined sublayers: entry op, ``sublayer``, boundary op.
-
         ``first_norms`` / ``second_norms``: (PostNorm, PreNorm, InputNorm) modules of each sublayer."""
         self._check_width(hidden_states)
         arithmetic = self.stream_arithmetic.on(hidden_states.device)
@@ -154,8 +133,7 @@ class SiameseSublayerMixin:
         return JoinedSublayers(base, second_normed, arithmetic, recompute)
 
     def _siamese_second_of_two(self, joined: JoinedSublayers, sublayer: Sublayer) -> Tensor:
-        """The second of two joined sublayers: ``sublayer`` on the boundary op's normed, then the
-        residual update onto its base; returns the packed streams."""
+        """The second of two joined sublayers: ``sublayer``, then the residual update; returns the packed streams."""
         output, bias = sublayer(joined.normed)
         if joined.recompute_normed is not None:
             release_until_backward(joined.normed, joined.recompute_normed, output)

@@ -1,30 +1,11 @@
 """The single-stream baselines on Megatron's TransformerLayer: Post-Norm, HybridNorm and Mix-LN.
 
-Megatron-Core has Pre-Norm only. Each baseline here is Megatron's own ``TransformerLayer``
-(its attention, MLP or ``MoELayer``, bias-dropout-add) whose norms sit where the scheme puts
-them for the layer's global number (``reference.functional.norm_placement``, the math and its
-sources): before a sublayer (``input_layernorm`` / ``pre_mlp_layernorm``, Megatron's slots) or
-after its residual add (``post_attn_norm`` / ``post_mlp_norm``):
-
-* ``post``: the original Transformer's ``x = Norm(x + Sublayer(x))`` every sublayer; the stream
-  leaving the last layer is normalized already, so the block's final norm is identity;
-* ``hybridnorm``: attention with per-head query, key and value norms (``qkv_norm.py``) on the
-  stream itself, ``Norm`` after its residual add, the MLP without norms (it sees and adds to
-  that normalized stream); a final norm. ``hybridnorm_star`` makes the first layer Pre-Norm;
-* ``mixln``: Post-Norm in the first ``floor(mix_ln_alpha * num_layers)`` layers, Pre-Norm in
-  the rest; a final norm.
-
-Every layer spec carries all four norm slots; a layer keeps those its placement names and
-makes the others IdentityOp once Megatron has numbered it (``layer_number`` is global, so
-pipeline and virtual-pipeline stages cut Mix-LN where one rank would). Layers of one model then
-differ in their parameters, so these schemes save per-layer checkpoint keys
-(``hetereogenous_dist_checkpoint``, set by ``models.py``), as Megatron does for mixed MoE layers.
-
-The hooks are the layer's own (``_forward_attention`` / ``_forward_mlp``), as the SiameseNorm
-layer's: selective "layernorm" recompute discards an input norm's output until its sublayer's
-backward (a norm after a residual add produces the stream itself, which stays), "mlp" checkpoints
-the MLP without the stock hook's bias recursion (``mlp_call.py``). What the stock hooks do
-besides is refused by name (``support.check_single_stream_supported``).
+Megatron-Core has Pre-Norm only. Each baseline is Megatron's own ``TransformerLayer`` whose norms sit where
+``reference.functional.norm_placement`` puts them for the layer's global number. Every layer spec carries all
+four norm slots and a layer drops those its placement does not name once Megatron has numbered it, so pipeline
+stages cut Mix-LN where one rank would; layers then differ in parameters, hence per-layer checkpoint keys. The
+hooks are the layer's own, as the SiameseNorm layer's; the stock hooks' extras are refused by name.
+Full story: docs/research.md, "The baselines: Post-Norm, HybridNorm, Mix-LN".
 """
 
 from __future__ import annotations
@@ -138,9 +119,8 @@ class SingleStreamTransformerLayer(MLPCallMixin, TransformerLayer):
 
 
 def single_stream_layer_from(stock: ModuleSpec, scheme: str) -> ModuleSpec:
-    """A stock local layer spec (dense or MoE, its norms ``TorchNorm``) as a ``scheme`` layer: every
-    norm slot ``TorchNorm`` (the layer keeps those of its placement), HybridNorm's attention
-    normalizing values too (the config's ``qk_layernorm`` gives it query and key norms)."""
+    """A stock local layer spec as a ``scheme`` layer: every norm slot ``TorchNorm`` (the layer keeps those of its
+    placement), HybridNorm's attention normalizing values too."""
     slots = dict(vars(stock.submodules), input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     if scheme == "hybridnorm":
         slots["self_attention"] = with_value_norm(stock.submodules.self_attention)
@@ -151,8 +131,7 @@ def single_stream_layer_from(stock: ModuleSpec, scheme: str) -> ModuleSpec:
 
 def get_single_stream_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None,
                                  scheme: str = "post") -> TransformerBlockSubmodules:
-    """This stage's layers of Megatron's own GPT decoder block for ``config`` (dense and MoE layers
-    per ``moe_layer_freq``, QK-norm per ``qk_layernorm``) as ``scheme`` layers, and its final norm."""
+    """This stage's layers of Megatron's own GPT decoder block for ``config`` as ``scheme`` layers, and a final norm."""
     check_single_stream_supported(config, scheme)  # before Megatron's spec functions see the config
     if scheme == "hybridnorm" and not config.qk_layernorm:
         raise ValueError("HybridNorm normalizes queries and keys: build it with qk_layernorm=True (models.py does)")

@@ -1,32 +1,11 @@
 """Module specs: how a stock ``GPTModel`` is built with SiameseNorm layers.
 
-Every SiameseNorm layer spec is derived from Megatron's own GPT layer spec
-(``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``): the layer
-class becomes ``SiameseTransformerLayer``, the norm slots take ``TorchNorm`` (SP-capable) and
-the four stream norms are added; attention, MLP, bias-dropout and Megatron's checkpoint key
-map (which names the local InputNorms like TE's fused LayerNorm-Linear) stay Megatron's.
-
-Two ways in, both with no edits to Megatron:
-
-* Python API -- ``get_siamese_block_spec(config, vp_stage=None)`` returns
-  ``TransformerBlockSubmodules`` for ``GPTModel(transformer_layer_spec=...)``: this
-  stage's layers and a final norm (``SiameseFinalNorm``) that merges the two streams.
-* Megatron-LM -- ``pretrain_gpt.py --spec megatron_siamese.specs siamese_layer_spec``
-  imports a layer ``ModuleSpec`` object (it does not call a function). Megatron then
-  fans it out per stage and gives the block its stock final norm, so in this spec the
-  last global layer merges the streams itself (``output_merge``) and the stock final
-  norm is FinalNorm. The merge norms are checkpointed as one unstacked tensor, so every
-  stacked layer parameter is the same across layers and checkpoints reshard over TP/PP.
-
-Variants are spec choices: ``variant="standard"`` (the paper's block) or ``"hybrid"`` (the
-authors' OLMo variant: a per-channel scale instead of the attention PostNorm and InputNorm,
-QK-norm in attention; the config needs ``qk_layernorm=True``), on local modules or Transformer
-Engine's.
-
-QK-norm: the spec functions and ``get_siamese_block_spec`` follow their ``qk_layernorm``
-argument or the config; the module-level spec objects exist before any config, so their
-``q_layernorm`` / ``k_layernorm`` slots (``QKNormPerConfig``) decide when a layer is built, from
-its config's ``qk_layernorm`` (Megatron-LM's ``--qk-layernorm``).
+Each layer spec is derived from Megatron's own: only the layer class and norm slots change and the four stream norms
+are added, so attention, MLP and the checkpoint key map stay Megatron's. Two ways in: ``get_siamese_block_spec``
+(Python API; its final norm merges the streams) and the module-level objects for Megatron-LM's ``--spec``, which
+exist before any config: their last layer merges the streams, and QK-norm / MLA follow each layer's config when
+it is built. Variants ("standard", "hybrid") are spec choices, not config fields.
+Full story: docs/design.md, "Specs by derivation" and "Merging the streams"; docs/transformer-engine.md.
 """
 
 from __future__ import annotations
@@ -54,14 +33,10 @@ VARIANTS = ("standard", "hybrid")
 
 def siamese_layer_from(stock: ModuleSpec, merge_at_output: bool, attn_x_norm=TorchNorm, with_attention: bool = True,
                        with_mlp: bool = True, built_for: str = "local", **slots) -> ModuleSpec:
-    """Megatron's layer spec ``stock`` as a SiameseNorm layer: its submodules, ``slots`` replaced,
-    plus the stream norms (and the output merge for single-stream final norms).
+    """Megatron's layer spec ``stock`` as a SiameseNorm layer: ``slots`` replaced, the stream norms added.
 
-    ``with_attention=False`` / ``with_mlp=False`` drop that sublayer (a HybridModel ``-`` / ``*``
-    layer): its module, InputNorm and stream norms become IdentityOp. ``built_for``: the
-    ``transformer_impl`` whose modules the spec builds ("local" or "transformer_engine"): the
-    layer refuses a config that asks for the other (a spec object made before any config, e.g.
-    Megatron-LM's ``--spec``, cannot follow it).
+    ``with_attention`` / ``with_mlp`` False: that sublayer is IdentityOp (a HybridModel ``-`` / ``*`` layer).
+    ``built_for``: the ``transformer_impl`` the spec builds; the layer refuses a config asking for the other.
     """
     stream_norms = dict(attn_x_norm=attn_x_norm, attn_y_norm=TorchNorm, mlp_x_norm=TorchNorm, mlp_y_norm=TorchNorm)
     if not with_attention:
@@ -113,12 +88,8 @@ def _check_variant(variant: str) -> None:
 
 
 def local_stock_layer(stock: ModuleSpec) -> ModuleSpec:
-    """Megatron's local-module layer spec ``stock`` (dense or MoE, standard or multi-latent
-    attention) as the package builds it: every norm slot (the InputNorms, QK-norms, MLA's latent
-    norms) ``TorchNorm``, torch's norms, usable under sequence parallelism without apex; the core
-    attention ``LocalCoreAttention``, which takes MLA's K and V head sizes; MLA as
-    ``LocalMLASelfAttention``, its down projections duplicated over TP. The stock baselines are
-    built this way too (``models.py``)."""
+    """Megatron's local-module layer spec ``stock`` as the package builds it (the stock baselines too):
+    every norm ``TorchNorm`` (SP without apex), core attention ``LocalCoreAttention``, MLA ``LocalMLASelfAttention``."""
     slots = dict(input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     attention = stock.submodules.self_attention
     if attention is not IdentityOp:
@@ -143,9 +114,8 @@ def stock_decoder_layers(config: TransformerConfig, use_transformer_engine: bool
 
 
 def siamese_local_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str = "standard") -> ModuleSpec:
-    """Megatron's local-module layer spec ``stock`` (dense or MoE) as a SiameseNorm layer, its norm
-    slots ``TorchNorm``; the hybrid variant drops the attention InputNorm and scales X with
-    ``ChannelScale`` (its stock spec must have QK-norm)."""
+    """Megatron's local-module layer spec ``stock`` as a SiameseNorm layer (hybrid: ``ChannelScale``, no attention
+    InputNorm)."""
     _check_variant(variant)
     hybrid = variant == "hybrid"
     if hybrid and not _has_qk_norm(stock.submodules.self_attention):
@@ -174,15 +144,9 @@ def _is_moe(mlp) -> bool:
 
 
 def te_input_norm_slots(stock: ModuleSpec, attention_input_norm: bool = True) -> dict:
-    """Slots that make the InputNorms of Megatron's Transformer Engine layer spec ``stock`` ours
-    (``TorchNorm``, run inside the fused ops with the stream norms) feeding TE's plain
-    ``TEColumnParallelLinear`` for ``linear_qkv`` and ``linear_fc1``: Megatron's TE spec builds
-    those as LayerNorm-fused linears (``TELayerNormColumnParallelLinear``), which would normalize
-    our normalized input again. An MoE MLP's ``pre_mlp_layernorm`` (``TENorm``) becomes ours too.
-    Dist checkpoints keep the fused linears' names for the InputNorms (``linear_qkv.layer_norm_weight``,
-    ``linear_fc1.layer_norm_weight``), as earlier TE checkpoints and the local spec have them.
-
-    ``attention_input_norm=False``: the attention sublayer has no InputNorm (the hybrid variant)."""
+    """Slots that make the InputNorms of Megatron's TE layer spec ours, feeding TE's plain column-parallel
+    linears: TE's LayerNorm-fused linears would normalize our normalized input again. Checkpoints keep the fused
+    linears' names (docs/transformer-engine.md). ``attention_input_norm=False``: the hybrid variant."""
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
 
     submodules, slots, names = stock.submodules, {}, {}
@@ -204,10 +168,7 @@ def te_input_norm_slots(stock: ModuleSpec, attention_input_norm: bool = True) ->
 
 
 def siamese_te_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str = "standard") -> ModuleSpec:
-    """Megatron's Transformer Engine layer spec ``stock`` (dense or MoE) as a SiameseNorm layer, its
-    InputNorms ours feeding TE's plain linears (``te_input_norm_slots``). The hybrid variant's
-    attention sublayer has no InputNorm (X is scaled by c1, ``ChannelScale``) and its stock spec
-    must have QK-norm."""
+    """Megatron's Transformer Engine layer spec ``stock`` as a SiameseNorm layer (``te_input_norm_slots``)."""
     _check_variant(variant)
     hybrid = variant == "hybrid"
     if hybrid and not _has_qk_norm(stock.submodules.self_attention):
@@ -217,9 +178,7 @@ def siamese_te_layer_from(stock: ModuleSpec, merge_at_output: bool, variant: str
 
 
 def with_mla_per_config(standard: ModuleSpec, mla: ModuleSpec) -> ModuleSpec:
-    """A layer spec that builds ``standard``'s attention, or ``mla``'s where the config asks for
-    multi-latent attention (``multi_latent_attention``) when a layer is built: for spec objects
-    made before any config (Megatron-LM's ``--spec``)."""
+    """A layer spec that builds ``mla``'s attention where the layer's config asks for MLA, else ``standard``'s."""
     return dataclasses.replace(standard, params=dict(standard.params, mla_submodules=mla.submodules))
 
 
@@ -229,17 +188,11 @@ def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "
     """Layer spec on Megatron-Core's own (non-Transformer-Engine) modules.
 
     Args:
-        merge_at_output: the last global layer merges the streams (for block specs whose
-            final norm is a stock single-stream norm, e.g. Megatron-LM's ``--spec``).
-        variant: "standard", or "hybrid" (see the module docstring; always has QK-norm).
-        num_experts: not None for a mixture-of-experts MLP (Megatron's ``MoELayer``; the
-            config's ``num_moe_experts`` sizes it), as in ``get_gpt_layer_local_spec``.
-        qk_layernorm: QK-norm in attention (the config needs ``qk_layernorm=True``); None: QK-norm
-            where the config of the layer being built has ``qk_layernorm`` (the module-level
-            spec objects). The hybrid variant always has it.
-        multi_latent_attention: Megatron's MLASelfAttention (its latent norms are the QK-norm
-            slots; the config needs ``multi_latent_attention=True``: SiameseMLATransformerConfig);
-            None: MLA where the config of the layer being built asks for it (the standard variant).
+        merge_at_output: the last global layer merges the streams (Megatron-LM's ``--spec``).
+        variant: "standard", or "hybrid" (docs/research.md; always has QK-norm).
+        num_experts: not None for an MoE MLP (the config's ``num_moe_experts`` sizes it).
+        qk_layernorm: QK-norm in attention; None: per the config of the layer being built.
+        multi_latent_attention: Megatron's MLASelfAttention; None: per the config of the layer being built.
     """
     _check_variant(variant)
     if multi_latent_attention is None:
@@ -258,14 +211,8 @@ def get_siamese_layer_local_spec(merge_at_output: bool = False, variant: str = "
 def get_siamese_layer_te_spec(merge_at_output: bool = False, num_experts: Optional[int] = None,
                               moe_grouped_gemm: bool = False, qk_layernorm: Optional[bool] = False,
                               variant: str = "standard", multi_latent_attention: Optional[bool] = False) -> ModuleSpec:
-    """Layer spec on Transformer Engine: FP8-capable GEMMs and TE's attention.
-
-    The InputNorms are ours, inside the fused ops with the stream norms, and feed TE's plain
-    column-parallel linears (``siamese_te_layer_from``), which cast their input to FP8 under
-    ``fp8``. Dist checkpoint names match today's TE layers' and the local spec's. An MoE MLP keeps
-    Megatron's TE MoE spec (``TEGroupedMLP`` experts with ``moe_grouped_gemm``) with our
-    pre-MLP norm. ``qk_layernorm`` and ``variant`` as for the local spec (None: QK-norm per config).
-    """
+    """Layer spec on Transformer Engine: FP8-capable GEMMs and TE's attention; arguments as for the local spec.
+    docs/transformer-engine.md, "The TE spec"."""
     _check_variant(variant)
     _require_transformer_engine()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -295,9 +242,7 @@ def _require_transformer_engine() -> None:
 
 
 class TransformerEngineUnavailableLayer(SiameseTransformerLayer):
-    """Stands in for the TE spec objects (``siamese_te_layer_spec``, ``siamese_hybrid_te_layer_spec``)
-    where Transformer Engine cannot be imported: Megatron-LM can import them everywhere, and
-    building one says what to change."""
+    """Stands in for the TE spec objects where TE cannot be imported: they stay importable, building one says why."""
 
     def __init__(self, *args, **kwargs):
         get_siamese_layer_te_spec()  # raises with the reason
@@ -327,14 +272,8 @@ def get_siamese_block_spec(
     use_transformer_engine: Optional[bool] = None,
     variant: str = "standard",
 ) -> TransformerBlockSubmodules:
-    """Block spec for this pipeline stage (and virtual stage): layers plus a merging final norm.
-
-    Megatron's own GPT decoder block spec for ``config`` (dense and MoE layers per
-    ``moe_layer_freq``, QK-norm per ``qk_layernorm``, this stage's slice of the layers, a
-    ``pipeline_model_parallel_layout`` included), each layer made a SiameseNorm layer.
-    Transformer Engine or local modules per ``use_transformer_engine``, else per
-    ``config.transformer_impl``.
-    """
+    """Block spec for this (virtual) pipeline stage: Megatron's own GPT decoder block spec for ``config``, each layer
+    made a SiameseNorm layer, plus a merging final norm. TE per ``use_transformer_engine``, else the config."""
     _check_variant(variant)
     use_te = uses_transformer_engine(config, use_transformer_engine)
     if use_te:
@@ -348,12 +287,8 @@ def get_siamese_block_spec(
 
 
 def get_mtp_block_spec(config: TransformerConfig, use_transformer_engine: bool, vp_stage: Optional[int] = None):
-    """Megatron's multi-token prediction block for ``config`` (None without ``mtp_num_layers``, or
-    on a stage that builds none), exactly as Megatron-LM's ``gpt_builders.py`` builds it beside any
-    ``--spec``: its layers stock (the design: docs/design.md, "Multi-token prediction"), each from
-    Megatron's own decoder spec of the last layer; on local modules the package's
-    (``local_stock_layer``), and the MTP's own norms (``enorm``, ``hnorm``, its final norm) TorchNorm,
-    usable under sequence parallelism."""
+    """Megatron's multi-token prediction block for ``config`` (None if none), as Megatron-LM's ``gpt_builders.py``
+    builds it: stock layers (docs/design.md, "Multi-token prediction"); on local modules every norm TorchNorm."""
     if not config.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec

@@ -1,26 +1,10 @@
 """The stream arithmetic around a SiameseNorm sublayer: fused ops or the PyTorch composition.
 
-For packed streams ``[..., 2h]`` (or ``[..., h]`` at the first layer, where x = y) both
-implementations compute, with the signatures of ``reference.functional``:
-
-    norms:     (base = [u | y], normed = InputNorm(u + PreNorm(y))),  u = PostNorm(x)
-    residual:  base + [z / c | z],  z = (out + bias) * mask * scale
-
-``TorchStreamArithmetic`` runs ``reference.functional.stream_norms`` over the layer's norm
-modules (torch's fused norm kernels) and ``reference.functional.dual_residual``;
-``FusedStreamArithmetic`` runs the extension's ``dual_norm`` / ``dual_residual`` ops
-(csrc/), and ``hybrid_dual_norm`` for a sublayer whose X side is the hybrid variant's
-``ChannelScale`` (``normed = c1 * x + PreNorm(y)``, ``base = [x | y]``).
-``StreamArithmetic`` picks one per device the tensors live on: the fused ops where the
-extension has kernels for that device (or always, or never, as the config asks).
-
-Where a layer holds two sublayers, the fused implementation also joins them (``joins(device)``):
-
-    entry:     normed = InputNorm(PostNorm(x) + PreNorm(y)), the streams passed through
-    boundary:  (base, normed) of the second sublayer from the streams and the first's output
-
-so the first sublayer's base and the packed streams between the sublayers are never written
-(``entry_norm`` / ``residual_dual_norm``; docs/kernels.md, "Boundary ops").
+Both compute the norms and the residual of ``reference.functional`` (``stream_norms``, ``dual_residual``).
+``StreamArithmetic`` picks one per device the tensors live on: the fused ops where the extension has kernels for
+that device (or always, or never, as the config asks). Where a layer holds two sublayers the fused ops also join
+them, so the first sublayer's base and the streams between the sublayers are never written.
+docs/design.md, "The layer"; docs/kernels.md, "Boundary ops".
 """
 
 from __future__ import annotations
@@ -37,10 +21,7 @@ from megatron_siamese.reference.functional import dual_residual, stream_norms
 
 
 def dropout_mask(out: Tensor, p: float, training: bool) -> Tuple[Optional[Tensor], float]:
-    """(keep mask, 1 / (1 - p)) for hidden dropout on ``out``; (None, 1.0) when it is off.
-
-    One mask serves both streams: the same dropped-out z reaches x and y.
-    """
+    """(keep mask, 1 / (1 - p)) for hidden dropout on ``out``, one mask for both streams; (None, 1.0) when off."""
     if not training or p <= 0.0:
         return None, 1.0
     return torch.empty_like(out, dtype=torch.bool).bernoulli_(1.0 - p), 1.0 / (1.0 - p)
@@ -70,8 +51,7 @@ class FusedStreamArithmetic:
 
     @staticmethod
     def implements(stream_norms: Sequence[object]) -> bool:
-        """Whether the ops compute these (PostNorm, PreNorm) pairs: TorchNorms, or the hybrid
-        variant's ChannelScale on the X side."""
+        """Whether the ops compute these (PostNorm, PreNorm) pairs (TorchNorms; ChannelScale on the X side)."""
         x_norms, y_norms = stream_norms[0::2], stream_norms[1::2]
         return all(type(norm) in (TorchNorm, ChannelScale) for norm in x_norms) and all(
             type(norm) is TorchNorm for norm in y_norms
@@ -87,8 +67,7 @@ class FusedStreamArithmetic:
         self.eps, self.rms, self.zero_centered = eps, rms, zero_centered
 
     def _input_weights(self, input_norm) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-        """The InputNorm's weights when the op applies it, else (None, None): Transformer Engine
-        normalizes inside its linear (``_finish`` applies such a module)."""
+        """The InputNorm's weights when the op applies it, else (None, None): ``_finish`` applies the module."""
         return (input_norm.weight, input_norm.bias) if isinstance(input_norm, TorchNorm) else (None, None)
 
     @staticmethod
@@ -129,8 +108,7 @@ class FusedStreamArithmetic:
 
     def boundary(self, through: Tensor, out: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
                  inv_c: float, prev_x_norm, x_norm: TorchNorm, y_norm: TorchNorm, input_norm) -> Tuple[Tensor, Tensor]:
-        """The second sublayer's ``(base, normed)``: the first's residual update (its X side's
-        PostNorm ``prev_x_norm``, or none for a ChannelScale) and the second's norms, in one op."""
+        """The second sublayer's ``(base, normed)``: the first's residual update and the second's norms, one op."""
         prev = (None, None) if type(prev_x_norm) is ChannelScale else (prev_x_norm.weight, prev_x_norm.bias)
         base, normed = self.ops.residual_dual_norm(
             through, out, bias, mask, scale, inv_c, self.hidden, *prev, x_norm.weight, x_norm.bias, y_norm.weight,
@@ -142,13 +120,9 @@ Arithmetic = Union[TorchStreamArithmetic, FusedStreamArithmetic]
 
 
 class StreamArithmetic:
-    """The fused ops where they can run on the tensors' device, else the PyTorch composition.
-
-    ``config.siamese_fused_ops`` (or MEGATRON_SIAMESE_FUSED_OPS) True insists on the fused ops
-    and fails with the reason where they cannot run, False always runs PyTorch, None (default)
-    decides per device. Reasons that hold on every device (no extension, norms the ops do not
-    implement) are found at construction; a device without kernels at the first forward there.
-    """
+    """The fused ops where they can run on the tensors' device, else the PyTorch composition
+    (``siamese_fused_ops`` True insists, False never uses them). Reasons that hold on every device are
+    found at construction; a device without kernels at the first forward there."""
 
     def __init__(self, config, stream_norms: Sequence[object]):
         """``stream_norms``: the (PostNorm, PreNorm) modules of each sublayer, flat, in pairs."""
@@ -202,10 +176,8 @@ class StreamArithmetic:
         return chosen
 
     def joins(self, device: torch.device) -> bool:
-        """Whether a layer's two sublayers run joined by the boundary ops on ``device``: where the
-        fused ops run and the setting allows (on CUDA too since their kernels passed the CUDA
-        tests and compute-sanitizer on an H200, 2026-12-04, docs/kernels.md). Insisting where the
-        fused ops do not run is an error."""
+        """Whether a layer's two sublayers run joined by the boundary ops on ``device``: where the fused ops run
+        and the setting allows. Insisting where the fused ops do not run is an error."""
         joined = self._joins_by_device.get(device.type)
         if joined is None:
             fused = isinstance(self.on(device), FusedStreamArithmetic)
