@@ -42,10 +42,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # ninja: the extension's sources compile in parallel (torch's BuildExtension uses it when present)
   phase "pip, ninja" "$venv/bin/python" -m pip install -q --upgrade pip ninja
   # torch first and pinned: an unpinned torch pulls a different (multi-GB) build
-  # --no-compile: no bytecode for the thousands of modules never imported (torch's alone took 32 of its
-  # 72 CPU-seconds to install here); Python writes it for those imported, on first import
-  phase "$torch_pin" "$venv/bin/python" -m pip install -q --no-compile "$torch_pin"
-  phase "$requirements" "$venv/bin/python" -m pip install -q --no-compile -r "$requirements"
+  # with bytecode compiled here (not --no-compile): where PYTHONDONTWRITEBYTECODE=1, as on this
+  # project's machines, no import writes it later, and every process would compile what it imports
+  phase "$torch_pin" "$venv/bin/python" -m pip install -q "$torch_pin"
+  phase "$requirements" "$venv/bin/python" -m pip install -q -r "$requirements"
   # no build isolation: the C++ extension builds against the torch installed above; one stack at a
   # time (scripts/test.sh sets the stacks up side by side, and both write the package's egg-info)
   phase "the package and its extension" flock "$PWD/build.lock" env "${build_env[@]}" PATH="$PWD/$venv/bin:$PATH" \
