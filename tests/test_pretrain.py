@@ -110,12 +110,12 @@ def test_dp2_and_cp2_train_alike_on_the_embedded_corpus_without_data_flags(corpu
 
 
 @needs_training
-def test_each_ranks_loss_is_validated_as_megatron_lms_is():
+def test_the_loss_is_validated_as_megatron_lms_is():
     """Megatron's rerun state machine, told to inject a persistent fault into every validated result,
     finds it in our loss function's NaN check and stops the job (nothing would be injected unless
     the loss function asked the machine to validate the loss)."""
     log = pretrain("--train-iters", "3", "--error-injection-rate", "1", "--error-injection-type", "persistent_error",
-                   *MOCK_DATA, expect_failure=True)
+                   *MOCK_DATA, ranks=1, expect_failure=True)
     assert "Injecting error type Persistent error" in log
     assert "message='found NaN in local forward loss calculation'" in log
 
@@ -205,10 +205,9 @@ def test_an_upcycled_checkpoint_evaluates_as_pre_norm_and_trains_on_in_megatrons
     'optimizer'): the run gives itself --no-load-optim, and says so."""
     corpus = ["--tensor-model-parallel-size", "1", "--train-iters", "20"]
     pre = tmp_path / "pre"
-    pretrain(*corpus, "--norm", "pre", "--lr", "1e-2", "--save", str(pre), "--save-interval", "20", ranks=1,
-             cache=corpus_cache)
-    pre_loss = float(VALIDATION.findall(pretrain(*corpus, "--norm", "pre", "--load", str(pre), "--skip-train",
-                                                 ranks=1, cache=corpus_cache))[0])
+    trained_pre = pretrain(*corpus, "--norm", "pre", "--lr", "1e-2", "--save", str(pre), "--save-interval", "20",
+                           ranks=1, cache=corpus_cache)
+    pre_loss = float(VALIDATION.findall(trained_pre)[0])  # after its last step: the weights it saved
     assert pre_loss < math.log(512) - 1  # trained: a model that lost its weights would not be near it
     upcycled = subprocess.run([sys.executable, "-m", "megatron_siamese.cli", "upcycle", "--load", str(pre),
                                "--output-dir", str(tmp_path / "up")], capture_output=True, text=True, timeout=300)
@@ -273,7 +272,8 @@ def test_sigterm_saves_under_the_exit_signal_handler_and_the_resume_is_bitwise_t
 @needs_training
 def test_a_rank_killed_under_torchrun_max_restarts_is_restarted_and_resumes_bitwise(tmp_path, uninterrupted):
     """torchrun --max-restarts 1, TP 2, a checkpoint every 4 iterations (asynchronously, Megatron's
-    persistent worker): rank 1 SIGKILLed after iteration 6. torchrun stops rank 0, starts both again,
+    persistent worker): rank 1 SIGKILLed after iteration 6, once the save at 4 is recorded. torchrun stops
+    rank 0, starts both again,
     and they resume from iteration 4 (--load X) to 10; every iteration's loss in TensorBoard is the
     uninterrupted run's, to the bit. Each attempt rendezvouses in a store of its own
     (runtime/pretrain_load.py, restart_store): in torchrun's one store for all attempts, the restarted ranks read
@@ -281,18 +281,27 @@ def test_a_rank_killed_under_torchrun_max_restarts_is_restarted_and_resumes_bitw
     import psutil
 
     def kill_rank_1(process):
+        # once the save at 4 is recorded (an async save is, a few iterations later under load): killed
+        # before, the restart finds no checkpoint recorded, as Megatron-LM's loader reads it
+        deadline = time.monotonic() + 120
+        while not (tracker.exists() and tracker.read_text().strip() == "4"):
+            assert time.monotonic() < deadline, "the save at iteration 4 was never recorded"
+            time.sleep(0.05)
         ranks = [child for child in psutil.Process(process.pid).children() if "megatron_siamese" in
                  " ".join(child.cmdline())]
         next(rank for rank in ranks if rank.environ().get("LOCAL_RANK") == "1").kill()
 
     checkpoints = str(tmp_path / "ckpt")
+    tracker = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", "-m", "megatron_siamese.cli", "train", *MODEL, *TP2_TB, "--tensorboard-dir",
                str(tmp_path / "tb"), "--save", checkpoints, "--load", checkpoints, "--save-interval", "4",
                "--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
     status, log = interrupted(command, r"iteration\s+6/", kill_rank_1, tmp_path / "log")
     assert status == 0, log[-3000:]
-    assert [int(step) for step, _ in ITERATION.findall(log)] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
+    steps = [int(step) for step, _ in ITERATION.findall(log)]
+    killed_after = len(steps) - 6  # the first attempt's last iteration (6 unless the save was recorded later)
+    assert killed_after >= 6 and steps == [*range(1, killed_after + 1), *range(5, 11)], steps
     # the killed rank's helpers die with it: the checkpoint writer's queue manager (a fork of the
     # rank) and the persistent worker with its fork server were left running for good
     time.sleep(2)
