@@ -114,10 +114,13 @@ def resolve(path: str) -> str:
         return tracked
     if os.path.isfile(os.path.join(path, "metadata.json")) or _step_of(os.path.basename(os.path.normpath(path))) is not None:
         return path
-    if step_dirs(path):  # the first save never finished (a second Ctrl-C, a killed job): nothing to resume
-        incomplete = ", ".join(os.path.basename(p) for _, p in step_dirs(path) if missing_files(p))
-        raise CheckpointError(f"--load {path} has no complete checkpoint ({incomplete}: a save that did not finish) "
-                              f"and no `{TRACKER}`; {_instead(path)}: start without --load")
+    if step_dirs(path):  # no save recorded: it never finished, or the job stopped before recording it
+        incomplete = [os.path.basename(p) for _, p in step_dirs(path) if missing_files(p)]
+        if len(incomplete) == len(step_dirs(path)):
+            raise CheckpointError(f"--load {path} has no complete checkpoint ({', '.join(incomplete)}: a save that "
+                                  f"did not finish) and no `{TRACKER}`; {_instead(path)}: start without --load")
+        raise CheckpointError(f"--load {path} records no checkpoint (no `{TRACKER}`: the job stopped before its "
+                              f"last save was recorded); {_instead(path)}")
     raise CheckpointError(f"--load {path} is not a checkpoint: it has neither a `{TRACKER}` file nor metadata.json "
                           "(give a run's directory, its checkpoints directory or one iter_<N> inside it)")
 
