@@ -42,8 +42,20 @@ def run_checks(subjects: Sequence[Subject], timeout_s: float = 600.0) -> List[Li
     return run_job(check_subjects_job, world, list(subjects), timeout_s=timeout_s, quiet_ranks=range(world))
 
 
+def rows_by_subject(subjects: dict) -> dict:
+    """{subject: {layout: row}}, the subjects checked in one job."""
+    rows = run_checks(list(subjects.values()))
+    return {name: {row.layout: row for row in subject_rows} for name, subject_rows in zip(subjects, rows)}
+
+
 def statuses(rows):
     return {row.layout: row.status for row in rows}
+
+
+# A planted bug failing exactly the layouts it breaks proves the check can fail: the check's own
+# comparison. The Megatron paths those layouts take pass on every stack in the matrices here.
+PLANTED = pytest.mark.once("a planted bug proves the check can fail; the layouts' Megatron paths pass on every "
+                           "stack in the matrices")
 
 
 def test_cpu_matrix_passes():
@@ -62,6 +74,7 @@ def test_bf16_matrix_passes_against_its_own_noise():
     assert set(statuses(rows).values()) == {"PASS"}
 
 
+@PLANTED
 def test_bf16_rule_fails_a_planted_bug():
     """The bf16 rule (each quantity within twice bf16's own single-rank noise) is what the README
     recommends on clusters: norm gradients left partial under SP land far outside that noise."""
@@ -87,6 +100,7 @@ def test_qk_norm_through_the_megatron_lm_spec_object_passes_and_its_tp_reduction
     assert statuses(rows) == {"tp2": "FAIL"} and "layernorm" in rows[0].detail
 
 
+@PLANTED
 def test_depth_scale_from_local_layer_index_fails_pipeline_layouts_only():
     rows = run_check(ModelCase(), ["tp2", "dp2", "pp2", "pp2-vpp2"], "siamese",
                      fault="local-depth-scale")
@@ -96,6 +110,7 @@ def test_depth_scale_from_local_layer_index_fails_pipeline_layouts_only():
     assert all(row.loss_error > 1e-3 and row.grad_error > 1e-1 for row in failed)
 
 
+@PLANTED
 def test_norms_without_sequence_parallel_flag_fail_sp_layouts_only():
     """Under fully sharded data parallelism too: the SP norms' gradients are still summed over
     TP (Megatron's FSDP2 wrapper restores the flag FSDP2's DTensors would lose; Megatron-FSDP's
@@ -107,6 +122,7 @@ def test_norms_without_sequence_parallel_flag_fail_sp_layouts_only():
     assert all("norm" in row.detail for row in rows if row.status == "FAIL")
 
 
+@PLANTED
 def test_stream_norms_left_out_of_fsdp_fail_the_fsdp2_layouts_only():
     """The X/Y stream norms outside torch FSDP2's units: never reduced over DP, so each DP rank
     steps them with its own half of the batch. The losses stay right (the bug acts in the
@@ -153,8 +169,7 @@ BASELINE_SUBJECTS = {
 
 @pytest.fixture(scope="module")
 def baseline_rows():
-    rows = run_checks(list(BASELINE_SUBJECTS.values()))
-    return {name: {row.layout: row for row in subject_rows} for name, subject_rows in zip(BASELINE_SUBJECTS, rows)}
+    return rows_by_subject(BASELINE_SUBJECTS)
 
 
 @BASELINES
@@ -200,6 +215,8 @@ DEEPSEEK_SUBJECTS = {
                                "siamese-layer", ("pp2-vpp2", "dp2-do")),
     "deepseek": Subject(dataclasses.replace(MOE_CASE, **_MLA, mtp_num_layers=1, moe_shared_expert_intermediate_size=32,
                                             rope_type="rope"), "siamese", _DENSE_LAYOUTS + ("ep2", "tp2-ep2-sp")),
+}
+DEEPSEEK_FAULTS = {
     "mla-column-parallel-down-projections": Subject(
         ModelCase(**_MLA, fault="mla-column-parallel-down-projections"), "siamese", ("tp2-sp", "pp2")),
     "mtp-embedding-unsynced": Subject(ModelCase(mtp_num_layers=1, fault="mtp-embedding-unsynced"), "siamese",
@@ -209,8 +226,12 @@ DEEPSEEK_SUBJECTS = {
 
 @pytest.fixture(scope="module")
 def deepseek_rows():
-    rows = run_checks(list(DEEPSEEK_SUBJECTS.values()))
-    return {name: {row.layout: row for row in subject_rows} for name, subject_rows in zip(DEEPSEEK_SUBJECTS, rows)}
+    return rows_by_subject(DEEPSEEK_SUBJECTS)
+
+
+@pytest.fixture(scope="module")
+def deepseek_fault_rows():
+    return rows_by_subject(DEEPSEEK_FAULTS)
 
 
 @pytest.mark.parametrize("name", ["mtp", "mla", "mla-spec-object", "deepseek"])
@@ -221,18 +242,20 @@ def test_deepseek_class_models_pass_their_layouts(deepseek_rows, name):
         {layout: row.detail for layout, row in rows.items() if row.status != "PASS"}
 
 
-def test_mla_down_projections_split_over_tp_fail_tp_only(deepseek_rows):
+@PLANTED
+def test_mla_down_projections_split_over_tp_fail_tp_only(deepseek_fault_rows):
     """Megatron's local MLA spec (ColumnParallelLinear down projections, gathered over TP) leaves the
     decoupled RoPE key's gradient unsummed over TP: the package duplicates them, as TE's spec does."""
-    rows = deepseek_rows["mla-column-parallel-down-projections"]
+    rows = deepseek_fault_rows["mla-column-parallel-down-projections"]
     assert {layout: row.status for layout, row in rows.items()} == {"tp2-sp": "FAIL", "pp2": "PASS"}
     assert rows["tp2-sp"].loss_error < 1e-6 and rows["tp2-sp"].grad_error > 1e-2
 
 
-def test_mtp_embedding_left_unsynced_fails_pipeline_layouts_only(deepseek_rows):
+@PLANTED
+def test_mtp_embedding_left_unsynced_fails_pipeline_layouts_only(deepseek_fault_rows):
     """The MTP layers' copy of the word embedding on the last stage must be summed with the first
     stage's, as Megatron's embedding group does."""
-    rows = deepseek_rows["mtp-embedding-unsynced"]
+    rows = deepseek_fault_rows["mtp-embedding-unsynced"]
     assert {layout: row.status for layout, row in rows.items()} == {"tp2-sp": "PASS", "pp2": "FAIL", "pp2-vpp2": "FAIL"}
     assert all("embedding" in rows[layout].detail for layout in ("pp2", "pp2-vpp2"))
 
@@ -245,14 +268,16 @@ CP_SUBJECTS = {
     "moe": Subject(MOE_CASE, "siamese", ("cp2-ep2", "tp2-cp2-ep2-sp")),
     "mla": Subject(ModelCase(**_MLA), "siamese", ("cp2", "tp2-cp2-sp")),
     "more": Subject(ModelCase(), "siamese", ("pp2-vpp2-cp2", "dp2-cp2-fsdp2", "cp2-full", "cp2-sel")),
-    "stream-norms-reduced-over-dp-only": Subject(ModelCase(fault="stream-norms-reduced-over-dp-only"), "siamese",
-                                                 ("dp2", "cp2", "tp2-cp2-sp")),
-    "cp-contiguous-chunks": Subject(ModelCase(fault="cp-contiguous-chunks"), "siamese", ("dp2", "cp2", "pp2-cp2")),
-    "cp-keys-in-sequence-order": Subject(ModelCase(fault="cp-keys-in-sequence-order"), "siamese", ("dp2", "cp2")),
     # packed (THD) microbatches: each document attends only to itself, split per document under CP
     "packed": Subject(ModelCase(packed_sequences=True), "siamese",
                       ("tp2-sp", "pp2", "cp2", "tp2-cp2-sp", "pp2-cp2", "dp2-cp2-do")),
     "packed-moe": Subject(dataclasses.replace(MOE_CASE, packed_sequences=True), "siamese", ("ep2", "cp2-ep2")),
+}
+CP_FAULTS = {
+    "stream-norms-reduced-over-dp-only": Subject(ModelCase(fault="stream-norms-reduced-over-dp-only"), "siamese",
+                                                 ("dp2", "cp2", "tp2-cp2-sp")),
+    "cp-contiguous-chunks": Subject(ModelCase(fault="cp-contiguous-chunks"), "siamese", ("dp2", "cp2", "pp2-cp2")),
+    "cp-keys-in-sequence-order": Subject(ModelCase(fault="cp-keys-in-sequence-order"), "siamese", ("dp2", "cp2")),
     "packed-cp-contiguous-chunks": Subject(ModelCase(packed_sequences=True, fault="cp-contiguous-chunks"), "siamese",
                                            ("dp2", "cp2")),
     "packed-cp-keys-in-sequence-order": Subject(ModelCase(packed_sequences=True, fault="cp-keys-in-sequence-order"),
@@ -262,8 +287,12 @@ CP_SUBJECTS = {
 
 @pytest.fixture(scope="module")
 def cp_rows():
-    rows = run_checks(list(CP_SUBJECTS.values()))
-    return {name: {row.layout: row for row in subject_rows} for name, subject_rows in zip(CP_SUBJECTS, rows)}
+    return rows_by_subject(CP_SUBJECTS)
+
+
+@pytest.fixture(scope="module")
+def cp_fault_rows():
+    return rows_by_subject(CP_FAULTS)
 
 
 @pytest.mark.parametrize("name", ["hybrid-variant", "moe", "mla", "more", "packed", "packed-moe"])
@@ -273,6 +302,7 @@ def test_context_parallel_layouts_pass(cp_rows, name):
         {layout: row.detail for layout, row in rows.items() if row.status != "PASS"}
 
 
+@PLANTED
 @pytest.mark.parametrize("fault, shows", [
     ("stream-norms-reduced-over-dp-only", "_norm"),  # the losses exact, the stream norms' gradients not
     ("cp-contiguous-chunks", "losses"),
@@ -280,10 +310,10 @@ def test_context_parallel_layouts_pass(cp_rows, name):
     ("packed-cp-contiguous-chunks", "losses"),
     ("packed-cp-keys-in-sequence-order", "losses"),
 ])
-def test_context_parallel_faults_fail_the_cp_layouts_only(cp_rows, fault, shows):
-    rows = cp_rows[fault]
+def test_context_parallel_faults_fail_the_cp_layouts_only(cp_fault_rows, fault, shows):
+    rows = cp_fault_rows[fault]
     assert {layout: row.status for layout, row in rows.items()} == {
-        layout: "FAIL" if "cp" in layout else "PASS" for layout in CP_SUBJECTS[fault].layouts}
+        layout: "FAIL" if "cp" in layout else "PASS" for layout in CP_FAULTS[fault].layouts}
     assert all(shows in row.detail for row in rows.values() if row.status == "FAIL")
 
 
