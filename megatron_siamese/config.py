@@ -18,35 +18,27 @@ class SiameseOptions:
     below then takes its default). Mixed into Megatron's config classes below."""
 
     siamese_fused_ops: Optional[bool] = None
-    """Use the fused dual-norm / dual-residual ops of the C++/CUDA extension: None picks them
-    wherever the extension provides kernels for the tensors' device, True insists (and fails
-    with the reason when it cannot), False always runs the PyTorch composition. Without this
-    field (a plain TransformerConfig, e.g. from Megatron-LM) MEGATRON_SIAMESE_FUSED_OPS=1/0
-    decides."""
+    """The C++/CUDA extension's fused dual-norm / dual-residual ops: None where it has kernels for the
+    device, True insists (failing with the reason), False runs the PyTorch composition. Without this
+    field (a plain TransformerConfig, e.g. Megatron-LM's) MEGATRON_SIAMESE_FUSED_OPS=1/0 decides."""
 
     siamese_boundary_ops: Optional[bool] = None
-    """Join a layer's two sublayers with the fused boundary ops (entry_norm, residual_dual_norm,
-    dual_residual: 7 passes over the tokens per sublayer forward instead of 10; docs/kernels.md)
-    instead of a dual_norm and a dual_residual per sublayer: None uses them wherever the fused
-    ops run (CPU and CUDA; their CUDA kernels passed on an H200, 2026-12-04), True the same but
-    fails where they cannot, False never. Both compute the same function. Without this
-    field MEGATRON_SIAMESE_BOUNDARY_OPS=1/0 decides."""
+    """Join a layer's sublayers with the fused boundary ops (7 passes over the tokens per sublayer forward
+    instead of 10, the same function; docs/kernels.md): None wherever the fused ops run, True the same
+    but fails where they cannot, False never. Without this field MEGATRON_SIAMESE_BOUNDARY_OPS=1/0 decides."""
 
     siamese_input_norm: bool = True
-    """The SiameseNorm sublayer's InputNorm: False is the paper's component-study ablation, in
-    which each sublayer sees ``PostNorm(x) + PreNorm(y)`` itself (the layer builds no InputNorm;
-    the hybrid variant's attention side has none anyway)."""
+    """The sublayer's InputNorm: False is the paper's ablation, each sublayer seeing ``PostNorm(x) + PreNorm(y)``
+    itself (the hybrid variant's attention side has no InputNorm anyway)."""
 
     siamese_depth_scale: bool = True
     """The X stream's depth scale ``c = sqrt(2 L)``: False is the ablation ``x = u + z``."""
 
     mix_ln_alpha: float = 0.25
-    """Mix-LN (scheme ``mixln``): the first ``floor(mix_ln_alpha * num_layers)`` layers, by global
-    layer number, are Post-Norm, the rest Pre-Norm (the Mix-LN paper's alpha, 0.25 there)."""
+    """Mix-LN (``mixln``): the first ``floor(mix_ln_alpha * num_layers)`` layers are Post-Norm (the paper's alpha)."""
 
     hybridnorm_star: bool = False
-    """HybridNorm (scheme ``hybridnorm``): make the first layer Pre-Norm (with the same QKV-norm),
-    the HybridNorm paper's HybridNorm*."""
+    """HybridNorm (``hybridnorm``): the first layer Pre-Norm (same QKV-norm), the paper's HybridNorm*."""
 
 
 @dataclass
@@ -56,12 +48,10 @@ class SiameseTransformerConfig(SiameseOptions, TransformerConfig):
 
 @dataclass
 class SiameseMLATransformerConfig(SiameseOptions, MLATransformerConfig):
-    """Megatron's MLATransformerConfig (multi-latent attention: GPTModel asks for this class) plus
-    SiameseNorm's options."""
+    """MLATransformerConfig (GPTModel asks for this class under multi-latent attention) plus SiameseNorm's."""
 
 
 def siamese_config_class(multi_latent_attention: bool) -> type:
-    """The config class for a model with multi-latent attention or without it."""
     return SiameseMLATransformerConfig if multi_latent_attention else SiameseTransformerConfig
 
 
@@ -81,10 +71,8 @@ def _requested(config: TransformerConfig, field: str, variable: str) -> Optional
 
 
 def fused_ops_requested(config: TransformerConfig) -> Optional[bool]:
-    """The fused ops: True / False when forced (config field, else environment), None for automatic."""
     return _requested(config, "siamese_fused_ops", FUSED_OPS_ENV)
 
 
 def boundary_ops_requested(config: TransformerConfig) -> Optional[bool]:
-    """The boundary ops: True / False when forced (config field, else environment), None for automatic."""
     return _requested(config, "siamese_boundary_ops", BOUNDARY_OPS_ENV)

@@ -1,8 +1,7 @@
 """HybridModel layer patterns, read as Megatron-Core reads them (plain text, no torch).
 
-``*-M*|*-M*/*-`` is one symbol per layer (``*`` attention, ``-`` MLP, ``M`` Mamba, ...),
-``|`` between pipeline segments, and after ``/`` the multi-token-prediction layers. The
-settings check, the model builder and the checkpoint loader all read patterns here.
+``*-M*|*-M*/*-`` is one symbol per layer (``*`` attention, ``-`` MLP, ``M`` Mamba, ...), ``|`` between
+pipeline segments, and after ``/`` the multi-token-prediction layers.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ class HybridPattern:
         return PIPE in self.main
 
     def staged(self, stages: int) -> str:
-        """The pattern cut into ``stages`` equal pipeline segments with '|' (boundaries the
-        user wrote are kept as they are)."""
+        """The pattern cut into ``stages`` equal pipeline segments (boundaries the user wrote kept as they are)."""
         if self.has_boundaries or stages == 1:
             return self.text
         layers = self.layers
@@ -60,8 +58,7 @@ class HybridPattern:
 
 
 def hybrid_pattern(settings) -> HybridPattern:
-    """The HybridModel pattern of ``settings`` (a ModelSettings): its own, or one ``*-`` per
-    GPT layer (the GPT's equivalent)."""
+    """The HybridModel pattern of ``settings`` (a ModelSettings): its own, or one ``*-`` per GPT layer."""
     return HybridPattern(settings.hybrid_layer_pattern or GPT_BLOCK * settings.num_layers)
 
 

@@ -30,11 +30,9 @@ class StreamMerge(MegatronModule):
 class SiameseFinalNorm(TorchNorm):
     """The block's final norm for the Python block spec: merges the streams, then normalizes.
 
-    Its own ``weight``/``bias`` are FinalNorm (named like any Megatron final norm); the
-    stream norms live in ``merge.x_norm`` and ``merge.y_norm``. Checkpoints store those as
-    ``<stack>.layers.output_merge.*``, the name Megatron-LM's layer spec (whose last layer
-    merges) gives them, so one checkpoint loads through either GPT entry point and, by
-    Megatron's GPT-to-Hybrid translation, into a HybridModel stack.
+    Checkpoints store the stream norms (``merge.*``) as ``<stack>.layers.output_merge.*``, the name
+    Megatron-LM's layer spec (whose last layer merges) gives them, so one checkpoint loads through either
+    GPT entry point and, by Megatron's GPT-to-Hybrid translation, into a HybridModel stack.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
@@ -42,8 +40,7 @@ class SiameseFinalNorm(TorchNorm):
         self.merge = StreamMerge(config=config, hidden_size=hidden_size, eps=eps)
 
     def merged(self, packed: Tensor) -> Tensor:
-        """Packed streams -> NormX(x) + NormY(y): the ``[s, b, h]`` residual before FinalNorm (what
-        a layer's packed output stands for where stock Megatron hands out its residual stream)."""
+        """Packed streams -> NormX(x) + NormY(y): the ``[s, b, h]`` stand-in for stock Megatron's residual."""
         return self.merge(*split_streams(packed, self.hidden_size))
 
     def forward(self, packed: Tensor) -> Tensor:

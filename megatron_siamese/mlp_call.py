@@ -1,15 +1,13 @@
 """How the package's layers call Megatron's MLP sublayer (dense ``MLP`` or ``MoELayer``).
 
-Both the SiameseNorm layer and the single-stream baselines override ``TransformerLayer``'s
-``_forward_mlp``, which drops what the stock hook does around the MLP call itself; this mixin
-puts it back once, for both:
+The SiameseNorm layer and the baselines override ``_forward_mlp``, dropping what the stock hook does
+around the MLP call; this mixin puts it back for both:
 
-* an MoE layer gets a flattened packed (THD) batch back as ``[s, b, h]`` per sample, so that its
-  per-sequence aux loss sees sequences (megatron-core >= 0.19's ``_maybe_unflatten_for_moe``);
-* selective "mlp" recompute checkpoints the MLP, passing its output bias around the checkpoint
-  (``_checkpointed_mlp``): stock Megatron returns that bias Parameter from the checkpoint's
-  autograd Function, which makes the Parameter its own ``grad_fn`` and recurses forever in the
-  backward (0.16.1 with ``add_bias_linear``).
+* an MoE layer gets a packed (THD) batch as ``[s, b, h]`` per sample, so its per-sequence aux loss
+  sees sequences (megatron-core >= 0.19's ``_maybe_unflatten_for_moe``);
+* selective "mlp" recompute passes the output bias around the checkpoint: stock Megatron returns that
+  bias Parameter from the checkpoint's Function, making it its own ``grad_fn``, and the backward
+  recurses forever (0.16.1 with ``add_bias_linear``; docs/design.md).
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class MLPCallMixin:
         return output, bias
 
     def _checkpointed_mlp(self, normed: Tensor, padding_mask: Optional[Tensor]):
-        """Selective "mlp" recompute: only the activation crosses the checkpoint, the bias (a
-        Parameter, ``linear_fc2`` with ``skip_bias_add``) is used directly."""
+        """Selective "mlp" recompute: only the activation crosses the checkpoint (see the module docstring)."""
         biases = []
 
         def mlp_activation(inp: Tensor) -> Tensor:

@@ -1,18 +1,9 @@
-"""HybridNorm's QKV-norm: Megatron's ``SelfAttention`` normalizing values per head too.
+"""HybridNorm's QKV-norm: Megatron's ``SelfAttention`` normalizing values per head too (docs/research.md).
 
-HybridNorm (Zhuo et al. 2025; the authors' OLMo code, ``use_query_norm/use_key_norm/
-use_value_norm``) normalizes queries, keys and values per head, each with one weight of the head
-width shared by every head, before RoPE and attention. Megatron's ``SelfAttention`` has the
-query and key norms (``q_layernorm``, ``k_layernorm``: ``qk_layernorm=True``);
-``QKVNormSelfAttention`` adds ``v_layernorm`` and applies it to the values its
-``get_query_key_value_tensors`` returns.
-
-Under tensor parallelism each rank holds its own heads, so a per-head norm's weight gradient is
-a partial sum on every rank. Megatron sums the QK-norm's over the TP group in
-``finalize_model_grads`` by parameter name (``q_layernorm`` / ``k_layernorm`` with
-``qk_layernorm``); it has no such rule for a value norm, so ``ValueNorm`` sums its own in the
-backward (``copy_to_tensor_model_parallel_region`` on its weights: identity forward, all-reduce
-backward) and is not tagged ``sequence_parallel`` (which would sum it once more under SP).
+Under TP a per-head norm's weight gradient is a partial sum on every rank. Megatron sums the QK-norm's
+in ``finalize_model_grads`` by parameter name (``q_layernorm`` / ``k_layernorm``) but has no such rule
+for a value norm, so ``ValueNorm`` sums its own in the backward (``copy_to_tensor_model_parallel_region``
+on its weights) and is not tagged ``sequence_parallel`` (which would sum it once more under SP).
 """
 
 from __future__ import annotations
@@ -41,8 +32,7 @@ class ValueNorm(TorchNorm):
             param.sequence_parallel = False  # summed in the backward already
 
     def forward(self, x: Tensor) -> Tensor:
-        # a Parameter handed to an autograd Function as its input comes back as a view of it
-        # (the Parameter itself stays a leaf)
+        # a Parameter passed through an autograd Function comes back as a view; the Parameter stays a leaf
         bias = None if self.bias is None else copy_to_tensor_model_parallel_region(self.bias)
         return self.normalized(x, copy_to_tensor_model_parallel_region(self.weight), bias)
 

@@ -1,9 +1,7 @@
 """The TransformerConfig fields docs/settings.md has a row for: what SiameseNorm was checked against.
 
-On a megatron-core newer than the tested range, a field outside this set is one that release
-added; ``support.py`` refuses it when set to anything but its default, so a new setting that
-changes what a stock layer computes cannot pass unnoticed. ``tests/test_settings_table.py``
-keeps this set equal to the table's fields.
+``support.py`` refuses any other field (one a newer megatron-core added) unless at its default;
+``tests/test_settings_table.py`` keeps this set equal to the table's fields.
 """
 
 REVIEWED = frozenset("""

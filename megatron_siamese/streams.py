@@ -1,9 +1,7 @@
-"""The two residual streams travel between layers packed in one tensor.
-
-``[s, b, 2h]`` with the X stream (Post-Norm-like) in ``[..., :h]`` and the Y stream
-(Pre-Norm-like) in ``[..., h:]``. TransformerBlock, activation recompute, pipeline p2p and
-CUDA graphs all handle one hidden-state tensor; packing along the hidden dimension keeps
-dimension 0 (the one sequence and context parallelism split) untouched.
+"""The two residual streams travel between layers packed in one ``[s, b, 2h]`` tensor: X (Post-Norm-like)
+in ``[..., :h]``, Y (Pre-Norm-like) in ``[..., h:]``. The block, recompute, pipeline p2p and CUDA graphs
+handle one hidden-state tensor; packing along the hidden dimension leaves dimension 0 (split by SP and CP)
+alone.
 """
 
 from __future__ import annotations
@@ -25,9 +23,5 @@ def split_streams(packed: Tensor, hidden_size: int) -> Tuple[Tensor, Tensor]:
 
 
 def pack_streams(x: Tensor, y: Tensor) -> Tensor:
-    """A new (never a view) ``[..., 2h]`` tensor holding X then Y.
-
-    Megatron's pipeline schedules free stage outputs in place and insist they own their
-    storage, so the packed output must not alias anything.
-    """
+    """A new ``[..., 2h]`` tensor, never a view: Megatron's pipeline schedules free stage outputs in place."""
     return torch.cat([x, y], dim=-1)

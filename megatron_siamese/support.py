@@ -15,9 +15,8 @@ class UnsupportedConfigError(ValueError):
 
 
 def cuda_graph_scopes(config: TransformerConfig) -> set:
-    """The parts of a layer CUDA graphs capture, by name ("attn", "mlp", "moe", "moe_router", ...;
-    empty: the whole layer), from ``cuda_graph_scope`` (megatron-core <= 0.17) or, from 0.18 on,
-    ``cuda_graph_modules``, where ``__post_init__`` moves the old field (and sets it to None)."""
+    """The layer parts CUDA graphs capture, by name (empty: the whole layer): ``cuda_graph_scope`` up to
+    megatron-core 0.17, ``cuda_graph_modules`` from 0.18 (whose ``__post_init__`` moves the old field there)."""
     found = set()
     for field_name in ("cuda_graph_scope", "cuda_graph_modules"):
         value = getattr(config, field_name, None)
@@ -171,8 +170,7 @@ def _moe_problems(config: TransformerConfig) -> List[str]:
 
 
 def moe_layer_pattern(config: TransformerConfig) -> List[bool]:
-    """Which GPT layers are MoE layers: ``moe_layer_freq`` read as Megatron's
-    ``get_gpt_decoder_layer_specs`` reads it (every N-th layer from the first, or a 0/1 list)."""
+    """Which GPT layers are MoE layers, reading ``moe_layer_freq`` as ``get_gpt_decoder_layer_specs`` does."""
     if not config.num_moe_experts:
         return [False] * config.num_layers
     freq = config.moe_layer_freq
@@ -186,8 +184,7 @@ def moe_layer_pattern(config: TransformerConfig) -> List[bool]:
 
 
 def check_moe_layer(config: TransformerConfig, layer_number: int, is_moe_layer: bool) -> None:
-    """A GPT layer built from one spec for every layer (Megatron-LM's ``--spec``) must be an
-    MoE layer exactly where ``num_moe_experts`` and ``moe_layer_freq`` put one."""
+    """A layer of Megatron-LM's ``--spec`` (one spec for all) must be MoE exactly where the config puts one."""
     wanted = moe_layer_pattern(config)[layer_number - 1]
     if wanted == is_moe_layer:
         return
@@ -246,8 +243,7 @@ def _built_for_problems(config: TransformerConfig, built_for: Optional[str]) -> 
             "get_siamese_block_spec (it follows the config), or set transformer_impl to match."]
 
 
-# What the single-stream baselines' own layer hooks (single_stream.py) do not do of the stock
-# hooks they replace: (condition, what it does and what to change).
+# What the baselines' own layer hooks (single_stream.py) do not do of the stock hooks they replace.
 _SINGLE_STREAM_REFUSALS = (
     (lambda c: c.transformer_impl != "local",
      "the baseline is built of Megatron's local modules, but transformer_impl={impl!r}: a comparison with it would "
@@ -280,8 +276,7 @@ _SINGLE_STREAM_REFUSALS = (
 
 
 def check_single_stream_supported(config: TransformerConfig, scheme: str) -> None:
-    """Raise UnsupportedConfigError listing every setting of ``config`` the single-stream baseline
-    ``scheme`` (post, hybridnorm, mixln) cannot honour."""
+    """Raise UnsupportedConfigError listing every setting the baseline ``scheme`` cannot honour."""
     fields = {"impl": config.transformer_impl, "cuda_graph_impl": getattr(config, "cuda_graph_impl", "none")}
     problems = _unreviewed_problems(config)
     problems += [message.format(**fields) for refused, message in _SINGLE_STREAM_REFUSALS if refused(config)]
@@ -292,8 +287,7 @@ def check_single_stream_supported(config: TransformerConfig, scheme: str) -> Non
 
 
 def check_supported(config: TransformerConfig, submodules=None, built_for: Optional[str] = None) -> None:
-    """Raise UnsupportedConfigError listing every unsupported setting in ``config`` (for a layer built
-    from ``submodules`` with the modules of ``built_for``, when given)."""
+    """Raise UnsupportedConfigError listing every unsupported setting (of the spec and modules, when given)."""
     problems = _problems(config) + _built_for_problems(config, built_for)
     if submodules is not None:
         problems += _spec_problems(config, submodules)
