@@ -1,12 +1,8 @@
-"""Which Hugging Face architecture a Megatron GPTModel is, and its config.json.
+"""Which Hugging Face architecture a Megatron GPTModel is, and its config.json (docs/export.md).
 
-A SiameseNorm model (schemes ``siamese``, ``siamese-layer``, ``siamese-hybrid``) becomes
-``SiameseNormForCausalLM`` (modeling_siamese.py, shipped with the weights). A Pre-Norm model
-(scheme ``pre``) becomes transformers' own ``LlamaForCausalLM`` when its settings are exactly
-Llama's (RMSNorm, SwiGLU, RoPE over the whole head, no biases, no zero-centred gamma, no
-QK-norm); anything else is refused naming the setting, because no stock class computes it
-exactly. Duck-typed on Megatron's GPTModel (``config`` and the attributes its constructor
-sets); no Megatron import.
+A SiameseNorm model becomes ``SiameseNormForCausalLM`` (modeling_siamese.py, shipped with the weights);
+a Pre-Norm model transformers' ``LlamaForCausalLM`` only when its settings are exactly Llama's, else it
+is refused naming the setting. Duck-typed on Megatron's GPTModel: no Megatron import.
 """
 
 from __future__ import annotations
@@ -161,10 +157,9 @@ _MTP_FIELDS = ("mtp_num_layers", "num_nextn_predict_layers")
 
 
 def settings_fields(hf: Dict[str, object], tokens: int) -> Dict[str, object]:
-    """ModelSettings fields (runtime/settings.py) of the model ``hf`` (a config.json's dict:
-    SiameseNormForCausalLM or LlamaForCausalLM), or ExportError naming the first field this
-    package's GPT cannot build exactly; ``tokens``: the byte tokenizer's ids, which the
-    vocabulary holds (padded beyond them as the run that trained it padded it)."""
+    """ModelSettings fields (runtime/settings.py) of the config.json dict ``hf``, or ExportError naming the
+    first field this package's GPT cannot build exactly; ``tokens``: the byte tokenizer's ids, which
+    the (padded) vocabulary must hold."""
     model_type = hf.get("model_type")
     if model_type not in ("megatron_siamese", "llama"):
         raise ExportError(f"model_type {model_type!r} is not one this package imports (megatron_siamese, or llama "

@@ -1,19 +1,13 @@
-"""SiameseNorm in Megatron-Bridge (``megatron-bridge`` 0.6.2, Python 3.12): a bridge registered by
-the exported architecture's class name (remote code, ``auto_map``), so Megatron-Bridge's
-``AutoBridge`` loads an exported directory's weights into a SiameseNorm GPTModel this package
-builds, sharded over its TP/PP ranks by Bridge's own parameter mappings.
+"""SiameseNorm in Megatron-Bridge (``megatron-bridge`` 0.6.2): a bridge registered by the exported
+architecture's class name, so ``AutoBridge`` loads an exported directory's weights into a SiameseNorm
+GPTModel, split over its TP/PP ranks by Bridge's mappings of convert.py's names.
 
     import megatron_siamese.hf.bridge  # registers the bridge
     bridge = AutoBridge.from_hf_pretrained(directory, trust_remote_code=True)
     bridge.load_hf_weights([model])   # model: a SiameseNorm GPTModel (Python API), any TP/PP
 
-The names are convert.py's (the one place the Megatron <-> Hugging Face names live); Bridge's
-mappings add the tensor-parallel split of each. Covered: the Python-API SiameseNorm model
-(``--norm siamese``: merge norms under ``decoder.final_layernorm.merge``); not covered: the
-hybrid variant (its ``attn_x_norm`` is named ``attn_x_scale`` on the Hugging Face side), the
-Megatron-LM ``--spec`` model (its merge norms sit in the last layer) and building a model from a
-Hugging Face config (``provider_bridge``): use ``megatron-siamese import-hf`` for those.
-Megatron-Bridge imports Transformer Engine unconditionally (docs/evaluate.md, "Megatron-Bridge").
+Only the Python-API model (``--norm siamese``): for the hybrid variant, the ``--spec`` model or a model
+built from the config, use ``megatron-siamese import-hf`` (docs/evaluate.md, "Megatron-Bridge").
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The byte-level tokenizer (data/corpus.py ``ByteTokenizer``) as Hugging Face tokenizer files.
+"""The byte-level tokenizer (data/corpus.py ``ByteTokenizer``) as Hugging Face tokenizer files (docs/export.md).
 
-Our ids: the UTF-8 bytes of the text (0-255), end of document 256, padding 257; the model's
-vocabulary is padded to 320 (rows 258-319 are never produced). Hugging Face's tokenizers
-library says exactly that with a byte-level BPE that has no merges: the ByteLevel
-pre-tokenizer turns each byte into one symbol of its 256-symbol alphabet (no regex split, no
-prefix space), the vocabulary maps the symbol of byte b to id b, and the ByteLevel decoder turns
-symbols back into bytes. ``PreTrainedTokenizerFast`` loads the resulting ``tokenizer.json`` with
-``AutoTokenizer.from_pretrained(dir)``, no remote code. No special token is added to a text
-(training documents start without one); the end-of-document token is both EOS and BOS.
+A byte-level BPE with no merges: the ByteLevel pre-tokenizer turns each byte into one symbol of its
+256-symbol alphabet, the vocabulary maps the symbol of byte b to id b, the ByteLevel decoder turns symbols
+back into bytes. End of document (256, both EOS and BOS) and padding (257) are special tokens, never added
+to a text (training documents start without one).
 """
 
 from __future__ import annotations

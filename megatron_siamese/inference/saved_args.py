@@ -1,8 +1,6 @@
-"""The model a checkpoint of Megatron-LM's loop describes, read from the ``args`` it stores
-(every flag of the run, under Megatron-LM's names): what generate, export, analyze and upcycle
-build to load it. Our own flags (``--norm`` and SiameseNorm's options, runtime/pretrain.py) are
-stored there too; a checkpoint without ``norm`` was not written by our loop and is not guessed at
-(``--spec`` naming our layer object is the one exception: that names the scheme)."""
+"""The model a checkpoint of Megatron-LM's loop describes, from the ``args`` it stores (every flag of the
+run, ours included). One without ``norm`` was not written by our loop and is not guessed at, unless its
+``--spec`` names our layer object, which names the scheme."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ def scheme_of(args) -> Optional[str]:
 
 
 def settings_from_args(args) -> Optional[ModelSettings]:
-    """The ModelSettings of a checkpoint whose ``args`` Megatron-LM's loop saved (None: a scheme
-    it does not name)."""
+    """The ModelSettings of a checkpoint whose ``args`` Megatron-LM's loop saved (None: no scheme named)."""
     norm = scheme_of(args)
     if norm is None:
         return None

@@ -1,7 +1,5 @@
-"""The plan's settings: ``train``'s (``TrainArgs``: every flag of ``train`` means the same here)
-and what only a plan asks: the GPU, the vocabulary, context parallelism, and how Megatron runs
-the layers where that changes what they keep (attention kernel, fused activation, dropout,
-freed stage outputs: Megatron-LM's flags where it has them). Plain data, no torch."""
+"""The plan's settings: ``train``'s (every flag means the same here) and the plan's own: the GPU, the
+vocabulary, and how Megatron runs the layers where that changes what they keep. Plain data, no torch."""
 
 from __future__ import annotations
 
@@ -78,8 +76,7 @@ class PlanArgs(TrainArgs):
 
     @property
     def padded_vocab(self) -> int:
-        """The vocabulary Megatron-LM's loop builds (its ``vocab_utils``): padded to a multiple of
-        --make-vocab-size-divisible-by x --tp, so it always splits over TP."""
+        """Megatron-LM's padded vocabulary: a multiple of --make-vocab-size-divisible-by x --tp (splits over TP)."""
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by * self.tp)
 
     @property
@@ -120,8 +117,7 @@ def problems(args: PlanArgs) -> List[str]:
         found.append(f"plan counts the paper's SiameseNorm block; the component study's ablation{'s' if len(ablations) > 1 else ''} "
                      f"{' and '.join(ablations)} {'are' if len(ablations) > 1 else 'is'} not modeled: drop "
                      f"{'them' if len(ablations) > 1 else 'it'}")
-    # DeepSeek-class parts the model builds (multi-latent attention's projections, latents and
-    # head sizes; multi-token prediction's layers, embedding copy and logits on the last stage)
+    # DeepSeek-class parts (MLA's projections and latents; MTP's layers, embedding copy and logits)
     deepseek = [flag for flag, on in (("--multi-latent-attention", args.multi_latent_attention),
                                       ("--mtp-num-layers", args.mtp_num_layers)) if on]
     if deepseek:
@@ -150,7 +146,6 @@ def problems(args: PlanArgs) -> List[str]:
 
 
 def plan_inputs(args: PlanArgs) -> PlanInputs:
-    """What the arithmetic reads, from the settings."""
     bytes_ = 4 if args.dtype == "fp32" else 2
     # the kernel Megatron's fused masked softmax runs in: 16-bit scores of 17 to 4096 keys (else torch's softmax)
     softmax_fusion = args.masked_softmax_fusion and bytes_ == 2 and 16 < args.seq_length <= 4096

@@ -1,8 +1,6 @@
 """A GPU's memory, by name (``h100-80gb``) or size (``80GiB``, ``81559MiB``, ``141GB``).
 
-The named GPUs' sizes are what ``nvidia-smi`` reports as their total memory. A job also needs
-room the plan does not count (the CUDA context, NCCL's buffers, the caching allocator's
-fragmentation and the step's temporaries: a few GiB), so a plan that leaves no headroom does not fit.
+A job also needs a few GiB the plan does not count (docs/scale.md): a plan with no headroom does not fit.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Everything one GPU of a pipeline rank holds and sends in a step, for stock Pre-Norm or one
-SiameseNorm path: the sum of ``states``, ``activations`` (over ``schedule``'s microbatches in
-flight) and ``traffic``."""
+"""What one GPU of a pipeline rank holds and sends in a step, for stock Pre-Norm or a SiameseNorm path:
+``states``, ``activations`` (over ``schedule``'s microbatches in flight) and ``traffic``."""
 
 from __future__ import annotations
 
@@ -104,7 +103,6 @@ def _gathered(chunk, shape: Shape, scheme: str, inputs: PlanInputs) -> float:
 
 
 def every_rank(inputs: PlanInputs, variant: str) -> List[GpuCosts]:
-    """``gpu_costs`` of each pipeline rank."""
     return [gpu_costs(inputs, variant, rank) for rank in range(inputs.layout.pp)]
 
 

@@ -1,9 +1,6 @@
-"""What each pipeline rank holds: its model chunks (one per virtual stage), their layers, and
-whether a chunk holds the embedding (the first global chunk) or the head (the last).
-
-Megatron splits the layers evenly (``runtime/divisibility.py`` refuses a split that is not):
-global chunk ``k = vp_stage * pp + pp_rank`` holds layers ``[k n, (k + 1) n)`` with
-``n = layers / (pp * vpp)``.
+"""What each pipeline rank holds: its model chunks (one per virtual stage), their layers, and whether
+a chunk holds the embedding or the head. Megatron splits the layers evenly (``runtime/divisibility.py``):
+global chunk ``k = vp_stage * pp + pp_rank`` holds layers ``[k n, (k + 1) n)``, ``n = layers / (pp * vpp)``.
 """
 
 from __future__ import annotations
@@ -51,5 +48,4 @@ def chunk_units(chunk: Chunk, shape: Shape, scheme: str, layout: Layout) -> List
 
 
 def chunk_parameters(chunk: Chunk, shape: Shape, scheme: str, layout: Layout) -> List[Parameter]:
-    """The parameter tensors of one chunk."""
     return [param for unit in chunk_units(chunk, shape, scheme, layout) for param in unit]

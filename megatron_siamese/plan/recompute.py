@@ -1,16 +1,10 @@
-"""Which of a layer's activations Megatron's activation recompute drops until backward, and which
-forward passes it runs again there, from a layout's ``Recompute`` (runtime/layout.py), as
-Megatron's TransformerBlock and TransformerLayer read it:
+"""Which of a layer's activations Megatron's recompute drops until backward, and which forward passes it
+runs again, from a layout's ``Recompute`` (runtime/layout.py), as TransformerBlock and TransformerLayer read it:
 
-* full: ``uniform`` checkpoints each model chunk's layers in groups of ``num_layers`` (a group
-  keeps its input; backward runs the group's forward again, holding all of its layers'
-  activations at once), ``block`` checkpoints the first ``num_layers`` of each chunk one by one
-  and leaves the rest alone;
-* selective, per module: ``layernorm`` (the norms' outputs, which nothing keeps until their
-  gradient arrives), ``mlp`` (a dense MLP: Megatron's TransformerLayer leaves an MoE layer's
-  alone), ``moe`` (an MoE layer's router, dispatch, experts and shared expert), ``shared_experts``
-  (the shared expert alone) and ``core_attn`` (the core attention past Q, K and V). ``moe_act``
-  and ``mla_up_proj`` are not modeled (``plan/args.py`` refuses them).
+* full: ``uniform`` checkpoints a chunk's layers in groups of ``num_layers`` (backward reruns a group,
+  holding all its layers' activations at once), ``block`` only the first ``num_layers``, one by one;
+* selective, per module: ``mlp`` is a dense MLP only (TransformerLayer leaves an MoE layer's alone),
+  ``moe`` an MoE layer's whole MLP, shared expert included; ``moe_act`` and ``mla_up_proj`` are refused.
 """
 
 from __future__ import annotations
@@ -56,5 +50,4 @@ def checkpointed_groups(recompute: Recompute, layers: int) -> List[Tuple[int, ..
 
 
 def unmodeled_modules(modules: Sequence[str]) -> List[str]:
-    """The selective modules the plan does not model."""
     return [module for module in modules if module not in MODELED_MODULES]

@@ -1,7 +1,6 @@
-"""The plan as a table: stock Pre-Norm and each SiameseNorm path side by side, per GPU of the most
-loaded pipeline stage, the difference, whether it fits the GPU, and the largest micro-batch that
-does (the same global batch, in no fewer microbatches than pipeline stages); or as JSON (every
-stage)."""
+"""The plan as a table: stock Pre-Norm and each SiameseNorm path per GPU of the most loaded pipeline
+stage, the difference, whether it fits, and the largest micro-batch that does (the same global batch,
+in no fewer microbatches than pipeline stages); or as JSON (every stage)."""
 
 from __future__ import annotations
 
@@ -71,7 +70,6 @@ def _row(label: str, cells: List[str], width: int) -> str:
 
 
 def format_plan(plan: Plan, gpu_name: str) -> str:
-    """The table (see the module docstring)."""
     loaded = {v: plan.loaded(v) for v in plan.variants}
     siamese = plan.variants[1:]
     width = max(len(NAMES[v]) for v in plan.variants) + 3

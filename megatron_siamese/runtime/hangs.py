@@ -1,22 +1,16 @@
-"""A rank that hangs: the others time out in a collective after --distributed-timeout-minutes,
-and the job says which collective, where it was called, in which step or layout, and which rank
-never came.
+"""A rank that hangs: the others time out in a collective after --distributed-timeout-minutes, and the
+job says which collective, where it was called, in which step or layout, and which rank never came.
 
-``watched(what)`` wraps one unit of work every rank does together (a training step, a checked
-layout). Inside it:
+Inside ``watched(what)`` (one unit of work every rank does together: a training step, a checked layout):
 
-* a rank whose collective times out (gloo: "Timed out waiting ...ms") raises ``CollectiveTimeout``
-  instead of the bare transport error. Before it does, it marks itself in the job's rendezvous
-  store and waits ``grace_s`` for the other ranks of its group to do the same: a rank that never
-  timed out was not waiting in any collective, so it is the one that hangs, and the error names
-  it. The store lives outside the process groups, so it still answers after they broke;
-* a rank still inside the unit after the timeout prints every thread's Python stack
-  (faulthandler's watchdog, headed "Timeout (h:mm:ss)!"; the ranks that wait print theirs too,
-  as NCCL's dump on timeout does): the hung rank says where it stands without anyone reaching
-  it.
+* a rank whose collective times out raises ``CollectiveTimeout`` instead of the bare transport error.
+  First it marks itself in the job's rendezvous store (outside the process groups, so it still answers
+  after they broke) and waits ``grace_s`` for the rest of its group: a rank that never marks itself was
+  not waiting in any collective, so it is the one that hangs;
+* a rank still inside the unit after the timeout prints every thread's Python stack (faulthandler's
+  watchdog, "Timeout (h:mm:ss)!"): the hung rank says where it stands without anyone reaching it.
 
-On NCCL torch's own watchdog aborts a rank whose collective timed out (its log names the op);
-the stack dump still applies.
+On NCCL torch's own watchdog aborts a timed-out rank (its log names the op); the stack dump still applies.
 """
 
 from __future__ import annotations
@@ -34,15 +28,13 @@ import torch
 from megatron_siamese.runtime import job
 from megatron_siamese.runtime.job import GroupsBroken
 
-# gloo's transport, for every collective and p2p op; NCCL's watchdog, where it raises rather than aborts
-# (its words from torch's ProcessGroupNCCL, not yet seen on a GPU here)
+# gloo's transport (every collective and p2p op); NCCL's watchdog where it raises (torch's words, unseen here)
 _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms|ran for \d+ milliseconds before timing out")
 GRACE_CAP_S = 10.0  # ranks waiting in the same collective time out within seconds of each other
 
 
 class CollectiveTimeout(GroupsBroken):
-    """A collective of this rank timed out: one line naming it, the unit of work and the
-    ranks that never came."""
+    """A collective of this rank timed out: one line naming it, the unit of work and the ranks that never came."""
 
 
 def grace_s(timeout_s: float) -> float:
@@ -63,9 +55,8 @@ def _short(filename: str) -> str:
 
 
 def waited_in(error: BaseException) -> str:
-    """Where ``error`` (a timed-out collective) was waited on: the innermost line of its traceback
-    outside torch.distributed (``torch.distributed.all_reduce(total)``, or an asynchronous op's
-    ``handle.wait()``), with its file, line and function."""
+    """Where the timed-out collective was waited on: the innermost traceback line outside torch.distributed
+    (the collective's call, or an asynchronous op's ``handle.wait()``), with its file, line and function."""
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "/torch/distributed/" not in frame.filename]
     if not frames:
         return "a collective"
