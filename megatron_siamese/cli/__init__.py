@@ -52,9 +52,8 @@ COMMANDS = {"train": train, "check": check, "plan": plan, "study": research.stud
 
 
 class Parser(argparse.ArgumentParser):
-    """One line for a usage error (not the whole usage of a forty-flag command), exit status 2.
-    No abbreviations: ``--save DIR`` must not silently mean ``--save-interval`` (subcommands'
-    parsers are of this class too)."""
+    """One line for a usage error, exit status 2. No abbreviations (subcommands' parsers are of this class
+    too): ``--save DIR`` must not silently mean ``--save-interval``."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
@@ -140,9 +139,8 @@ def _say_where_a_crash_was() -> None:
 
 
 def _stdout_reader_gone() -> bool:
-    """Whether stdout is a pipe whose reader has closed it. Only then is a BrokenPipeError the
-    reader's doing; silencing stdout after any other one would swallow the run's output (the
-    check's table) and report success."""
+    """Whether stdout is a pipe whose reader closed it: only then is a BrokenPipeError the reader's doing
+    (silencing stdout after any other would swallow the run's output and report success)."""
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)

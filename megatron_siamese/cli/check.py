@@ -200,9 +200,8 @@ def engine_problems(case: ModelCase) -> List[str]:
 
 def chosen_layouts(requested: Optional[str], case: ModelCase,
                    world: Optional[int]) -> Tuple[List[str], Dict[str, str]]:
-    """The layouts to run: the names given (none: the model's CPU matrix), or (``all``) every
-    candidate that fits the job and that the model admits; and the candidates left out, each
-    with the first reason."""
+    """The layouts to run: those named (none: the model's CPU matrix) or, for ``all``, every candidate the
+    job and the model admit; and the candidates left out, each with its first reason."""
     from megatron_siamese.check.matrix import cpu_matrix
 
     if requested is None:

@@ -1,5 +1,4 @@
-"""``megatron-siamese eval``: lm-evaluation-harness on a Transformers model directory (one that
-``megatron-siamese export`` wrote, or any other), our addition task included (evaluation/)."""
+"""``megatron-siamese eval``: lm-evaluation-harness on a Transformers model directory (evaluation/)."""
 
 from __future__ import annotations
 

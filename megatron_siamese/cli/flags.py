@@ -1,6 +1,5 @@
-"""Command-line flags, built from the settings' definitions (``runtime/settings.py`` and
-``training/args.py``): Megatron-LM's names where Megatron has one, the short names kept, a
-help text and the default on every flag, and groups a command takes only what it uses."""
+"""Command-line flags from the settings' definitions (``runtime/settings.py``, ``training/args.py``):
+Megatron-LM's names (short names kept), help and default on every flag, in groups a command picks from."""
 
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ SCHEME_SETTINGS = ("norm", "model", "hybrid_layer_pattern", "mix_ln_alpha", "hyb
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown on every flag; descriptions keep their line breaks. Not on a flag that sets
-    another value than its own (``--bf16`` sets the dtype, ``--untie-...`` clears a True
-    setting: their field's default would read as theirs), nor where the help says it already."""
+    """Defaults shown on every flag, except where the help says it already or ``sets_other_value``;
+    descriptions keep their line breaks."""
 
     def _get_help_string(self, action):
         if sets_other_value(action) or "default:" in (action.help or ""):
@@ -54,8 +52,7 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def train_args(options: argparse.Namespace, cls=TrainArgs, **changes) -> TrainArgs:
-    """TrainArgs (or ``cls``, a subclass) from the parsed flags (fields a command has no flag for
-    keep their defaults)."""
+    """TrainArgs (or ``cls``, a subclass) from the parsed flags; fields without a flag keep their defaults."""
     settings = definitions(cls)
     fields = {name: getattr(options, name) for name in settings if hasattr(options, name)}
     fields = {name: tuple(value) if settings[name].nargs and value is not None else value

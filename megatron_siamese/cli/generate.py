@@ -1,5 +1,4 @@
-"""``megatron-siamese generate``: continue prompts with a checkpoint's model through Megatron's
-inference engine (inference/generate.py), at any TP/PP/EP layout."""
+"""``megatron-siamese generate``: prompts continued by Megatron's inference engine (inference/generate.py)."""
 
 from __future__ import annotations
 

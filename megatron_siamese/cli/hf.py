@@ -1,5 +1,4 @@
-"""``megatron-siamese export`` and ``import-hf``: checkpoints to Hugging Face Transformers and back
-(hf/export.py; docs/export.md)."""
+"""``megatron-siamese export`` and ``import-hf``: to Hugging Face Transformers and back (docs/export.md)."""
 
 from __future__ import annotations
 

@@ -47,9 +47,8 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
 
 
 def ignore_the_rest_of_a_train_command(rest: list) -> None:
-    """A train command line pasted in whole: Megatron-LM's flags plan has none of (checkpoints,
-    logging, data) cost nothing it counts and are ignored; anything else is refused, as argparse
-    refuses it (megatron-core 0.16.1 has no Megatron-LM parser to tell them apart: refused there)."""
+    """A train command line pasted whole: Megatron-LM's flags plan lacks (checkpoints, logging, data) cost
+    nothing and are ignored, others refused (all of them on megatron-core 0.16.1: no Megatron-LM parser)."""
     if not rest:
         return
     from megatron_siamese.versions import ships_megatron_training

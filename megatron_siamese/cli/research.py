@@ -117,9 +117,8 @@ def _single_rank_parser(commands, name: str, help: str, description: str, output
 
 
 def _single_rank_args(options: argparse.Namespace, norm: str):
-    """TrainArgs of the checkpoint's model on one rank (checkpoints reshard on load): the model it
-    records (our settings, or Megatron-LM's args), which the model flags given must agree with;
-    for a checkpoint that records none, the flags describe it."""
+    """TrainArgs of the checkpoint's model on one rank (checkpoints reshard on load): the model it records,
+    which the model flags given must agree with; for a checkpoint that records none, the flags'."""
     from megatron_siamese.training import checkpoint_files
     from megatron_siamese.training.args import TrainArgs
     from megatron_siamese.training.checkpoint_settings import model_differences, model_fields

@@ -1,8 +1,6 @@
-"""``megatron-siamese train``: Megatron-LM's own training loop with SiameseNorm's model
-(runtime/pretrain.py), given Megatron-LM's flags. Under torchrun (or any launcher that sets RANK and
-WORLD_SIZE) it is the calling rank; without one it starts the ranks itself through torchrun's own
-machinery (``torch.distributed.run``, standalone: one host). megatron-core 0.16.1, whose wheel has
-no training loop, refuses it naming the release it needs."""
+"""``megatron-siamese train``: Megatron-LM's own training loop with SiameseNorm's model (runtime/pretrain.py).
+Under a launcher (RANK and WORLD_SIZE set) it is the calling rank; else it starts the ranks through
+torchrun's machinery (standalone: one host). Refused on megatron-core 0.16.1, which has no training loop."""
 
 from __future__ import annotations
 
