@@ -308,25 +308,11 @@ def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeo
 
 def _one_rank_here(fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
     """A job of one rank, this process: no second process importing torch and Megatron again (seconds
-    of every one-rank command). What joining sets up (the rendezvous variables, the process group, the
-    CPU shim, Megatron's groups) is this process's only while ``fn`` runs."""
-    from megatron.core import parallel_state
-
-    from megatron_siamese.runtime import cpu_shim
-
-    environment, shim = dict(os.environ), cpu_shim.is_installed()
+    of every one-rank command)."""
     here = Launch(launcher="this process", rank=0, world_size=1, local_rank=0, node_rank=0, nnodes=1,
                   master_addr="127.0.0.1", master_port=free_port())
-    try:
-        job.join(here, timeout_s)
+    with job.joined_for_now(here, timeout_s):
         return fn(*args)
-    finally:
-        job.leave()
-        parallel_state.destroy_model_parallel()
-        if cpu_shim.is_installed() and not shim:
-            cpu_shim.uninstall()
-        os.environ.clear()
-        os.environ.update(environment)
 
 
 def _mismatch(launch: Launch, world_size: int, needs: str) -> str:
