@@ -5,8 +5,7 @@ import time
 
 import pytest
 
-from megatron_siamese.runtime.launch import (RankFailed, _start_method, ephemeral_ports, free_port, launch, run_job,
-                                             start_rank_server)
+from megatron_siamese.runtime.launch import RankFailed, _start_method, ephemeral_ports, free_port, launch, start_rank_server
 
 pytestmark = pytest.mark.once("the launch is ours and torch's; every multi-rank test starts its ranks through it on "
                               "every stack")
@@ -63,43 +62,6 @@ def test_launch_returns_results_in_rank_order_and_gives_back_the_callers_signal_
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     assert launch(_rank_and_world, 2) == [(0, 2), (1, 2)]
     assert {sig: signal.getsignal(sig) for sig in before} == before
-
-
-def _one_rank_job():
-    import torch
-    from megatron.core import parallel_state
-
-    from megatron_siamese.runtime import cpu_shim, job
-
-    parallel_state.initialize_model_parallel(1, 1)  # as a command's model does, left for the job to undo
-    return (os.getpid(), job.joined().world_size, torch.distributed.get_world_size(), cpu_shim.is_installed(),
-            os.environ["RANK"])
-
-
-def _one_rank_that_raises():
-    raise ValueError("planted failure")
-
-
-def test_a_one_rank_job_runs_in_this_process_and_leaves_it_as_it_was():
-    """No second process for a command of one rank (export, upcycle, analyze): the job is this
-    process's while the function runs, and its process group, Megatron's groups, the CPU shim and
-    the rendezvous variables are gone after, on success and on failure alike."""
-    import torch
-    from megatron.core import parallel_state
-
-    from megatron_siamese.runtime import cpu_shim, job
-
-    environment, shim = dict(os.environ), cpu_shim.is_installed()
-    assert run_job(_one_rank_job, 1) == (os.getpid(), 1, 1, True, "0")
-    with pytest.raises(ValueError, match="planted failure"):  # itself, not a launcher's wrapper
-        run_job(_one_rank_that_raises, 1)
-    assert job.joined() is None and not torch.distributed.is_initialized()
-    assert not parallel_state.model_parallel_is_initialized()
-    assert cpu_shim.is_installed() == shim and dict(os.environ) == environment
-
-
-def test_a_one_rank_job_beside_the_callers_own_process_group_is_a_rank_apart(megatron_single_rank):
-    assert run_job(_one_rank_job, 1)[0] != os.getpid()
 
 
 def test_a_raising_rank_fails_the_launch_with_its_traceback():

@@ -5,10 +5,9 @@ job, ``console``, ``gather_to_rank0``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -92,25 +91,6 @@ def join(launch: Launch, timeout_s: float) -> None:
             f"{launch.master_addr}:{launch.master_port}") from None
     _job.update(launch=launch, backend=backend, timeout_s=timeout_s, store=store, generation=0)
     _init_group(launch.world_size, "world/0")
-
-
-@contextlib.contextmanager
-def joined_for_now(launch: Launch, timeout_s: float) -> Iterator[None]:
-    """This process joined to ``launch`` (a job of its own) for the duration; what joining set up (the
-    rendezvous variables, the process group, the CPU shim, Megatron's groups) is undone after."""
-    from megatron.core import parallel_state
-
-    environment, shim = dict(os.environ), cpu_shim.is_installed()
-    try:
-        join(launch, timeout_s)
-        yield
-    finally:
-        leave()
-        parallel_state.destroy_model_parallel()
-        if cpu_shim.is_installed() and not shim:
-            cpu_shim.uninstall()
-        os.environ.clear()
-        os.environ.update(environment)
 
 
 def group_timeout_minutes() -> float:

@@ -1,10 +1,10 @@
 """Run a function on the ranks of a job: ``run_job(fn, world_size, *args)``, the one way every command
 runs on ranks.
 
-With no launcher, a one-rank job is this process; more ranks torch's ``elastic_launch`` starts here as
-``torchrun --nproc-per-node`` would (gloo ranks forked from a server that imported torch and Megatron
-once; NCCL ranks spawned); a failed rank stops the others and is raised as ``RankFailed``. Under
-torchrun or another ``env://`` launcher this process joins the job. docs/parallelism.md, "On a cluster".
+With no launcher, torch's ``elastic_launch`` starts the ranks here as ``torchrun --nproc-per-node`` would
+(gloo ranks forked from a server that imported torch and Megatron once; NCCL ranks spawned); a failed
+rank stops the others and is raised as ``RankFailed``. Under torchrun or another ``env://`` launcher this
+process joins the job. docs/parallelism.md, "On a cluster".
 """
 
 from __future__ import annotations
@@ -293,8 +293,6 @@ def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeo
         if joined is None:
             if world_size is None:
                 raise ValueError("run_job outside a launched job needs a world size")
-            if world_size == 1 and not launch_options and not torch.distributed.is_initialized():
-                return _one_rank_here(fn, args, timeout_s)  # (a process group of the caller's own: a rank apart)
             return launch(fn, world_size, *args, timeout_s=timeout_s, **launch_options)[0]
         if world_size is not None and world_size != joined.world_size:
             raise LaunchError(_mismatch(joined, world_size, needs))
@@ -304,15 +302,6 @@ def run_job(fn: Callable[..., Any], world_size: Optional[int], *args: Any, timeo
     elif world_size is not None and world_size != joined.world_size:
         raise LaunchError(_mismatch(joined, world_size, needs))
     return fn(*args)
-
-
-def _one_rank_here(fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
-    """A job of one rank, this process: no second process importing torch and Megatron again (seconds
-    of every one-rank command)."""
-    here = Launch(launcher="this process", rank=0, world_size=1, local_rank=0, node_rank=0, nnodes=1,
-                  master_addr="127.0.0.1", master_port=free_port())
-    with job.joined_for_now(here, timeout_s):
-        return fn(*args)
 
 
 def _mismatch(launch: Launch, world_size: int, needs: str) -> str:

@@ -25,7 +25,7 @@ class JoinError(LaunchError):
 class Launch:
     """This process's place in a job some launcher started."""
 
-    launcher: str  # "torchrun", "env" (RANK/WORLD_SIZE set by another launcher) or "this process" (one rank)
+    launcher: str  # "torchrun" or "env" (RANK/WORLD_SIZE set by another launcher)
     rank: int
     world_size: int
     local_rank: int
