@@ -114,9 +114,10 @@ def resolve(path: str) -> str:
         return tracked
     if os.path.isfile(os.path.join(path, "metadata.json")) or _step_of(os.path.basename(os.path.normpath(path))) is not None:
         return path
-    if step_dirs(path):  # no save recorded: it never finished, or the job stopped before recording it
-        incomplete = [os.path.basename(p) for _, p in step_dirs(path) if missing_files(p)]
-        if len(incomplete) == len(step_dirs(path)):
+    saved = step_dirs(path)
+    if saved:  # no save recorded: it never finished, or the job stopped before recording it
+        incomplete = [os.path.basename(p) for _, p in saved if missing_files(p)]
+        if len(incomplete) == len(saved):
             raise CheckpointError(f"--load {path} has no complete checkpoint ({', '.join(incomplete)}: a save that "
                                   f"did not finish) and no `{TRACKER}`; {_instead(path)}: start without --load")
         raise CheckpointError(f"--load {path} records no checkpoint (no `{TRACKER}`: the job stopped before its "
