@@ -37,3 +37,40 @@ def test_a_directory_without_its_tracker_says_whether_a_save_finished(tmp_path):
                                               r"job stopped before its last save was recorded\); complete checkpoints "
                                               rf"in {tmp_path}: iter_0000004 \(pass one to --load\)"):
         resolve(str(tmp_path))
+
+
+def complete_checkpoint(path):
+    path.mkdir(parents=True)
+    for name in ("metadata.json", ".metadata"):  # what a finished save leaves (torch's .metadata last)
+        (path / name).write_text("{}")
+    return path
+
+
+@pytest.mark.stack_independent
+def test_train_refuses_a_load_megatron_lm_would_start_from_random(tmp_path):
+    """Megatron-LM's loop loads ``--load``'s tracker, or ``--load/iter_<--ckpt-step>``, and starts from
+    random for anything else: one checkpoint, a run's directory or an unrecorded save is refused
+    naming the flags that load it; an empty ``--save`` directory (a requeue's first start) is not."""
+    from megatron_siamese.runtime.pretrain_load import loaded_checkpoint
+    from megatron_siamese.training.checkpoint_files import CheckpointError, write_latest
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    complete_checkpoint(checkpoints / "iter_0000004")
+    with pytest.raises(CheckpointError, match=rf"records no checkpoint .*would start from random: --ckpt-step 4 "
+                                              rf"loads iter_0000004, the newest complete one"):
+        loaded_checkpoint(str(checkpoints))
+    assert loaded_checkpoint(str(checkpoints), 4) == str(checkpoints / "iter_0000004")
+    with pytest.raises(CheckpointError, match=rf"--ckpt-step 6: there is no {checkpoints}/iter_0000006; complete "
+                                              rf"checkpoints in {checkpoints}: iter_0000004"):
+        loaded_checkpoint(str(checkpoints), 6)
+    write_latest(str(checkpoints), 4)
+    assert loaded_checkpoint(str(checkpoints)) == str(checkpoints / "iter_0000004")
+    with pytest.raises(CheckpointError, match=rf"--load {checkpoints}/iter_0000004 is one checkpoint; .*would start "
+                                              rf"from random: --load {checkpoints} --ckpt-step 4"):
+        loaded_checkpoint(str(checkpoints / "iter_0000004"))
+    with pytest.raises(CheckpointError, match=rf"is a run's directory; .*: --load {checkpoints}$"):
+        loaded_checkpoint(str(tmp_path / "run"))
+    assert loaded_checkpoint(str(tmp_path / "empty")) is None  # --save X --load X, the first start
+    complete_checkpoint(tmp_path / "earlier" / "step_3")
+    with pytest.raises(CheckpointError, match=r"iter_<N> checkpoints only, and these are an earlier release's"):
+        loaded_checkpoint(str(tmp_path / "earlier"))

@@ -1,5 +1,5 @@
 """What ``megatron-siamese train`` settles before Megatron-LM's ``pretrain()`` starts: a ``--load`` of
-another model refused, ``--no-load-optim`` for weights only, and a rendezvous store per restart.
+another model, or one Megatron-LM would not load, refused, ``--no-load-optim`` for weights only, and a rendezvous store per restart.
 """
 
 from __future__ import annotations
@@ -8,15 +8,50 @@ import functools
 import os
 
 
+def loaded_checkpoint(load: str, ckpt_step=None):
+    """The checkpoint Megatron-LM's loop loads for ``--load`` (and ``--ckpt-step``), or None
+    where it starts from scratch (a requeue's first start). It reads ``load``'s tracker, or
+    ``load/iter_<ckpt-step>``, and nothing else: where ``load`` names checkpoints some other way (one
+    iter_<N> itself, a run's directory, an unrecorded save) it would start from random without a word,
+    so that is refused here, naming the flags that load it."""
+    from megatron_siamese.training import checkpoint_files as files
+
+    if ckpt_step:
+        wanted = os.path.join(load, files.iteration_dir(ckpt_step))
+        if not os.path.isdir(wanted):
+            raise files.CheckpointError(f"--ckpt-step {ckpt_step}: there is no {wanted}; {files.complete_in(load)}")
+        return wanted
+    if os.path.isfile(os.path.join(load, files.TRACKER)):
+        return files.resolve(load)
+    step = files.step_of(os.path.basename(os.path.normpath(load)))
+    if step is not None or os.path.isfile(os.path.join(load, "metadata.json")):
+        parent = os.path.dirname(os.path.normpath(load)) or "."
+        how = f"--load {parent} --ckpt-step {step}" if step is not None else f"--load {parent} --ckpt-step N"
+        raise files.CheckpointError(f"--load {load} is one checkpoint; Megatron-LM's loop loads from the directory "
+                                    f"that holds them and would start from random: {how}")
+    run_checkpoints = os.path.join(load, files.RUN_CHECKPOINTS)
+    if not files.holds_no_checkpoint(run_checkpoints):
+        raise files.CheckpointError(f"--load {load} is a run's directory; Megatron-LM's loop would start from random: "
+                                    f"--load {run_checkpoints}")
+    complete = files.complete_dirs(load)
+    if complete:
+        newest = [name for name in complete if files.ITER_DIR.match(name)][-1:]
+        how = (f"--ckpt-step {files.step_of(newest[0])} loads {newest[0]}, the newest complete one" if newest else
+               "it reads its own iter_<N> checkpoints only, and these are an earlier release's step_<N>")
+        raise files.CheckpointError(f"--load {load} records no checkpoint (no `{files.TRACKER}`: the job stopped "
+                                    f"before its last save was recorded), so Megatron-LM's loop would start from "
+                                    f"random: {how}")
+    return None
+
+
 @functools.lru_cache(maxsize=1)
-def _common_state(load: str):
-    """The common state of the checkpoint ``--load`` resolves to, read once (both checks below ask),
-    or None where it holds none yet."""
+def _common_state(load: str, ckpt_step=None):
+    """The common state of the checkpoint Megatron-LM loads, read once (both checks below ask), or
+    None where it starts from scratch."""
     from megatron_siamese.training import checkpoint_files
 
-    if checkpoint_files.holds_no_checkpoint(load):
-        return None
-    return checkpoint_files.common_state(checkpoint_files.resolve(load))
+    checkpoint = loaded_checkpoint(load, ckpt_step)
+    return None if checkpoint is None else checkpoint_files.common_state(checkpoint_files.checked(checkpoint))
 
 
 def checkpoint_problem(args):
@@ -26,9 +61,13 @@ def checkpoint_problem(args):
 
     from megatron_siamese.inference.saved_args import settings_from_args
     from megatron_siamese.inference.session import recorded_settings
+    from megatron_siamese.training.checkpoint_files import CheckpointError
     from megatron_siamese.training.checkpoint_settings import model_differences
 
-    common = _common_state(args.load) if args.load else None
+    try:
+        common = _common_state(args.load, args.ckpt_step) if args.load else None
+    except CheckpointError as error:
+        return str(error)
     if common is None:
         return None
     saved = recorded_settings(common)
@@ -45,7 +84,7 @@ def loads_weights_only(args) -> bool:
     not say so: Megatron-LM would still ask for the optimizer's state (KeyError 'optimizer')."""
     from megatron_siamese.training import checkpoint_files
 
-    common = _common_state(args.load) if args.load and not (args.no_load_optim or args.finetune) else None
+    common = _common_state(args.load, args.ckpt_step) if args.load and not (args.no_load_optim or args.finetune) else None
     return common is not None and bool(getattr(checkpoint_files.saved_args(common), "no_save_optim", False))
 
 

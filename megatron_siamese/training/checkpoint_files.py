@@ -29,7 +29,7 @@ def iteration_dir(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-def _step_of(name: str) -> Optional[int]:
+def step_of(name: str) -> Optional[int]:
     match = ITER_DIR.match(name) or STEP_DIR.match(name)
     return int(match.group(1)) if match else None
 
@@ -44,7 +44,7 @@ def step_dirs(directory: str) -> List[Tuple[int, str]]:
     if not os.path.isdir(directory):
         return []
     found = [(step, os.path.join(directory, name))
-             for name in os.listdir(directory) if (step := _step_of(name)) is not None]
+             for name in os.listdir(directory) if (step := step_of(name)) is not None]
     return sorted(found)
 
 
@@ -63,9 +63,13 @@ def write_latest(directory: str, step: int) -> None:
     os.replace(tmp, os.path.join(directory, TRACKER))
 
 
-def _instead(directory: str, exclude: Optional[str] = None) -> str:
-    names = [os.path.basename(path) for _, path in step_dirs(directory)
-             if not missing_files(path) and path != exclude]
+def complete_dirs(directory: str, exclude: Optional[str] = None) -> List[str]:
+    """The names of ``directory``'s complete checkpoints, oldest first."""
+    return [os.path.basename(path) for _, path in step_dirs(directory) if not missing_files(path) and path != exclude]
+
+
+def complete_in(directory: str, exclude: Optional[str] = None) -> str:
+    names = complete_dirs(directory, exclude)
     if not names:
         return f"there is no complete checkpoint in {directory}"
     return f"complete checkpoints in {directory}: {', '.join(names)} (pass one to --load)"
@@ -83,17 +87,17 @@ def _tracked(path: str) -> Optional[str]:
         elif text.isdigit():
             name = iteration_dir(int(text))
         else:
-            raise CheckpointError(f"{tracker} holds {text!r}, not an iteration; {_instead(path)}")
+            raise CheckpointError(f"{tracker} holds {text!r}, not an iteration; {complete_in(path)}")
         if not os.path.isdir(os.path.join(path, name)):
             raise CheckpointError(f"{tracker} names iteration {text}, but there is no {os.path.join(path, name)}; "
-                                  f"{_instead(path)}")
+                                  f"{complete_in(path)}")
         return os.path.join(path, name)
     if os.path.isfile(latest):
         with open(latest) as f:
             name = f.read().strip()
         target = os.path.join(path, name)
-        if _step_of(name) is None or not os.path.isdir(target):
-            raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint directory here; {_instead(path)}")
+        if step_of(name) is None or not os.path.isdir(target):
+            raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint directory here; {complete_in(path)}")
         return target
     return None
 
@@ -112,16 +116,16 @@ def resolve(path: str) -> str:
     tracked = _tracked(path)
     if tracked:
         return tracked
-    if os.path.isfile(os.path.join(path, "metadata.json")) or _step_of(os.path.basename(os.path.normpath(path))) is not None:
+    if os.path.isfile(os.path.join(path, "metadata.json")) or step_of(os.path.basename(os.path.normpath(path))) is not None:
         return path
     saved = step_dirs(path)
     if saved:  # no save recorded: it never finished, or the job stopped before recording it
         incomplete = [os.path.basename(p) for _, p in saved if missing_files(p)]
         if len(incomplete) == len(saved):
             raise CheckpointError(f"--load {path} has no complete checkpoint ({', '.join(incomplete)}: a save that "
-                                  f"did not finish) and no `{TRACKER}`; {_instead(path)}: start without --load")
+                                  f"did not finish) and no `{TRACKER}`; {complete_in(path)}: start without --load")
         raise CheckpointError(f"--load {path} records no checkpoint (no `{TRACKER}`: the job stopped before its "
-                              f"last save was recorded); {_instead(path)}")
+                              f"last save was recorded); {complete_in(path)}")
     raise CheckpointError(f"--load {path} is not a checkpoint: it has neither a `{TRACKER}` file nor metadata.json "
                           "(give a run's directory, its checkpoints directory or one iter_<N> inside it)")
 
@@ -242,7 +246,7 @@ def damaged_shards(checkpoint: str) -> List[str]:
 
 def instead(checkpoint: str) -> str:
     """What to load instead of the broken ``checkpoint``: the other complete steps beside it."""
-    return _instead(os.path.dirname(os.path.normpath(checkpoint)), exclude=checkpoint)
+    return complete_in(os.path.dirname(os.path.normpath(checkpoint)), exclude=checkpoint)
 
 
 def holds_no_checkpoint(directory: str) -> bool:
@@ -261,7 +265,7 @@ def checked(path: str) -> str:
     found = problems(checkpoint)
     if found:
         directory = os.path.dirname(os.path.normpath(checkpoint))
-        raise CheckpointError(f"cannot load {checkpoint}: {found[0]}; {_instead(directory, exclude=checkpoint)}")
+        raise CheckpointError(f"cannot load {checkpoint}: {found[0]}; {complete_in(directory, exclude=checkpoint)}")
     return checkpoint
 
 
