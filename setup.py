@@ -21,7 +21,7 @@ def extension_modules():
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
 
-    sources = ["csrc/ops.cpp", "csrc/autograd.cpp", "csrc/dual_norm_cpu.cpp", "csrc/residual_norm_cpu.cpp"]
+    sources = ["csrc/module.cpp", "csrc/ops.cpp", "csrc/autograd.cpp", "csrc/dual_norm_cpu.cpp", "csrc/residual_norm_cpu.cpp"]
     cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unknown-pragmas"]  # at::parallel_for is OpenMP-inline in torch's headers
     if platform.machine() in ("x86_64", "AMD64"):
         # at::vec picks its AVX2 implementation from these; every x86-64 server CPU of the

@@ -41,6 +41,8 @@
 #include <string>
 #include <vector>
 
+#include "kernel_generation.h"
+
 // torch::Tensor, torch::empty, ... as torch/types.h names them, without the whole of ATen that it
 // includes: the CPU sources compile in about 60% of the time, the CUDA ones in 65-85% (nvcc parses
 // the headers once per pass)
@@ -112,22 +114,6 @@ struct StreamRows {
   bool packed = true;  // rows are [x | y] (2h wide); false: a single stream x = y (h wide)
   int64_t width() const { return packed ? 2 * hidden : hidden; }
 };
-
-// Which CUDA kernels run: "verified" (the default: the kernels that passed every CUDA test on
-// an H200, 2026-12-01) or "tiled" (tiled_kernels.cu, with general_kernels.cuh for what they do
-// not cover; chosen explicitly until a GPU run has verified this build). Read on every call
-// from MEGATRON_SIAMESE_CUDA_KERNELS (docs/kernels.md).
-enum class KernelGeneration { kVerified, kTiled };
-inline const char* kCudaKernelsVariable = "MEGATRON_SIAMESE_CUDA_KERNELS";
-
-inline KernelGeneration cuda_kernel_generation() {
-  const char* value = std::getenv(kCudaKernelsVariable);
-  const std::string name = value == nullptr ? "" : value;
-  if (name.empty() || name == "verified") return KernelGeneration::kVerified;
-  if (name == "tiled") return KernelGeneration::kTiled;
-  TORCH_CHECK(false, kCudaKernelsVariable, " must be 'verified' (the default) or 'tiled' (the new kernels, ",
-              "not yet run on a GPU); got '", name, "'");
-}
 
 // The dtypes every kernel is instantiated for.
 #define SIAMESE_DISPATCH(TYPE, NAME, ...) \

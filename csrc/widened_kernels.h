@@ -4,6 +4,8 @@
 // per op; the CPU kernels read and write the weights' own dtypes themselves and need none of this.
 #pragma once
 
+#include <ATen/TensorOperators.h>
+
 #include <vector>
 
 #include "dual_norm.h"
