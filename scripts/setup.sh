@@ -45,11 +45,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # with bytecode compiled here (not --no-compile): where PYTHONDONTWRITEBYTECODE=1, as on this
   # project's machines, no import writes it later, and every process would compile what it imports
   phase "$torch_pin" "$venv/bin/python" -m pip install -q "$torch_pin"
+  # the extension builds against torch alone, so it compiles while pip installs the rest (no build
+  # isolation: against the torch installed above; --no-deps: the other install is the requirements')
+  phase "the package and its extension" env "${build_env[@]}" PATH="$PWD/$venv/bin:$PATH" \
+    "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . &
+  build=$!
   phase "$requirements" "$venv/bin/python" -m pip install -q -r "$requirements"
-  # no build isolation: the C++ extension builds against the torch installed above; one stack at a
-  # time (scripts/test.sh sets the stacks up side by side, and both write the package's egg-info)
-  phase "the package and its extension" flock "$PWD/build.lock" env "${build_env[@]}" PATH="$PWD/$venv/bin:$PATH" \
-    "$venv/bin/python" -m pip install -q --no-build-isolation -e .
+  wait "$build"
   echo "$want" > "$stamp"
 fi
 echo "$venv"
