@@ -60,7 +60,7 @@ def test_train_refuses_a_load_megatron_lm_would_start_from_random(tmp_path):
                                               rf"loads iter_0000004, the newest complete one"):
         loaded_checkpoint(str(checkpoints))
     assert loaded_checkpoint(str(checkpoints), 4) == str(checkpoints / "iter_0000004")
-    with pytest.raises(CheckpointError, match=rf"--ckpt-step 6: there is no {checkpoints}/iter_0000006; complete "
+    with pytest.raises(CheckpointError, match=rf"--ckpt-step 6: there is no complete {checkpoints}/iter_0000006; complete "
                                               rf"checkpoints in {checkpoints}: iter_0000004"):
         loaded_checkpoint(str(checkpoints), 6)
     write_latest(str(checkpoints), 4)

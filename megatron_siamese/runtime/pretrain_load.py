@@ -1,5 +1,6 @@
 """What ``megatron-siamese train`` settles before Megatron-LM's ``pretrain()`` starts: a ``--load`` of
-another model, or one Megatron-LM would not load, refused, ``--no-load-optim`` for weights only, and a rendezvous store per restart.
+another model, or one Megatron-LM would not load, refused, ``--no-load-optim`` for weights only, and
+a rendezvous store per restart.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ def loaded_checkpoint(load: str, ckpt_step=None):
 
     if ckpt_step:
         wanted = os.path.join(load, files.iteration_dir(ckpt_step))
-        if not os.path.isdir(wanted):
-            raise files.CheckpointError(f"--ckpt-step {ckpt_step}: there is no {wanted}; {files.complete_in(load)}")
+        if not os.path.isdir(wanted) or files.missing_files(wanted):
+            raise files.CheckpointError(f"--ckpt-step {ckpt_step}: there is no complete {wanted}; "
+                                        f"{files.complete_in(load)}")
         return wanted
     if os.path.isfile(os.path.join(load, files.TRACKER)):
         return files.resolve(load)
@@ -51,7 +53,7 @@ def _common_state(load: str, ckpt_step=None):
     from megatron_siamese.training import checkpoint_files
 
     checkpoint = loaded_checkpoint(load, ckpt_step)
-    return None if checkpoint is None else checkpoint_files.common_state(checkpoint_files.checked(checkpoint))
+    return None if checkpoint is None else checkpoint_files.common_state(checkpoint)
 
 
 def checkpoint_problem(args):
