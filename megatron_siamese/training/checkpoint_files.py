@@ -264,8 +264,7 @@ def checked(path: str) -> str:
     checkpoint = resolve(path)
     found = problems(checkpoint)
     if found:
-        directory = os.path.dirname(os.path.normpath(checkpoint))
-        raise CheckpointError(f"cannot load {checkpoint}: {found[0]}; {complete_in(directory, exclude=checkpoint)}")
+        raise CheckpointError(f"cannot load {checkpoint}: {found[0]}; {instead(checkpoint)}")
     return checkpoint
 
 
