@@ -104,8 +104,9 @@ def stack_independent_touches_no_megatron(request, monkeypatch, tmp_path_factory
     from megatron_siamese.runtime import launch
 
     launched = []
-    real_start_method = launch._start_method  # what every launch of ranks in this process asks for first
-    monkeypatch.setattr(launch, "_start_method", lambda backend: launched.append(backend) or real_start_method(backend))
+    real_start_method = launch.start_method  # what every launch of ranks in this process asks for first
+    monkeypatch.setattr(launch, "start_method", lambda backend, *preload: launched.append(backend)
+                        or real_start_method(backend, *preload))
     yield
     if launched:
         pytest.fail("marked stack_independent but starts ranks in this process (launch): remove the mark")

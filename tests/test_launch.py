@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_siamese.runtime.launch import RankFailed, _start_method, ephemeral_ports, free_port, launch, start_rank_server
+from megatron_siamese.runtime.launch import RankFailed, ephemeral_ports, free_port, launch, start_method, start_rank_server
 
 pytestmark = pytest.mark.once("the launch is ours and torch's; every multi-rank test starts its ranks through it on "
                               "every stack")
@@ -103,7 +103,7 @@ def test_nccl_ranks_are_processes_that_may_start_cuda():
     import torch
 
     def refused(backend):
-        context = multiprocessing.get_context(_start_method(backend))
+        context = multiprocessing.get_context(start_method(backend))
         reader, writer = context.Pipe(duplex=False)
         process = context.Process(target=_report_cuda_refused, args=(writer,))
         process.start()

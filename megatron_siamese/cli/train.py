@@ -8,6 +8,7 @@ import argparse
 import os
 import signal
 import sys
+from typing import Optional
 
 from megatron_siamese.runtime.registry import ConfigError
 from megatron_siamese.versions import training_loop_problem
@@ -98,25 +99,47 @@ def run(options: argparse.Namespace) -> int:
     return start_ranks(ranks, flags)
 
 
-def start_ranks(ranks: int, flags: list) -> int:
-    """The job's ranks through torchrun's machinery; its exit status: 2 when the ranks refused the
-    flags (rank 0 said why), 1 when a rank failed (it printed its own error; torchrun's summary
-    names it)."""
-    print(f"megatron-siamese train: {ranks} rank{'s' if ranks > 1 else ''} on this host "
-          f"(torchrun --standalone --nproc-per-node {ranks})", flush=True)
+# imported once by the server the ranks fork from (beside runtime/launch.py's): Megatron-LM's loop, and the
+# tokenizer package its NullTokenizer imports (with transformers: seconds a rank would spend each)
+RANK_PRELOAD = ("megatron_siamese.runtime.pretrain", "megatron.training", "megatron.core.tokenizers.text.libraries")
+
+
+def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment: Optional[dict] = None) -> int:
+    """The job's ranks through torchrun's machinery (torch's elastic launch: a standalone rendezvous,
+    its agent here), each running ``runtime.pretrain`` with ``flags``; on CPU forked from a server that
+    imported Megatron-LM's loop once. Its exit status: 2 when the ranks refused the flags (rank 0 said
+    why), 1 when a rank failed (it printed its own error). ``log``: a file the ranks write their output
+    to; ``environment``: variables set in each rank."""
+    import uuid
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
 
+    from megatron_siamese import device
+    from megatron_siamese.runtime import launch
     from megatron_siamese.runtime.quiet import warning_options
 
+    started = (f"megatron-siamese train: {ranks} rank{'s' if ranks > 1 else ''} on this host "
+               f"(torchrun --standalone --nproc-per-node {ranks})")
+    if log is None:
+        print(started, flush=True)
+    else:
+        with open(log, "a") as out:
+            print(started, file=out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several ranks, without its notice
     os.environ.setdefault("PYTHONWARNINGS", warning_options())  # the notices Megatron warns at import
-    arguments = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(ranks), "--module",
-                                              "megatron_siamese.runtime.pretrain", *flags])
+    method = launch.start_method(device.backend(), RANK_PRELOAD)
+    # torchrun --standalone's rendezvous (torch.distributed.run.run), with a function for the ranks to run
+    arguments = get_args_parser().parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+                                              "--rdzv-id", str(uuid.uuid4()), "--nproc-per-node", str(ranks),
+                                              "--start-method", method, "--no-python", "megatron-siamese-rank"])
+    config, _, _ = config_from_args(arguments)
     try:
-        torchrun(arguments)
-    except SignalException as stopped:  # torchrun's agent passed it to every rank and waited for them
+        with launch.agent_in_this_process():
+            elastic_launch(config, train_rank)(flags, os.getpid(), log, environment or {})
+    except SignalException as stopped:  # torch's agent passed it to every rank and waited for them
         name = signal.Signals(stopped.sigval).name
         print(f"megatron-siamese train: stopped by {name}, which every rank was sent (under --exit-signal-handler "
               "each finishes its iteration and saves a checkpoint first)", file=sys.stderr, flush=True)
@@ -129,3 +152,38 @@ def start_ranks(ranks: int, flags: list) -> int:
               "(its own error is above)", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: dict) -> None:
+    """One rank of ``start_ranks``' job: Megatron-LM's loop with ``flags``, its output to ``log`` if given."""
+    import faulthandler
+    import multiprocessing
+    import traceback
+
+    import torch
+
+    from megatron_siamese.runtime import orphans, pretrain
+
+    orphans.watch(launcher_pid)  # a rank forked from the server outlives a killed launcher otherwise
+    # the server ignores Ctrl-C and its children inherit that: a rank ends on the signal the agent passes on
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    # a process forked from the server has its start method for default: a fresh rank has the platform's
+    # (Megatron's data loader workers are forked from the rank, with a local worker_init_fn)
+    multiprocessing.set_start_method(None, force=True)
+    os.environ.update(environment)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # the server may have started before it was set
+    if log is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+    faulthandler.enable()  # a crash leaves each thread's Python stack in the rank's output
+    sys.argv = ["megatron-siamese train", *flags]
+    try:
+        pretrain.main()
+    except Exception:  # torch's worker wrapper would keep the traceback to itself
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise

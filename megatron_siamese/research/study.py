@@ -12,8 +12,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
@@ -184,6 +182,7 @@ class RunFailed(RuntimeError):
 def train_run(plan: StudyPlan, job: Job) -> RunResult:
     """One run: ``megatron-siamese train`` on one rank, its output in ``train.log``; its losses,
     and for the addition task the accuracy of the model it saved."""
+    from megatron_siamese.cli.train import start_ranks
     from megatron_siamese.runtime.loss_curve import read_losses
     from megatron_siamese.runtime.pretrain_flags import CACHE_VARIABLE
 
@@ -191,10 +190,8 @@ def train_run(plan: StudyPlan, job: Job) -> RunResult:
     os.makedirs(directory, exist_ok=True)
     flags = _flags(plan, job, directory)
     log = os.path.join(directory, "train.log")
-    with open(log, "w") as out:
-        status = subprocess.call([sys.executable, "-m", "megatron_siamese.cli", "train", "--nproc-per-node", "1",
-                                  *flags], stdout=out, stderr=subprocess.STDOUT,
-                                 env={**os.environ, CACHE_VARIABLE: plan.cache_dir})
+    open(log, "w").close()
+    status = start_ranks(1, flags, log=log, environment={CACHE_VARIABLE: plan.cache_dir})
     if status:
         raise RunFailed(f"study run {job.name} exited with status {status}: see {log}")
     train, validation = read_losses(os.path.join(directory, "tensorboard"))

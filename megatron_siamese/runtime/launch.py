@@ -37,7 +37,7 @@ from megatron_siamese.runtime.launchers import Launch, LaunchError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
 from megatron_siamese.runtime.registry import ConfigError
 
-__all__ = ["RankFailed", "free_port", "launch", "run_job", "start_rank_server"]
+__all__ = ["RankFailed", "agent_in_this_process", "free_port", "launch", "run_job", "start_method", "start_rank_server"]
 
 
 class RankFailed(RuntimeError):
@@ -191,12 +191,13 @@ _PRELOAD = ["megatron_siamese.runtime.forkserver_preload", "torch", "megatron.co
             "megatron_siamese.models", "matplotlib.pyplot"]
 
 
-def _start_method(backend: str) -> str:
-    """On gloo, ranks forked from a clean server that imported torch and Megatron once. On NCCL, spawned:
-    those imports ask torch.cuda.is_available(), after which CUDA refuses to start in a forked process."""
+def start_method(backend: str, preload: Iterable[str] = ()) -> str:
+    """On gloo, ranks forked from a clean server that imported torch and Megatron once (and ``preload``,
+    where this process starts the server). On NCCL, spawned: those imports ask torch.cuda.is_available(),
+    after which CUDA refuses to start in a forked process."""
     if backend == "nccl":
         return "spawn"
-    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD[:1] + list(preload) + _PRELOAD[1:])
     known = warning_options()  # in the server before it imports Megatron (inherited when it starts)
     if known not in os.environ.get("PYTHONWARNINGS", ""):
         os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), known)))
@@ -209,7 +210,7 @@ def start_rank_server() -> None:
     if job.joined() is None and launchers.detect() is None and device.backend() == "gloo":
         from multiprocessing import forkserver
 
-        _start_method("gloo")
+        start_method("gloo")
         forkserver.ensure_running()
 
 
@@ -217,7 +218,7 @@ _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 @contextmanager
-def _agent_in_this_process():
+def agent_in_this_process():
     """torch's agent, run here: its log lines off (the failure is raised, said once), and this
     process's signal handlers, which the agent replaces with its own, given back after."""
     handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
@@ -262,13 +263,13 @@ def launch(
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"megatron-siamese-{uuid.uuid4()}",
                           rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
                           rdzv_configs={"rank": 0, "timeout": timeout_s},
-                          max_restarts=0, monitor_interval=0.05, start_method=_start_method(device.backend()),
+                          max_restarts=0, monitor_interval=0.05, start_method=start_method(device.backend()),
                           logs_specs=DefaultLogsSpecs(log_dir=os.path.join(directory, "agent")))
     console = mp.get_context(config.start_method).Queue()
     printer = threading.Thread(target=_print_lines, args=(console,), name="megatron-siamese-console", daemon=True)
     printer.start()
     try:
-        with _agent_in_this_process():
+        with agent_in_this_process():
             values = elastic_launch(config, _rank)(fn, args, timeout_s, directory, frozenset(quiet_ranks), os.getpid(),
                                                    console)
     except ChildFailedError as failed:
