@@ -138,7 +138,9 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
     config, _, _ = config_from_args(arguments)
     try:
         with launch.agent_in_this_process():
-            elastic_launch(config, train_rank)(flags, os.getpid(), log, environment or {})
+            # in each rank too: a server another command started has the environment it had then
+            inherited = {name: os.environ[name] for name in ("OMP_NUM_THREADS", "PYTHONWARNINGS")}
+            elastic_launch(config, train_rank)(flags, os.getpid(), log, {**inherited, **(environment or {})})
     except SignalException as stopped:  # torch's agent passed it to every rank and waited for them
         name = signal.Signals(stopped.sigval).name
         print(f"megatron-siamese train: stopped by {name}, which every rank was sent (under --exit-signal-handler "
@@ -161,6 +163,7 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
     import traceback
 
     import torch
+    import torch._dynamo
 
     from megatron_siamese.runtime import orphans, pretrain
 
@@ -172,7 +175,10 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
     # (Megatron's data loader workers are forked from the rank, with a local worker_init_fn)
     multiprocessing.set_start_method(None, force=True)
     os.environ.update(environment)
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # the server may have started before it was set
+    # what runtime.pretrain sets before torch's import, read at that import: a server another command
+    # started (study's accuracy runs, the check's) imported torch without it
+    torch._dynamo.config.disable = os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if log is not None:
         sys.stdout.flush()
         sys.stderr.flush()
