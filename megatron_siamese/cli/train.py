@@ -169,8 +169,7 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
 
     orphans.watch(launcher_pid)  # a rank forked from the server outlives a killed launcher otherwise
     # the server ignores Ctrl-C and its children inherit that: a rank ends on the signal the agent passes on
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    default_signal_handlers()
     # a process forked from the server has its start method for default: a fresh rank has the platform's
     # (Megatron's data loader workers are forked from the rank, with a local worker_init_fn)
     multiprocessing.set_start_method(None, force=True)
@@ -189,7 +188,42 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
     sys.argv = ["megatron-siamese train", *flags]
     try:
         pretrain.main()
+    except SystemExit:
+        deferred = pretrain.deferred_exit_signal()
+        if deferred is not None:  # Megatron's loop saved and stopped on a signal: the rank ends on it too
+            end_on_the_signal_soon(deferred)
+        raise
     except Exception:  # torch's worker wrapper would keep the traceback to itself
         traceback.print_exc()
         sys.stderr.flush()
         raise
+
+
+# how long a rank stopped by a signal waits for the agent to take its result; the agent reads every rank's
+# once all have returned, and ranks stopped by Megatron's signal handler return together (its all-gather)
+STOPPED_RANK_GRACE_S = 5.0
+
+
+def end_on_the_signal_soon(signum: int) -> None:
+    """A rank whose loop stopped on ``signum`` (held back by --exit-signal-handler until the checkpoint was
+    saved) ends on it, unless the agent takes its result first. The agent that sent the signal to stop
+    the job waits for its ranks to end, not for their results (torch's worker wrapper would wait for
+    that read until the agent's 30 s ran out and it killed the rank); ranks sent the signal by anyone
+    else return their results as usual."""
+    import threading
+    import time
+
+    def end():
+        time.sleep(STOPPED_RANK_GRACE_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signum, signal.SIG_DFL)  # here: only the main thread may set it
+
+    threading.Thread(target=end, name="end-on-the-signal", daemon=True).start()
+
+
+def default_signal_handlers() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)

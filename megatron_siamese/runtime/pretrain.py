@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 from functools import partial
+from typing import Optional
 
 # read by torch at import: before anything imports it (as runtime/megatron_lm.py does)
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -264,6 +265,18 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 
 
 datasets_provider.is_distributed = True  # every rank builds its own (pretrain_gpt.py's flag)
+
+
+def deferred_exit_signal() -> Optional[int]:
+    """The signal Megatron's --exit-signal-handler noted, if it did (its loop then saved and returned),
+    with the handler taken off: the process is to end on it."""
+    from megatron.training import global_vars
+
+    handler = global_vars._GLOBAL_SIGNAL_HANDLER  # its getter asserts that one was set
+    if handler is None or not handler._signal_received:
+        return None
+    handler.release()
+    return handler.sig
 
 
 def draw_the_loss_curve(args) -> None:
