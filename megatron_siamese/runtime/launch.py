@@ -54,7 +54,9 @@ def free_port() -> int:
     a port bound to 0 in between (another job's gloo listener) once got the same one."""
     low, _ = ephemeral_ports()
     candidates = range(max(1024, low - 10000), low)
-    for port in random.sample(candidates, min(64, len(candidates))):
+    # the OS's randomness, not the random module's state: a loaded checkpoint restores that state, and
+    # two processes that loaded the same one then tried the same ports at the same time
+    for port in random.SystemRandom().sample(candidates, min(64, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
