@@ -12,6 +12,10 @@ for the session instead of once per command. It returns what ``cli`` returns: th
 ``main`` gives ``sys.exit``, and what the command printed. Its ``env`` reaches the command but
 not its ranks: they are forked from the fork server, which keeps the environment it started
 with, so a test whose ranks must see a variable uses ``cli``.
+
+``train_here`` is ``train``'s own way to start its ranks (``start_ranks``) called from this process:
+where the launch is not the subject, a training run costs its ranks' training, not their imports.
+Its ``env`` reaches the ranks, and their output comes back.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 CLI = [sys.executable, "-m", "megatron_siamese.cli"]
 
@@ -66,6 +70,43 @@ def cli_here(*args, env: Optional[Dict[str, str]] = None) -> subprocess.Complete
     done = subprocess.CompletedProcess(["megatron-siamese", *argv], code, out.getvalue(), err.getvalue())
     done.seconds = time.monotonic() - start
     return done
+
+
+def train_here(*flags, ranks: int, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """``megatron-siamese train --nproc-per-node RANKS FLAGS`` without the command's own parsing
+    (``--compare``, ``--help``): ``.returncode`` (what it would exit with), ``.stdout`` (its ranks'
+    output, through a file) and ``.stderr`` (what the command said about them)."""
+    import tempfile
+
+    from megatron_siamese.cli.train import start_ranks
+
+    argv = [str(a) for a in flags]
+    err = io.StringIO()
+    start = time.monotonic()
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as log, contextlib.redirect_stderr(err):
+        code = start_ranks(ranks, argv, log=log.name, environment=env)
+        out = log.read()
+    done = subprocess.CompletedProcess(["megatron-siamese", "train", "--nproc-per-node", str(ranks), *argv], code,
+                                       out, err.getvalue())
+    done.seconds = time.monotonic() - start
+    return done
+
+
+def record_rank_starts(monkeypatch) -> List[int]:
+    """From now until the test ends, every start of ranks in this process (``launch.launch``, which
+    every command's ``run_job`` goes through when no launcher started this process), as the
+    number of ranks started: for a test that claims ``cli_here`` refused before any rank started."""
+    from megatron_siamese.runtime import launch
+
+    started: List[int] = []
+    real = launch.launch
+
+    def recorded(fn, world_size, *args, **kwargs):
+        started.append(world_size)
+        return real(fn, world_size, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "launch", recorded)
+    return started
 
 
 def megatron_lm_args(argv):

@@ -200,17 +200,14 @@ def trained_run(tmp_path_factory, corpus_cache) -> Path:
     on one rank (SMALL_RUN) with checkpoints at steps 2 and 4 in ``checkpoints/``, for the tests of
     the commands that read a checkpoint (a test that changes it works on a copy: shutil.copytree).
     megatron-core 0.16.1 has no such loop: the tests that need it are skipped there."""
-    import subprocess
-
+    from cli_runs import train_here
     from megatron_siamese.versions import ships_megatron_training
 
     if not ships_megatron_training():
         pytest.skip("megatron-core < 0.17: no Megatron-LM loop to train the checkpoint with")
     root = tmp_path_factory.mktemp("trained") / "run"
-    done = subprocess.run([sys.executable, "-m", "megatron_siamese.cli", "train", *SMALL_RUN, "--train-iters", "4",
-                           "--save", str(root / "checkpoints"), "--save-interval", "2"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "MEGATRON_SIAMESE_CACHE": corpus_cache})
+    done = train_here(*SMALL_RUN, "--train-iters", "4", "--save", root / "checkpoints", "--save-interval", "2",
+                      ranks=1, env={"MEGATRON_SIAMESE_CACHE": corpus_cache})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(logged_losses(done.stdout)) == [1, 2, 3, 4], done.stdout[-3000:]
     return root

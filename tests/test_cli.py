@@ -7,8 +7,7 @@ import argparse
 import shutil
 
 import pytest
-from cli_refusals import record_rank_starts
-from cli_runs import cli, cli_here
+from cli_runs import cli, cli_here, record_rank_starts
 
 from megatron_siamese.cli import build_parser
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megatron_siamese.runtime.launch import free_port
+from cli_runs import train_here
 from megatron_siamese.runtime.loss_curve import read_losses
 from megatron_siamese.versions import installed_megatron_core
 
@@ -37,20 +37,28 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 VALIDATION = re.compile(r"validation loss at iteration \d+ on validation set \| lm loss value: ([0-9.E+-]+)")
 
 
-def pretrain(*flags, ranks=2, cache=None, expect_failure=False, torchrun=True):
-    """``megatron-siamese train`` as a rank of torchrun's job, or (``torchrun=False``) starting its ranks itself."""
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-                 str(free_port()), "-m", "megatron_siamese.cli", "train"] if torchrun else
-                [sys.executable, "-m", "megatron_siamese.cli", "train", "--nproc-per-node", str(ranks)])
-    command = [*launcher, *MODEL, *flags]
-    environment = dict(os.environ, **({"MEGATRON_SIAMESE_CACHE": cache} if cache else {}))
-    process = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+def pretrain(*flags, ranks=2, cache=None, expect_failure=False, launcher="here"):
+    """``megatron-siamese train`` with ``flags``, its output: its ranks started as the command starts them,
+    from this process (``launcher="here"``: where the launch is not the subject), by the command
+    itself (``"cli"``), or as ranks of a torchrun job (``"torchrun"``)."""
+    environment = {"MEGATRON_SIAMESE_CACHE": cache} if cache else {}
+    if launcher == "here":
+        done = train_here(*MODEL, *flags, ranks=ranks, env=environment)
+    else:
+        # --standalone: the rendezvous on a port the kernel picks as it listens (a port picked first was
+        # taken meanwhile by another job once: EADDRINUSE)
+        command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                    "-m", "megatron_siamese.cli", "train"] if launcher == "torchrun" else
+                   [sys.executable, "-m", "megatron_siamese.cli", "train", "--nproc-per-node", str(ranks)])
+        done = subprocess.run([*command, *MODEL, *flags], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **environment})
+    output = done.stdout + done.stderr
     if expect_failure:  # True: any failure; a number: that exit status
-        assert process.returncode != 0 if expect_failure is True else process.returncode == expect_failure, \
-            (process.returncode, process.stdout[-3000:] + process.stderr[-3000:])
-        return process.stdout + process.stderr
-    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
-    return process.stdout
+        assert done.returncode != 0 if expect_failure is True else done.returncode == expect_failure, \
+            (done.returncode, output[-6000:])
+    else:
+        assert done.returncode == 0, output[-6000:]
+    return output
 
 
 def losses(log):
@@ -60,9 +68,10 @@ def losses(log):
 @needs_training
 def test_pp2_with_experts_and_multi_token_prediction_trains_in_megatrons_loop():
     """The block spec follows the flags as Megatron's own does: MoE every other layer, an MTP block."""
+    # as ranks of torchrun's job; --distributed-backend given as --flag=value: not added
     log = pretrain("--train-iters", "2", "--distributed-backend=gloo", "--pipeline-model-parallel-size", "2",
                    "--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", "2", "--mtp-num-layers", "1",
-                   "--position-embedding-type", "rope", "--disable-bias-linear", *MOCK_DATA)  # --distributed-backend given as --flag=value: not added
+                   "--position-embedding-type", "rope", "--disable-bias-linear", *MOCK_DATA, launcher="torchrun")
     assert "no GPU, so on CPU with --transformer-impl local --no-persist-layer-norm" in log
     assert "one_logger (NVIDIA's internal metrics package) is not installed, so --no-one-logger" in log
     assert "confluence.nvidia.com" not in log  # Megatron-LM's pointer to install it, inside NVIDIA only
@@ -91,7 +100,7 @@ def test_dp2_and_cp2_train_alike_on_the_embedded_corpus_without_data_flags(corpu
     chunks of every sequence, Megatron's split) must log one loss curve."""
     common = ("--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
               "--position-embedding-type", "rope")
-    dp2 = pretrain(*common, cache=corpus_cache)
+    dp2 = pretrain(*common, cache=corpus_cache, launcher="torchrun")
     assert "no data source given, so the embedded corpus: --data-path " + corpus_cache in dp2
     assert "--tokenizer-type NullTokenizer --vocab-size 258 --null-tokenizer-eod-id 256" in dp2
     assert sorted(losses(dp2)) == [1, 2, 3] and untrained(losses(dp2)[1])
@@ -155,7 +164,7 @@ def uninterrupted(tmp_path_factory):
     """Each iteration's loss and the validation loss (TensorBoard's) of the TP 2 run the interrupted
     ones are compared with."""
     board = tmp_path_factory.mktemp("whole")
-    pretrain(*TP2_TB, "--tensorboard-dir", str(board), torchrun=False)
+    pretrain(*TP2_TB, "--tensorboard-dir", str(board))
     return read_losses(str(board))
 
 
@@ -257,9 +266,13 @@ def test_sigterm_saves_under_the_exit_signal_handler_and_the_resume_is_bitwise_t
     import signal
     command = [*CLI, *MODEL, *TP2_TB, "--tensorboard-dir", str(tmp_path / "tb"), "--save", str(tmp_path / "ckpt"),
                "--load", str(tmp_path / "ckpt"), "--save-interval", "100", "--exit-signal-handler"]
-    status, log = interrupted(command, r"iteration\s+3/", lambda process: process.send_signal(signal.SIGTERM),
+    signalled = []
+    status, log = interrupted(command, r"iteration\s+3/",
+                              lambda process: signalled.append(time.monotonic()) or process.send_signal(signal.SIGTERM),
                               tmp_path / "log")
     assert status == 128 + signal.SIGTERM, log[-3000:]
+    # the ranks end once saved (cli/train.py, end_on_the_signal_soon): not killed by torch's agent 30 s on
+    assert time.monotonic() - signalled[0] < 25
     assert "megatron-siamese train: stopped by SIGTERM, which every rank was sent" in log
     saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
     assert 3 <= saved < 10 and sorted(losses(log)) == list(range(1, saved + 1))
@@ -334,7 +347,7 @@ def test_what_it_trains_export_and_generate_read_by_its_flags(tmp_path, corpus_c
 
     saved = tmp_path / "checkpoints"
     log = pretrain("--tensor-model-parallel-size", "2", "--train-iters", "2", "--norm", "siamese", "--save",
-                   str(saved), "--save-interval", "2", torchrun=False, cache=corpus_cache)
+                   str(saved), "--save-interval", "2", cache=corpus_cache)
     assert "megatron-siamese train: 2 ranks on this host (torchrun --standalone --nproc-per-node 2)" in log
     assert sorted(losses(log)) == [1, 2]
     checkpoint = read_checkpoint(str(saved))
@@ -358,11 +371,11 @@ def test_a_user_is_told_our_flags_and_megatrons_refusals_in_one_line(tmp_path):
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "--tensor-model-parallel-size" in shown.stdout and "SiameseNorm (megatron_siamese):" in shown.stdout
     assert "--norm {siamese,siamese-layer,siamese-hybrid,pre,post,hybridnorm,mixln}" in shown.stdout
-    refused = pretrain("--train-iters", "1", "--save", str(tmp_path), ranks=1, expect_failure=2, torchrun=False,
+    refused = pretrain("--train-iters", "1", "--save", str(tmp_path), ranks=1, expect_failure=2,
                        cache=str(tmp_path / "cache"))
     assert "Megatron-LM refuses these flags: `assert args.save_interval is not None` (arguments.py:" in refused
     assert "exited with status" not in refused and "Traceback" not in refused
-    renamed = pretrain("--tp", "1", "--steps", "3", ranks=2, expect_failure=2, torchrun=False)  # said once, by rank 0
+    renamed = pretrain("--tp", "1", "--steps", "3", ranks=2, expect_failure=2, launcher="cli")  # said once, by rank 0
     assert renamed.count("megatron-siamese train: error: unrecognized arguments: --tp 1 --steps 3 (in Megatron-LM's "
                          "flags: --tp is --tensor-model-parallel-size; --steps is --train-iters)") == 1, renamed
     mismatched = pretrain("--norm", "post", "--mix-ln-alpha", "0.5", *MOCK_DATA, ranks=1, expect_failure=True)
@@ -375,7 +388,7 @@ def test_compare_runs_each_scheme_with_the_same_flags_and_tables_their_losses(tm
     table's last losses those each run logged, both curves in one PNG."""
     board = tmp_path / "tb"
     log = pretrain("--compare", "pre,siamese", "--train-iters", "3", "--tensorboard-dir", str(board), "--save",
-                   str(tmp_path / "ckpt"), "--save-interval", "3", *MOCK_DATA, ranks=1, torchrun=False)
+                   str(tmp_path / "ckpt"), "--save-interval", "3", *MOCK_DATA, ranks=1, launcher="cli")
     runs = log.split("megatron-siamese train --compare: --norm ")[1:]
     assert [run.split(" ", 1)[0] for run in runs] == ["pre", "siamese"]
     table = {norm: (train, validation) for norm, train, validation in
@@ -386,7 +399,7 @@ def test_compare_runs_each_scheme_with_the_same_flags_and_tables_their_losses(tm
     assert logged[0] != logged[1]  # two models
     assert (board / "compare.png").read_bytes().startswith(b"\x89PNG")
     assert {path.name for path in (tmp_path / "ckpt").iterdir()} == {"pre", "siamese"}
-    refused = pretrain("--compare", "pre", "--norm", "pre", ranks=1, torchrun=False, expect_failure=True)
+    refused = pretrain("--compare", "pre", "--norm", "pre", ranks=1, launcher="cli", expect_failure=True)
     assert "--compare pre: name two schemes or more" in refused and "--compare sets --norm for each run" in refused
 
 
