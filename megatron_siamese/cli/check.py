@@ -72,7 +72,7 @@ CASE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Model
 
 def add_case_flags(parser: argparse.ArgumentParser) -> None:
     settings = definitions(ModelSettings)
-    group = parser.add_argument_group("model and precision (train's flags; defaults: the check's tiny GPT)")
+    group = parser.add_argument_group("model and precision (Megatron-LM's flag names; defaults: the check's tiny GPT)")
     for name in CASE_SETTINGS:
         # train's own default, where its help names one, is not the check's
         help = re.sub(r" \(\)", "", re.sub(r"(; )?default: [^)]*\)", ")", settings[name].help))

@@ -16,7 +16,7 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
                     "checkpoint saved at any layout, run at the layout given here (docs/inference.md).",
         formatter_class=flags.HelpFormatter)
     parser.add_argument("--load", required=True, metavar="CHECKPOINT",
-                        help="a run's directory (train --output-dir), its checkpoints directory or one iter_<N> in it; "
+                        help="a run's directory (scripts/run.sh's runs/<time>), its checkpoints directory or one iter_<N> in it; "
                              "the model settings are the checkpoint's")
     parser.add_argument("--prompt", required=True, action="append", metavar="TEXT",
                         help="a prompt (repeat the flag for several: they are generated as one batch)")

@@ -33,7 +33,7 @@ def _export_parser(commands, name: str) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help="a checkpoint as a Hugging Face Transformers model directory",
                                  description=EXPORT_DESCRIPTION, formatter_class=flags.HelpFormatter)
     parser.add_argument("--load", required=True, metavar="CHECKPOINT",
-                        help="a run's directory (train --output-dir), its checkpoints directory or one iter_<N> in it "
+                        help="a run's directory (scripts/run.sh's runs/<time>), its checkpoints directory or one iter_<N> in it "
                              "(any TP/PP/VPP layout)")
     parser.add_argument("--output-dir", required=True, help="the new model directory (must not exist)")
     return parser

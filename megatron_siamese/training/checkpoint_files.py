@@ -102,7 +102,7 @@ def _tracked(path: str) -> Optional[str]:
     return None
 
 
-RUN_CHECKPOINTS = "checkpoints"  # where a run's directory (train --output-dir) keeps its checkpoints
+RUN_CHECKPOINTS = "checkpoints"  # where a run's directory (scripts/run.sh's runs/<time>) keeps its checkpoints
 
 
 def resolve(path: str) -> str:
