@@ -2,8 +2,10 @@
 our ``--spec`` (one CPU process through runtime/megatron_lm.py, listening on 127.0.0.1 only):
 one PUT /api request's greedy tokens and log-probabilities are the checkpoint's own, computed
 without a KV cache from its exported Transformers model, which the export checks against the
-Megatron model (docs/megatron-lm.md, "Serving"). Skipped unless MEGATRON_LM names a Megatron-LM
-work tree (tag core_v0.16.1 with megatron-core 0.16.1) and flask/flask-restful are importable."""
+Megatron model (docs/megatron-lm.md, "Serving"). The checkpoint is trained by ``megatron-siamese
+train`` (Megatron-LM's loop, megatron-core >= 0.17). Skipped unless MEGATRON_LM names a Megatron-LM
+work tree of the installed release (core_v0.19.x with megatron-core 0.19.2: its script needs the
+one-name fix docs/megatron-lm.md gives) and flask/flask-restful are importable."""
 
 import importlib.util
 import json
@@ -20,50 +22,53 @@ REPO = Path(__file__).resolve().parent.parent
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "")
 SERVER = os.path.join(MEGATRON_LM, "tools", "run_text_generation_server.py")
 pytestmark = pytest.mark.skipif(
-    not os.path.isfile(SERVER) or importlib.util.find_spec("flask_restful") is None
+    not os.path.isfile(SERVER) or importlib.util.find_spec("megatron.training") is None or importlib.util.find_spec("flask_restful") is None
     or importlib.util.find_spec("transformers") is None,
-    reason="set MEGATRON_LM to a Megatron-LM work tree (core_v0.16.1) and put flask, flask-restful and the packages "
+    reason="set MEGATRON_LM to a Megatron-LM work tree (core_v0.19.x, megatron-core 0.19.2) and put flask, flask-restful and the packages "
            "docs/megatron-lm.md lists on PYTHONPATH (and install the [hf] extra) to serve a checkpoint with its "
            "text generation server",
 )
 
-# the model, in our trainer's flags and Megatron-LM's (docs/megatron-lm.md: what has to agree)
+# the model, in the flags of `megatron-siamese train` (Megatron-LM's) and of the server alike
 LAYERS, HIDDEN, HEADS, FFN, SEQ = 2, 32, 2, 128, 32
 MODEL = ["--num-layers", LAYERS, "--hidden-size", HIDDEN, "--num-attention-heads", HEADS, "--ffn-hidden-size", FFN,
-         "--seq-length", SEQ]
+         "--seq-length", SEQ, "--max-position-embeddings", SEQ, "--position-embedding-type", "rope",
+         "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--hidden-dropout", "0",
+         "--attention-dropout", "0"]
 PROMPT = list(b"And God said")  # token ids: NullTokenizer's text is the ids, space-separated
 NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A SiameseNorm checkpoint (the --spec layer: --norm siamese-layer) trained for 300 steps (10 s;
-    it then continues "And God said" with " the the", not one byte repeated)."""
-    out = tmp_path_factory.mktemp("run")
+    """A SiameseNorm checkpoint (the --spec layer: --norm siamese-layer) trained for 300 steps on the
+    embedded corpus (it then continued "And God said" with " the the", not one byte repeated, when
+    our old loop trained it)."""
+    out = str(tmp_path_factory.mktemp("run") / "checkpoints")
     done = subprocess.run(
-        [sys.executable, "-m", "megatron_siamese.cli", "train", "--norm", "siamese-layer", "--tp", "1",
-         *map(str, MODEL), "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "300",
-         "--lr-warmup-iters", "10", "--lr", "1e-2", "--min-lr", "1e-3", "--eval-interval", "1000", "--eval-iters", "1",
-         "--save-interval", "300", "--no-progress", "--cache-dir", str(tmp_path_factory.mktemp("cache")),
-         "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return str(out / "checkpoints")
+        [sys.executable, "-m", "megatron_siamese.cli", "train", "--norm", "siamese-layer", *map(str, MODEL),
+         "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "300", "--lr-warmup-iters", "10",
+         "--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "cosine", "--eval-interval", "1000",
+         "--eval-iters", "1", "--save", out, "--save-interval", "300"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "MEGATRON_SIAMESE_CACHE": str(tmp_path_factory.mktemp("cache"))})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
 
 
 def server_command(checkpoint: str, port: int):
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
         "-m", "megatron_siamese.runtime.megatron_lm", "tools/run_text_generation_server.py",
-        "--spec", "megatron_siamese.specs", "siamese_layer_spec", *map(str, MODEL), "--max-position-embeddings", SEQ,
+        "--spec", "megatron_siamese.specs", "siamese_layer_spec", *map(str, MODEL),
         "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-        "--no-bias-dropout-fusion", "--no-rope-fusion", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-        "--micro-batch-size", "1", "--seed", "1234",
-        # our byte vocabulary (258 ids) padded to 320, as the trainer pads it
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "257", "--make-vocab-size-divisible-by", "64",
+        "--no-bias-dropout-fusion", "--no-rope-fusion",
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1",
+        "--seed", "1234",
+        # the byte vocabulary as `train` gives it (258 ids), padded as Megatron-LM pads it (384 at TP 1)
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "258", "--null-tokenizer-eod-id", "256",
+        "--null-tokenizer-pad-id", "257",
         "--load", checkpoint, "--ckpt-format", "torch_dist", "--port", port, "--inference-max-seq-length", SEQ,
     ]
 
