@@ -147,6 +147,22 @@ def test_every_flag_has_help_and_shows_its_default(command):
         assert shown.count("default:") == (0 if sets_other_value else 1), (command, action.option_strings, shown)
 
 
+@pytest.mark.stack_independent
+def test_a_stopped_train_says_whether_its_ranks_saved_on_the_signal():
+    """Only Megatron's --exit-signal-handler, on its --exit-signal (SIGTERM unless given), saves before
+    the ranks stop: Ctrl-C said it did, and nothing was saved."""
+    import signal
+
+    from megatron_siamese.cli.train import what_the_ranks_did_on
+
+    saves = " (under --exit-signal-handler each finishes its iteration and saves a checkpoint first)"
+    assert what_the_ranks_did_on(signal.SIGTERM, ["--exit-signal-handler"]) == saves
+    assert what_the_ranks_did_on(signal.SIGUSR1, ["--exit-signal-handler", "--exit-signal", "SIGUSR1"]) == saves
+    assert what_the_ranks_did_on(signal.SIGINT, ["--exit-signal-handler"]) == \
+        "; no checkpoint was saved on it (--exit-signal-handler saves one on SIGTERM first)"
+    assert what_the_ranks_did_on(signal.SIGTERM, ["--save", "ckpt"]).startswith("; no checkpoint was saved")
+
+
 def test_subcommands_list_only_their_own_flags():
     from megatron_siamese.versions import ships_megatron_training
 

@@ -380,6 +380,17 @@ def test_a_user_is_told_our_flags_and_megatrons_refusals_in_one_line(tmp_path):
                          "flags: --tp is --tensor-model-parallel-size; --steps is --train-iters)") == 1, renamed
     mismatched = pretrain("--norm", "post", "--mix-ln-alpha", "0.5", *MOCK_DATA, ranks=1, expect_failure=True)
     assert "--mix-ln-alpha applies to --norm mixln, not --norm post: drop it" in mismatched
+    # rank 0 says it though another rank exits first (rank 1 or 2 did at PP 3, and nothing was said)
+    indivisible = pretrain("--pipeline-model-parallel-size", "3", "--num-layers", "4", *MOCK_DATA, ranks=3,
+                           expect_failure=2)
+    assert "Number of layers should be divisible by the pipeline-model-parallel size" in indivisible, indivisible
+    # not a TypeError in torch's Adam, or in Megatron-LM's count of evaluations
+    unset = train_here(*[word for flag in zip(MODEL[::2], MODEL[1::2]) if flag[0] not in ("--lr", "--eval-interval")
+                         for word in flag], *MOCK_DATA, ranks=1)
+    assert unset.returncode == 2 and "Traceback" not in unset.stdout, unset.stdout[-3000:]
+    assert "--lr: Megatron-LM's loop needs it and has no default; give it (the embedded job's, which model flags such " \
+           "as --num-layers leave out, is --lr 2e-3)" in unset.stdout
+    assert "--eval-interval: Megatron-LM's loop needs it" in unset.stdout
 
 
 @needs_training

@@ -18,7 +18,7 @@ Pretrain a GPT with Megatron-LM's own training loop (megatron.training.pretrain)
 checkpoints (--save/--load, --save-interval, --async-save, --exit-signal-handler), its logs
 (iteration lines, --tensorboard-dir, --wandb-project), with SiameseNorm's layers (--norm picks
 another residual scheme). With no model flags (--num-layers) it trains the embedded default: a
-4-layer GPT on the King James Bible, byte tokens, 300 steps; with no data flags, on that corpus.
+4-layer GPT on the King James Bible, byte tokens, 300 iterations; with no data flags, on that corpus.
 
 Without a GPU it runs on CPU with gloo. The command's own flags:
   --nproc-per-node N    ranks to start without torchrun (default: TP x PP x CP x EP, so DP 1; more
@@ -110,6 +110,7 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
     imported Megatron-LM's loop once. Its exit status: 2 when the ranks refused the flags (rank 0 said
     why), 1 when a rank failed (it printed its own error). ``log``: a file the ranks write their output
     to; ``environment``: variables set in each rank."""
+    import tempfile
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -132,9 +133,12 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
     os.environ.setdefault("PYTHONWARNINGS", warning_options())  # the notices Megatron warns at import
     method = launch.start_method(device.backend(), RANK_PRELOAD)
     # torchrun --standalone's rendezvous (torch.distributed.run.run), with a function for the ranks to run
+    # the agent's files in a directory removed after (torchrun's default, a new /tmp/torchelastic_* each run, stays)
+    agent_files = tempfile.TemporaryDirectory(prefix="megatron-siamese-agent-")
     arguments = get_args_parser().parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
                                               "--rdzv-id", str(uuid.uuid4()), "--nproc-per-node", str(ranks),
-                                              "--start-method", method, "--no-python", "megatron-siamese-rank"])
+                                              "--start-method", method, "--log-dir", agent_files.name,
+                                              "--no-python", "megatron-siamese-rank"])
     config, _, _ = config_from_args(arguments)
     try:
         with launch.agent_in_this_process():
@@ -142,9 +146,8 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
             inherited = {name: os.environ[name] for name in ("OMP_NUM_THREADS", "PYTHONWARNINGS")}
             elastic_launch(config, train_rank)(flags, os.getpid(), log, {**inherited, **(environment or {})})
     except SignalException as stopped:  # torch's agent passed it to every rank and waited for them
-        name = signal.Signals(stopped.sigval).name
-        print(f"megatron-siamese train: stopped by {name}, which every rank was sent (under --exit-signal-handler "
-              "each finishes its iteration and saves a checkpoint first)", file=sys.stderr, flush=True)
+        print(f"megatron-siamese train: stopped by {signal.Signals(stopped.sigval).name}, which every rank was sent"
+              f"{what_the_ranks_did_on(stopped.sigval, flags)}", file=sys.stderr, flush=True)
         return 128 + stopped.sigval
     except ChildFailedError as failure:
         if any(error.exitcode == 2 for error in failure.failures.values()):  # a usage error: rank 0 said it
@@ -153,7 +156,19 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
         print(f"megatron-siamese train: error: rank {rank} exited with status {error.exitcode} "
               "(its own error is above)", file=sys.stderr, flush=True)
         return 1
+    finally:
+        agent_files.cleanup()
     return 0
+
+
+def what_the_ranks_did_on(signum: int, flags: list) -> str:
+    """Whether Megatron's --exit-signal-handler had the ranks save on ``signum`` before they stopped."""
+    from megatron_siamese.runtime.pretrain_flags import flag_value
+
+    exit_signal = flag_value(flags, "--exit-signal") or "SIGTERM"  # Megatron-LM's default
+    if "--exit-signal-handler" in flags and exit_signal in (signal.Signals(signum).name, str(signum)):
+        return " (under --exit-signal-handler each finishes its iteration and saves a checkpoint first)"
+    return f"; no checkpoint was saved on it (--exit-signal-handler saves one on {exit_signal} first)"
 
 
 def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: dict) -> None:
@@ -166,9 +181,9 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
     import torch._dynamo
 
     from megatron_siamese.runtime import orphans, pretrain
+    from megatron_siamese.runtime.launch import default_signal_handlers
 
     orphans.watch(launcher_pid)  # a rank forked from the server outlives a killed launcher otherwise
-    # the server ignores Ctrl-C and its children inherit that: a rank ends on the signal the agent passes on
     default_signal_handlers()
     # a process forked from the server has its start method for default: a fresh rank has the platform's
     # (Megatron's data loader workers are forked from the rank, with a local worker_init_fn)
@@ -220,10 +235,4 @@ def end_on_the_signal_soon(signum: int) -> None:
         os.kill(os.getpid(), signum)
 
     signal.signal(signum, signal.SIG_DFL)  # here: only the main thread may set it
-
     threading.Thread(target=end, name="end-on-the-signal", daemon=True).start()
-
-
-def default_signal_handlers() -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)

@@ -37,7 +37,8 @@ from megatron_siamese.runtime.launchers import Launch, LaunchError
 from megatron_siamese.runtime.quiet import silence_known_notices, warning_options
 from megatron_siamese.runtime.registry import ConfigError
 
-__all__ = ["RankFailed", "agent_in_this_process", "free_port", "launch", "run_job", "start_method", "start_rank_server"]
+__all__ = ["RankFailed", "agent_in_this_process", "default_signal_handlers", "free_port", "launch", "run_job",
+           "start_method", "start_rank_server"]
 
 
 class RankFailed(RuntimeError):
@@ -100,10 +101,7 @@ def _rank(fn, args, timeout_s: float, directory: str, quiet: frozenset, launcher
     bytes (torch's shared-memory handles of tensors die with this process)."""
     launch = launchers.detect()
     orphans.watch(launcher_pid)  # the fork server, this rank's parent, outlives a killed launcher
-    # the fork server ignores Ctrl-C and its children inherit that: a rank ends on the stop signal
-    # torch's agent passes on (Ctrl-C as KeyboardInterrupt), not 30 s later on its SIGKILL
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    default_signal_handlers()
     job.set_console(console)  # rank 0's lines for the user, printed by the launcher
     if launch.rank in quiet:
         for stream in (sys.stdout, sys.stderr):
@@ -129,6 +127,14 @@ def _rank(fn, args, timeout_s: float, directory: str, quiet: frozenset, launcher
         raise
     finally:
         job.leave()
+
+
+def default_signal_handlers() -> None:
+    """In a rank forked from the server: the fork server ignores Ctrl-C and its children inherit that,
+    so the rank ends on the stop signal torch's agent passes on (Ctrl-C as KeyboardInterrupt), not
+    30 s later on its SIGKILL."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
 def _print_lines(console) -> None:

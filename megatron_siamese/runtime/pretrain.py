@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from megatron_siamese import device  # noqa: E402
 from megatron_siamese.runtime import pretrain_load as load  # noqa: E402
-from megatron_siamese.runtime.pretrain_flags import add_defaults, refuse  # noqa: E402
+from megatron_siamese.runtime.pretrain_flags import EMBEDDED_JOB, add_defaults, exit_refused, refuse  # noqa: E402
 from megatron_siamese.versions import speaks_for_the_job  # noqa: E402
 
 def require_megatron_training() -> None:
@@ -81,7 +81,7 @@ def megatron_parser(usage: str = USAGE):
     class Parser(argparse.ArgumentParser):
         def error(self, message):
             if not speaks_for_the_job():  # every rank refuses the same flags; rank 0 says so
-                self.exit(2)
+                exit_refused()
             if message.startswith("unrecognized arguments:"):
                 renamed = [f"{flag} is {OUR_LOOP_FLAGS[flag]}" for flag in message.split(":", 1)[1].split()
                            if flag.split("=", 1)[0] in OUR_LOOP_FLAGS]
@@ -314,6 +314,12 @@ NOT_FOLLOWED = (("--sft", "sft", False), ("--fim-data", "fim_data", False),
                 ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", False))
 
 
+# Megatron-LM's flags its loop needs that have no default: left out, it failed with a TypeError (torch's Adam
+# comparing a None learning rate; the evaluation count dividing by a None interval)
+NEEDED_WITHOUT_DEFAULT = (("--lr", "lr"), ("--eval-interval", "eval_interval"))
+EMBEDDED = {flag[0]: flag[1] for flag in EMBEDDED_JOB if len(flag) == 2}
+
+
 def refuse_what_is_not_followed(args) -> None:
     given = [flag for flag, name, off in NOT_FOLLOWED if getattr(args, name, off) != off]
     if given:
@@ -346,6 +352,9 @@ def main() -> None:
     refuse_what_is_not_followed(args)
     problems = scheme_problems(args)
     problems += [problem] if (problem := load.checkpoint_problem(args)) else []
+    problems += [f"{flag}: Megatron-LM's loop needs it and has no default; give it (the embedded job's, which model "
+                 f"flags such as --num-layers leave out, is {flag} {EMBEDDED[flag]})"
+                 for flag, name in NEEDED_WITHOUT_DEFAULT if getattr(args, name) is None]
     if problems:
         refuse(problems)
     if load.loads_weights_only(args):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 
 from megatron_siamese.versions import speaks_for_the_job
 
@@ -82,10 +83,22 @@ SAID_OTHERWISE = {"--lr-warmup-fraction": ("--lr-warmup-iters", "--lr-warmup-sam
                   "--train-iters": ("--train-samples",), "--lr-decay-style": ("--lr-wsd-decay-style",)}
 
 
+# how long the job's other ranks, refusing the flags rank 0 refuses, wait before they exit: the first rank to
+# exit has torch's agent stop the rest, and a silent one first (rank 1 or 2 at PP 3) left no reason printed
+OTHER_RANKS_WAIT_S = 10.0
+
+
 def refuse(problems: list) -> None:
     """Flags every rank refuses alike: rank 0 says why, once; each rank exits 2 (a usage error)."""
     if speaks_for_the_job():
         print("\n".join(f"megatron-siamese train: {problem}" for problem in problems), file=sys.stderr, flush=True)
+    exit_refused()
+
+
+def exit_refused() -> None:
+    """Exit 2, after rank 0 where this is another rank (it says why, and its exit stops this one)."""
+    if not speaks_for_the_job():
+        time.sleep(OTHER_RANKS_WAIT_S)
     raise SystemExit(2)
 
 
