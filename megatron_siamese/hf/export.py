@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional
@@ -186,9 +187,16 @@ def verify(model, directory: str) -> float:
     positions = torch.arange(tokens.shape[1])[None]
     causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).triu(1)[None, None]
     device = next(model.parameters()).device
+    exported = load_exported(directory)
     with torch.no_grad():
         expected = megatron(tokens.to(device), positions.to(device), causal.to(device)).float().cpu()
-        actual = load_exported(directory)(tokens).logits.float()
+        actual = exported(tokens).logits.float()
+    # Transformers copied the modeling file into its modules cache under this (temporary) directory's name,
+    # transformers_modules.<name>[.<hash>].modeling_siamese: a new copy there for every export, kept for good
+    cached = sys.modules[type(exported).__module__].__file__
+    for _ in type(exported).__module__.split(".")[2:]:
+        cached = os.path.dirname(cached)
+    shutil.rmtree(cached, ignore_errors=True)
     error = float((actual - expected).abs().max() / expected.abs().max())
     if not error <= tolerance:
         raise ExportError(f"the exported model's logits differ from the checkpoint's by {error:.2e} of their "
