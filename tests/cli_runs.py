@@ -83,9 +83,17 @@ def train_here(*flags, ranks: int, env: Optional[Dict[str, str]] = None) -> subp
     argv = [str(a) for a in flags]
     err = io.StringIO()
     start = time.monotonic()
-    with tempfile.NamedTemporaryFile("r", suffix=".log") as log, contextlib.redirect_stderr(err):
-        code = start_ranks(ranks, argv, log=log.name, environment=env)
-        out = log.read()
+    kept = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONWARNINGS")}  # start_ranks sets them
+    try:
+        with tempfile.NamedTemporaryFile("r", suffix=".log") as log, contextlib.redirect_stderr(err):
+            code = start_ranks(ranks, argv, log=log.name, environment=env)
+            out = log.read()
+    finally:  # for its ranks, not for the session's later subprocesses
+        for name, value in kept.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     done = subprocess.CompletedProcess(["megatron-siamese", "train", "--nproc-per-node", str(ranks), *argv], code,
                                        out, err.getvalue())
     done.seconds = time.monotonic() - start

@@ -149,18 +149,19 @@ def test_every_flag_has_help_and_shows_its_default(command):
 
 @pytest.mark.stack_independent
 def test_a_stopped_train_says_whether_its_ranks_saved_on_the_signal():
-    """Only Megatron's --exit-signal-handler, on its --exit-signal (SIGTERM unless given), saves before
-    the ranks stop: Ctrl-C said it did, and nothing was saved."""
+    """Only Megatron's --exit-signal-handler, on its --exit-signal (SIGTERM unless given), with --save, saves
+    before the ranks stop: Ctrl-C said it did, and nothing was saved."""
     import signal
 
-    from megatron_siamese.cli.train import what_the_ranks_did_on
+    from megatron_siamese.cli.train import saving_note
 
     saves = " (under --exit-signal-handler each finishes its iteration and saves a checkpoint first)"
-    assert what_the_ranks_did_on(signal.SIGTERM, ["--exit-signal-handler"]) == saves
-    assert what_the_ranks_did_on(signal.SIGUSR1, ["--exit-signal-handler", "--exit-signal", "SIGUSR1"]) == saves
-    assert what_the_ranks_did_on(signal.SIGINT, ["--exit-signal-handler"]) == \
+    assert saving_note(signal.SIGTERM, ["--exit-signal-handler", "--save", "ckpt"]) == saves
+    assert saving_note(signal.SIGUSR1, ["--exit-signal-handler", "--exit-signal", "SIGUSR1", "--save=ckpt"]) == saves
+    assert saving_note(signal.SIGINT, ["--exit-signal-handler", "--save", "ckpt"]) == \
         "; no checkpoint was saved on it (--exit-signal-handler saves one on SIGTERM first)"
-    assert what_the_ranks_did_on(signal.SIGTERM, ["--save", "ckpt"]).startswith("; no checkpoint was saved")
+    assert saving_note(signal.SIGTERM, ["--save", "ckpt"]).startswith("; no checkpoint was saved")
+    assert saving_note(signal.SIGTERM, ["--exit-signal-handler"]).endswith("; without --save nothing is saved)")
 
 
 def test_subcommands_list_only_their_own_flags():

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("transformers")
 
 from megatron_siamese.check.case import ModelCase  # noqa: E402
-from megatron_siamese.hf.export import export, import_hf, load_exported, write_directory  # noqa: E402
+from megatron_siamese.hf.export import export, import_hf, load_exported, verify, write_directory  # noqa: E402
 from megatron_siamese.runtime.layout import Layout  # noqa: E402
 from megatron_siamese.runtime.launch import run_job  # noqa: E402
 
@@ -153,6 +153,12 @@ def test_pre_norm_round_trips_through_llama(megatron_single_rank, tmp_path):
     exported = str(tmp_path / "llama")
     os.makedirs(exported)
     write_directory(model, "pre", exported)
+    # export's own check of a Llama: Transformers' model, not remote code, so nothing of its cache is removed
+    # (an export of --norm pre once removed site-packages/transformers/models, the Llama module's folders up)
+    import transformers.models.llama.modeling_llama as llama
+
+    assert verify(model, exported) < 1e-4
+    assert os.path.isfile(llama.__file__)
     import_hf(exported, str(tmp_path / "imported"))
     imported = _full_state(str(tmp_path / "imported" / "checkpoints"))
     original = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}

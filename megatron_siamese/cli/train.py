@@ -134,7 +134,7 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
     method = launch.start_method(device.backend(), RANK_PRELOAD)
     # torchrun --standalone's rendezvous (torch.distributed.run.run), with a function for the ranks to run
     # the agent's files in a directory removed after (torchrun's default, a new /tmp/torchelastic_* each run, stays)
-    agent_files = tempfile.TemporaryDirectory(prefix="megatron-siamese-agent-")
+    agent_files = tempfile.TemporaryDirectory(prefix="megatron-siamese-agent-", ignore_cleanup_errors=True)
     arguments = get_args_parser().parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
                                               "--rdzv-id", str(uuid.uuid4()), "--nproc-per-node", str(ranks),
                                               "--start-method", method, "--log-dir", agent_files.name,
@@ -147,7 +147,7 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
             elastic_launch(config, train_rank)(flags, os.getpid(), log, {**inherited, **(environment or {})})
     except SignalException as stopped:  # torch's agent passed it to every rank and waited for them
         print(f"megatron-siamese train: stopped by {signal.Signals(stopped.sigval).name}, which every rank was sent"
-              f"{what_the_ranks_did_on(stopped.sigval, flags)}", file=sys.stderr, flush=True)
+              f"{saving_note(stopped.sigval, flags)}", file=sys.stderr, flush=True)
         return 128 + stopped.sigval
     except ChildFailedError as failure:
         if any(error.exitcode == 2 for error in failure.failures.values()):  # a usage error: rank 0 said it
@@ -161,14 +161,17 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
     return 0
 
 
-def what_the_ranks_did_on(signum: int, flags: list) -> str:
-    """Whether Megatron's --exit-signal-handler had the ranks save on ``signum`` before they stopped."""
+def saving_note(signum: int, flags: list) -> str:
+    """What the ranks saved on ``signum``, to end the line that says the job stopped: Megatron's
+    --exit-signal-handler saves on its --exit-signal (SIGTERM unless given) where --save names a directory."""
     from megatron_siamese.runtime.pretrain_flags import flag_value
 
-    exit_signal = flag_value(flags, "--exit-signal") or "SIGTERM"  # Megatron-LM's default
-    if "--exit-signal-handler" in flags and exit_signal in (signal.Signals(signum).name, str(signum)):
-        return " (under --exit-signal-handler each finishes its iteration and saves a checkpoint first)"
-    return f"; no checkpoint was saved on it (--exit-signal-handler saves one on {exit_signal} first)"
+    exit_signal = flag_value(flags, "--exit-signal") or "SIGTERM"  # Megatron-LM's default (a name: its parser's)
+    if "--exit-signal-handler" not in flags or exit_signal != signal.Signals(signum).name:
+        return f"; no checkpoint was saved on it (--exit-signal-handler saves one on {exit_signal} first)"
+    if flag_value(flags, "--save") is None:
+        return " (under --exit-signal-handler each finishes its iteration first; without --save nothing is saved)"
+    return " (under --exit-signal-handler each finishes its iteration and saves a checkpoint first)"
 
 
 def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: dict) -> None:
@@ -204,29 +207,33 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
     try:
         pretrain.main()
     except SystemExit:
-        deferred = pretrain.deferred_exit_signal()
-        if deferred is not None:  # Megatron's loop saved and stopped on a signal: the rank ends on it too
-            end_on_the_signal_soon(deferred)
+        end_on_a_held_back_signal_soon(pretrain)
         raise
     except Exception:  # torch's worker wrapper would keep the traceback to itself
         traceback.print_exc()
         sys.stderr.flush()
         raise
+    end_on_a_held_back_signal_soon(pretrain)  # noted after the loop's last check, it ended the loop no sooner
 
 
-# how long a rank stopped by a signal waits for the agent to take its result; the agent reads every rank's
-# once all have returned, and ranks stopped by Megatron's signal handler return together (its all-gather)
-STOPPED_RANK_GRACE_S = 5.0
+# how long a rank stopped by a signal waits for the agent to take its result: the agent reads every rank's
+# once all have returned (Megatron's signal handler stops them at one iteration; the last rank then draws the
+# loss curve)
+STOPPED_RANK_GRACE_S = 10.0
 
 
-def end_on_the_signal_soon(signum: int) -> None:
-    """A rank whose loop stopped on ``signum`` (held back by --exit-signal-handler until the checkpoint was
-    saved) ends on it, unless the agent takes its result first. The agent that sent the signal to stop
-    the job waits for its ranks to end, not for their results (torch's worker wrapper would wait for
-    that read until the agent's 30 s ran out and it killed the rank); ranks sent the signal by anyone
-    else return their results as usual."""
+def end_on_a_held_back_signal_soon(pretrain) -> None:
+    """A rank whose loop noted a signal (--exit-signal-handler holds it back until the checkpoint is saved)
+    ends on it, unless the agent takes its result first. The agent that sent the signal to stop the job
+    waits for its ranks to end, not for their results (torch's worker wrapper would wait for that read
+    until the agent's 30 s ran out and it killed the rank); ranks sent the signal by anyone else return
+    their results as usual, within the grace."""
     import threading
     import time
+
+    signum = pretrain.held_back_exit_signal()
+    if signum is None:
+        return
 
     def end():
         time.sleep(STOPPED_RANK_GRACE_S)
@@ -234,5 +241,7 @@ def end_on_the_signal_soon(signum: int) -> None:
         sys.stderr.flush()
         os.kill(os.getpid(), signum)
 
-    signal.signal(signum, signal.SIG_DFL)  # here: only the main thread may set it
+    # the signal's own ending, here (only the main thread may set it): SIGINT's Python handler would end the
+    # rank with an exception, in another thread
+    signal.signal(signum, signal.SIG_DFL)
     threading.Thread(target=end, name="end-on-the-signal", daemon=True).start()

@@ -191,17 +191,26 @@ def verify(model, directory: str) -> float:
     with torch.no_grad():
         expected = megatron(tokens.to(device), positions.to(device), causal.to(device)).float().cpu()
         actual = exported(tokens).logits.float()
-    # Transformers copied the modeling file into its modules cache under this (temporary) directory's name,
-    # transformers_modules.<name>[.<hash>].modeling_siamese: a new copy there for every export, kept for good
-    cached = sys.modules[type(exported).__module__].__file__
-    for _ in type(exported).__module__.split(".")[2:]:
-        cached = os.path.dirname(cached)
-    shutil.rmtree(cached, ignore_errors=True)
+    forget_remote_code(exported)
     error = float((actual - expected).abs().max() / expected.abs().max())
     if not error <= tolerance:
         raise ExportError(f"the exported model's logits differ from the checkpoint's by {error:.2e} of their "
                           f"magnitude (allowed {tolerance:.0e}): please report this model's settings")
     return error
+
+
+def forget_remote_code(model) -> None:
+    """Removes the copy of ``model``'s modeling file that Transformers made in its modules cache (as
+    transformers_modules.<its directory's name>[.<hash>].modeling_siamese): one more for every export, under
+    the temporary directory's name, kept for good. Nothing for a model of Transformers' own (a Pre-Norm
+    export is a Llama)."""
+    module = type(model).__module__
+    if not module.startswith("transformers_modules."):
+        return
+    cached = sys.modules[module].__file__
+    for _ in module.split(".")[2:]:
+        cached = os.path.dirname(cached)
+    shutil.rmtree(cached, ignore_errors=True)
 
 
 # -- import --------------------------------------------------------------------------------

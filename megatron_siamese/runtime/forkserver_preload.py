@@ -5,6 +5,7 @@ and selects matplotlib's file-only backend before the server imports pyplot for 
 
 import atexit
 import os
+import sys
 
 from megatron_siamese.runtime.quiet import silence_known_notices
 
@@ -17,7 +18,11 @@ _SERVER = os.getpid()
 @atexit.register
 def _end_without_teardown() -> None:
     # the interpreter's teardown of torch and Megatron took a CPU-second or more, in a process left
-    # running after its launcher had exited; the server holds nothing to save. Its ranks end by os._exit,
-    # which runs no atexit function, and a process they fork is another pid.
+    # running after its launcher had exited. Skipped: that teardown, and the atexit functions registered
+    # before this one (multiprocessing's finalizers: the server holds no temporary directory of its own,
+    # its launcher's is removed by the launcher). Its ranks end by os._exit, which runs no atexit function,
+    # and a process they fork is another pid.
     if os.getpid() == _SERVER:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
         os._exit(0)

@@ -267,13 +267,16 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 datasets_provider.is_distributed = True  # every rank builds its own (pretrain_gpt.py's flag)
 
 
-def deferred_exit_signal() -> Optional[int]:
+def held_back_exit_signal() -> Optional[int]:
     """The signal Megatron's --exit-signal-handler noted, if it did (its loop then saved and returned),
-    with the handler taken off: the process is to end on it."""
-    from megatron.training import global_vars
-
-    handler = global_vars._GLOBAL_SIGNAL_HANDLER  # its getter asserts that one was set
-    if handler is None or not handler._signal_received:
+    with the handler taken off: the process is to end on it. Read from Megatron's handler itself (its
+    getter asserts that one was set, and its own check is a collective)."""
+    try:
+        from megatron.training import global_vars
+    except ImportError:  # refused by version: nothing ran
+        return None
+    handler = getattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", None)
+    if handler is None or not getattr(handler, "_signal_received", False):
         return None
     handler.release()
     return handler.sig
@@ -354,7 +357,8 @@ def main() -> None:
     problems += [problem] if (problem := load.checkpoint_problem(args)) else []
     problems += [f"{flag}: Megatron-LM's loop needs it and has no default; give it (the embedded job's, which model "
                  f"flags such as --num-layers leave out, is {flag} {EMBEDDED[flag]})"
-                 for flag, name in NEEDED_WITHOUT_DEFAULT if getattr(args, name) is None]
+                 for flag, name in NEEDED_WITHOUT_DEFAULT if getattr(args, name) is None
+                 and not (args.skip_train and name == "eval_interval")]  # counts evaluations between iterations
     if problems:
         refuse(problems)
     if load.loads_weights_only(args):

@@ -9,7 +9,7 @@ freed just before, as a collective that finishes after its buffer was released w
 With ``MEGATRON_SIAMESE_TEST_UNWAITED=<file>``, every asynchronous collective a rank issues
 (``async_op=True``, or a coalescing manager's ``async_ops=True``) is tracked until something waits
 on it, and when the rank tears down Megatron's process groups (the end of a checked layout) it
-appends "<rank> <count>" to that file, the count of those never waited on; with
+appends "<rank> <count> <issued>" to that file, the count of those never waited on and of all it issued; with
 ``MEGATRON_SIAMESE_TEST_LEAVE_ONE=1`` too, each rank also issues one all-reduce it never waits on
 (the control: the count can be other than 0).
 """
@@ -88,7 +88,7 @@ if _UNWAITED:
         if os.environ.get("MEGATRON_SIAMESE_TEST_LEAVE_ONE"):
             torch.distributed.all_reduce(torch.zeros(1), async_op=True)
         with open(_UNWAITED, "a") as log:
-            log.write(f"{torch.distributed.get_rank()} {sum(not waited for _, waited in _issued)}\n")
+            log.write(f"{torch.distributed.get_rank()} {sum(not waited for _, waited in _issued)} {len(_issued)}\n")
         _issued.clear()
         return _destroy(*args, **kwargs)
 
