@@ -207,13 +207,13 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
     try:
         pretrain.main()
     except SystemExit:
-        end_on_a_held_back_signal_soon(pretrain)
+        end_on_a_held_back_signal_soon()
         raise
     except Exception:  # torch's worker wrapper would keep the traceback to itself
         traceback.print_exc()
         sys.stderr.flush()
         raise
-    end_on_a_held_back_signal_soon(pretrain)  # noted after the loop's last check, it ended the loop no sooner
+    end_on_a_held_back_signal_soon()  # noted after the loop's last check, it ended the loop no sooner
 
 
 # how long a rank stopped by a signal waits for the agent to take its result: the agent reads every rank's
@@ -222,7 +222,7 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
 STOPPED_RANK_GRACE_S = 10.0
 
 
-def end_on_a_held_back_signal_soon(pretrain) -> None:
+def end_on_a_held_back_signal_soon() -> None:
     """A rank whose loop noted a signal (--exit-signal-handler holds it back until the checkpoint is saved)
     ends on it, unless the agent takes its result first. The agent that sent the signal to stop the job
     waits for its ranks to end, not for their results (torch's worker wrapper would wait for that read
@@ -231,7 +231,9 @@ def end_on_a_held_back_signal_soon(pretrain) -> None:
     import threading
     import time
 
-    signum = pretrain.held_back_exit_signal()
+    from megatron_siamese.runtime.pretrain import held_back_exit_signal
+
+    signum = held_back_exit_signal()
     if signum is None:
         return
 
