@@ -41,17 +41,22 @@ def cli(*args, env: Optional[Dict[str, str]] = None, timeout: float = 300) -> su
 
 
 @contextlib.contextmanager
-def _environment(env: Dict[str, str]):
+def _environment(env: Dict[str, Optional[str]]):
+    """``env`` set in this process for the block (None: unset), each of its variables as it was after."""
     saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
+    _set(env)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _set(saved)
+
+
+def _set(env: Dict[str, Optional[str]]) -> None:
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def cli_here(*args, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
@@ -83,17 +88,11 @@ def train_here(*flags, ranks: int, env: Optional[Dict[str, str]] = None) -> subp
     argv = [str(a) for a in flags]
     err = io.StringIO()
     start = time.monotonic()
-    kept = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONWARNINGS")}  # start_ranks sets them
-    try:
-        with tempfile.NamedTemporaryFile("r", suffix=".log") as log, contextlib.redirect_stderr(err):
-            code = start_ranks(ranks, argv, log=log.name, environment=env)
-            out = log.read()
-    finally:  # for its ranks, not for the session's later subprocesses
-        for name, value in kept.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    # what start_ranks sets for its ranks, not for the session's later subprocesses
+    kept = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "PYTHONWARNINGS")}
+    with _environment(kept), tempfile.NamedTemporaryFile("r", suffix=".log") as log, contextlib.redirect_stderr(err):
+        code = start_ranks(ranks, argv, log=log.name, environment=env)
+        out = log.read()
     done = subprocess.CompletedProcess(["megatron-siamese", "train", "--nproc-per-node", str(ranks), *argv], code,
                                        out, err.getvalue())
     done.seconds = time.monotonic() - start
