@@ -78,6 +78,7 @@ def test_pp2_with_experts_and_multi_token_prediction_trains_in_megatrons_loop():
     assert sorted(losses(log)) == [1, 2] and all(0 < float(loss) < 7 for loss in losses(log).values())
     assert "load_balancing_loss:" in log and "mtp_1 loss:" in log
     assert "PP>1 sends [s, b, 2h] between stages" in log  # our layers, not Megatron's stock ones
+    assert log.count("-------------------- end of arguments") == 1 and "Overriding default arguments" not in log
 
 
 def untrained(loss: str) -> bool:
@@ -380,6 +381,7 @@ def test_a_user_is_told_our_flags_and_megatrons_refusals_in_one_line(tmp_path):
                          "flags: --tp is --tensor-model-parallel-size; --steps is --train-iters)") == 1, renamed
     mismatched = pretrain("--norm", "post", "--mix-ln-alpha", "0.5", *MOCK_DATA, ranks=1, expect_failure=True)
     assert "--mix-ln-alpha applies to --norm mixln, not --norm post: drop it" in mismatched
+    assert "end of arguments" not in mismatched  # Megatron-LM's dump of them comes once they are accepted
     # rank 0 says it though another rank exits first (rank 1 or 2 did at PP 3, and nothing was said)
     indivisible = pretrain("--pipeline-model-parallel-size", "3", "--num-layers", "4", *MOCK_DATA, ranks=3,
                            expect_failure=2)

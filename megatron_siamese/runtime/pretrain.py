@@ -12,7 +12,9 @@ corpus; without a GPU it runs on gloo through the CPU shim. docs/training.md, do
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
 import sys
 from functools import partial
@@ -348,10 +350,19 @@ def main() -> None:
 
     sys.argv = add_defaults(sys.argv, gpu)
     megatron_parser().parse_args(sys.argv[1:])  # a usage error said with a usage line, not Megatron's 500
+    # a data path without a tokenizer reads NullTokenizer's ids (given, it would be "overridden" with a warning)
+    defaults = {} if any(word.split("=")[0] == "--tokenizer-type" for word in sys.argv) else \
+        {"tokenizer_type": "NullTokenizer"}
+    validation_output = io.StringIO()  # Megatron-LM's dump of every argument (500 lines): said once accepted
     try:
-        args = parse_and_validate_args(add_siamese_arguments, args_defaults={"tokenizer_type": "NullTokenizer"})
-    except AssertionError as refused:  # Megatron-LM checks its flags with asserts, some without a message
-        refuse([f"Megatron-LM refuses these flags: {failed_check(refused)}"])
+        with contextlib.redirect_stdout(validation_output):
+            args = parse_and_validate_args(add_siamese_arguments, args_defaults=defaults)
+    except BaseException as failed:
+        sys.stdout.write(validation_output.getvalue())  # the lines before it: no dump yet
+        if not isinstance(failed, AssertionError):
+            raise
+        # Megatron-LM checks its flags with asserts, some without a message
+        refuse([f"Megatron-LM refuses these flags: {failed_check(failed)}"])
     refuse_what_is_not_followed(args)
     problems = scheme_problems(args)
     problems += [problem] if (problem := load.checkpoint_problem(args)) else []
@@ -361,6 +372,8 @@ def main() -> None:
                  and not (args.skip_train and name == "eval_interval")]  # counts evaluations between iterations
     if problems:
         refuse(problems)
+    sys.stdout.write(validation_output.getvalue())
+    sys.stdout.flush()
     if load.loads_weights_only(args):
         args.no_load_optim = True
         if speaks_for_the_job():
