@@ -130,11 +130,18 @@ def _rank(fn, args, timeout_s: float, directory: str, quiet: frozenset, launcher
 
 
 def default_signal_handlers() -> None:
-    """In a rank forked from the server: the fork server ignores Ctrl-C and its children inherit that,
-    so the rank ends on the stop signal torch's agent passes on (Ctrl-C as KeyboardInterrupt), not
-    30 s later on its SIGKILL."""
+    """In a rank forked from the server: the fork server ignores Ctrl-C and the other stop signals
+    (forkserver_preload.py) and its children inherit that, so the rank ends on the stop signal torch's
+    agent passes on (Ctrl-C as KeyboardInterrupt), not 30 s later on its SIGKILL."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.signal(sig, _interrupted_once if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+def _interrupted_once(signum, frame):
+    # Ctrl-C reaches a rank twice, from the terminal and passed on by the agent: the second one, raised
+    # while the first unwinds, broke the data loader's shutdown with a traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _print_lines(console) -> None:
