@@ -388,6 +388,10 @@ def test_a_user_is_told_our_flags_and_megatrons_refusals_in_one_line(tmp_path):
     indivisible = pretrain("--pipeline-model-parallel-size", "3", "--num-layers", "4", *MOCK_DATA, ranks=3,
                            expect_failure=2)
     assert "Number of layers should be divisible by the pipeline-model-parallel size" in indivisible, indivisible
+    # Megatron's TransformerConfig refuses it as the model provider would build it: once, not a traceback a rank
+    split_heads = pretrain("--tensor-model-parallel-size", "3", *MOCK_DATA, ranks=3, expect_failure=2)
+    assert "train: Megatron refuses the model these flags describe: num_attention_heads (4) must be a multiple " \
+           "of tensor_model_parallel_size (3)" in split_heads and "Traceback" not in split_heads, split_heads[-3000:]
     # not a TypeError in torch's Adam, or in Megatron-LM's count of evaluations
     unset = train_here(*[word for flag in zip(MODEL[::2], MODEL[1::2]) if flag[0] not in ("--lr", "--eval-interval")
                          for word in flag], *MOCK_DATA, ranks=1)

@@ -325,6 +325,18 @@ NEEDED_WITHOUT_DEFAULT = (("--lr", "lr"), ("--eval-interval", "eval_interval"))
 EMBEDDED = {flag[0]: flag[1] for flag in EMBEDDED_JOB if len(flag) == 2}
 
 
+def model_config_problem(args) -> None:
+    """Refuses, in one line said once, a model Megatron's TransformerConfig refuses (heads over TP, say):
+    built here as the model provider builds it, that refusal was each rank's traceback."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    try:
+        siamese_config(core_transformer_config_from_args(args), args)
+    except (ValueError, AssertionError) as refused:
+        refuse([f"Megatron refuses the model these flags describe: "
+                f"{refused if isinstance(refused, ValueError) else failed_check(refused)}"])
+
+
 def refuse_what_is_not_followed(args) -> None:
     given = [flag for flag, name, off in NOT_FOLLOWED if getattr(args, name, off) != off]
     if given:
@@ -372,6 +384,7 @@ def main() -> None:
                  and not (args.skip_train and name == "eval_interval")]  # counts evaluations between iterations
     if problems:
         refuse(problems)
+    model_config_problem(args)
     sys.stdout.write(validation_output.getvalue())
     sys.stdout.flush()
     if load.loads_weights_only(args):

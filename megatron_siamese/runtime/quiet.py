@@ -47,6 +47,8 @@ KNOWN_NOTICES = (
     "torch.distributed is disabled, unavailable or uninitialized",
     # analyze's validation batches are built in memory, on purpose (data/gpt_dataset.py)
     "Unable to save GPTDataset indexes because path_to_cache is None",
+    # megatron-core 0.19's pretrain() to its caller (train's ranks): our model provider is the caller's choice
+    r"\s*It is recommended to use a ModelConfig",
 )
 # on the CPU shim Megatron's CUDA RNG tracker forks the CPU's generator, whose dropout draws change the
 # state this warns about (thousands of lines a run). On a GPU it means what it says, and shows.
