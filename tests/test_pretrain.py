@@ -381,8 +381,12 @@ def test_a_user_is_told_our_flags_and_megatrons_refusals_in_one_line(tmp_path):
     renamed = pretrain("--tp", "1", "--steps", "3", ranks=2, expect_failure=2, launcher="cli")  # said once, by rank 0
     assert renamed.count("megatron-siamese train: error: unrecognized arguments: --tp 1 --steps 3 (in Megatron-LM's "
                          "flags: --tp is --tensor-model-parallel-size; --steps is --train-iters)") == 1, renamed
-    mismatched = pretrain("--norm", "post", "--mix-ln-alpha", "0.5", *MOCK_DATA, ranks=1, expect_failure=True)
+    # each problem a line, said together: a scheme's option on another, a --load that is not there (a typo
+    # Megatron-LM's loop would train from random on)
+    mismatched = pretrain("--norm", "post", "--mix-ln-alpha", "0.5", "--load", str(tmp_path / "ckpt"), "--save",
+                          str(tmp_path / "saved"), "--save-interval", "5", *MOCK_DATA, ranks=1, expect_failure=True)
     assert "--mix-ln-alpha applies to --norm mixln, not --norm post: drop it" in mismatched
+    assert f"train: --load {tmp_path / 'ckpt'} does not exist (Megatron-LM's loop would start from random)" in mismatched
     assert "end of arguments" not in mismatched  # Megatron-LM's dump of them comes once they are accepted
     # rank 0 says it though another rank exits first (rank 1 or 2 did at PP 3, and nothing was said)
     indivisible = pretrain("--pipeline-model-parallel-size", "3", "--num-layers", "4", *MOCK_DATA, ranks=3,

@@ -66,6 +66,10 @@ def checkpoint_problem(args):
     from megatron_siamese.training.checkpoint_files import CheckpointError
     from megatron_siamese.training.checkpoint_settings import model_differences
 
+    requeue = args.save and os.path.realpath(args.load or "") == os.path.realpath(args.save)
+    if args.load and not os.path.exists(args.load) and not requeue:
+        return (f"--load {args.load} does not exist (Megatron-LM's loop would start from random): give an existing "
+                "checkpoint directory, or the --save directory to requeue (a first start finds none), or no --load")
     try:
         common = _common_state(args.load, args.ckpt_step) if args.load else None
     except CheckpointError as error:
