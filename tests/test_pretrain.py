@@ -157,6 +157,7 @@ def test_the_loss_curve_follows_the_last_timeline(tmp_path):
 
 
 CLI = [sys.executable, "-m", "megatron_siamese.cli", "train"]
+SCHEDULE_FLAGS = ("--micro-batch-size", "--global-batch-size", "--lr", "--log-interval", "--eval-iters", "--eval-interval")
 TP2_TB = ["--tensor-model-parallel-size", "2", "--train-iters", "10", *MOCK_DATA]
 
 
@@ -199,8 +200,14 @@ def test_a_requeued_run_resumes_the_run_it_interrupted_at_any_tp_and_refuses_ano
     tp1 = ["--tensor-model-parallel-size", "1", *MOCK_DATA, "--load", str(tmp_path)]
     evaluated = pretrain(*tp1, "--train-iters", "10", "--skip-train", ranks=1)
     assert float(VALIDATION.findall(evaluated)[0]) == pytest.approx(float(VALIDATION.findall(resumed)[0]), rel=1e-5)
-    longer = pretrain(*tp1, "--train-iters", "12", "--override-opt_param-scheduler", ranks=1)  # Megatron's flag
-    assert sorted(losses(longer)) == [11, 12]
+    # trained on, its model read from the checkpoint (Megatron-LM's --use-checkpoint-args: no model flags,
+    # none of the embedded job's), the schedule overridden (Megatron's flag)
+    schedule = [word for flag in zip(MODEL[::2], MODEL[1::2]) if flag[0] in SCHEDULE_FLAGS for word in flag]
+    longer = train_here(*tp1, "--use-checkpoint-args", *schedule, "--train-iters", "12",
+                        "--override-opt_param-scheduler", ranks=1)
+    assert longer.returncode == 0, longer.stdout[-3000:]
+    assert "--use-checkpoint-args given, so nothing of the embedded default job" in longer.stdout
+    assert sorted(losses(longer.stdout)) == [11, 12]
     refused = pretrain(*tp1, "--train-iters", "12", "--norm", "pre", ranks=1, expect_failure=True)
     assert (f"--load {tmp_path} holds another model than this run builds (--norm siamese -> pre; checkpoint -> this "
             "run)") in refused

@@ -108,7 +108,8 @@ def add_defaults(argv: list, gpu: bool) -> list:
     given = {word.split("=", 1)[0] for word in argv}  # --flag value and --flag=value
     cpu = [] if gpu else [word for flag in CPU_FLAGS if flag[0] not in given for word in flag]
     asks_help = bool(given & {"--help", "-h"})
-    job = [] if "--num-layers" in given or asks_help else [
+    model = given & {"--num-layers", "--use-checkpoint-args"}  # a model given, or the checkpoint's asked for
+    job = [] if model or asks_help else [
         word for flag in EMBEDDED_JOB if not given & {flag[0], *SAID_OTHERWISE.get(flag[0], ())} for word in flag]
     data = [] if given & set(DATA_SOURCE_FLAGS) or asks_help else embedded_data_flags(argv, given)
     # else Megatron-LM tries it, fails and points at an NVIDIA-internal page to install it
@@ -120,6 +121,9 @@ def add_defaults(argv: list, gpu: bool) -> list:
         if job:
             print("megatron-siamese train: no model given (--num-layers), so the embedded default: "
                   + " ".join(job), flush=True)
+        elif model and not asks_help:
+            print(f"megatron-siamese train: {sorted(model)[-1]} given, so nothing of the embedded default job: what the "
+                  "command line leaves out is Megatron-LM's default", flush=True)
         if data:
             print("megatron-siamese train: no data source given, so the embedded corpus: "
                   + " ".join(data), flush=True)
