@@ -132,9 +132,9 @@ def test_the_loss_is_validated_as_megatron_lms_is():
 
 @pytest.mark.stack_independent
 def test_the_loss_curve_follows_the_last_timeline(tmp_path):
-    """Event files in order: a later one (a resumed run's) replaces the points from its first
-    iteration on; within one, an iteration's first validation value (the validation set's, before
-    the test set's under the same tag) is kept."""
+    """Event files in order: a later one (a resumed run's) replaces the points from its first trained
+    iteration on, one that only evaluated the points at its iteration; within one, an iteration's first
+    validation value (the validation set's, before the test set's under the same tag) is kept."""
     pytest.importorskip("tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
@@ -154,6 +154,8 @@ def test_the_loss_curve_follows_the_last_timeline(tmp_path):
     assert validation == {8: 100.5}  # the first run's at 6 was overtaken by the resumed run
     run("3-started-again", range(1, 3), validated_at=2, offset=0.25)
     assert read_losses(str(tmp_path)) == ({1: 1.25, 2: 2.25}, {2: 100.25})
+    run("4-evaluated-only", range(0), validated_at=2, offset=0.75)  # a requeue with nothing left to train
+    assert read_losses(str(tmp_path)) == ({1: 1.25, 2: 2.25}, {2: 100.75})
 
 
 CLI = [sys.executable, "-m", "megatron_siamese.cli", "train"]

@@ -20,8 +20,9 @@ def read_losses(directory: str) -> Tuple[Dict[int, float], Dict[int, float]]:
 
 def read_scalars(directory: str, *tags: str) -> Dict[str, Dict[int, float]]:
     """Each tag's values by iteration over the event files in order: a later (resumed) file replaces every
-    point from its first iteration on. Within a file the first value of an iteration is kept: Megatron
-    logs the validation and then the test set under the validation tag."""
+    point from the first iteration it trains at (the first tag's), and one that only evaluated (--skip-train,
+    a requeue with nothing left to train) the points at its own iterations. Within a file the first value of
+    an iteration is kept: Megatron logs the validation and then the test set under the validation tag."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.util.tensor_util import make_ndarray
 
@@ -33,11 +34,10 @@ def read_scalars(directory: str, *tags: str) -> Dict[str, Dict[int, float]]:
             for value in event.summary.value:
                 if value.tag in found:  # the loader gives scalars as tensors
                     found[value.tag].setdefault(event.step, float(make_ndarray(value.tensor)))
-        steps = [step for curve in found.values() for step in curve]
-        if steps:
-            start = min(steps)
-            for tag in curves:
-                curves[tag] = {step: value for step, value in curves[tag].items() if step < start} | found[tag]
+        start = min(found[tags[0]], default=None)
+        for tag in curves:
+            kept = curves[tag] if start is None else {step: value for step, value in curves[tag].items() if step < start}
+            curves[tag] = kept | found[tag]
     return curves
 
 
