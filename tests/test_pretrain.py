@@ -387,9 +387,11 @@ def test_a_user_is_told_our_flags_and_megatrons_refusals_in_one_line(tmp_path):
                        cache=str(tmp_path / "cache"))
     assert "Megatron-LM refuses these flags: `assert args.save_interval is not None` (arguments.py:" in refused
     assert "exited with status" not in refused and "Traceback" not in refused
-    renamed = pretrain("--tp", "1", "--steps", "3", ranks=2, expect_failure=2, launcher="cli")  # said once, by rank 0
-    assert renamed.count("megatron-siamese train: error: unrecognized arguments: --tp 1 --steps 3 (in Megatron-LM's "
-                         "flags: --tp is --tensor-model-parallel-size; --steps is --train-iters)") == 1, renamed
+    renamed = pretrain("--tp", "1", "--steps", "3", "--tensor-model-paralel-size", "1", ranks=2, expect_failure=2,
+                       launcher="cli")  # said once, by rank 0
+    assert renamed.count("megatron-siamese train: error: unrecognized arguments: --tp 1 --steps 3 "
+                         "--tensor-model-paralel-size 1 (in Megatron-LM's flags: --tp is --tensor-model-parallel-size; "
+                         "--steps is --train-iters) (did you mean --tensor-model-parallel-size?)") == 1, renamed
     # each problem a line, said together: a scheme's option on another, a --load that is not there (a typo
     # Megatron-LM's loop would train from random on)
     mismatched = pretrain("--norm", "post", "--mix-ln-alpha", "0.5", "--load", str(tmp_path / "ckpt"), "--save",

@@ -13,6 +13,7 @@ corpus; without a GPU it runs on gloo through the CPU shim. docs/training.md, do
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import io
 import os
@@ -85,9 +86,12 @@ def megatron_parser(usage: str = USAGE):
             if not speaks_for_the_job():  # every rank refuses the same flags; rank 0 says so
                 exit_refused()
             if message.startswith("unrecognized arguments:"):
-                renamed = [f"{flag} is {OUR_LOOP_FLAGS[flag]}" for flag in message.split(":", 1)[1].split()
-                           if flag.split("=", 1)[0] in OUR_LOOP_FLAGS]
+                flags = [word.split("=", 1)[0] for word in message.split(":", 1)[1].split() if word.startswith("-")]
+                renamed = [f"{flag} is {OUR_LOOP_FLAGS[flag]}" for flag in flags if flag in OUR_LOOP_FLAGS]
+                close = [match[0] for flag in flags if flag not in OUR_LOOP_FLAGS  # a typo's nearest flag
+                         for match in [difflib.get_close_matches(flag, self._option_string_actions, 1, 0.85)] if match]
                 message += f" (in Megatron-LM's flags: {'; '.join(renamed)})" if renamed else ""
+                message += f" (did you mean {', '.join(close)}?)" if close else ""
             super().error(message)
 
     return add_siamese_arguments(add_megatron_arguments(
