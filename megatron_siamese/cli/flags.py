@@ -16,11 +16,11 @@ SCHEME_SETTINGS = ("norm", "model", "hybrid_layer_pattern", "mix_ln_alpha", "hyb
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown on every flag, except where the help says it already or ``sets_other_value``;
-    descriptions keep their line breaks."""
+    """Defaults shown on every flag, except where the help says it already, ``sets_other_value``, or there
+    is none (a required flag; a None, which the help says the meaning of); descriptions keep their line breaks."""
 
     def _get_help_string(self, action):
-        if sets_other_value(action) or "default:" in (action.help or ""):
+        if sets_other_value(action) or "default:" in (action.help or "") or action.required or action.default is None:
             return action.help
         return super()._get_help_string(action)
 

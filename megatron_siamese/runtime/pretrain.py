@@ -12,10 +12,8 @@ corpus; without a GPU it runs on gloo through the CPU shim. docs/training.md, do
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import importlib
-import io
 import os
 import sys
 from functools import partial
@@ -29,7 +27,8 @@ import torch  # noqa: E402
 
 from megatron_siamese import device  # noqa: E402
 from megatron_siamese.runtime import pretrain_load as load  # noqa: E402
-from megatron_siamese.runtime.pretrain_flags import EMBEDDED_JOB, add_defaults, exit_refused, refuse  # noqa: E402
+from megatron_siamese.runtime.pretrain_flags import add_defaults, exit_refused  # noqa: E402
+from megatron_siamese.runtime.pretrain_refusals import accepted_args  # noqa: E402
 from megatron_siamese.versions import speaks_for_the_job  # noqa: E402
 
 def require_megatron_training() -> None:
@@ -111,30 +110,6 @@ def print_help() -> None:
         except (TypeError, ValueError, KeyError):
             action.help = re.sub(r"%(?!\()", "%%", action.help)
     parser.print_help()
-
-
-def failed_check(error: AssertionError) -> str:
-    """An assert's message, or where it has none, the check itself as Megatron-LM wrote it."""
-    import traceback
-
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
-    return f"{error} ({where})" if str(error) else f"`{frame.line}` ({where})"
-
-
-def scheme_problems(args) -> list:
-    """What of our flags the run cannot honour, one line each (said before any model is built)."""
-    from megatron_siamese.inference.saved_args import settings_from_args
-    from megatron_siamese.runtime.settings import scheme_setting_problems
-
-    found = scheme_setting_problems(settings_from_args(args))  # the model the flags describe, as a checkpoint's
-    if args.spec and args.norm != "siamese":
-        found.append(f"--spec {' '.join(args.spec)} names the layer itself: drop --norm {args.norm}")
-    if args.hybrid_layer_pattern and args.norm != "siamese":
-        found.append(f"--hybrid-layer-pattern builds a HybridModel of SiameseNorm sublayers only: drop --norm {args.norm}")
-    if args.norm in ("post", "hybridnorm", "mixln") and args.transformer_impl == "transformer_engine":
-        found.append(f"--norm {args.norm} is built of Megatron's local modules: add --transformer-impl local")
-    return found
 
 
 def siamese_config(config, args):
@@ -312,43 +287,6 @@ def draw_the_loss_curve(args) -> None:
           flush=True)
 
 
-# Megatron-LM flags that change the model or the data in ways this script does not follow yet:
-# refused by name rather than run as something else. (flag, argument, its off value)
-NOT_FOLLOWED = (("--sft", "sft", False), ("--fim-data", "fim_data", False),
-                ("--per-dataset-sequences-path", "per_dataset_sequences_path", None),
-                ("--dataloader-inter-document-masking", "dataloader_inter_document_masking", False),
-                ("--qk-l2-norm", "qk_l2_norm", False),
-                ("--experimental-attention-variant", "experimental_attention_variant", None),
-                ("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path", None),
-                ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", False))
-
-
-# Megatron-LM's flags its loop needs that have no default: left out, it failed with a TypeError (torch's Adam
-# comparing a None learning rate; the evaluation count dividing by a None interval)
-NEEDED_WITHOUT_DEFAULT = (("--lr", "lr"), ("--eval-interval", "eval_interval"))
-EMBEDDED = {flag[0]: flag[1] for flag in EMBEDDED_JOB if len(flag) == 2}
-
-
-def model_config_problem(args) -> None:
-    """Refuses, in one line said once, a model Megatron's TransformerConfig refuses (heads over TP, say):
-    built here as the model provider builds it, that refusal was each rank's traceback."""
-    from megatron.training.arguments import core_transformer_config_from_args
-
-    try:
-        siamese_config(core_transformer_config_from_args(args), args)
-    except (ValueError, AssertionError) as refused:
-        refuse([f"Megatron refuses the model these flags describe: "
-                f"{refused if isinstance(refused, ValueError) else failed_check(refused)}"])
-
-
-def refuse_what_is_not_followed(args) -> None:
-    given = [flag for flag, name, off in NOT_FOLLOWED if getattr(args, name, off) != off]
-    if given:
-        refuse([f"megatron_siamese.runtime.pretrain does not follow {', '.join(given)} yet (Megatron-LM's "
-                "pretrain_gpt.py changes its model or data for them); run without, or use Megatron-LM's script with "
-                "--spec megatron_siamese.specs siamese_layer_spec (docs/megatron-lm.md)."])
-
-
 def main() -> None:
     from megatron_siamese.runtime.quiet import silence_known_notices
 
@@ -362,35 +300,10 @@ def main() -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
 
     sys.argv = add_defaults(sys.argv, gpu)
     megatron_parser().parse_args(sys.argv[1:])  # a usage error said with a usage line, not Megatron's 500
-    # a data path without a tokenizer reads NullTokenizer's ids (given, it would be "overridden" with a warning)
-    defaults = {} if any(word.split("=")[0] == "--tokenizer-type" for word in sys.argv) else \
-        {"tokenizer_type": "NullTokenizer"}
-    validation_output = io.StringIO()  # Megatron-LM's dump of every argument (500 lines): said once accepted
-    try:
-        with contextlib.redirect_stdout(validation_output):
-            args = parse_and_validate_args(add_siamese_arguments, args_defaults=defaults)
-    except BaseException as failed:
-        sys.stdout.write(validation_output.getvalue())  # the lines before it: no dump yet
-        if not isinstance(failed, AssertionError):
-            raise
-        # Megatron-LM checks its flags with asserts, some without a message
-        refuse([f"Megatron-LM refuses these flags: {failed_check(failed)}"])
-    refuse_what_is_not_followed(args)
-    problems = scheme_problems(args)
-    problems += [problem] if (problem := load.checkpoint_problem(args)) else []
-    problems += [f"{flag}: Megatron-LM's loop needs it and has no default; give it (the embedded job's, which model "
-                 f"flags such as --num-layers leave out, is {flag} {EMBEDDED[flag]})"
-                 for flag, name in NEEDED_WITHOUT_DEFAULT if getattr(args, name) is None
-                 and not (args.skip_train and name == "eval_interval")]  # counts evaluations between iterations
-    if problems:
-        refuse(problems)
-    model_config_problem(args)
-    sys.stdout.write(validation_output.getvalue())
-    sys.stdout.flush()
+    args = accepted_args(add_siamese_arguments, siamese_config)
     if load.loads_weights_only(args):
         args.no_load_optim = True
         if speaks_for_the_job():
