@@ -372,6 +372,13 @@ def test_what_it_trains_export_and_generate_read_by_its_flags(tmp_path, corpus_c
     generated = subprocess.run([*cli, "generate", "--load", str(saved), "--prompt", "In the beginning",
                                 "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert generated.returncode == 0 and "In the beginning" in generated.stdout, generated.stderr[-2000:]
+    # a layout refused at the checkpoint's vocabulary, not our own loop's 320
+    from megatron_siamese.inference.generate import generate
+    from megatron_siamese.runtime.layout import Layout
+    from megatron_siamese.runtime.registry import ConfigError
+
+    with pytest.raises(ConfigError, match=r"the vocabulary \(512\) does not split over --tp 3: .*\(1, 2, 4, 8, 16"):
+        generate(str(saved), ["In"], layout=Layout(tp=3))
 
 
 @needs_training

@@ -234,11 +234,12 @@ def generate(checkpoint: str, prompts: Sequence[str], max_new_tokens: int = 32, 
     from megatron_siamese.training.checkpoint_files import CheckpointError
 
     try:
-        settings = model_settings(read_checkpoint(checkpoint))
+        saved = read_checkpoint(checkpoint)
+        settings = model_settings(saved)
     except CheckpointError as error:
         raise ConfigError([str(error)]) from None
     found = sampling.problems() + prompt_problems(prompts, max_new_tokens, settings.seq_length)
-    found += layout_problems(settings, layout)
+    found += layout_problems(settings, layout, vocab_size=saved.vocab_size)
     if layout.vpp is not None:
         found.append("Megatron's inference wrapper runs no virtual pipeline stages: generate without --vpp")
     if engine == "static" and layout.sp and (layout.tp == 1 or layout.ep == 1):  # else Megatron's controller

@@ -81,13 +81,15 @@ def model_settings(saved: SavedCheckpoint, settings: Optional[ModelSettings] = N
     return dataclasses.replace(chosen, **changes)
 
 
-def layout_problems(settings: ModelSettings, layout: Layout, world_size: Optional[int] = None) -> List[str]:
-    """What of ``settings``' model does not split over ``layout`` (or ``world_size``), one line each. Rules about
-    gradients do not apply (MLA runs under TP without SP here)."""
+def layout_problems(settings: ModelSettings, layout: Layout, world_size: Optional[int] = None,
+                    vocab_size: Optional[int] = None) -> List[str]:
+    """What of ``settings``' model does not split over ``layout`` (or ``world_size``), one line each; ``vocab_size``:
+    the checkpoint's padded vocabulary, where it records one. Rules about gradients do not apply (MLA runs under
+    TP without SP here)."""
     from megatron_siamese.runtime.divisibility import split_problems
     from megatron_siamese.training.args import padded_vocab_size
 
-    found = split_problems(settings, layout, vocab_size=padded_vocab_size(), micro_batch_size=1,
+    found = split_problems(settings, layout, vocab_size=vocab_size or padded_vocab_size(), micro_batch_size=1,
                            global_batch_size=layout.dp, training=False)
     if world_size is not None and world_size != layout.world_size:
         found.append(f"the layout {layout.name} uses {layout.world_size} ranks, the job has {world_size}")
@@ -189,7 +191,7 @@ def open_session(checkpoint: str, layout: Layout = Layout(), settings: Optional[
     for a checkpoint that records none; ``changes``: settings the weights do not depend on (``model_settings``)."""
     saved = read_checkpoint(checkpoint)
     chosen = model_settings(saved, settings, **changes)
-    problems = layout_problems(chosen, layout, torch.distributed.get_world_size())
+    problems = layout_problems(chosen, layout, torch.distributed.get_world_size(), saved.vocab_size)
     if problems:
         from megatron_siamese.runtime.registry import ConfigError
 
