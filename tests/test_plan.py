@@ -390,6 +390,11 @@ def test_the_largest_micro_batch_that_fits_is_the_last_that_does():
     out = cli_here("plan", *flags(GPT3_70B), "--gpu-memory", "h200").stdout
     line = [line for line in out.splitlines() if "largest micro-batch" in line][0]
     assert line.split()[-3:] == [str(plan.largest_micro_batch[v]) for v in plan.variants]
+    # said where the batch, not memory, bounds it
+    capped = f"({sizes[-1]}: the largest the global batch allows, memory aside"
+    assert (capped in out) == (sizes[-1] in plan.largest_micro_batch.values())
+    small = cli_here("plan", *flags({**GPT3_70B, "num_layers": 8}), "--gpu-memory", "h200").stdout
+    assert capped in small
 
 
 REFUSALS = {

@@ -22,13 +22,15 @@ micro-batch that does. Arithmetic only: no rank starts, nothing is imported from
 
 Every flag of `megatron-siamese train` means the same here (with megatron-core >= 0.17, those
 that do not change the cost, such as the learning rate, are read by Megatron-LM's parser and
-ignored), so a training command becomes its plan by changing its first word and saying --dp, the
-data-parallel size, which train takes from its ranks (over TP x PP x CP). Measured against
-the CPU ranks within 5% per term (tests/test_plan_measured.py; docs/scale.md):
+ignored), so a training command becomes its plan by changing its first word and saying
+--data-parallel-size, which train takes from its ranks (over TP x PP x CP). The short names
+(--tp, --pp, --sp, --dp, ...) are the plan's alone. Measured against the CPU ranks within 5% per
+term (tests/test_plan_measured.py; docs/scale.md):
 
   megatron-siamese plan --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \\
       --num-query-groups 8 --ffn-hidden-size 28672 --seq-length 4096 --vocab-size 128256 --bf16 \\
-      --transformer-impl transformer_engine --tp 8 --sp --pp 8 --dp 16 --use-distributed-optimizer \\
+      --transformer-impl transformer_engine --tensor-model-parallel-size 8 --sequence-parallel \\
+      --pipeline-model-parallel-size 8 --data-parallel-size 16 --use-distributed-optimizer \\
       --micro-batch-size 1 --global-batch-size 1024 --gpu-memory h100-80gb
 """
 

@@ -31,6 +31,7 @@ class Plan:
     stages: Dict[str, List[GpuCosts]]
     gpu_bytes: int
     largest_micro_batch: Dict[str, Optional[int]]
+    micro_batch_limit: int  # the largest the global batch allows (``micro_batches``), memory aside
 
     def loaded(self, variant: str) -> GpuCosts:
         return most_loaded(self.stages[variant])
@@ -62,7 +63,7 @@ def largest_micro_batch(inputs: PlanInputs, variant: str, gpu_bytes: int) -> Opt
 def make_plan(inputs: PlanInputs, paths: List[str], gpu_bytes: int) -> Plan:
     variants = [STOCK] + paths
     return Plan(variants, {v: every_rank(inputs, v) for v in variants}, gpu_bytes,
-                {v: largest_micro_batch(inputs, v, gpu_bytes) for v in variants})
+                {v: largest_micro_batch(inputs, v, gpu_bytes) for v in variants}, max(micro_batches(inputs)))
 
 
 def _row(label: str, cells: List[str], width: int) -> str:
@@ -96,6 +97,9 @@ def format_plan(plan: Plan, gpu_name: str) -> str:
     lines.append(_row(f"fits {gpu_name} ({human(plan.gpu_bytes)})", verdicts, width))
     lines.append(_row("largest micro-batch that fits",
                       [str(plan.largest_micro_batch[v] or "none") for v in plan.variants], width))
+    if plan.micro_batch_limit in plan.largest_micro_batch.values():
+        lines.append(f"  ({plan.micro_batch_limit}: the largest the global batch allows, memory aside: a data-parallel "
+                     "rank's sequences in no fewer microbatches than pipeline stages)")
     return "\n".join(lines)
 
 
