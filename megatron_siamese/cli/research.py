@@ -36,14 +36,17 @@ def _study_parser(commands, name: str) -> argparse.ArgumentParser:
                                  formatter_class=flags.HelpFormatter)
     parser.add_argument("--output-dir", default="runs/study", help="results, plots and the per-run directories")
     parser.add_argument("--cache-dir", default=flags.DEFAULTS["cache_dir"], help="tokenized corpus cache")
-    parser.add_argument("--steps", type=int, default=None, help="language-modelling steps per run (default: 200)")
-    parser.add_argument("--arithmetic-steps", type=int, default=None, help="addition steps per run (default: 1500)")
+    # the runs' iterations and warmups by Megatron-LM's names for them (each run is its loop)
+    parser.add_argument("--train-iters", type=int, default=None,
+                        help="language-modelling iterations per run (default: 200)")
+    parser.add_argument("--arithmetic-train-iters", type=int, default=None,
+                        help="addition iterations per run (default: 1500)")
     parser.add_argument("--seeds", default="1,2", help="comma-separated seeds")
     parser.add_argument("--schemes", default=None, help=f"comma-separated subset of {','.join(SCHEMES)}")
     parser.add_argument("--learning-rates", default=None,
                         help="comma-separated peak learning rates (default: 1e-3,2e-3,4e-3,1.6e-2,6.4e-2)")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="the main panel's warmup (default: 50)")
-    parser.add_argument("--short-warmup-steps", type=int, default=None,
+    parser.add_argument("--lr-warmup-iters", type=int, default=None, help="the main panel's warmup (default: 50)")
+    parser.add_argument("--short-lr-warmup-iters", type=int, default=None,
                         help="the second panel's warmup (default: 10; 0: no second panel)")
     return parser
 
@@ -63,23 +66,23 @@ def _run_study(options: argparse.Namespace) -> int:
             raise ConfigError([f"--schemes: unknown {', '.join(unknown)}; choose from {', '.join(SCHEMES)}"])
     if options.learning_rates:
         plan.learning_rates = _split(options.learning_rates, float, "--learning-rates")
-    if options.arithmetic_steps is not None:
-        if options.arithmetic_steps < 1:
-            raise ConfigError([f"--arithmetic-steps must be at least 1 (got {options.arithmetic_steps})"])
-        plan.arithmetic_steps = options.arithmetic_steps
-    if options.warmup_steps is not None:
-        plan.warmup_steps = options.warmup_steps
-    if options.short_warmup_steps is not None:
-        plan.short_warmup_steps = options.short_warmup_steps or None
-    if options.steps is not None:
-        if options.steps < 1:
-            raise ConfigError([f"--steps must be at least 1 (got {options.steps})"])
-        plan.steps, plan.eval_interval = options.steps, min(plan.eval_interval, options.steps)
+    if options.arithmetic_train_iters is not None:
+        if options.arithmetic_train_iters < 1:
+            raise ConfigError([f"--arithmetic-train-iters must be at least 1 (got {options.arithmetic_train_iters})"])
+        plan.arithmetic_steps = options.arithmetic_train_iters
+    if options.lr_warmup_iters is not None:
+        plan.warmup_steps = options.lr_warmup_iters
+    if options.short_lr_warmup_iters is not None:
+        plan.short_warmup_steps = options.short_lr_warmup_iters or None
+    if options.train_iters is not None:
+        if options.train_iters < 1:
+            raise ConfigError([f"--train-iters must be at least 1 (got {options.train_iters})"])
+        plan.steps, plan.eval_interval = options.train_iters, min(plan.eval_interval, options.train_iters)
         # a shorter run keeps its warmups inside it
-        plan.warmup_steps = min(plan.warmup_steps, options.steps - 1)
+        plan.warmup_steps = min(plan.warmup_steps, options.train_iters - 1)
         if plan.short_warmup_steps is not None:
-            plan.short_warmup_steps = min(plan.short_warmup_steps, options.steps - 1)
-    for flag, warmup in (("--warmup-steps", plan.warmup_steps), ("--short-warmup-steps", plan.short_warmup_steps)):
+            plan.short_warmup_steps = min(plan.short_warmup_steps, options.train_iters - 1)
+    for flag, warmup in (("--lr-warmup-iters", plan.warmup_steps), ("--short-lr-warmup-iters", plan.short_warmup_steps)):
         if warmup is not None and not 0 <= warmup < plan.steps:
             raise ConfigError([f"{flag} must lie in [0, {plan.steps}) (got {warmup})"])
     print(tables(run_study(plan)))
