@@ -20,9 +20,10 @@
     megatron-siamese eval --hf DIR | --load CKPT [--tasks T]
                                         lm-evaluation-harness on an exported model (addition by default)
 
-Every command checks all of its settings before starting any rank and says, one line per
-problem, what to change (exit status 2). Failures print one line; ``--debug`` (or
-MEGATRON_SIAMESE_DEBUG=1) prints the traceback too.
+Every command checks all of its settings before starting any rank (train: on its ranks, with
+Megatron-LM's parser, before any model is built) and says, one line per problem, what to change
+(exit status 2). Failures print one line; ``--debug`` (or MEGATRON_SIAMESE_DEBUG=1) prints the
+traceback too.
 
 Every command also runs as the ranks of a job ``torchrun`` launched (single- or multi-node,
 ``srun torchrun`` on SLURM; runtime/launch.py): then rank 0 speaks for the job (settings
