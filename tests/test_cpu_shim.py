@@ -5,6 +5,8 @@ Megatron through the shim)."""
 import subprocess
 import sys
 
+import pytest
+
 
 # the first device context of a fresh process opened while the shim is installed: torch then
 # builds its set of factory functions, which must hold the real factories, not the shim's wrappers
@@ -26,3 +28,30 @@ def test_device_context_applies_while_and_after_the_shim_is_installed():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["meta", "meta"]
+
+
+@pytest.mark.stack_independent
+def test_the_persistent_checkpoint_worker_leaves_the_jobs_process_group():
+    """Megatron's persistent checkpoint worker (--async-save --use-persistent-ckpt-worker) on the shim: a stop
+    signal sent to the job's process group (a scheduler's) killed it, importing, before the save its rank was
+    finishing under --exit-signal-handler, and the rank waited forever. It leaves the group first, and ends
+    when Megatron closes it."""
+    import multiprocessing
+    import os
+    import time
+
+    from megatron_siamese.runtime import cpu_checkpoint_worker
+
+    context = multiprocessing.get_context("fork")
+    requests, preloads, completions = context.JoinableQueue(), context.JoinableQueue(), context.Queue()
+    worker = context.Process(target=cpu_checkpoint_worker.async_loop, args=(0, requests, preloads, completions))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while os.getpgid(worker.pid) != worker.pid and time.monotonic() < deadline and worker.is_alive():
+            time.sleep(0.05)
+        assert os.getpgid(worker.pid) == worker.pid != os.getpgrp()
+    finally:
+        requests.put("DONE")  # Megatron's close()
+        worker.join(60)
+    assert worker.exitcode == 0

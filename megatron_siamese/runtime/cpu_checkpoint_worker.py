@@ -2,7 +2,8 @@
 
 The worker's first act is ``torch.cuda.set_device(rank % torch.cuda.device_count())``: with no GPU it
 divides by zero, dies, and the ranks wait for their saves forever. ``install`` points its entry at
-``async_loop`` here, which gives the worker the CPU shim and one device, the CPU.
+``async_loop`` here, which gives the worker the CPU shim and one device, the CPU, and has it end with its
+rank rather than on a stop signal sent to the job's process group.
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ _megatrons_loop = None  # PersistentAsyncCaller.async_loop before install() (a f
 
 
 def async_loop(*args, **kwargs):
+    import os
+
+    # out of the job's process group, first (its imports take seconds): a stop signal sent to the whole group
+    # (a scheduler's, Ctrl-C) killed it before the save its rank, under --exit-signal-handler, was finishing,
+    # and the rank waited for that save forever. It ends with its rank, or when Megatron closes it.
+    os.setpgid(0, 0)
     import multiprocessing
 
     import torch
