@@ -45,7 +45,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # with bytecode compiled here (not --no-compile): where PYTHONDONTWRITEBYTECODE=1, as on this
   # project's machines, no import writes it later, and every process would compile what it imports
   # numpy with it: the extension's build imports torch, which without numpy warns "Failed to initialize NumPy"
-  phase "$torch_pin" "$venv/bin/python" -m pip install -q "$torch_pin" numpy
+  phase "$torch_pin, numpy" "$venv/bin/python" -m pip install -q "$torch_pin" numpy
   # the extension builds against torch alone, so it compiles while pip installs the rest (no build
   # isolation: against the torch installed above; --no-deps: the other install is the requirements')
   phase "the package and its extension" env "${build_env[@]}" PATH="$PWD/$venv/bin:$PATH" \

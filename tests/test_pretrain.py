@@ -78,7 +78,7 @@ def test_pp2_with_experts_and_multi_token_prediction_trains_in_megatrons_loop():
     assert sorted(losses(log)) == [1, 2] and all(0 < float(loss) < 7 for loss in losses(log).values())
     assert "load_balancing_loss:" in log and "mtp_1 loss:" in log
     assert "PP>1 sends [s, b, 2h] between stages" in log  # our layers, not Megatron's stock ones
-    assert log.count("-------------------- end of arguments") == 1 and "Overriding default arguments" not in log
+    assert log.count("-------------------- end of arguments") == 1
 
 
 def untrained(loss: str) -> bool:
@@ -104,6 +104,7 @@ def test_dp2_and_cp2_train_alike_on_the_embedded_corpus_without_data_flags(corpu
     dp2 = pretrain(*common, cache=corpus_cache, launcher="torchrun")
     assert "no data source given, so the embedded corpus: --data-path " + corpus_cache in dp2
     assert "--tokenizer-type NullTokenizer --vocab-size 258 --null-tokenizer-eod-id 256" in dp2
+    assert "Overriding default arguments" not in dp2  # the tokenizer given, not also defaulted
     assert sorted(losses(dp2)) == [1, 2, 3] and untrained(losses(dp2)[1])
     # and reading the corpus without mmap (a dataset flag Megatron-LM's script passes on) changes nothing
     cp2 = pretrain(*common, "--context-parallel-size", "2", "--no-mmap-bin-files", cache=corpus_cache)
@@ -133,7 +134,7 @@ def test_the_loss_is_validated_as_megatron_lms_is():
 @pytest.mark.stack_independent
 def test_the_loss_curve_follows_the_last_timeline(tmp_path):
     """Event files in order: a later one (a resumed run's) replaces the points from its first trained
-    iteration on, one that only evaluated the points at its iteration; within one, an iteration's first
+    iteration on, one that only evaluated adds what is not there; within one, an iteration's first
     validation value (the validation set's, before the test set's under the same tag) is kept."""
     pytest.importorskip("tensorboard")
     from torch.utils.tensorboard import SummaryWriter
@@ -154,8 +155,10 @@ def test_the_loss_curve_follows_the_last_timeline(tmp_path):
     assert validation == {8: 100.5}  # the first run's at 6 was overtaken by the resumed run
     run("3-started-again", range(1, 3), validated_at=2, offset=0.25)
     assert read_losses(str(tmp_path)) == ({1: 1.25, 2: 2.25}, {2: 100.25})
-    run("4-evaluated-only", range(0), validated_at=2, offset=0.75)  # a requeue with nothing left to train
-    assert read_losses(str(tmp_path)) == ({1: 1.25, 2: 2.25}, {2: 100.75})
+    # a requeue with nothing left to train: its evaluation adds a point, and keeps the loop's own
+    run("4-evaluated-only", range(0), validated_at=2, offset=0.75)
+    run("5-evaluated-only", range(0), validated_at=3, offset=0.5)
+    assert read_losses(str(tmp_path)) == ({1: 1.25, 2: 2.25}, {2: 100.25, 3: 100.5})
 
 
 CLI = [sys.executable, "-m", "megatron_siamese.cli", "train"]

@@ -65,7 +65,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="megatron-siamese", description=__doc__.replace("``", ""),  # read as text, not reST
+    parser = Parser(prog="megatron-siamese", description=(__doc__ or "").replace("``", ""),  # read as text, not reST
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():

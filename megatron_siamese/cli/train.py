@@ -176,6 +176,9 @@ def saving_note(signum: int, flags: list) -> str:
 
 def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: dict) -> None:
     """One rank of ``start_ranks``' job: Megatron-LM's loop with ``flags``, its output to ``log`` if given."""
+    from megatron_siamese.runtime.launch import default_signal_handlers
+
+    default_signal_handlers()  # first: the server's ignored stop signals would lose the agent's meanwhile
     import faulthandler
     import multiprocessing
     import traceback
@@ -184,10 +187,8 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
     import torch._dynamo
 
     from megatron_siamese.runtime import orphans, pretrain
-    from megatron_siamese.runtime.launch import default_signal_handlers
 
     orphans.watch(launcher_pid)  # a rank forked from the server outlives a killed launcher otherwise
-    default_signal_handlers()
     # a process forked from the server has its start method for default: a fresh rank has the platform's
     # (Megatron's data loader workers are forked from the rank, with a local worker_init_fn)
     multiprocessing.set_start_method(None, force=True)

@@ -99,9 +99,9 @@ PEER_REPORT_WAIT_S = 10.0
 def _rank(fn, args, timeout_s: float, directory: str, quiet: frozenset, launcher_pid: int, console) -> bytes:
     """One rank: joins the job torch's agent started, runs ``fn(*args)``, returns its value as
     bytes (torch's shared-memory handles of tensors die with this process)."""
+    default_signal_handlers()  # first: the server's ignored stop signals would lose the agent's meanwhile
     launch = launchers.detect()
     orphans.watch(launcher_pid)  # the fork server, this rank's parent, outlives a killed launcher
-    default_signal_handlers()
     job.set_console(console)  # rank 0's lines for the user, printed by the launcher
     if launch.rank in quiet:
         for stream in (sys.stdout, sys.stderr):

@@ -20,9 +20,10 @@ def read_losses(directory: str) -> Tuple[Dict[int, float], Dict[int, float]]:
 
 def read_scalars(directory: str, *tags: str) -> Dict[str, Dict[int, float]]:
     """Each tag's values by iteration over the event files in order: a later (resumed) file replaces every
-    point from the first iteration it trains at (the first tag's), and one that only evaluated (--skip-train,
-    a requeue with nothing left to train) the points at its own iterations. Within a file the first value of
-    an iteration is kept: Megatron logs the validation and then the test set under the validation tag."""
+    point from the first iteration it trains at (the first tag's); one that only evaluated (a requeue with
+    nothing left to train) adds the points not there yet (its evaluation after training is another one than
+    the loop's at that iteration). Within a file the first value of an iteration is kept: Megatron logs the
+    validation and then the test set under the validation tag."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.util.tensor_util import make_ndarray
 
@@ -36,8 +37,10 @@ def read_scalars(directory: str, *tags: str) -> Dict[str, Dict[int, float]]:
                     found[value.tag].setdefault(event.step, float(make_ndarray(value.tensor)))
         start = min(found[tags[0]], default=None)
         for tag in curves:
-            kept = curves[tag] if start is None else {step: value for step, value in curves[tag].items() if step < start}
-            curves[tag] = kept | found[tag]
+            if start is None:
+                curves[tag] = found[tag] | curves[tag]
+            else:
+                curves[tag] = {step: value for step, value in curves[tag].items() if step < start} | found[tag]
     return curves
 
 

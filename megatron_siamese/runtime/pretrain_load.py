@@ -67,7 +67,7 @@ def checkpoint_problem(args):
     from megatron_siamese.training.checkpoint_settings import model_differences
 
     requeue = args.save and os.path.realpath(args.load or "") == os.path.realpath(args.save)
-    if args.load and not os.path.exists(args.load) and not requeue:
+    if args.load and "://" not in args.load and not os.path.exists(args.load) and not requeue:  # msc://: not a path
         return (f"--load {args.load} does not exist (Megatron-LM's loop would start from random): give an existing "
                 "checkpoint directory, or the --save directory to requeue (a first start finds none), or no --load")
     try:

@@ -7,13 +7,11 @@ we do not yet. Megatron-LM's dump of every argument is printed once they are acc
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import sys
 
 from megatron_siamese.runtime import pretrain_load as load
-from megatron_siamese.runtime.pretrain_flags import EMBEDDED_JOB, refuse
+from megatron_siamese.runtime.pretrain_flags import EMBEDDED_JOB, flag_value, refuse
 
 # Megatron-LM flags that change the model or the data in ways this script does not follow yet:
 # refused by name rather than run as something else. (flag, argument, its off value)
@@ -34,21 +32,18 @@ EMBEDDED = {flag[0]: flag[1] for flag in EMBEDDED_JOB if len(flag) == 2}
 def accepted_args(extra_args_provider, model_config):
     """Megatron-LM's parsed and validated args (``sys.argv``, with our flags), or a refusal.
     ``model_config(config, args)``: the model provider's config from Megatron-LM's."""
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training import arguments
 
     # a data path without a tokenizer reads NullTokenizer's ids (given, it would be "overridden" with a warning)
-    defaults = {} if any(word.split("=")[0] == "--tokenizer-type" for word in sys.argv) else \
-        {"tokenizer_type": "NullTokenizer"}
-    validation_output = io.StringIO()  # Megatron-LM's dump of every argument (830 lines): said once accepted
+    defaults = {} if flag_value(sys.argv, "--tokenizer-type") else {"tokenizer_type": "NullTokenizer"}
+    print_args, dumps = arguments._print_args, []  # Megatron-LM's dump of every argument (830 lines): once accepted
+    arguments._print_args = lambda *dump: dumps.append(dump)
     try:
-        with contextlib.redirect_stdout(validation_output):
-            args = parse_and_validate_args(extra_args_provider, args_defaults=defaults)
-    except BaseException as failed:
-        sys.stdout.write(validation_output.getvalue())  # the lines before it: no dump yet
-        if not isinstance(failed, AssertionError):
-            raise
-        # Megatron-LM checks its flags with asserts, some without a message
+        args = arguments.parse_and_validate_args(extra_args_provider, args_defaults=defaults)
+    except AssertionError as failed:  # Megatron-LM checks its flags with asserts, some without a message
         refuse([f"Megatron-LM refuses these flags: {failed_check(failed)}"])
+    finally:
+        arguments._print_args = print_args
     refuse_what_is_not_followed(args)
     problems = scheme_problems(args)
     problems += [problem] if (problem := load.checkpoint_problem(args)) else []
@@ -59,8 +54,8 @@ def accepted_args(extra_args_provider, model_config):
     if problems:
         refuse(problems)
     model_config_problem(args, model_config)
-    sys.stdout.write(validation_output.getvalue())
-    sys.stdout.flush()
+    for dump in dumps:
+        print_args(*dump)
     return args
 
 
