@@ -87,4 +87,4 @@ def training_loop_problem(what: str) -> str | None:
         return None
     return (f"{what} runs Megatron-LM's own training loop, which needs {TRAINING_LOOP_TEXT}; this environment has "
             f"megatron-core {installed_megatron_core()}. Upgrade it: pip install 'megatron-core==0.19.2' "
-            "(Python >= 3.12).")
+            "(Python >= 3.12; in this repository, bash scripts/setup.sh mcore019 makes .venv-mcore019).")

@@ -5,6 +5,7 @@ import pytest
 
 from megatron_siamese.training.args import TrainArgs
 from megatron_siamese.training.checkpoint_settings import SETTINGS_KEY, model_fields, model_problem, recorded
+from megatron_siamese.versions import installed_megatron_core, release
 
 
 @pytest.mark.stack_independent
@@ -74,3 +75,25 @@ def test_train_refuses_a_load_megatron_lm_would_start_from_random(tmp_path):
     complete_checkpoint(tmp_path / "earlier" / "step_3")
     with pytest.raises(CheckpointError, match=r"iter_<N> checkpoints only, and these are an earlier release's"):
         loaded_checkpoint(str(tmp_path / "earlier"))
+
+
+@pytest.mark.skipif(release(installed_megatron_core()) >= (0, 19), reason="megatron-core 0.19 reads its own format")
+def test_a_newer_megatron_cores_checkpoint_is_refused_naming_the_stack_that_reads_it(tmp_path):
+    """megatron-core 0.19 keeps a checkpoint's common state (its args, holding classes 0.19 added) in one of the
+    shards, which 0.16.1 cannot read: refused by version, not reported as an unreadable save."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    from megatron_siamese.training.checkpoint_files import COMMON_SHARD, problems
+
+    checkpoint = tmp_path / "iter_0000002"
+    common = io.BytesIO()
+    torch.save({"iteration": 2}, common)  # as 0.19 writes it: a torch.save archive among the shards
+    save({f"{COMMON_SHARD}/shard_0_1": common}, storage_writer=FileSystemWriter(str(checkpoint)), no_dist=True)
+    (checkpoint / "metadata.json").write_text("{}")
+    (found,) = problems(str(checkpoint))
+    assert found.startswith(f"{checkpoint} was written by megatron-core >= 0.19 (its common state is one of the "
+                            f"shards), which megatron-core {installed_megatron_core()} cannot read: run this command "
+                            "with 0.19 (bash scripts/setup.sh mcore019")

@@ -498,4 +498,5 @@ def test_without_megatron_training_it_is_refused_by_the_version_it_needs():
     assert command.stderr.strip().splitlines() == [
         "megatron-siamese train: error: megatron-siamese train runs Megatron-LM's own training loop, which needs "
         "megatron-core >= 0.17 (its wheel ships Megatron-LM's training loop; 0.19.2 is tested); this environment has "
-        f"megatron-core {installed_megatron_core()}. Upgrade it: pip install 'megatron-core==0.19.2' (Python >= 3.12)."]
+        f"megatron-core {installed_megatron_core()}. Upgrade it: pip install 'megatron-core==0.19.2' (Python >= 3.12; "
+        "in this repository, bash scripts/setup.sh mcore019 makes .venv-mcore019)."]

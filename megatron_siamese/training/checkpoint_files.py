@@ -15,6 +15,8 @@ import warnings
 from argparse import Namespace
 from typing import List, Optional, Tuple
 
+from megatron_siamese.versions import installed_megatron_core, release
+
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's: the newest complete iteration
 ITER_DIR = re.compile(r"^iter_(\d{7,})$")  # Megatron-LM's get_checkpoint_name: iter_{:07d}
 LATEST = "latest"  # earlier releases' tracker: the name of the newest complete step_<N>
@@ -149,6 +151,11 @@ def problems(checkpoint: str) -> List[str]:
         found += _common_problems(common)
     elif not common_shard and not found:  # written by megatron-core < 0.19: the common state is common.pt
         found.append(f"{common} is missing")
+    elif not found and release(installed_megatron_core()) < (0, 19):  # its args hold classes 0.19 added
+        found.append(f"{checkpoint} was written by megatron-core >= 0.19 (its common state is one of the shards), "
+                     f"which megatron-core {installed_megatron_core()} cannot read: run this command with 0.19 (bash "
+                     "scripts/setup.sh mcore019: .venv-mcore019/bin/megatron-siamese), or export the model there "
+                     "and import-hf it here")
     elif not found:  # megatron-core >= 0.19: the common state is one of the shards
         try:
             common_state(checkpoint)
