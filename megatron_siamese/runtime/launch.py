@@ -129,11 +129,15 @@ def _rank(fn, args, timeout_s: float, directory: str, quiet: frozenset, launcher
         job.leave()
 
 
+# the signals torch's agent handles to stop a job (and passes on to its ranks)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
 def default_signal_handlers() -> None:
     """In a rank forked from the server: the fork server ignores Ctrl-C and the other stop signals
     (forkserver_preload.py) and its children inherit that, so the rank ends on the stop signal torch's
     agent passes on (Ctrl-C as KeyboardInterrupt), not 30 s later on its SIGKILL."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _interrupted_once if sig == signal.SIGINT else signal.SIG_DFL)
 
 
@@ -229,14 +233,13 @@ def start_rank_server() -> None:
         forkserver.ensure_running()
 
 
-_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 @contextmanager
 def agent_in_this_process():
     """torch's agent, run here: its log lines off (the failure is raised, said once), and this
     process's signal handlers, which the agent replaces with its own, given back after."""
-    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)  # each has a level of its own
                if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
     levels = [logger.level for logger in loggers]
