@@ -1,7 +1,13 @@
-"""Megatron's persistent checkpoint worker on CPU (``--async-save --use-persistent-ckpt-worker``).
+"""Megatron's asynchronous checkpoint saves on CPU (``--async-save``).
 
-The worker's first act is ``torch.cuda.set_device(rank % torch.cuda.device_count())``: with no GPU it
-divides by zero, dies, and the ranks wait for their saves forever. ``install`` points its entry at
+A save stages the state in host memory (``FileSystemWriterAsync.preload_tensors``, a copy from the GPU) and
+the rank trains on while a worker writes it. On the CPU ``.to("cpu")`` is the tensor itself, shared with
+the worker: an optimizer step taken during the write went into the checkpoint, and a run resumed from it
+was not the uninterrupted one. ``install`` stages copies (``stage_copies``).
+
+Its persistent worker (``--use-persistent-ckpt-worker``) first calls
+``torch.cuda.set_device(rank % torch.cuda.device_count())``: with no GPU it divides by zero, dies, and the
+ranks wait for their saves forever. ``install`` points its entry at
 ``async_loop`` here, which gives the worker the CPU shim and one device, the CPU, and has it end with its
 rank rather than on a stop signal sent to the job's process group.
 """
@@ -40,8 +46,18 @@ def async_loop(*args, **kwargs):
     return PersistentAsyncCaller.async_loop(*args, **kwargs)  # a spawned worker: Megatron's, unpatched there
 
 
+def stage_copies(write_buckets, non_blocking=True):
+    """``FileSystemWriterAsync.preload_tensors`` on CPU: each tensor copied, as its copy from the GPU is. A
+    module-level function: the persistent worker, a spawned process, receives it pickled by name."""
+    return [(file_name, storage_key, (bytes_data, [(item, tensor.to("cpu", copy=True)) for item, tensor in tensors]))
+            for file_name, storage_key, (bytes_data, tensors) in write_buckets]
+
+
 def install() -> None:
     global _megatrons_loop
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    FileSystemWriterAsync.preload_tensors = staticmethod(stage_copies)
     try:
         from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
     except ImportError:  # a megatron-core without the persistent worker
