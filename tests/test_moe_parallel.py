@@ -66,7 +66,8 @@ def test_planted_moe_bugs_fail_exactly_the_layouts_they_break(fault, passes, fai
 def test_moe_layouts_the_model_cannot_run_are_refused_before_any_rank_starts(capsys):
     assert cli_main(["check", "--num-experts", "4", "--layouts", "tp2,ep3"]) == 2
     err = capsys.readouterr().err
-    assert "tp2: MoE layers under tensor parallelism (tp2) need sequence parallelism" in err
+    assert ("tp2: MoE layers under tensor parallelism (tp2) need sequence parallelism: add it ('sp' in the "
+            "layout's name)") in err
     assert "--num-experts 4 does not split over ep3" in err
     assert "--add-bias-linear with MoE layers" in err and "--disable-bias-linear" in err
     assert cli_main(["check", "--layouts", "ep2"]) == 2

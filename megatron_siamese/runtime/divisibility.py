@@ -23,6 +23,10 @@ def layout_part(key: str, value: int) -> str:
     return f"{key}{value}"
 
 
+def _add_sequence_parallel(spell: Callable[[str, int], str]) -> str:
+    return "add it ('sp' in the layout's name)" if spell is layout_part else "add it (--sp)"
+
+
 def _positive(*sizes) -> bool:
     return all(size is not None and size >= 1 for size in sizes)
 
@@ -147,7 +151,7 @@ def split_problems(model: ModelSettings, layout: Layout, *, vocab_size: int, mic
     if training and model.multi_latent_attention and tp > 1 and not layout.sp:  # its duplicated down projections
         found.append(f"--multi-latent-attention under tensor parallelism ({spell('tp', tp)}) needs sequence "
                      "parallelism: its down projections are duplicated over TP, and their gradients are summed over "
-                     "TP only under SP; add it (--sp, or 'sp' in a layout name)")
+                     f"TP only under SP; {_add_sequence_parallel(spell)}")
     if _positive(tp, vocab_size) and vocab_size % tp:
         divisors = ", ".join(str(d) for d in range(1, 17) if vocab_size % d == 0)
         found.append(f"the vocabulary ({vocab_size}) does not split over {spell('tp', tp)}: use a tensor-parallel "
@@ -192,7 +196,7 @@ def expert_problems(model: ModelSettings, layout: Layout, spell: Callable[[str, 
     found = []
     if layout.tp > 1 and not layout.sp:  # Megatron's rule (TransformerConfig refuses it on the ranks)
         found.append(f"MoE layers under tensor parallelism ({spell('tp', layout.tp)}) need sequence parallelism: "
-                     "add it (--sp, or 'sp' in a layout name)")
+                     f"{_add_sequence_parallel(spell)}")
     if _positive(experts, layout.ep) and experts % layout.ep:
         found.append(f"--num-experts {experts} does not split over {spell('ep', layout.ep)}: use an expert-parallel "
                      "size that divides the expert count")
