@@ -346,6 +346,23 @@ def test_a_broken_pipe_inside_the_run_fails_it_and_keeps_what_was_printed(capfd,
 
 
 @pytest.mark.stack_independent
+def test_a_planted_fault_that_fails_no_layout_says_where_it_acts(capfd, monkeypatch):
+    """`check --plant-fault local-depth-scale --layouts tp2` passes: the fault acts only across pipeline
+    stages. That pass once came alone, reading as a check blind to the fault."""
+    import megatron_siamese.check.command as command
+    import megatron_siamese.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "start_rank_server", lambda: None)
+    check = ["check", "--layouts", "tp2", "--num-layers", "2", "--plant-fault", "local-depth-scale"]
+    for status in ("PASS", "FAIL"):
+        monkeypatch.setattr(command, "run_check", lambda *args, **kwargs: [Row("tp2", 2, status)])
+        assert cli_main(check) == (status == "FAIL")
+        said = capfd.readouterr().err
+        assert ("--plant-fault local-depth-scale failed no layout: it acts on none of these. c = sqrt(2 * local "
+                "layer index): wrong on every pipeline stage but the first." in said) == (status == "PASS"), said
+
+
+@pytest.mark.stack_independent
 def test_a_reader_that_closed_stdout_ends_the_command_quietly_with_0(capfd, monkeypatch):
     """`megatron-siamese check --list | head -1`: stdout's reader is gone; nothing left to say."""
     import os

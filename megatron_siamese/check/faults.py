@@ -7,7 +7,8 @@ process's classes before the model is built and undone after the layout. The lay
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+import inspect
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 _UNDO: List[Tuple[object, str, object]] = []  # (owner, attribute, its own value before) of what is planted
 _INHERITED = object()  # the owner had no value of its own (a class inheriting it)
@@ -242,6 +243,15 @@ FAULTS: Dict[str, Callable[[], None]] = {
     "cp-contiguous-chunks": _cp_contiguous_chunks,
     "cp-keys-in-sequence-order": _cp_keys_in_sequence_order,
 }
+
+
+def acted_nowhere(name: Optional[str], statuses: Sequence[str]) -> Optional[str]:
+    """What to tell a user whose planted fault failed no layout (else None): where it acts, or the pass reads
+    as the check being blind to it."""
+    if name is None or any(status in ("FAIL", "ERROR") for status in statuses):
+        return None
+    where = " ".join(inspect.getdoc(FAULTS[name]).split())
+    return f"--plant-fault {name} failed no layout: it acts on none of these. {where}"
 
 
 @contextlib.contextmanager

@@ -6,12 +6,13 @@ import argparse
 import dataclasses
 import json
 import re
+import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
 from megatron_siamese.check import DEFAULT_LAYOUTS, MOE_LAYOUTS, SPECS
 from megatron_siamese.check.case import ModelCase
-from megatron_siamese.check.faults import FAULTS
+from megatron_siamese.check.faults import FAULTS, acted_nowhere
 from megatron_siamese.cli.flags import HelpFormatter, add_setting
 from megatron_siamese.runtime.divisibility import expert_problems, layout_part, shape_problems, split_problems
 from megatron_siamese.runtime.layout import Layout, parse_layout
@@ -262,6 +263,9 @@ def run(options: argparse.Namespace) -> int:
         skipped = sum(r.status == "SKIP" for r in rows)
         seconds = time.perf_counter() - start
         print(f"{passed} passed, {len(bad)} failed, {skipped} skipped in {seconds:.0f}s", flush=True)
+        unacted = acted_nowhere(options.plant_fault, [row.status for row in rows])
+        if unacted:
+            print(unacted, file=sys.stderr, flush=True)
         if options.json:
             report = dict(spec=options.spec, case=dataclasses.asdict(case), launch=None if launch is None else
                           dataclasses.asdict(launch), tolerance=tolerance_of(case).describe(), seconds=seconds,
