@@ -57,19 +57,23 @@ def test_the_persistent_checkpoint_worker_leaves_the_jobs_process_group():
     assert worker.exitcode == 0
 
 
-def test_an_async_save_writes_the_state_it_was_given_while_the_rank_trains_on():
-    """Megatron's async save stages the state in host memory (FileSystemWriterAsync.preload_tensors, a copy
-    from the GPU) and the rank trains on while its worker writes. On the CPU ``.to("cpu")`` was the tensor
-    itself: an optimizer step taken during the write went into the checkpoint, and a run resumed from it
-    left the uninterrupted one at its second iteration (test_pretrain, the killed rank under CI's load)."""
+
+def test_an_async_save_writes_the_state_it_was_given_while_the_rank_trains_on(monkeypatch):
+    """Megatron's async save stages the state in host memory (FileSystemWriterAsync's preload, a copy from the
+    GPU) and the rank trains on while its worker writes. On the CPU ``.to("cpu")`` was the tensor itself: an
+    optimizer step taken during the write went into the checkpoint, and a run resumed from it left the
+    uninterrupted one (test_pretrain's killed rank, under CI's load); and handing the live tensor to the
+    persistent worker moved its memory into shared memory. The rank stages copies, and no preload is left."""
     import torch
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from megatron_siamese.runtime import cpu_checkpoint_worker
 
     cpu_checkpoint_worker.install()
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *args: 0)
+    writer = FileSystemWriterAsync("unused")
     weight = torch.ones(4)
-    [(_, _, (_, [(_, staged)]))] = FileSystemWriterAsync.preload_tensors([("file", "key", ([], [("item", weight)]))],
-                                                                          False)
+    writer.write_buckets, writer.results_queue = [("file", "key", ([], [("item", weight)]))], None
+    _, preload, (_, [(_, _, (_, [(_, staged)]))], _) = writer.get_save_function_and_args()
     weight.add_(1)  # the next optimizer step, taken while the worker writes
-    assert torch.equal(staged, torch.ones(4))
+    assert preload is None and torch.equal(staged, torch.ones(4))

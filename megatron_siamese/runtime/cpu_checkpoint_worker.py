@@ -1,9 +1,11 @@
 """Megatron's asynchronous checkpoint saves on CPU (``--async-save``).
 
 A save stages the state in host memory (``FileSystemWriterAsync.preload_tensors``, a copy from the GPU) and
-the rank trains on while a worker writes it. On the CPU ``.to("cpu")`` is the tensor itself, shared with
-the worker: an optimizer step taken during the write went into the checkpoint, and a run resumed from it
-was not the uninterrupted one. ``install`` stages copies (``stage_copies``).
+the rank trains on while a worker writes it. On the CPU ``.to("cpu")`` is the tensor itself: the worker
+wrote the live state, and an optimizer step taken during the write went into the checkpoint (a run resumed
+from it was not the uninterrupted one); and handing a live CPU tensor to the persistent worker moves its
+memory into shared memory, under the rank's feet. ``install`` has the rank stage copies before any worker
+sees the state (``stage_copies``), which is the wait the rank has on a GPU too.
 
 Its persistent worker (``--use-persistent-ckpt-worker``) first calls
 ``torch.cuda.set_device(rank % torch.cuda.device_count())``: with no GPU it divides by zero, dies, and the
@@ -15,6 +17,7 @@ rank rather than on a stop signal sent to the job's process group.
 from __future__ import annotations
 
 _megatrons_loop = None  # PersistentAsyncCaller.async_loop before install() (a forked worker inherits it)
+_megatrons_save_function_and_args = None  # FileSystemWriterAsync's, before install()
 
 
 def async_loop(*args, **kwargs):
@@ -46,18 +49,26 @@ def async_loop(*args, **kwargs):
     return PersistentAsyncCaller.async_loop(*args, **kwargs)  # a spawned worker: Megatron's, unpatched there
 
 
-def stage_copies(write_buckets, non_blocking=True):
-    """``FileSystemWriterAsync.preload_tensors`` on CPU: each tensor copied, as its copy from the GPU is. A
-    module-level function: the persistent worker, a spawned process, receives it pickled by name."""
+def stage_copies(write_buckets):
+    """``FileSystemWriterAsync.preload_tensors`` on CPU: each tensor copied, as its copy from the GPU is."""
     return [(file_name, storage_key, (bytes_data, [(item, tensor.to("cpu", copy=True)) for item, tensor in tensors]))
             for file_name, storage_key, (bytes_data, tensors) in write_buckets]
 
 
+def staged_save_function_and_args(writer):
+    """``FileSystemWriterAsync.get_save_function_and_args`` with the state staged now, by the rank: no preload
+    left for a worker (its arguments' second is the write buckets, which Megatron's preload replaces)."""
+    save, _, args = _megatrons_save_function_and_args(writer)
+    return (save, None, args) if save is None else (save, None, [args[0], stage_copies(args[1]), *args[2:]])
+
+
 def install() -> None:
-    global _megatrons_loop
+    global _megatrons_loop, _megatrons_save_function_and_args
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    FileSystemWriterAsync.preload_tensors = staticmethod(stage_copies)
+    if _megatrons_save_function_and_args is None:
+        _megatrons_save_function_and_args = FileSystemWriterAsync.get_save_function_and_args
+        FileSystemWriterAsync.get_save_function_and_args = staged_save_function_and_args
     try:
         from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
     except ImportError:  # a megatron-core without the persistent worker
