@@ -193,6 +193,7 @@ def test_the_command_generates_and_refuses(checkpoint, uncached):
                            "--tp", "2", "--json"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["tokens"] for r in json.loads(done.stdout.strip().splitlines()[-1])] == uncached
+    assert done.stderr.count("static requests:   0%") == 1  # Megatron's progress bar, rank 0's only
     refused = subprocess.run([*cli, "--prompt", "x" * 40], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "more than the 32 the model was trained on (--seq-length)" in refused.stderr

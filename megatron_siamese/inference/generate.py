@@ -9,7 +9,7 @@ Full story, and what is refused: docs/inference.md.
 from __future__ import annotations
 
 import contextlib
-
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -209,10 +209,14 @@ def generate_on_ranks(session, prompts: Sequence[str], max_new_tokens: int, samp
 
 def _generate_rank(checkpoint: str, layout: Layout, prompts: List[str], max_new_tokens: int, sampling: Sampling,
                    engine: str = "static"):
+    from megatron.core.inference.engines import static_engine
+
     from megatron_siamese.inference.session import open_session
 
     session = open_session(checkpoint, layout, seed=sampling.seed, with_mtp=False,
                            fused_ops=False if _on_cpu() else None)
+    if torch.distributed.get_rank() != 0:  # the static engine's progress bar, drawn by rank 0 alone
+        static_engine.tqdm = functools.partial(static_engine.tqdm, disable=True)
     try:
         return generate_on_ranks(session, prompts, max_new_tokens, sampling, engine)
     finally:
