@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from cli_runs import train_here
 from megatron_siamese.runtime.loss_curve import read_losses
@@ -129,6 +130,28 @@ def test_the_loss_is_validated_as_megatron_lms_is():
                    *MOCK_DATA, ranks=1, expect_failure=True)
     assert "Injecting error type Persistent error" in log
     assert "message='found NaN in local forward loss calculation'" in log
+
+
+@needs_training
+def test_logged_activations_are_the_forward_values_not_what_the_loss_wrote_into_them(monkeypatch):
+    """--save-activations-interval on CPU: its hooks' module types held TE's MagicMocks (a TypeError at the
+    first logged step), and it keeps each output as ``.cpu()``, a copy from a GPU, on CPU the tensor itself,
+    which the cross entropy overwrites in place (the logits became the loss's gradient)."""
+    from megatron.training.activation_logging import ActivationLogger
+
+    for name in ("TORCHDYNAMO_DISABLE", "CUDA_DEVICE_MAX_CONNECTIONS"):  # what its import sets, for later tests
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    from megatron_siamese.runtime import megatron_lm
+
+    megatron_lm._activation_and_dgrad_logging_on_cpu()
+    model, inputs = torch.nn.Sequential(torch.nn.Linear(4, 3)), torch.randn(2, 4)
+    logger = ActivationLogger("unused")
+    logger.register_activation_hooks([model])
+    logits = model(inputs)
+    forward = logits.detach().clone()
+    with torch.no_grad():
+        logits.sub_(logits.max())  # as vocab_parallel_cross_entropy does, in place
+    assert torch.equal(logger._activations_state_dict["model_chunk0"]["0/output0"], forward)
 
 
 @pytest.mark.stack_independent

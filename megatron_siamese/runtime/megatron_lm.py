@@ -74,6 +74,7 @@ def serve_megatron_training_on_cpu() -> None:
     except ImportError:
         pass
     _keep_built_dataset_helpers()
+    _activation_and_dgrad_logging_on_cpu()
     from megatron_siamese.runtime import cpu_checkpoint_worker
 
     cpu_checkpoint_worker.install()
@@ -113,6 +114,34 @@ def _warm_up_without_drawing_the_init() -> None:
             return warm_up(*args, **kwargs)
 
     initialize._warmup_jit_function = warm_up_on_forked_rng
+
+
+def _activation_and_dgrad_logging_on_cpu() -> None:
+    """Its activation and dgrad logging (``--save-activations-interval``, ``--save-dgrads-interval``): the
+    module types they hook count TE's classes, MagicMocks without TE, which ``isinstance`` refuses (a
+    TypeError at the first logged step); and they keep ``tensor.detach().cpu()``, a copy from a GPU, on CPU
+    the tensor itself, which the cross entropy overwrites in place (the saved logits were the loss's
+    gradient). Here they hook real classes, and their hooks are handed copies."""
+    try:
+        from megatron.training import activation_logging, dgrad_logging
+    except ImportError:  # a release without them
+        return
+
+    def copies(values):
+        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.detach().clone(), values)
+
+    def handing_copies(make_hook):
+        def make(self, *args):
+            hook = make_hook(self, *args)
+            return lambda module, *values: hook(module, *copies(values))
+
+        return make
+
+    for module in (activation_logging, dgrad_logging):
+        module.LINEAR_TYPES = tuple(kind for kind in module.LINEAR_TYPES if isinstance(kind, type))
+    logger = activation_logging.ActivationLogger
+    logger._make_activation_hook = handing_copies(logger._make_activation_hook)
+    dgrad_logging.DataGradLogger._make_hook = handing_copies(dgrad_logging.DataGradLogger._make_hook)
 
 
 def _keep_built_dataset_helpers() -> None:
