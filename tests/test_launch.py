@@ -243,6 +243,35 @@ def test_a_hung_rank_is_named_and_its_stack_is_in_the_failure():
     assert "_hang_on_rank_one" in hung
 
 
+def _interrupted_on_rank_one():
+    import torch
+
+    if torch.distributed.get_rank() == 1:
+        raise KeyboardInterrupt  # what Ctrl-C raises in a rank
+    return "ok"
+
+
+def test_a_rank_ended_by_ctrl_c_ends_the_launch_whose_agent_was_not_signalled():
+    """study runs its agents on threads, where torch's agent sets no signal handlers: a rank Ctrl-C ended
+    exited with status 0 and no result (torch's worker wrapper swallows KeyboardInterrupt), and such an
+    agent waited for that result for good. The rank exits 130."""
+    import threading
+
+    failures = []
+
+    def run():
+        try:
+            launch(_interrupted_on_rank_one, 2, timeout_s=60)
+        except RankFailed as failure:
+            failures.append(str(failure))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the agent still waits for the interrupted rank"
+    assert len(failures) == 1 and "KeyboardInterrupt" in failures[0], failures
+
+
 def _sleep_after_saying_so(started_dir):
     import torch
 

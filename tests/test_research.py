@@ -286,6 +286,37 @@ def test_study_reports_losses_divergence_spikes_and_accuracy(tmp_path):
         run_study(dataclasses.replace(plan, schemes=("pre", "postnorm")))
 
 
+@pytest.mark.skipif(not ships_megatron_training(), reason="megatron-core < 0.17: no Megatron-LM loop to run")
+def test_ctrl_c_stops_the_study_and_starts_no_further_run(tmp_path, corpus_cache, monkeypatch):
+    """Ctrl-C reaches study's main thread, its runs' agents running on the pool's threads: no further run
+    starts, the running runs' ranks are sent SIGINT (their agents are not told), and it says what finished.
+    It waited for good before, for runs that ended without a result."""
+    import signal
+    import threading
+    import time
+
+    from megatron_siamese.research import study
+
+    started, interrupted, said = [], [], []
+
+    def train_run(plan, job):
+        started.append(job.key)
+        if len(started) == 1:
+            time.sleep(0.2)  # the runs under way
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C, to this process only
+        time.sleep(0.5)
+        return study.RunResult([], {1: 5.0}, {1: 5.0})
+
+    monkeypatch.setattr(study, "train_run", train_run)
+    monkeypatch.setattr(study, "_interrupt_running_ranks", lambda: interrupted.append(len(started)))
+    plan = study.StudyPlan(output_dir=str(tmp_path / "study"), cache_dir=corpus_cache)
+    with pytest.raises(KeyboardInterrupt):
+        study.run_study(plan, echo=said.append)
+    assert len(started) == plan.workers < len(study.jobs_of(plan)) and interrupted == [plan.workers]
+    assert said[-1].startswith(f"stopped: {plan.workers} runs had finished")  # those under way, ended
+    assert not (tmp_path / "study" / "study.json").exists()
+
+
 @pytest.mark.skipif(ships_megatron_training(), reason="megatron-core >= 0.17 runs the study")
 def test_study_is_refused_without_megatron_lms_loop(tmp_path):
     from megatron_siamese.research.study import StudyPlan, run_study

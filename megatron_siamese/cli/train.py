@@ -124,11 +124,7 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
 
     started = (f"megatron-siamese train: {ranks} rank{'s' if ranks > 1 else ''} on this host "
                f"(torchrun --standalone --nproc-per-node {ranks})")
-    if log is None:
-        print(started, flush=True)
-    else:
-        with open(log, "a") as out:
-            print(started, file=out)
+    _tell(started, log, sys.stdout)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several ranks, without its notice
     os.environ.setdefault("PYTHONWARNINGS", warning_options())  # the notices Megatron warns at import
     method = launch.start_method(device.backend(), RANK_PRELOAD)
@@ -152,6 +148,12 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
     except ChildFailedError as failure:
         if any(error.exitcode == 2 for error in failure.failures.values()):  # a usage error: rank 0 said it
             return 2
+        if any(error.exitcode == launch.INTERRUPTED for error in failure.failures.values()):
+            # SIGINT reached the ranks, not this agent (a thread's, as study's, or one sent to the ranks alone)
+            _tell("megatron-siamese train: stopped by SIGINT, which reached its ranks, not this command; no checkpoint "
+                  "was saved on it",
+                  log, sys.stderr)
+            return launch.INTERRUPTED
         rank, error = next(iter(failure.failures.items()))
         print(f"megatron-siamese train: error: rank {rank} exited with status {error.exitcode} "
               "(its own error is above)", file=sys.stderr, flush=True)
@@ -159,6 +161,15 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
     finally:
         agent_files.cleanup()
     return 0
+
+
+def _tell(line: str, log: Optional[str], stream) -> None:
+    """``line`` to the ranks' ``log`` if they have one, else to ``stream``."""
+    if log is None:
+        print(line, file=stream, flush=True)
+    else:
+        with open(log, "a") as out:
+            print(line, file=out)
 
 
 def saving_note(signum: int, flags: list) -> str:
@@ -176,7 +187,7 @@ def saving_note(signum: int, flags: list) -> str:
 
 def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: dict) -> None:
     """One rank of ``start_ranks``' job: Megatron-LM's loop with ``flags``, its output to ``log`` if given."""
-    from megatron_siamese.runtime.launch import default_signal_handlers
+    from megatron_siamese.runtime.launch import default_signal_handlers, interrupt_as_exit_status
 
     default_signal_handlers()  # first: the server's ignored stop signals would lose the agent's meanwhile
     import faulthandler
@@ -206,7 +217,8 @@ def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: 
     faulthandler.enable()  # a crash leaves each thread's Python stack in the rank's output
     sys.argv = ["megatron-siamese train", *flags]
     try:
-        pretrain.main()
+        with interrupt_as_exit_status():
+            pretrain.main()
     except SystemExit:
         end_on_a_held_back_signal_soon()
         raise

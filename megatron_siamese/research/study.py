@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -220,6 +221,19 @@ def _accuracy_rank(checkpoint: str, reverse: bool, digits: int) -> float:
         session.close()
 
 
+def _interrupt_running_ranks() -> None:
+    """SIGINT to the running runs' ranks, as a terminal's Ctrl-C sends every process of its group: its agents,
+    on the pool's threads, are not told (torch's agent passes signals on from the main thread only), and a
+    SIGINT sent to this process alone reached no rank. They end with status 130; the fork server ignores it."""
+    import psutil
+
+    for process in psutil.Process().children(recursive=True):
+        try:
+            process.send_signal(signal.SIGINT)
+        except psutil.Error:  # ended meanwhile
+            pass
+
+
 def run_study(plan: StudyPlan, echo=print) -> dict:
     from megatron_siamese.runtime.registry import ConfigError
     from megatron_siamese.versions import training_loop_problem
@@ -245,7 +259,15 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
 
     entropy = unigram_entropy(embedded_corpus(plan.cache_dir))  # built once, before the runs share it
     with ThreadPoolExecutor(max_workers=plan.workers) as pool:
-        list(pool.map(run, jobs_of(plan)))
+        try:
+            list(pool.map(run, jobs_of(plan)))
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)  # no run starts after Ctrl-C
+            _interrupt_running_ranks()
+            pool.shutdown(wait=True)
+            echo(f"stopped: {len(results)} runs had finished (each in {plan.output_dir}/<run>/); the tables, "
+                 "study.json and the plots come with a whole study")
+            raise
     study = {"plan": dataclasses.asdict(plan), "runs": results, "unigram_entropy": entropy,
              "seconds": time.perf_counter() - start}
     os.makedirs(plan.output_dir, exist_ok=True)

@@ -26,6 +26,7 @@ import time
 import traceback
 import uuid
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -112,21 +113,22 @@ def _rank(fn, args, timeout_s: float, directory: str, quiet: frozenset, launcher
     faulthandler.enable()  # a crash (SIGSEGV, SIGABRT) leaves each thread's Python stack in the rank's output
     silence_known_notices()
     torch.set_num_threads(1)
-    try:
-        job.join(launch, timeout_s)
-        buffer = io.BytesIO()
-        torch.save(fn(*args), buffer)
-        return buffer.getvalue()
-    except BaseException as error:
-        summary = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
-        problems = error.problems if isinstance(error, ConfigError) else None
-        with open(os.path.join(directory, f"rank{launch.rank}.report"), "wb") as out:
-            pickle.dump(Report(summary[:500], traceback.format_exc(), problems, time.time()), out)
-        if _PEER_GONE.search(summary):
-            time.sleep(PEER_REPORT_WAIT_S)  # the peer's own failure, if it comes, is the job's
-        raise
-    finally:
-        job.leave()
+    with interrupt_as_exit_status():
+        try:
+            job.join(launch, timeout_s)
+            buffer = io.BytesIO()
+            torch.save(fn(*args), buffer)
+            return buffer.getvalue()
+        except BaseException as error:
+            summary = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            problems = error.problems if isinstance(error, ConfigError) else None
+            with open(os.path.join(directory, f"rank{launch.rank}.report"), "wb") as out:
+                pickle.dump(Report(summary[:500], traceback.format_exc(), problems, time.time()), out)
+            if _PEER_GONE.search(summary):
+                time.sleep(PEER_REPORT_WAIT_S)  # the peer's own failure, if it comes, is the job's
+            raise
+        finally:
+            job.leave()
 
 
 # the signals torch's agent handles to stop a job (and passes on to its ranks)
@@ -139,6 +141,20 @@ def default_signal_handlers() -> None:
     agent passes on (Ctrl-C as KeyboardInterrupt), not 30 s later on its SIGKILL."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, _interrupted_once if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+@contextmanager
+def interrupt_as_exit_status():
+    """A rank's Ctrl-C ends it with status 130. torch's worker wrapper ends a rank that a KeyboardInterrupt
+    unwound with status 0 and no result, and an agent not itself signalled (study's, on a thread; a rank
+    sent SIGINT alone) waited for that result for good."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise SystemExit(INTERRUPTED) from None
+
+
+INTERRUPTED = 128 + signal.SIGINT  # a shell's status for a process Ctrl-C ended
 
 
 def _interrupted_once(signum, frame):
@@ -233,30 +249,39 @@ def start_rank_server() -> None:
         forkserver.ensure_running()
 
 
-
-
 @contextmanager
 def agent_in_this_process():
     """torch's agent, run here: its log lines off (the failure is raised, said once), and this
-    process's signal handlers, which the agent replaces with its own, given back after."""
+    process's signal handlers, which the agent replaces with its own, given back after. Agents may run
+    on several threads at once (study's): the first to start quiets the loggers, the last to end restores them."""
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)  # each has a level of its own
-               if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    had_variable = "TORCHELASTIC_SIGNALS_TO_HANDLE" in os.environ
+    with _agents_lock:
+        if not _agents.running:
+            _agents.levels = {logger: logger.level for logger in  # each has a level of its own
+                              (logging.getLogger(name) for name in list(logging.root.manager.loggerDict))
+                              if logger.name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))}
+            for logger in _agents.levels:
+                logger.setLevel(logging.CRITICAL)
+            _agents.had_variable = "TORCHELASTIC_SIGNALS_TO_HANDLE" in os.environ
+        _agents.running += 1
     try:
         yield
     finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-        if not had_variable:
-            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        with _agents_lock:
+            _agents.running -= 1
+            if not _agents.running:
+                for logger, level in _agents.levels.items():
+                    logger.setLevel(level)
+                if not _agents.had_variable:
+                    os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
         if threading.current_thread() is threading.main_thread():  # elsewhere the agent sets none
             for sig, handler in handlers.items():
                 if handler is not None:
                     signal.signal(sig, handler)
+
+
+_agents_lock = threading.Lock()
+_agents = SimpleNamespace(running=0, levels={}, had_variable=False)  # the agents running in this process
 
 
 def launch(
