@@ -155,8 +155,8 @@ def failed(run: RunResult) -> bool:
 
 
 def stuck(run: RunResult, unigram_entropy: float) -> bool:
-    """Trained but never got past token frequencies: within STUCK_MARGIN of the corpus's
-    unigram entropy (Post-Norm's typical failure)."""
+    """Trained but never got past token frequencies: ending above the corpus's unigram entropy less
+    STUCK_MARGIN (Post-Norm's typical failure), yet not diverged."""
     return not failed(run) and run.final_val_loss > unigram_entropy - STUCK_MARGIN
 
 
@@ -335,7 +335,7 @@ def tables(study: dict) -> str:
     plan, entropy = study["plan"], study["unigram_entropy"]
     lines = [f"Final validation loss (nats per byte), mean ± std over the seeds that did not diverge; in "
              f"brackets how many runs diverged (a non-finite loss, or worse than uniform), got stuck (ended "
-             f"within {STUCK_MARGIN} of the corpus's unigram entropy, {entropy:.3f}) or spiked (the training "
+             f"above the corpus's unigram entropy, {entropy:.3f}, less {STUCK_MARGIN}) or spiked (the training "
              f"loss rose more than {SPIKE_MARGIN} above its lowest so far).", ""]
     for warmup, arms, rates, seeds in _panels(plan):
         lines += [f"### Warmup {warmup} steps (seeds {', '.join(map(str, seeds))})", ""]
