@@ -155,6 +155,21 @@ def test_logged_activations_are_the_forward_values_not_what_the_loss_wrote_into_
 
 
 @pytest.mark.stack_independent
+def test_a_resume_megatron_cannot_load_is_told_what_to_change():
+    """Another --lr than the checkpoint's optimizer: Megatron's load raises a ValueError of many lines (its
+    parameter groups are keyed by the rates); a longer --train-iters trips its schedule's bare assert (the
+    command test above). Each becomes one line with the ways on; any other failure stays itself."""
+    from megatron_siamese.runtime.pretrain import resume_problem
+
+    said = resume_problem(ValueError("Could not find parameter group with key (None, 0.005, 0.0002) in loaded "
+                                     "checkpoint.\nAvailable keys:\n(None, 0.002, 0.0002)"), "ck")
+    assert said.startswith("--load ck: its optimizer was saved with another --lr") and "--no-load-optim" in said
+    for other in (ValueError("another"), AssertionError("another")):
+        with pytest.raises(type(other), match="another"):
+            resume_problem(other, "ck")
+
+
+@pytest.mark.stack_independent
 def test_the_loss_curve_follows_the_last_timeline(tmp_path):
     """Event files in order: a later one (a resumed run's) replaces the points from its first trained
     iteration on, one that only evaluated adds what is not there; within one, an iteration's first
@@ -391,6 +406,12 @@ def test_what_it_trains_export_and_generate_read_by_its_flags(tmp_path, corpus_c
     checkpoint = read_checkpoint(str(saved))
     assert (checkpoint.step, checkpoint.settings.norm, checkpoint.settings.num_layers) == (2, "siamese", 2)
     assert checkpoint.vocab_size == 512  # 258 padded to a multiple of 128 x TP 2, as Megatron-LM pads
+    # resumed with another schedule: Megatron's bare assert on loading it, said in one line with the ways on
+    longer = pretrain("--tensor-model-parallel-size", "2", "--train-iters", "4", "--load", str(saved),
+                      cache=corpus_cache, expect_failure=2)
+    assert ("was saved with another learning-rate schedule than these flags give (class input value 16 and "
+            "checkpointvalue 8 for total number of iterations do not match): give the flags it was saved with, or "
+            "add --override-opt_param-scheduler") in longer and "Traceback" not in longer, longer[-3000:]
     cli = [sys.executable, "-m", "megatron_siamese.cli"]
     exported = subprocess.run([*cli, "export", "--load", str(saved), "--output-dir", str(tmp_path / "hf")],
                               capture_output=True, text=True, timeout=300)

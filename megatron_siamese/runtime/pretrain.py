@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from megatron_siamese import device  # noqa: E402
 from megatron_siamese.runtime import pretrain_load as load  # noqa: E402
-from megatron_siamese.runtime.pretrain_flags import add_defaults, exit_refused  # noqa: E402
+from megatron_siamese.runtime.pretrain_flags import add_defaults, exit_refused, refuse  # noqa: E402
 from megatron_siamese.runtime.pretrain_refusals import accepted_args  # noqa: E402
 from megatron_siamese.versions import speaks_for_the_job  # noqa: E402
 
@@ -320,7 +320,24 @@ def main() -> None:
         if stop.code in (None, 0):  # saved and stopped as asked (a rerun's codes ask for a resume: no curve)
             draw_the_loss_curve(args)
         raise
+    except (AssertionError, ValueError) as failed:  # its load's checks of the optimizer against the flags
+        refuse([resume_problem(failed, args.load)])
     draw_the_loss_curve(args)
+
+
+def resume_problem(failed: Exception, load: str) -> str:
+    """What to change, for Megatron's load refusing these flags' optimizer or schedule (a bare assert, or a
+    ValueError of many lines); any other failure is raised again."""
+    said = str(failed)
+    if isinstance(failed, AssertionError) and said.startswith("OptimizerParamScheduler:"):  # a longer --train-iters
+        return (f"--load {load} was saved with another learning-rate schedule than these flags give "
+                f"({said.split(': ', 1)[1]}): give the flags it was saved with, or add --override-opt_param-scheduler "
+                "(these flags' schedule from here on) or --use-checkpoint-opt_param-scheduler (the checkpoint's)")
+    if isinstance(failed, ValueError) and said.startswith("Could not find parameter group with key"):  # another --lr
+        return (f"--load {load}: its optimizer was saved with another --lr, --min-lr or weight decay than these "
+                "flags give (Megatron's parameter groups are keyed by them): give those it was saved with, or "
+                "--no-load-optim (a fresh optimizer from its weights)")
+    raise failed
 
 
 if __name__ == "__main__":
