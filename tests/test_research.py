@@ -110,7 +110,7 @@ def pre_norm_checkpoint(args, directory) -> str:
     return str(directory)
 
 
-def test_upcycle_command_and_analysis_on_trained_checkpoints(tmp_path, corpus_cache, monkeypatch):
+def test_upcycle_command_and_analysis_on_trained_checkpoints(tmp_path, corpus_cache, monkeypatch, capsys):
     from megatron_siamese.inference import session
     from megatron_siamese.research.analysis import analyze, format_tables
     from megatron_siamese.research.upcycle import upcycle
@@ -131,6 +131,16 @@ def test_upcycle_command_and_analysis_on_trained_checkpoints(tmp_path, corpus_ca
             upcycle(dataclasses.replace(args, mtp_num_layers=1), pre)
     path = upcycle(args, pre)
     assert path.endswith("iter_0000000")  # a new model: its step 0
+    # analyze given the checkpoints the wrong way round: said before any rank starts (it was a rank's failure
+    # naming flags no one gave)
+    from megatron_siamese.cli import main as cli_main
+
+    upcycled = str(tmp_path / "upcycled" / "checkpoints")
+    assert cli_main(["analyze", "--load", pre]) == 2
+    assert cli_main(["analyze", "--load", upcycled, "--compare-load", upcycled]) == 2
+    refused = capsys.readouterr().err
+    assert "holds a pre model: analyze reads a siamese one (--compare-load takes the stock Pre-Norm one" in refused
+    assert f"--compare-load {upcycled} holds a siamese model: it takes the stock Pre-Norm checkpoint" in refused
     results = analyze(dataclasses.replace(args, load=str(tmp_path / "upcycled" / "checkpoints"),
                                           output_dir=str(tmp_path / "analysis")), compare_load=pre)
     # at step 0 the X branch is off: its share is zero and the merge decodes exactly like y
