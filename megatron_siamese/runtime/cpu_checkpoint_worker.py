@@ -50,7 +50,7 @@ def async_loop(*args, **kwargs):
 
 
 def stage_copies(write_buckets):
-    """``FileSystemWriterAsync.preload_tensors`` on CPU: each tensor copied, as its copy from the GPU is."""
+    """What ``FileSystemWriterAsync.preload_tensors`` stages, each tensor a copy, as its copy from the GPU is."""
     return [(file_name, storage_key, (bytes_data, [(item, tensor.to("cpu", copy=True)) for item, tensor in tensors]))
             for file_name, storage_key, (bytes_data, tensors) in write_buckets]
 
