@@ -119,26 +119,33 @@ def _single_rank_parser(commands, name: str, help: str, description: str, output
     return parser
 
 
-def _single_rank_args(options: argparse.Namespace, norm: str, reads: Optional[str] = None):
+def _read_checked(path: str, flag: str = ""):
+    """The checkpoint at ``path`` (read_checkpoint's), or a ConfigError saying why not, ``flag`` first; a missing
+    or broken one said before torch is imported."""
+    from megatron_siamese.training import checkpoint_files
+
+    try:
+        checkpoint_files.checked(path)
+        from megatron_siamese.inference.session import read_checkpoint
+
+        return read_checkpoint(path)
+    except checkpoint_files.CheckpointError as error:
+        raise ConfigError([f"{flag}{error}"]) from None
+
+
+def _single_rank_args(options: argparse.Namespace, norm: str, reads: Optional[str] = None, reads_note: str = ""):
     """TrainArgs of the checkpoint's model on one rank (checkpoints reshard on load): the model it records,
     which the model flags given must agree with; for a checkpoint that records none, the flags'. ``reads``:
-    the scheme the command takes, said before any rank starts."""
-    from megatron_siamese.training import checkpoint_files
+    the scheme the command takes, said before any rank starts (``reads_note`` after it)."""
     from megatron_siamese.training.args import TrainArgs
     from megatron_siamese.training.checkpoint_settings import model_differences, model_fields
 
-    try:
-        checkpoint_files.checked(options.load)  # a missing or broken one said before torch is imported
-        from megatron_siamese.inference.session import read_checkpoint
-
-        saved = read_checkpoint(options.load)
-    except checkpoint_files.CheckpointError as error:
-        raise ConfigError([str(error)]) from None
+    saved = _read_checked(options.load)
     given = {name: getattr(options, name) for name in model_fields() if hasattr(options, name)}
     model = dict(given, norm=norm)
     if reads and saved.settings is not None and saved.settings.norm != reads:
         raise ConfigError([f"--load {saved.path} holds a {saved.settings.norm} model: {options.command} reads a "
-                           f"{reads} one{READS_TOO.get(options.command, '')}"])
+                           f"{reads} one{reads_note}"])
     if saved.settings is not None:
         recorded = {name: value for name, value in dataclasses.asdict(saved.settings).items()
                     if name in {field.name for field in dataclasses.fields(TrainArgs)}}
@@ -148,9 +155,6 @@ def _single_rank_args(options: argparse.Namespace, norm: str, reads: Optional[st
                                "checkpoint -> flags): leave those flags out (the model is the checkpoint's)"])
         model = dict(recorded, norm=norm)
     return flags.train_args(options, **model, tp=1, pp=1, vpp=None, dp=1, load=None, output_dir=options.output_dir)
-
-
-READS_TOO = {"analyze": " (--compare-load takes the stock Pre-Norm one it compares with)"}
 
 
 def _upcycle_parser(commands, name: str):
@@ -188,16 +192,10 @@ def _analyze_parser(commands, name: str):
 
 
 def _run_analyze(options: argparse.Namespace) -> int:
-    args = _single_rank_args(options, norm="siamese", reads="siamese")
+    args = _single_rank_args(options, norm="siamese", reads="siamese",
+                             reads_note=" (--compare-load takes the stock Pre-Norm one it compares with)")
     if options.compare_load:
-        from megatron_siamese.inference.session import read_checkpoint
-        from megatron_siamese.training import checkpoint_files
-
-        try:
-            checkpoint_files.checked(options.compare_load)
-        except checkpoint_files.CheckpointError as error:
-            raise ConfigError([f"--compare-load: {error}"]) from None
-        compared = read_checkpoint(options.compare_load).settings
+        compared = _read_checked(options.compare_load, "--compare-load: ").settings
         if compared is not None and compared.norm != "pre":
             raise ConfigError([f"--compare-load {options.compare_load} holds a {compared.norm} model: it takes the "
                                "stock Pre-Norm checkpoint the effective-depth probes compare with"])
