@@ -284,7 +284,7 @@ def test_ropes_cosines_and_sines_follow_rope_fusion_not_the_attention_kernel(imp
     """Unfused RoPE keeps its cosines and sines for Q and K (4 s d a layer) with flash attention as
     with Megatron's local one; fused RoPE keeps none."""
     args = dict(GPT3_70B, transformer_impl=impl, position_embedding_type="rope")
-    (unfused, tokens), (fused, _) = _layer(PlanArgs(**args)), _layer(PlanArgs(**args, rope_fusion=True))
+    (unfused, tokens), (fused, _) = _layer(PlanArgs(**args, rope_fusion=False)), _layer(PlanArgs(**args))
     head_dim = args["hidden_size"] // args["num_attention_heads"]
     assert unfused.total - fused.total == 4 * tokens.seq * head_dim * 2
 
@@ -294,14 +294,14 @@ def test_bf16_unfused_attention_keeps_torchs_fp32_softmax_output_beside_its_copy
     matmul keeps, 6 bytes a probability; its fused masked softmax (a sequence within its kernel's
     4096) the copy alone; in fp32 they are one tensor."""
     args = dict(GPT3_70B, transformer_impl="local", seq_length=2048)
-    (plain, tokens), (fused, _) = _layer(PlanArgs(**args)), _layer(PlanArgs(**args, masked_softmax_fusion=True))
+    (plain, tokens), (fused, _) = _layer(PlanArgs(**args, masked_softmax_fusion=False)), _layer(PlanArgs(**args))
     probabilities = tokens.whole * args["num_attention_heads"] // args["tp"] * args["seq_length"]
     assert plain.total - fused.total == probabilities * 4
     fp32_args = dict(args, dtype="fp32")
-    (fp32, _), (fp32_fused, _) = _layer(PlanArgs(**fp32_args)), _layer(PlanArgs(**fp32_args, masked_softmax_fusion=True))
+    (fp32, _), (fp32_fused, _) = _layer(PlanArgs(**fp32_args, masked_softmax_fusion=False)), _layer(PlanArgs(**fp32_args))
     assert fp32.total == fp32_fused.total
     long = dict(args, seq_length=8192)  # past the kernel's sequence: torch's softmax after all
-    assert _layer(PlanArgs(**long))[0].total == _layer(PlanArgs(**long, masked_softmax_fusion=True))[0].total
+    assert _layer(PlanArgs(**long, masked_softmax_fusion=False))[0].total == _layer(PlanArgs(**long))[0].total
 
 
 def test_selective_mlp_recompute_leaves_moe_layers_alone():
@@ -458,19 +458,22 @@ def test_gpu_memory_by_name_and_size():
 
 # a 70B-class model on 1024 GPUs (docs/scale.md's second configuration)
 GPT3_70B = dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8, ffn_hidden_size=28672,
-                seq_length=4096, vocab_size=128256, dtype="bf16", transformer_impl="transformer_engine", tp=8, sp=True,
-                pp=8, dp=16, distributed_optimizer=True, micro_batch_size=1, global_batch_size=1024)
+                gated_linear_unit=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+                hidden_dropout=0.0, attention_dropout=0.0, seq_length=4096, vocab_size=128256, dtype="bf16",
+                transformer_impl="transformer_engine", tp=8, sp=True, pp=8, dp=16, distributed_optimizer=True,
+                micro_batch_size=1, global_batch_size=1024)
 
 
 def flags(settings: dict) -> list:
     """Command-line flags for ``settings`` (PlanArgs fields), as a user writes them."""
     found = []
     for name, value in settings.items():
-        if name == "share_embeddings_and_output_weights":
-            found += [] if value else ["--untie-embeddings-and-output-weights"]
+        if name in ("share_embeddings_and_output_weights", "add_bias_linear"):  # on unless switched off
+            found += [] if value else [{"add_bias_linear": "--disable-bias-linear"}.get(
+                name, "--untie-embeddings-and-output-weights")]
             continue
         flag = "--" + {"sp": "sequence-parallel", "distributed_optimizer": "use-distributed-optimizer",
-                       "tp": "tp", "pp": "pp", "dp": "dp"}.get(name, name.replace("_", "-"))
+                       "gated_linear_unit": "swiglu"}.get(name, name.replace("_", "-"))
         if value is True:
             found.append(flag)
         elif value is not False:

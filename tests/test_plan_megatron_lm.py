@@ -46,3 +46,55 @@ def test_a_bad_value_of_a_megatron_lm_flag_is_refused_in_plans_own_name():
     done = cli_here("plan", "--lr", "abc")
     assert done.returncode == 2 and "megatron-siamese plan: error: argument --lr: invalid float value" in done.stderr
     assert "usage: megatron-siamese plan" in done.stderr and "megatron-siamese train" not in done.stderr, done.stderr
+
+
+# train command lines, each planned as train builds it on a GPU, and its data-parallel size (its ranks'
+# over TP x PP x CP there, --data-parallel-size to the plan)
+TRAIN_COMMANDS = {
+    "the embedded job": ([], 1),
+    "a model of the command line": (["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+                                     "--seq-length", "2048", "--max-position-embeddings", "2048",
+                                     "--micro-batch-size", "4"], 2),
+    "Megatron-FSDP": (["--use-megatron-fsdp", "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor"], 2),
+    "the fused kernels off": (["--no-bias-swiglu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion"], 1),
+}
+# what the model and its cost depend on: the plan's settings and Megatron-LM's arguments, each read alike
+SAME_NAME = ("transformer_impl", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "normalization",
+             "position_embedding_type", "add_bias_linear", "micro_batch_size", "global_batch_size", "hidden_dropout",
+             "attention_dropout", "masked_softmax_fusion", "use_megatron_fsdp", "moe_token_dispatcher_type")
+READINGS = {
+    **{name: (lambda args, name=name: getattr(args, name),) * 2 for name in SAME_NAME},
+    "tp": (lambda plan: plan.tp, lambda megatron: megatron.tensor_model_parallel_size),
+    "swiglu": (lambda plan: plan.gated_linear_unit, lambda megatron: megatron.swiglu),
+    "mlp width": (lambda plan: plan.mlp_width, lambda megatron: megatron.ffn_hidden_size),
+    "fused bias-activation": (lambda plan: plan.bias_activation_fusion,  # as Megatron-LM's config takes it
+                              lambda megatron: megatron.bias_swiglu_fusion if megatron.swiglu else megatron.bias_gelu_fusion),
+    "fused RoPE": (lambda plan: plan.rope_fusion and plan.position_embedding_type == "rope",
+                   lambda megatron: megatron.apply_rope_fusion),
+    "Megatron-FSDP's sharding": (
+        lambda plan: plan.use_megatron_fsdp and plan.data_parallel_sharding_strategy,
+        lambda megatron: megatron.use_megatron_fsdp and megatron.data_parallel_sharding_strategy),
+}
+
+
+@pytest.mark.parametrize("command", sorted(TRAIN_COMMANDS))
+def test_plan_plans_the_model_train_builds_from_the_same_flags_on_a_gpu(command, monkeypatch):
+    """Train's rule (the embedded job without --num-layers, Megatron-LM's defaults for the rest, or for all
+    with it) read off Megatron-LM's parser after train's own additions, against plan's reading."""
+    from megatron.training.arguments import validate_args
+
+    from megatron_siamese.cli import parse
+    from megatron_siamese.cli.plan import planned_args
+    from megatron_siamese.runtime.pretrain import megatron_parser
+    from megatron_siamese.runtime.pretrain_flags import add_defaults
+
+    # Megatron-FSDP's checks of a GPU job's setting and of the GPU (an H100 here)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr("megatron.training.arguments.get_device_arch_version", lambda: 9)
+    words, dp = TRAIN_COMMANDS[command]
+    trained = megatron_parser().parse_args(add_defaults([*words, "--mock-data"], gpu=True))
+    trained.world_size, trained.rank = dp, 0
+    validate_args(trained)
+    planned, _ = planned_args(parse(["plan", *words, "--data-parallel-size", str(dp)]))
+    assert {what: of_plan(planned) for what, (of_plan, _) in READINGS.items()} == \
+        {what: of_megatron(trained) for what, (_, of_megatron) in READINGS.items()}

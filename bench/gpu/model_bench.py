@@ -57,6 +57,9 @@ REHEARSAL_ROWS = (("bf16", "none"), ("bf16", "layernorm"))
 STOCK_TE = "pre-te"
 # the plan's name for the variant each label times (apart: the sublayers' own dual_norm / dual_residual)
 PLAN_VARIANT = {"stock": "stock", "siamese_fused": "apart", "siamese_fused_tiled": "apart", "siamese_joined": "joined"}
+# what the runtime these rows build on (runtime/gpt.py) leaves off that Megatron-LM, and so the plan, has on
+RUNTIME_AS_PLAN_FLAGS = ("--hidden-dropout", 0, "--attention-dropout", 0, "--no-bias-swiglu-fusion",
+                         "--no-masked-softmax-fusion", "--no-rope-fusion")
 PLAN_RECOMPUTE = {"none": [], "layernorm": ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"]}
 PLAN_TERMS = ("weights", "grads", "optimizer", "activations", "memory")
 
@@ -196,7 +199,8 @@ def planned(size: Size, impl: str, recompute: str) -> dict:
              "--vocab-size", size.vocab, "--micro-batch-size", size.micro_batch, "--global-batch-size",
              size.micro_batch, "--tensor-model-parallel-size", 1, "--bf16", "--normalization", "RMSNorm", "--swiglu",
              "--position-embedding-type", "rope", "--disable-bias-linear", "--transformer-impl", impl,
-             "--attention-backend", "flash" if impl == "transformer_engine" else "local", *PLAN_RECOMPUTE[recompute]]
+             "--attention-backend", "flash" if impl == "transformer_engine" else "local", *PLAN_RECOMPUTE[recompute],
+             *RUNTIME_AS_PLAN_FLAGS]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "plan.json"
         done = subprocess.run([sys.executable, "-m", "megatron_siamese.cli", "plan", *map(str, flags), "--json",

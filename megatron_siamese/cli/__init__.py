@@ -95,12 +95,7 @@ def _report(command: str, lines: List[str], every_rank: bool = False) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     from megatron_siamese.runtime.quiet import silence_known_notices
 
-    parser = build_parser()
-    options, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if unknown and getattr(options, "megatron_flags", None) is not None:
-        options.megatron_flags = unknown  # train on Megatron's loop: Megatron-LM's parser reads them
-    elif unknown:  # said by the command's parser: its name, and its --help to read
-        _command_parser(parser, options.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+    options = parse(sys.argv[1:] if argv is None else argv)
     debug = options.debug or os.environ.get(DEBUG_ENV) == "1"
     _say_where_a_crash_was()
     silence_known_notices()
@@ -128,6 +123,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         return _failed(options.command, error, debug)
+
+
+def parse(words: List[str]) -> argparse.Namespace:
+    """The options of a command line (its command first); a usage error exits 2, saying so."""
+    parser = build_parser()
+    options, unknown = parser.parse_known_args(words)
+    options.argv = list(words[1:])  # the command's words: which flags were given (plan takes train's rule from them)
+    if unknown and getattr(options, "megatron_flags", None) is not None:
+        options.megatron_flags = unknown  # train on Megatron's loop: Megatron-LM's parser reads them
+    elif unknown:  # said by the command's parser: its name, and its --help to read
+        _command_parser(parser, options.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return options
 
 
 def _say_where_a_crash_was() -> None:

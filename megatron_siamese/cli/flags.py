@@ -51,6 +51,13 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
     add_group(parser, DATA)
 
 
+def given_settings(words, settings=SETTINGS) -> set:
+    """The settings a command line's ``words`` give a value, by any of their flags (``--flag value`` or
+    ``--flag=value``), whatever the value."""
+    spelled = {word.split("=", 1)[0] for word in words}
+    return {name for name, definition in settings.items() if spelled & set(definition.all_flags)}
+
+
 def train_args(options: argparse.Namespace, cls=TrainArgs, **changes) -> TrainArgs:
     """TrainArgs (or ``cls``, a subclass) from the parsed flags; fields without a flag keep their defaults."""
     settings = definitions(cls)

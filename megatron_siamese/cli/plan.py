@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import List, Tuple
 
 from megatron_siamese.cli import flags
-from megatron_siamese.plan.args import PLAN, PlanArgs
+from megatron_siamese.plan.args import MEGATRON_FSDP_STRATEGY, MEGATRON_LM_MODEL, PLAN, PlanArgs
 from megatron_siamese.runtime.registry import ConfigError, definitions
 from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
 from megatron_siamese.training.args import PARALLELISM, TRAINING
@@ -23,18 +24,24 @@ micro-batch that does. Arithmetic only: no rank starts, nothing is imported from
 Every flag of `megatron-siamese train` means the same here (with megatron-core >= 0.17, those
 that do not change the cost, such as the learning rate, are read by Megatron-LM's parser and
 ignored), so a training command becomes its plan by changing its first word and saying
---data-parallel-size, which train takes from its ranks (over TP x PP x CP). The short names
-(--tp, --pp, --sp, --dp, ...) are the plan's alone. Measured against the CPU ranks within 5% per
+--data-parallel-size, which train takes from its ranks (over TP x PP x CP). What it leaves out is
+what train builds on a GPU: without --num-layers the embedded default job's model and batch, the
+rest Megatron-LM's defaults (TP 1, Transformer Engine, dropout 0.1, the fused kernels); with
+--num-layers Megatron-LM's defaults for all of it (LayerNorm, GELU, biases, learned positions),
+and --hidden-size, --num-attention-heads, --seq-length and --micro-batch-size are needed, as
+Megatron-LM needs them. The short names (--tp, --pp, --sp, --dp, ...) are the plan's alone. Measured against the CPU ranks within 5% per
 term (tests/test_plan_measured.py; docs/scale.md):
 
   megatron-siamese plan --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \\
-      --num-query-groups 8 --ffn-hidden-size 28672 --seq-length 4096 --vocab-size 128256 --bf16 \\
-      --transformer-impl transformer_engine --tensor-model-parallel-size 8 --sequence-parallel \\
+      --num-query-groups 8 --ffn-hidden-size 28672 --swiglu --normalization RMSNorm \\
+      --disable-bias-linear --position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 \\
+      --seq-length 4096 --vocab-size 128256 --bf16 --tensor-model-parallel-size 8 --sequence-parallel \\
       --pipeline-model-parallel-size 8 --data-parallel-size 16 --use-distributed-optimizer \\
       --micro-batch-size 1 --global-batch-size 1024 --gpu-memory h100-80gb
 """
 
 SETTINGS = definitions(PlanArgs)
+POSITIONS = {"learned_absolute": "learned", "rope": "rotary"}
 GROUPS = (MODEL, MOE, PRECISION, PARALLELISM, TRAINING, PLAN)
 
 
@@ -43,9 +50,22 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
                                  description=DESCRIPTION, formatter_class=flags.HelpFormatter)
     for title in GROUPS:
         flags.add_group(parser, title, settings=SETTINGS)
+    for action in parser._actions:  # the embedded job's settings: their defaults hold without --num-layers only
+        if action.dest in MEGATRON_LM_MODEL and action.dest != "num_layers" and not flags.sets_other_value(action):
+            action.help += f" (default: {_said(action.default)} without --num-layers; with it: " \
+                           f"{_said(MEGATRON_LM_MODEL[action.dest], action.dest)})"
     parser.add_argument("--json", metavar="PATH", help="also write every pipeline stage's costs as JSON")
     parser.set_defaults(megatron_flags=[])  # the rest of a train command line (cli.main): checked, then ignored
     return parser
+
+
+def _said(value, name: str = "") -> str:
+    """A default as the help says it: on / off, "required" where Megatron-LM has none."""
+    if name == "global_batch_size":
+        return "micro-batch x DP"
+    if value is None:
+        return "required"
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def ignore_the_rest_of_a_train_command(rest: list) -> None:
@@ -78,7 +98,9 @@ def describe(args: PlanArgs) -> str:
 
     return "\n".join([
         f"GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads{groups}, "
-        f"MLP {args.mlp_width} ({mlp}){experts}, vocabulary {args.padded_vocab}, sequence {args.seq_length}; "
+        f"MLP {args.mlp_width} ({mlp}){experts}, {args.normalization}, {'' if args.add_bias_linear else 'no '}biases, "
+        f"{POSITIONS.get(args.position_embedding_type, args.position_embedding_type)} positions, vocabulary "
+        f"{args.padded_vocab}, sequence {args.seq_length}; "
         f"{args.dtype}, {args.transformer_impl} modules, {args.attention} attention",
         f"layout {layout.name}: {layout.world_size} GPU{'' if layout.world_size == 1 else 's'}; micro-batch {args.micro_batch_size}, "
         f"{args.num_microbatches} microbatch{'' if args.num_microbatches == 1 else 'es'} a step on each data-parallel rank; recompute {layout.recompute}; "
@@ -86,9 +108,50 @@ def describe(args: PlanArgs) -> str:
     ])
 
 
-def run(options: argparse.Namespace) -> int:
+def left_to_megatron_lm(options: argparse.Namespace) -> Tuple[dict, List[str], str]:
+    """Train's rule for a command line that names a model (--num-layers; runtime/pretrain_flags.add_defaults):
+    Megatron-LM's default for each setting of the embedded job it leaves out, a problem where Megatron-LM
+    has none, and the line that says which rule it took."""
+    given = flags.given_settings(options.argv, SETTINGS)
+    if "num_layers" not in given:
+        return {}, [], ("megatron-siamese plan: no model given (--num-layers), so the embedded default job's, as "
+                        "train builds it on a GPU")
+    required = [SETTINGS[name].flags[0] for name, default in MEGATRON_LM_MODEL.items()
+                if default is None and name not in given | {"global_batch_size"}]
+    problems = [f"--num-layers given, so the model is the command line's and Megatron-LM needs {', '.join(required)} "
+                "with it (or leave --num-layers out: the embedded default job)"] if required else []
+    changes = {name: default for name, default in MEGATRON_LM_MODEL.items() if name not in given and default is not None}
+    if "global_batch_size" not in given:
+        changes["global_batch_size"] = options.micro_batch_size * options.dp
+    return changes, problems, ("megatron-siamese plan: --num-layers given, so nothing of the embedded default job: "
+                               "what the command line leaves out is Megatron-LM's default, as train builds it on a GPU")
+
+
+def megatron_fsdps_default(options: argparse.Namespace) -> dict:
+    """Megatron-LM's sharding strategy for --use-megatron-fsdp without one (TrainArgs' no_shard is a
+    layout's without Megatron-FSDP)."""
+    given = flags.given_settings(options.argv, SETTINGS)
+    if options.use_megatron_fsdp and "data_parallel_sharding_strategy" not in given:
+        return {"data_parallel_sharding_strategy": MEGATRON_FSDP_STRATEGY}
+    return {}
+
+
+def planned_args(options: argparse.Namespace) -> Tuple[PlanArgs, str]:
+    """The settings the command line plans, and the line saying which of train's defaults they take."""
     ignore_the_rest_of_a_train_command(options.megatron_flags)
-    args = flags.train_args(options, cls=PlanArgs)  # ConfigError: every problem, one line each
+    changes, missing, rule = left_to_megatron_lm(options)
+    try:
+        args = flags.train_args(options, cls=PlanArgs, **changes, **megatron_fsdps_default(options))
+    except ConfigError as error:  # every problem, one line each
+        raise ConfigError(missing + error.problems) from None
+    if missing:
+        raise ConfigError(missing)
+    return args, rule
+
+
+def run(options: argparse.Namespace) -> int:
+    args, rule = planned_args(options)
+    print(rule)
     from megatron_siamese.plan.args import plan_inputs
     from megatron_siamese.plan.gpus import gpu_memory
     from megatron_siamese.plan.report import format_plan, make_plan, plan_json

@@ -1,9 +1,15 @@
 """The plan's settings: ``train``'s (every flag means the same here) and the plan's own: the GPU, the
-vocabulary, and how Megatron runs the layers where that changes what they keep. Plain data, no torch."""
+vocabulary, and how Megatron runs the layers where that changes what they keep. Plain data, no torch.
+
+The defaults are what ``train`` builds on a GPU: without a model on the command line (no
+``--num-layers``) the embedded default job's model and batch, the rest Megatron-LM's defaults; with one,
+Megatron-LM's defaults for all it leaves out (``MEGATRON_LM_MODEL``), as ``runtime/pretrain_flags.py``
+has it for train."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import List
 
@@ -26,9 +32,19 @@ def _switch(default: bool, flag: str, help: str):
     return setting(default, group=PLAN, flag=flag, action=argparse.BooleanOptionalAction, help=help)
 
 
+def _megatron_lms(name: str, default):
+    """TrainArgs' setting ``name`` with Megatron-LM's default, which train takes on a GPU (TrainArgs'
+    own is the CPU run's)."""
+    return dataclasses.field(default=default, metadata=TrainArgs.__dataclass_fields__[name].metadata)
+
+
 @dataclass(frozen=True)
 class PlanArgs(TrainArgs):
-    """``train``'s settings and the plan's own."""
+    """``train``'s settings and the plan's own, with train's defaults on a GPU."""
+
+    tp: int = _megatron_lms("tp", 1)
+    transformer_impl: str = _megatron_lms("transformer_impl", "transformer_engine")
+    moe_token_dispatcher_type: str = _megatron_lms("moe_token_dispatcher_type", "allgather")
 
     vocab_size: int = setting(BYTE_VOCAB, group=PLAN, flag="--vocab-size", minimum=1,
                               help="tokens in the vocabulary, padded as Megatron-LM pads it (to a multiple of "
@@ -45,25 +61,29 @@ class PlanArgs(TrainArgs):
         "auto", group=PLAN, flag="--attention-backend", choices=ATTENTION_BACKENDS,
         help="Megatron-LM's: flash / fused keep Q, K, V and the output; unfused / local also the s x s "
              "probabilities; auto: flash with --transformer-impl transformer_engine, else local")
-    bias_activation_fusion: bool = _switch(
-        False, "--bias-activation-fusion",
-        "Megatron's fused bias-SwiGLU / bias-GELU, whose activation keeps its input only (Megatron-LM's "
-        "default; off here unless given)")
+    bias_gelu_fusion: bool = _switch(
+        True, "--bias-gelu-fusion",
+        "Megatron's fused bias-GELU, whose activation keeps its input only (Megatron-LM's default; "
+        "--no-bias-gelu-fusion: torch's GELU)")
+    bias_swiglu_fusion: bool = _switch(
+        True, "--bias-swiglu-fusion",
+        "Megatron's fused bias-SwiGLU, whose activation keeps its input only (Megatron-LM's default; "
+        "--no-bias-swiglu-fusion: torch's SwiGLU)")
     masked_softmax_fusion: bool = _switch(
-        False, "--masked-softmax-fusion",
+        True, "--masked-softmax-fusion",
         "Megatron's fused masked softmax in unfused attention (its kernel takes 16-bit scores of a sequence "
         "of 17 to 4096 tokens), which keeps the 16-bit probabilities only; without it torch's softmax keeps "
-        "its fp32 output as well (Megatron-LM's default is on, --no-masked-softmax-fusion; off here unless given)")
+        "its fp32 output as well (Megatron-LM's default)")
     rope_fusion: bool = _switch(
-        False, "--rope-fusion",
+        True, "--rope-fusion",
         "fused RoPE (Transformer Engine's kernel), which keeps no cosines and sines per layer (Megatron-LM's "
-        "default is on, --no-rope-fusion; off here unless given)")
-    hidden_dropout: float = setting(0.0, group=PLAN, flag="--hidden-dropout", minimum=0.0,
+        "default)")
+    hidden_dropout: float = setting(0.1, group=PLAN, flag="--hidden-dropout", minimum=0.0,
                                     help="dropout after each sublayer: its mask kept per sublayer (Megatron-LM's "
-                                         "default 0.1; 0 here unless given)")
-    attention_dropout: float = setting(0.0, group=PLAN, flag="--attention-dropout", minimum=0.0,
+                                         "default)")
+    attention_dropout: float = setting(0.1, group=PLAN, flag="--attention-dropout", minimum=0.0,
                                        help="dropout on the attention probabilities (unfused attention keeps its mask "
-                                            "and output; Megatron-LM's default 0.1, 0 here unless given)")
+                                            "and output; Megatron-LM's default)")
     deallocate_pipeline_outputs: bool = _switch(
         True, "--deallocate-pipeline-outputs",
         "free a stage output's data once sent, as Megatron-LM does (--no-deallocate-pipeline-outputs: "
@@ -73,6 +93,11 @@ class PlanArgs(TrainArgs):
         found = problems(self)
         if found:
             raise ConfigError(found)
+
+    @property
+    def bias_activation_fusion(self) -> bool:
+        """Whether the MLP's activation is Megatron's fused one (GELU's or SwiGLU's switch, as the MLP is)."""
+        return self.bias_swiglu_fusion if self.gated_linear_unit else self.bias_gelu_fusion
 
     @property
     def padded_vocab(self) -> int:
@@ -101,6 +126,16 @@ class PlanArgs(TrainArgs):
         if self.fused_ops is False:
             return ["pytorch"]
         return {True: ["joined"], False: ["apart"]}.get(self.boundary_ops, ["joined", "apart"])
+
+
+# the embedded job's settings (runtime/pretrain_flags.EMBEDDED_JOB, PlanArgs' defaults) as Megatron-LM leaves
+# each once the command line names a model (--num-layers) and not it: its default, or None where it has
+# none (the flag is required; the global batch: micro-batch x DP)
+MEGATRON_LM_MODEL = {"num_layers": None, "hidden_size": None, "num_attention_heads": None, "seq_length": None,
+                     "normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
+                     "gated_linear_unit": False, "add_bias_linear": True, "micro_batch_size": None,
+                     "global_batch_size": None}
+MEGATRON_FSDP_STRATEGY = "optim_grads_params"  # Megatron-LM's --data-parallel-sharding-strategy
 
 
 def problems(args: PlanArgs) -> List[str]:
