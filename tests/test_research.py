@@ -327,6 +327,33 @@ def test_ctrl_c_stops_the_study_and_starts_no_further_run(tmp_path, corpus_cache
     assert not (tmp_path / "study" / "study.json").exists()
 
 
+@pytest.mark.skipif(not ships_megatron_training(), reason="megatron-core < 0.17: no Megatron-LM loop to run")
+def test_study_says_what_it_runs_first_and_its_flags_reach_every_panel(tmp_path, corpus_cache, monkeypatch, capsys):
+    """Its first line counts the runs and says where they go and what each run's line means; --seeds is every
+    language-modelling panel's (the short-warmup panel its first), --arithmetic-train-iters 0 runs no addition;
+    a mean of one seed is no "± 0.000". (It said nothing for the first runs' 100 s, ran 3 addition seeds
+    whatever --seeds said, and refused 0.)"""
+    from megatron_siamese.cli import main
+    from megatron_siamese.research import study
+
+    ran = []
+
+    def train_run(plan, job):
+        ran.append(job)
+        return study.RunResult([], {1: 5.0}, {1: 1.0 + job.seed / 10})
+
+    monkeypatch.setattr(study, "train_run", train_run)
+    assert main(["study", "--schemes", "pre,siamese", "--learning-rates", "1e-3", "--seeds", "7",
+                 "--arithmetic-train-iters", "0", "--output-dir", str(tmp_path / "study"),
+                 "--cache-dir", corpus_cache]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"study: {len(ran)} runs ({len(ran)} language modelling, 0 addition), 2 at a time")
+    assert {job.task for job in ran} == {"lm"} and {job.seed for job in ran} == {7}
+    assert {job.warmup for job in ran} == {50, 10}  # both panels
+    results = (tmp_path / "study" / "results.md").read_text()
+    assert "| pre | 1.700 |" in results and "±" not in results.split("###")[1] and "held-out" not in results
+
+
 @pytest.mark.skipif(ships_megatron_training(), reason="megatron-core >= 0.17 runs the study")
 def test_study_is_refused_without_megatron_lms_loop(tmp_path):
     from megatron_siamese.research.study import StudyPlan, run_study

@@ -40,8 +40,10 @@ def _study_parser(commands, name: str) -> argparse.ArgumentParser:
     parser.add_argument("--train-iters", type=int, default=None,
                         help="language-modelling iterations per run (default: 200)")
     parser.add_argument("--arithmetic-train-iters", type=int, default=None,
-                        help="addition iterations per run (default: 1500)")
-    parser.add_argument("--seeds", default="1,2", help="comma-separated seeds")
+                        help="addition iterations per run (default: 1500; 0: no addition runs)")
+    parser.add_argument("--seeds", default="1,2",
+                        help="the language-modelling runs' comma-separated seeds (the short-warmup panel runs the first)")
+    parser.add_argument("--arithmetic-seeds", default="1,2,3", help="the addition runs' comma-separated seeds")
     parser.add_argument("--schemes", default=None, help=f"comma-separated subset of {','.join(SCHEMES)}")
     parser.add_argument("--learning-rates", default=None,
                         help="comma-separated peak learning rates (default: 1e-3,2e-3,4e-3,1.6e-2,6.4e-2)")
@@ -57,8 +59,10 @@ def _run_study(options: argparse.Namespace) -> int:
 
     if launched():
         raise ConfigError(["study starts its own runs (one rank each, two at a time): run it without a launcher"])
-    plan = StudyPlan(output_dir=options.output_dir, cache_dir=options.cache_dir,
-                     seeds=_split(options.seeds, int, "--seeds"))
+    seeds = _split(options.seeds, int, "--seeds")
+    plan = StudyPlan(output_dir=options.output_dir, cache_dir=options.cache_dir, seeds=seeds,
+                     short_warmup_seeds=seeds[:1], arithmetic_seeds=_split(options.arithmetic_seeds, int,
+                                                                           "--arithmetic-seeds"))
     if options.schemes:
         plan.schemes = _split(options.schemes, str, "--schemes")
         unknown = sorted(set(plan.schemes) - set(SCHEMES))
@@ -67,9 +71,11 @@ def _run_study(options: argparse.Namespace) -> int:
     if options.learning_rates:
         plan.learning_rates = _split(options.learning_rates, float, "--learning-rates")
     if options.arithmetic_train_iters is not None:
-        if options.arithmetic_train_iters < 1:
-            raise ConfigError([f"--arithmetic-train-iters must be at least 1 (got {options.arithmetic_train_iters})"])
+        if options.arithmetic_train_iters < 0:
+            raise ConfigError([f"--arithmetic-train-iters must be at least 0 (got {options.arithmetic_train_iters})"])
         plan.arithmetic_steps = options.arithmetic_train_iters
+        if not plan.arithmetic_steps:
+            plan.arithmetic_schemes = ()
     if options.lr_warmup_iters is not None:
         plan.warmup_steps = options.lr_warmup_iters
     if options.short_lr_warmup_iters is not None:

@@ -246,6 +246,11 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
         raise ValueError(f"unknown schemes {unknown}: choose from {', '.join(SCHEMES)}")
     results: Dict[str, dict] = {}
     start = time.perf_counter()
+    jobs = jobs_of(plan)
+    addition = sum(job.task != "lm" for job in jobs)
+    echo(f"study: {len(jobs)} runs ({len(jobs) - addition} language modelling, {addition} addition), {plan.workers} at "
+         f"a time, one rank each, in {plan.output_dir}/<run>/; a line as each ends: [seconds] "
+         "task|scheme|peak lr|seed|warmup: final validation loss")
 
     def run(job: Job):
         result = train_run(plan, job)
@@ -260,7 +265,7 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
     entropy = unigram_entropy(embedded_corpus(plan.cache_dir))  # built once, before the runs share it
     with ThreadPoolExecutor(max_workers=plan.workers) as pool:
         try:
-            list(pool.map(run, jobs_of(plan)))
+            list(pool.map(run, jobs))
         except KeyboardInterrupt:
             pool.shutdown(wait=False, cancel_futures=True)  # no run starts after Ctrl-C
             _interrupt_running_ranks()
@@ -291,7 +296,7 @@ def _runs(study: dict, task: str, arm: str, lr: Optional[float] = None, warmup: 
 
 def _cell(summaries: List[RunResult], entropy: float) -> str:
     ok = [s.final_val_loss for s in summaries if not failed(s)]
-    cell = f"{statistics.mean(ok):.3f} ± {statistics.stdev(ok) if len(ok) > 1 else 0:.3f}" if ok else "-"
+    cell = f"{statistics.mean(ok):.3f}" + (f" ± {statistics.stdev(ok):.3f}" if len(ok) > 1 else "") if ok else "-"
     marks = [(len(summaries) - len(ok), "diverged"), (sum(stuck(s, entropy) for s in summaries), "stuck"),
              (sum(bool(spikes(s.train_losses)) for s in summaries), "spiked")]
     return cell + "".join(f" ({count} {what})" for count, what in marks if count)
@@ -340,17 +345,24 @@ def tables(study: dict) -> str:
     for warmup, arms, rates, seeds in _panels(plan):
         lines += [f"### Warmup {warmup} steps (seeds {', '.join(map(str, seeds))})", ""]
         lines += _panel(study, warmup, arms, rates) + [""] + stability(study, warmup, arms, rates) + [""]
-    lines += [f"{plan['arithmetic_task']} of up to {plan['arithmetic_digits']}-digit numbers (exact match "
-              f"on 500 held-out problems, lr {plan['arithmetic_lr']:g}, {plan['arithmetic_steps']} steps):", "",
-              "| scheme | accuracy per seed | mean | final val loss |", "| --- | --- | --- | --- |"]
+    if plan["arithmetic_schemes"]:
+        lines += addition_table(study)
+    lines += [f"Wall time: {study['seconds'] / 60:.1f} min."]
+    return "\n".join(lines) + "\n"
+
+
+def addition_table(study: dict) -> List[str]:
+    plan = study["plan"]
+    lines = [f"{plan['arithmetic_task']} of up to {plan['arithmetic_digits']}-digit numbers (exact match "
+             f"on 500 held-out problems, lr {plan['arithmetic_lr']:g}, {plan['arithmetic_steps']} steps):", "",
+             "| scheme | accuracy per seed | mean | final val loss |", "| --- | --- | --- | --- |"]
     for arm in plan["arithmetic_schemes"]:
         summaries = [RunResult.of(r) for r in _runs(study, plan["arithmetic_task"], arm)]
         accuracies = [s.accuracy for s in summaries if s.accuracy is not None]
         lines.append(f"| {arm} | {', '.join(f'{a:.3f}' for a in accuracies)} | "
                      f"{statistics.mean(accuracies) if accuracies else float('nan'):.3f} | "
                      f"{statistics.mean(s.final_val_loss for s in summaries):.3f} |")
-    lines += ["", f"Wall time: {study['seconds'] / 60:.1f} min."]
-    return "\n".join(lines) + "\n"
+    return lines + [""]
 
 
 def _panels(plan: dict) -> List[tuple]:
