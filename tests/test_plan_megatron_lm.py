@@ -48,6 +48,14 @@ def test_a_bad_value_of_a_megatron_lm_flag_is_refused_in_plans_own_name():
     assert "usage: megatron-siamese plan" in done.stderr and "megatron-siamese train" not in done.stderr, done.stderr
 
 
+def test_a_misspelled_flag_is_named_with_the_nearest_of_plans_and_megatron_lms():
+    from cli_runs import cli_here
+
+    done = cli_here("plan", "--nrom", "pre", "--save-intervall", "5")
+    assert done.returncode == 2 and "unrecognized arguments: --nrom pre --save-intervall 5 (--nrom: did you mean " \
+        "--norm?; --save-intervall: did you mean --save-interval?)" in done.stderr, done.stderr
+
+
 # train command lines, each planned as train builds it on a GPU, and its data-parallel size (its ranks'
 # over TP x PP x CP there, --data-parallel-size to the plan)
 TRAIN_COMMANDS = {

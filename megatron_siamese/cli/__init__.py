@@ -41,7 +41,7 @@ import sys
 import traceback
 from typing import List, Optional
 
-from megatron_siamese.cli import check, generate, hf, plan, research, train
+from megatron_siamese.cli import check, flags, generate, hf, plan, research, train
 from megatron_siamese.cli.evaluate import evaluate
 from megatron_siamese.runtime.launchers import JoinError, LaunchError
 from megatron_siamese.training.args import ConfigError
@@ -53,15 +53,22 @@ COMMANDS = {"train": train, "check": check, "plan": plan, "study": research.stud
 
 
 class Parser(argparse.ArgumentParser):
-    """One line for a usage error, exit status 2. No abbreviations (subcommands' parsers are of this class
-    too): ``--save DIR`` must not silently mean ``--save-interval``."""
+    """One line for a usage error, exit status 2, with the nearest flag to each one it does not know. No
+    abbreviations (subcommands' parsers are of this class too): ``--save DIR`` must not silently mean
+    ``--save-interval``."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.words: List[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.words = list(sys.argv[1:] if args is None else args)  # for error's hints
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        typos = flags.typos(self.words, self._option_string_actions)
+        self.exit(2, f"{self.prog}: error: {message}{typos} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,16 +75,18 @@ def ignore_the_rest_of_a_train_command(rest: list) -> None:
         return
     from megatron_siamese.versions import ships_megatron_training
 
-    unknown = rest
+    unknown, known = rest, {flag for definition in SETTINGS.values() for flag in definition.all_flags}
     if ships_megatron_training():
         from megatron_siamese.runtime.pretrain import megatron_parser
 
         usage = "megatron-siamese plan [plan's flags] [the rest of a train command: Megatron-LM's flags]"
-        unknown = megatron_parser(usage).parse_known_args(rest)[1]
+        parser = megatron_parser(usage)
+        unknown, known = parser.parse_known_args(rest)[1], known | set(parser._option_string_actions)
     if unknown:
         why = "" if ships_megatron_training() else (": megatron-core < 0.17 has no Megatron-LM parser to tell its "
                                                     "other flags from typos, so plan takes only its own")
-        raise ConfigError([f"unrecognized arguments: {' '.join(unknown)} (see megatron-siamese plan --help){why}"])
+        raise ConfigError([f"unrecognized arguments: {' '.join(unknown)}{flags.typos(unknown, known)} (see "
+                           f"megatron-siamese plan --help){why}"])
 
 
 def describe(args: PlanArgs) -> str:
