@@ -40,6 +40,29 @@ def test_a_directory_without_its_tracker_says_whether_a_save_finished(tmp_path):
         resolve(str(tmp_path))
 
 
+@pytest.mark.stack_independent
+def test_a_directory_of_the_other_kind_is_named_with_the_command_that_reads_it(tmp_path, capsys):
+    """A Transformers model given as a checkpoint points to import-hf and eval's --hf; a checkpoint given as a
+    Transformers model to export and eval's --load. (Each said only that it was not what was asked for.)"""
+    from megatron_siamese.cli import main
+    from megatron_siamese.training.checkpoint_files import CheckpointError, resolve
+
+    transformers, checkpoint = tmp_path / "hf", tmp_path / "run" / "iter_0000004"
+    transformers.mkdir()
+    (transformers / "config.json").write_text("{}")
+    checkpoint.mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=rf"--load {transformers} is a Transformers model directory, not a "
+                                              rf"checkpoint: `megatron-siamese import-hf --hf {transformers} "
+                                              r"--output-dir DIR` makes one of it \(eval reads it as --hf\)"):
+        resolve(str(transformers))
+    assert main(["import-hf", "--hf", str(checkpoint), "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().endswith("has no config.json: give a Hugging Face model directory (it is a "
+                                                    "checkpoint already: `megatron-siamese export` makes a Hugging "
+                                                    "Face model of it)")
+    assert main(["eval", "--hf", str(checkpoint), "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().endswith("no config.json there; it is a checkpoint: give it as --load")
+
+
 def complete_checkpoint(path):
     path.mkdir(parents=True)
     for name in ("metadata.json", ".metadata"):  # what a finished save leaves (torch's .metadata last)

@@ -181,6 +181,14 @@ def test_refusals_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
     assert main(["eval", "--hf", str(tmp_path), "--output-dir", str(tmp_path / "a")]) == 2
     assert capsys.readouterr().err.strip().endswith("no config.json there; give a Transformers model directory "
                                                     "(megatron-siamese export writes one)")
+    import torch
+
+    if not torch.cuda.is_available():  # said before the harness loads the model (it failed there)
+        assert main(["eval", "--hf", model_dir, "--device", "cuda:0", "--output-dir", str(tmp_path / "b")]) == 2
+        assert capsys.readouterr().err.strip().endswith("--device cuda:0: no CUDA GPU here "
+                                                        f"(torch {torch.__version__}); use --device cpu")
+    assert main(["eval", "--hf", model_dir, "--device", "gpu", "--output-dir", str(tmp_path / "b")]) == 2
+    assert "--device gpu: Expected one of cpu, cuda" in capsys.readouterr().err
     # (an unknown --tasks name is refused too, after indexing the harness's own tasks: 40 s, not tested)
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # the extra not installed
     assert main(["eval", "--hf", model_dir, "--output-dir", str(tmp_path / "c")]) == 2

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from megatron_siamese.evaluation.addition_task import TASKS, write_addition_tasks
 from megatron_siamese.training.args import ConfigError
+from megatron_siamese.training.checkpoint_files import is_checkpoint
 
 INSTALL_HINT = "pip install 'megatron_siamese[hf]' (or: pip install 'lm-eval[hf]==0.4.13')"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -42,8 +43,11 @@ def require_lm_eval():
 def check(plan: EvalPlan) -> None:
     problems = []
     if plan.model_dir is not None and not os.path.isfile(os.path.join(plan.model_dir, "config.json")):
-        problems.append(f"--hf {plan.model_dir}: no config.json there; give a Transformers model directory "
-                        "(megatron-siamese export writes one)")
+        problems.append(f"--hf {plan.model_dir}: no config.json there; " + (
+            "it is a checkpoint: give it as --load" if is_checkpoint(plan.model_dir) else
+            "give a Transformers model directory (megatron-siamese export writes one)"))
+    if plan.device != "cpu":
+        problems += _device_problems(plan.device)
     if plan.limit is not None and plan.limit < 1:
         problems.append(f"--limit must be at least 1 (got {plan.limit})")
     if plan.batch_size < 1:
@@ -52,6 +56,22 @@ def check(plan: EvalPlan) -> None:
         problems.append("--tasks is empty")
     if problems:
         raise ConfigError(problems)
+
+
+def _device_problems(device: str) -> List[str]:
+    """What keeps torch from running on ``device`` here (torch imported only for a device other than the CPU)."""
+    import torch
+
+    try:
+        kind = torch.device(device)
+    except RuntimeError as error:
+        return [f"--device {device}: {str(error).splitlines()[0]}"]
+    if kind.type == "cuda" and not torch.cuda.is_available():
+        return [f"--device {device}: no CUDA GPU here (torch {torch.__version__}); use --device cpu"]
+    if kind.type == "cuda" and kind.index is not None and kind.index >= torch.cuda.device_count():
+        return [f"--device {device}: there are {torch.cuda.device_count()} CUDA GPUs here (cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1})"]
+    return []
 
 
 def evaluate(plan: EvalPlan) -> dict:

@@ -21,6 +21,7 @@ import torch
 
 from megatron_siamese.hf import architecture, convert
 from megatron_siamese.hf.architecture import ExportError
+from megatron_siamese.training.checkpoint_files import is_checkpoint
 
 PACKAGES = ("transformers", "safetensors")
 INSTALL = "pip install 'megatron_siamese[hf]' (transformers, safetensors)"
@@ -219,7 +220,9 @@ def forget_remote_code(model) -> None:
 def read_hf_config(directory: str) -> Dict[str, object]:
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise ExportError(f"--hf {directory} has no config.json: give a Hugging Face model directory")
+        raise ExportError(f"--hf {directory} has no config.json: give a Hugging Face model directory" + (
+            " (it is a checkpoint already: `megatron-siamese export` makes a Hugging Face model of it)"
+            if is_checkpoint(directory) else ""))
     with open(path) as source:
         return json.load(source)
 

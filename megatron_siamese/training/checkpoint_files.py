@@ -128,8 +128,20 @@ def resolve(path: str) -> str:
                                   f"did not finish) and no `{TRACKER}`; {complete_in(path)}: start without --load")
         raise CheckpointError(f"--load {path} records no checkpoint (no `{TRACKER}`: the job stopped before its "
                               f"last save was recorded); {complete_in(path)}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"--load {path} is a Transformers model directory, not a checkpoint: `megatron-siamese "
+                              f"import-hf --hf {path} --output-dir DIR` makes one of it (eval reads it as --hf)")
     raise CheckpointError(f"--load {path} is not a checkpoint: it has neither a `{TRACKER}` file nor metadata.json "
                           "(give a run's directory, its checkpoints directory or one iter_<N> inside it)")
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` names a checkpoint (a directory given where another kind was asked for: said so)."""
+    try:
+        resolve(path)
+        return True
+    except CheckpointError:
+        return False
 
 
 def problems(checkpoint: str) -> List[str]:
