@@ -133,6 +133,19 @@ def test_the_loss_is_validated_as_megatron_lms_is():
 
 
 @needs_training
+def test_the_closing_loss_is_the_mean_megatrons_last_log_line_gives():
+    """Megatron's log line averages the iterations since the last one; TensorBoard, which the closing line
+    reads, holds each iteration's own loss (the line showed the last iteration's, beside a log line that
+    said another)."""
+    from megatron_siamese.runtime.pretrain import _last_logged_loss
+
+    train = {step: 1 + 1 / step for step in range(1, 26)}
+    assert _last_logged_loss(train, 10) == f"iterations 16-25: mean lm loss {sum(train[s] for s in range(16, 26)) / 10:.4f}"
+    assert _last_logged_loss(train, 1) == f"iteration 25: lm loss {train[25]:.4f}"
+    assert _last_logged_loss({5: 2.0, 6: 3.0}, 100) == "iterations 5-6: mean lm loss 2.5000"  # resumed at 5
+
+
+@needs_training
 def test_logged_activations_are_the_forward_values_not_what_the_loss_wrote_into_them(monkeypatch):
     """--save-activations-interval on CPU: its hooks' module types held TE's MagicMocks (a TypeError at the
     first logged step), and it keeps each output as ``.cpu()``, a copy from a GPU, on CPU the tensor itself,

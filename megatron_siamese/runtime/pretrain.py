@@ -281,10 +281,20 @@ def draw_the_loss_curve(args) -> None:
         print(f"megatron-siamese train: warning: no loss curve ({type(error).__name__}: {error})",
               flush=True)
         return
-    latest = [f"iteration {max(train)}: lm loss {train[max(train)]:.4f}"] if train else []
+    latest = [_last_logged_loss(train, args.log_interval)] if train else []
     latest += [f"validation {validation[max(validation)]:.4f}"] if validation else []
     print(f"megatron-siamese train: loss curve {path}" + (f" ({', '.join(latest)})" if latest else ""),
           flush=True)
+
+
+def _last_logged_loss(train: dict, log_interval: int) -> str:
+    """The training loss over the last ``log_interval`` iterations, as Megatron's log line averages it
+    (TensorBoard holds each iteration's own)."""
+    last = max(train)
+    window = [step for step in train if step > last - log_interval]
+    mean = sum(train[step] for step in window) / len(window)
+    return (f"iteration {last}: lm loss {mean:.4f}" if len(window) == 1 else
+            f"iterations {min(window)}-{last}: mean lm loss {mean:.4f}")
 
 
 def main() -> None:
