@@ -156,6 +156,18 @@ def test_every_flag_has_help_and_shows_its_default(command):
 
 
 @pytest.mark.stack_independent
+@pytest.mark.parametrize("command", ["upcycle", "analyze"])
+def test_a_checkpoints_command_leads_with_its_own_flags_not_the_models(command):
+    """Its usage names the checkpoint and the output, not the 45 model flags only a checkpoint that records
+    no settings needs (they filled 45 lines), and its description says when those apply."""
+    help_text = subparser(command).format_help()
+    usage, description = help_text.split("\n\n")[:2] if help_text.count("\n\n") else (help_text, "")
+    assert usage.startswith(f"usage: megatron-siamese {command} --load CHECKPOINT") and len(usage.splitlines()) == 1
+    assert "--num-layers" not in usage and "--num-layers" in help_text
+    assert "checkpoint that records no settings" in " ".join(help_text.split())
+
+
+@pytest.mark.stack_independent
 def test_a_stopped_train_says_whether_its_ranks_saved_on_the_signal():
     """Only Megatron's --exit-signal-handler, on its --exit-signal (SIGTERM unless given), with --save, saves
     before the ranks stop: Ctrl-C said it did, and nothing was saved."""

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import os
 import re
+import textwrap
 from types import SimpleNamespace
 from typing import List, Optional
 
@@ -106,7 +107,13 @@ CHECKPOINTS_VALUE = " (default: the checkpoint's)"
 def _single_rank_parser(commands, name: str, help: str, description: str, output_required: bool):
     from megatron_siamese.training.checkpoint_settings import model_fields
 
-    parser = commands.add_parser(name, help=help, description=description, formatter_class=flags.HelpFormatter)
+    output = "--output-dir DIR" if output_required else "[--output-dir DIR]"
+    description += ("\n\nThe model's flags (the groups model, mixture of experts, precision and kernels) are for a "
+                    "checkpoint that records no settings (an earlier release's); any other's model is what it "
+                    "records, which a flag given must agree with.")
+    description = "\n\n".join(textwrap.fill(paragraph, 100, break_on_hyphens=False) for paragraph in description.split("\n\n"))
+    parser = commands.add_parser(name, help=help, description=description, formatter_class=flags.HelpFormatter,
+                                 usage=f"%(prog)s --load CHECKPOINT {output} [options] [the model's flags]")
     parser.add_argument("--load", required=True, metavar="CHECKPOINT",
                         help="the checkpoint to read (a run's directory, its checkpoints directory or one iter_<N> in it, "
                              "Megatron-LM's or ours; any TP/PP layout)")
@@ -166,8 +173,7 @@ def _single_rank_args(options: argparse.Namespace, norm: str, reads: Optional[st
 def _upcycle_parser(commands, name: str):
     return _single_rank_parser(commands, name, "convert a stock Pre-Norm checkpoint into SiameseNorm",
                                "Write a step-0 SiameseNorm checkpoint computing (up to the norm epsilon) what a "
-                               "stock Megatron Pre-Norm checkpoint computes (the model is the checkpoint's: "
-                               "its flags only for one that records none).",
+                               "stock Megatron Pre-Norm checkpoint computes.",
                                output_required=True)
 
 
@@ -190,7 +196,7 @@ def _run_upcycle(options: argparse.Namespace) -> int:
 def _analyze_parser(commands, name: str):
     parser = _single_rank_parser(commands, name, "stream analysis of a SiameseNorm checkpoint",
                                  "Stream contributions, logit lens per stream, magnitudes by depth and effective "
-                                 "depth of a SiameseNorm checkpoint (the model is the checkpoint's).",
+                                 "depth of a SiameseNorm checkpoint.",
                                  output_required=False)
     parser.add_argument("--compare-load", default=None, metavar="CHECKPOINT",
                         help="a Pre-Norm checkpoint of the same size for the effective-depth probes")
