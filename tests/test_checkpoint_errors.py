@@ -120,3 +120,9 @@ def test_a_newer_megatron_cores_checkpoint_is_refused_naming_the_stack_that_read
     assert found.startswith(f"{checkpoint} was written by megatron-core >= 0.19 (its common state is one of the "
                             f"shards), which megatron-core {installed_megatron_core()} cannot read: run this command "
                             "with 0.19 (bash scripts/setup.sh mcore019")
+    # the refusal a command prints: no steps beside it to load instead (they are 0.19's too; it said there were none)
+    from megatron_siamese.training.checkpoint_files import CheckpointError, checked
+
+    with pytest.raises(CheckpointError) as refused:
+        checked(str(checkpoint))
+    assert str(refused.value).endswith("or export the model there and import-hf it here")

@@ -144,6 +144,11 @@ def is_checkpoint(path: str) -> bool:
         return False
 
 
+class ReleaseProblem(str):
+    """A problem of the megatron-core reading a checkpoint, not of the checkpoint: the steps beside it are
+    no way out."""
+
+
 def problems(checkpoint: str) -> List[str]:
     """What keeps ``checkpoint`` from loading (empty: it looks sound)."""
     missing = missing_files(checkpoint)
@@ -164,10 +169,11 @@ def problems(checkpoint: str) -> List[str]:
     elif not common_shard and not found:  # written by megatron-core < 0.19: the common state is common.pt
         found.append(f"{common} is missing")
     elif not found and release(installed_megatron_core()) < (0, 19):  # its args hold classes 0.19 added
-        found.append(f"{checkpoint} was written by megatron-core >= 0.19 (its common state is one of the shards), "
-                     f"which megatron-core {installed_megatron_core()} cannot read: run this command with 0.19 (bash "
-                     "scripts/setup.sh mcore019: .venv-mcore019/bin/megatron-siamese), or export the model there "
-                     "and import-hf it here")
+        found.append(ReleaseProblem(
+            f"{checkpoint} was written by megatron-core >= 0.19 (its common state is one of the shards), which "
+            f"megatron-core {installed_megatron_core()} cannot read: run this command with 0.19 (bash "
+            "scripts/setup.sh mcore019: .venv-mcore019/bin/megatron-siamese), or export the model there and "
+            "import-hf it here"))
     elif not found:  # megatron-core >= 0.19: the common state is one of the shards
         try:
             common_state(checkpoint)
@@ -283,7 +289,8 @@ def checked(path: str) -> str:
     checkpoint = resolve(path)
     found = problems(checkpoint)
     if found:
-        raise CheckpointError(f"cannot load {checkpoint}: {found[0]}; {instead(checkpoint)}")
+        way_out = "" if isinstance(found[0], ReleaseProblem) else f"; {instead(checkpoint)}"
+        raise CheckpointError(f"cannot load {checkpoint}: {found[0]}{way_out}")
     return checkpoint
 
 
