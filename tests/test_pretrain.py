@@ -458,7 +458,7 @@ def test_a_user_is_told_our_flags_and_megatrons_refusals_in_one_line(tmp_path):
                        launcher="cli")  # said once, by rank 0
     assert renamed.count("megatron-siamese train: error: unrecognized arguments: --tp 1 --steps 3 "
                          "--tensor-model-paralel-size 1 (in Megatron-LM's flags: --tp is --tensor-model-parallel-size; "
-                         "--steps is --train-iters) (did you mean --tensor-model-parallel-size?)") == 1, renamed
+                         "--steps is --train-iters) (--tensor-model-paralel-size: did you mean --tensor-model-parallel-size?)") == 1, renamed
     # each problem a line, said together: a scheme's option on another, a --load that is not there (a typo
     # Megatron-LM's loop would train from random on)
     mismatched = pretrain("--norm", "post", "--mix-ln-alpha", "0.5", "--load", str(tmp_path / "ckpt"), "--save",

@@ -41,9 +41,10 @@ import sys
 import traceback
 from typing import List, Optional
 
-from megatron_siamese.cli import check, flags, generate, hf, plan, research, train
+from megatron_siamese.cli import check, generate, hf, plan, research, train
 from megatron_siamese.cli.evaluate import evaluate
 from megatron_siamese.runtime.launchers import JoinError, LaunchError
+from megatron_siamese.runtime.registry import typos
 from megatron_siamese.training.args import ConfigError
 
 DEBUG_ENV = "MEGATRON_SIAMESE_DEBUG"
@@ -67,8 +68,8 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
-        typos = flags.typos(self.words, self._option_string_actions)
-        self.exit(2, f"{self.prog}: error: {message}{typos} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}{typos(self.words, self._option_string_actions)} (see "
+                     f"{self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

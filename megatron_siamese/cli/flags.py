@@ -4,7 +4,6 @@ Megatron-LM's names (short names kept), help and default on every flag, in group
 from __future__ import annotations
 
 import argparse
-import difflib
 
 from megatron_siamese.runtime.registry import add_setting, definitions
 from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
@@ -50,14 +49,6 @@ def add_model_flags(parser: argparse.ArgumentParser, schemes: bool = True) -> No
 
 def add_data_flags(parser: argparse.ArgumentParser) -> None:
     add_group(parser, DATA)
-
-
-def typos(words, known) -> str:
-    """`` (--nrom: did you mean --norm?)`` for each flag in ``words`` not in ``known`` that one there is close to."""
-    hints = [f"{flag}: did you mean {close[0]}?"
-             for flag in dict.fromkeys(word.split("=", 1)[0] for word in words if word.startswith("--"))
-             if flag not in known for close in [difflib.get_close_matches(flag, list(known), 1, 0.8)] if close]
-    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def given_settings(words, settings=SETTINGS) -> set:

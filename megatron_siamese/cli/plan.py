@@ -8,7 +8,7 @@ from typing import List, Tuple
 
 from megatron_siamese.cli import flags
 from megatron_siamese.plan.args import MEGATRON_FSDP_STRATEGY, MEGATRON_LM_MODEL, PLAN, PlanArgs
-from megatron_siamese.runtime.registry import ConfigError, definitions
+from megatron_siamese.runtime.registry import ConfigError, definitions, typos
 from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
 from megatron_siamese.training.args import PARALLELISM, TRAINING
 
@@ -85,7 +85,7 @@ def ignore_the_rest_of_a_train_command(rest: list) -> None:
     if unknown:
         why = "" if ships_megatron_training() else (": megatron-core < 0.17 has no Megatron-LM parser to tell its "
                                                     "other flags from typos, so plan takes only its own")
-        raise ConfigError([f"unrecognized arguments: {' '.join(unknown)}{flags.typos(unknown, known)} (see "
+        raise ConfigError([f"unrecognized arguments: {' '.join(unknown)}{typos(unknown, known)} (see "
                            f"megatron-siamese plan --help){why}"])
 
 

@@ -12,7 +12,6 @@ corpus; without a GPU it runs on gloo through the CPU shim. docs/training.md, do
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
 import sys
@@ -29,6 +28,7 @@ from megatron_siamese import device  # noqa: E402
 from megatron_siamese.runtime import pretrain_load as load  # noqa: E402
 from megatron_siamese.runtime.pretrain_flags import add_defaults, exit_refused, refuse  # noqa: E402
 from megatron_siamese.runtime.pretrain_refusals import accepted_args  # noqa: E402
+from megatron_siamese.runtime.registry import typos  # noqa: E402
 from megatron_siamese.versions import speaks_for_the_job  # noqa: E402
 
 def require_megatron_training() -> None:
@@ -87,10 +87,8 @@ def megatron_parser(usage: str = USAGE):
             if message.startswith("unrecognized arguments:"):
                 flags = [word.split("=", 1)[0] for word in message.split(":", 1)[1].split() if word.startswith("-")]
                 renamed = [f"{flag} is {OUR_LOOP_FLAGS[flag]}" for flag in flags if flag in OUR_LOOP_FLAGS]
-                close = [match[0] for flag in flags if flag not in OUR_LOOP_FLAGS  # a typo's nearest flag
-                         for match in [difflib.get_close_matches(flag, self._option_string_actions, 1, 0.85)] if match]
                 message += f" (in Megatron-LM's flags: {'; '.join(renamed)})" if renamed else ""
-                message += f" (did you mean {', '.join(close)}?)" if close else ""
+                message += typos([flag for flag in flags if flag not in OUR_LOOP_FLAGS], self._option_string_actions)
             super().error(message)
 
     return add_siamese_arguments(add_megatron_arguments(

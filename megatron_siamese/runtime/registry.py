@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import types
 import typing
@@ -144,6 +145,14 @@ def config_kwargs(values, cls) -> Dict[str, Any]:
     """The TransformerConfig keywords ``values`` set unchanged, from the definitions in ``cls``
     (a base class: a subclass that only changes defaults keeps the base's definitions)."""
     return {d.config: getattr(values, name) for name, d in definitions(cls).items() if d.config}
+
+
+def typos(words, known) -> str:
+    """`` (--nrom: did you mean --norm?)`` for each flag in ``words`` not in ``known`` that one there is close to."""
+    hints = [f"{flag}: did you mean {close[0]}?"
+             for flag in dict.fromkeys(word.split("=", 1)[0] for word in words if word.startswith("--"))
+             if flag not in known for close in [difflib.get_close_matches(flag, list(known), 1, 0.8)] if close]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def add_setting(group, definition: Setting, dest: Optional[str] = None) -> None:
