@@ -32,7 +32,8 @@ BAD_INPUT = {
     "negative layers": (["plan", "--num-layers", "-5"], "must be at least 1 (got -5)"),
     "a model without its width": (["plan", "--num-layers", "24", "--hidden-size", "1024"],
                                   "--num-layers given, so the model is the command line's and Megatron-LM needs "
-                                  "--num-attention-heads, --seq-length, --micro-batch-size with it"),
+                                  "--num-attention-heads, --seq-length, --max-position-embeddings, "
+                                  "--micro-batch-size with it"),
     "fp16": (["plan", "--dtype", "fp16"], "fp16 is not supported"),
     "tp3 over 4 heads": (["plan", "--tp", "3"], "--num-attention-heads 4 does not split over --tp 3"),
     "megatron's name": (["plan", "--tensor-model-parallel-size", "3"], "does not split over --tp 3"),

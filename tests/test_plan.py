@@ -3,6 +3,7 @@ applies, SiameseNorm adds what its ops keep, the schedules' microbatches in flig
 parallelism shards (DDP, the distributed optimizer, FSDP), and the command (tables, refusals).
 Pure arithmetic: tests/test_plan_measured.py holds the plan against CPU ranks."""
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from cli_runs import cli_here
 from megatron_siamese.plan.activations import STOCK, layer_activations, tokens_of
 from megatron_siamese.plan.args import PlanArgs, plan_inputs
+from megatron_siamese.cli.plan import SETTINGS
 from megatron_siamese.plan.gpus import GIB, gpu_memory
 from megatron_siamese.plan.per_gpu import every_rank, gpu_costs, most_loaded
 from megatron_siamese.plan.report import make_plan, micro_batches, with_micro_batch
@@ -300,7 +302,7 @@ def test_bf16_unfused_attention_keeps_torchs_fp32_softmax_output_beside_its_copy
     fp32_args = dict(args, dtype="fp32")
     (fp32, _), (fp32_fused, _) = _layer(PlanArgs(**fp32_args, masked_softmax_fusion=False)), _layer(PlanArgs(**fp32_args))
     assert fp32.total == fp32_fused.total
-    long = dict(args, seq_length=8192)  # past the kernel's sequence: torch's softmax after all
+    long = dict(args, seq_length=8192, max_position_embeddings=8192)  # past the kernel's sequence: torch's softmax after all
     assert _layer(PlanArgs(**long, masked_softmax_fusion=False))[0].total == _layer(PlanArgs(**long))[0].total
 
 
@@ -414,10 +416,21 @@ REFUSALS = {
     "depth-scale ablation": (["--no-siamese-depth-scale"], "ablation --no-siamese-depth-scale is not modeled"),
     "multi-latent attention": (["--multi-latent-attention", "--sp"], "plan does not model --multi-latent-attention"),
     "multi-token prediction": (["--mtp-num-layers", "1"], "plan does not model --mtp-num-layers"),
+    "positions below the sequence": (["--max-position-embeddings", "2048"],
+                                     "--max-position-embeddings 2048 is below --seq-length 4096, which Megatron-LM refuses"),
+    "a checkpoint's model": (["--use-checkpoint-args"], "--use-checkpoint-args: plan reads no checkpoint"),
     "unmodeled recompute module": (["--recompute-granularity", "selective", "--recompute-modules", "moe_act",
                                     "--num-experts", "16", "--moe-grouped-gemm", "--disable-bias-linear"],
                                    "plan does not model selective recompute of moe_act"),
 }
+
+
+def test_query_groups_without_megatron_lms_switch_are_refused_as_train_would_ignore_them():
+    """Megatron-LM builds every head its own keys and values unless --group-query-attention is given; the
+    plan counted the groups all the same."""
+    done = cli_here("plan", *flags({**GPT3_70B, "group_query_attention": False}))
+    assert done.returncode == 2 and "--num-query-groups 8 without --group-query-attention: Megatron-LM ignores it" \
+        in done.stderr, done.stderr
 
 
 def test_a_problem_is_said_once():
@@ -457,7 +470,8 @@ def test_gpu_memory_by_name_and_size():
 
 
 # a 70B-class model on 1024 GPUs (docs/scale.md's second configuration)
-GPT3_70B = dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8, ffn_hidden_size=28672,
+GPT3_70B = dict(num_layers=80, hidden_size=8192, num_attention_heads=64, group_query_attention=True,
+                num_query_groups=8, max_position_embeddings=4096, ffn_hidden_size=28672,
                 gated_linear_unit=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
                 hidden_dropout=0.0, attention_dropout=0.0, seq_length=4096, vocab_size=128256, dtype="bf16",
                 transformer_impl="transformer_engine", tp=8, sp=True, pp=8, dp=16, distributed_optimizer=True,
@@ -465,18 +479,18 @@ GPT3_70B = dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_que
 
 
 def flags(settings: dict) -> list:
-    """Command-line flags for ``settings`` (PlanArgs fields), as a user writes them."""
+    """Command-line flags for ``settings`` (PlanArgs fields), as a user writes them: each setting's first
+    flag, a switch by whichever of its flags sets the value (none where only the default does)."""
     found = []
     for name, value in settings.items():
-        if name in ("share_embeddings_and_output_weights", "add_bias_linear"):  # on unless switched off
-            found += [] if value else [{"add_bias_linear": "--disable-bias-linear"}.get(
-                name, "--untie-embeddings-and-output-weights")]
-            continue
-        flag = "--" + {"sp": "sequence-parallel", "distributed_optimizer": "use-distributed-optimizer",
-                       "gated_linear_unit": "swiglu"}.get(name, name.replace("_", "-"))
-        if value is True:
-            found.append(flag)
-        elif value is not False:
+        definition = SETTINGS[name]
+        flag = definition.flags[0]
+        if not isinstance(value, bool):
             found += [flag, str(value)]
+        elif definition.action is argparse.BooleanOptionalAction:
+            found.append(flag if value else "--no-" + flag[2:])
+        else:
+            setters = [(flag, definition.action != "store_false"),
+                       *((switch.flags[0], switch.action != "store_false") for switch in definition.switches)]
+            found += [setter for setter, sets in setters if sets == value][:1]
     return found
-

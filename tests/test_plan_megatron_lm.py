@@ -61,8 +61,12 @@ def test_a_misspelled_flag_is_named_with_the_nearest_of_plans_and_megatron_lms()
 TRAIN_COMMANDS = {
     "the embedded job": ([], 1),
     "a model of the command line": (["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
-                                     "--seq-length", "2048", "--max-position-embeddings", "2048",
+                                     "--seq-length", "2048", "--max-position-embeddings", "4096",
                                      "--micro-batch-size", "4"], 2),
+    "GQA, GELU without biases": (["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8",
+                                  "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+                                  "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2"],
+                                 1),
     "Megatron-FSDP": (["--use-megatron-fsdp", "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor"], 2),
     "the fused kernels off": (["--no-bias-swiglu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion"], 1),
 }
@@ -75,6 +79,10 @@ READINGS = {
     "tp": (lambda plan: plan.tp, lambda megatron: megatron.tensor_model_parallel_size),
     "swiglu": (lambda plan: plan.gated_linear_unit, lambda megatron: megatron.swiglu),
     "mlp width": (lambda plan: plan.mlp_width, lambda megatron: megatron.ffn_hidden_size),
+    "position table": (lambda plan: plan.max_position_embeddings or plan.seq_length,
+                       lambda megatron: megatron.max_position_embeddings),
+    "query groups": (lambda plan: plan.num_query_groups if plan.group_query_attention else None,
+                     lambda megatron: megatron.num_query_groups if megatron.group_query_attention else None),
     "fused bias-activation": (lambda plan: plan.bias_activation_fusion,  # as Megatron-LM's config takes it
                               lambda megatron: megatron.bias_swiglu_fusion if megatron.swiglu else megatron.bias_gelu_fusion),
     "fused RoPE": (lambda plan: plan.rope_fusion and plan.position_embedding_type == "rope",

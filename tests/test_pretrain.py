@@ -139,10 +139,10 @@ def test_the_closing_loss_is_the_mean_megatrons_last_log_line_gives():
     said another)."""
     from megatron_siamese.runtime.pretrain import _last_logged_loss
 
-    train = {step: 1 + 1 / step for step in range(1, 26)}
-    assert _last_logged_loss(train, 10) == f"iterations 16-25: mean lm loss {sum(train[s] for s in range(16, 26)) / 10:.4f}"
+    train = {step: 1 + 1 / step for step in range(1, 26)}  # stopped at 25: Megatron logged 11-20 last
+    assert _last_logged_loss(train, 10) == f"iterations 11-20: mean lm loss {sum(train[s] for s in range(11, 21)) / 10:.4f}"
     assert _last_logged_loss(train, 1) == f"iteration 25: lm loss {train[25]:.4f}"
-    assert _last_logged_loss({5: 2.0, 6: 3.0}, 100) == "iterations 5-6: mean lm loss 2.5000"  # resumed at 5
+    assert _last_logged_loss({5: 2.0, 6: 3.0}, 100) == "iterations 5-6: mean lm loss 2.5000"  # none logged
 
 
 @needs_training

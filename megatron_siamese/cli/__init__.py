@@ -68,8 +68,9 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}{typos(self.words, self._option_string_actions)} (see "
-                     f"{self.prog} --help)\n")
+        # a command passing the rest on to Megatron-LM's parser (train, plan) knows too few flags to name typos
+        hints = "" if self.get_default("megatron_flags") is not None else typos(self.words, self._option_string_actions)
+        self.exit(2, f"{self.prog}: error: {message}{hints} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

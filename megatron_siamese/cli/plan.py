@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from itertools import chain
 from typing import List, Tuple
 
 from megatron_siamese.cli import flags
 from megatron_siamese.plan.args import MEGATRON_FSDP_STRATEGY, MEGATRON_LM_MODEL, PLAN, PlanArgs
+from megatron_siamese.runtime.pretrain_flags import EMBEDDED_JOB, flag_value
 from megatron_siamese.runtime.registry import ConfigError, definitions, typos
 from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
 from megatron_siamese.training.args import PARALLELISM, TRAINING
@@ -28,14 +30,16 @@ ignored), so a training command becomes its plan by changing its first word and 
 what train builds on a GPU: without --num-layers the embedded default job's model and batch, the
 rest Megatron-LM's defaults (TP 1, Transformer Engine, dropout 0.1, the fused kernels); with
 --num-layers Megatron-LM's defaults for all of it (LayerNorm, GELU, biases, learned positions),
-and --hidden-size, --num-attention-heads, --seq-length and --micro-batch-size are needed, as
-Megatron-LM needs them. The short names (--tp, --pp, --sp, --dp, ...) are the plan's alone. Measured against the CPU ranks within 5% per
-term (tests/test_plan_measured.py; docs/scale.md):
+and --hidden-size, --num-attention-heads, --seq-length, --max-position-embeddings and
+--micro-batch-size are needed, as Megatron-LM needs them. The short names (--tp, --pp, --sp,
+--dp, ...) are the plan's alone. Measured against the CPU ranks within 5% per term
+(tests/test_plan_measured.py; docs/scale.md):
 
   megatron-siamese plan --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \\
-      --num-query-groups 8 --ffn-hidden-size 28672 --swiglu --normalization RMSNorm \\
-      --disable-bias-linear --position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 \\
-      --seq-length 4096 --vocab-size 128256 --bf16 --tensor-model-parallel-size 8 --sequence-parallel \\
+      --group-query-attention --num-query-groups 8 --ffn-hidden-size 28672 --swiglu \\
+      --normalization RMSNorm --disable-bias-linear --position-embedding-type rope --hidden-dropout 0 \\
+      --attention-dropout 0 --seq-length 4096 --max-position-embeddings 4096 --vocab-size 128256 \\
+      --bf16 --tensor-model-parallel-size 8 --sequence-parallel \\
       --pipeline-model-parallel-size 8 --data-parallel-size 16 --use-distributed-optimizer \\
       --micro-batch-size 1 --global-batch-size 1024 --gpu-memory h100-80gb
 """
@@ -50,10 +54,13 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
                                  description=DESCRIPTION, formatter_class=flags.HelpFormatter)
     for title in GROUPS:
         flags.add_group(parser, title, settings=SETTINGS)
+    parser.set_defaults(max_position_embeddings=int(flag_value(list(chain(*EMBEDDED_JOB)), "--max-position-embeddings")))
     for action in parser._actions:  # the embedded job's settings: their defaults hold without --num-layers only
         if action.dest in MEGATRON_LM_MODEL and action.dest != "num_layers" and not flags.sets_other_value(action):
             action.help += f" (default: {_said(action.default)} without --num-layers; with it: " \
                            f"{_said(MEGATRON_LM_MODEL[action.dest], action.dest)})"
+        if action.dest == "data_parallel_sharding_strategy":
+            action.help += f" (default: {MEGATRON_FSDP_STRATEGY}, Megatron-LM's)"
     parser.add_argument("--json", metavar="PATH", help="also write every pipeline stage's costs as JSON")
     parser.set_defaults(megatron_flags=[])  # the rest of a train command line (cli.main): checked, then ignored
     return parser
@@ -73,6 +80,9 @@ def ignore_the_rest_of_a_train_command(rest: list) -> None:
     nothing and are ignored, others refused (all of them on megatron-core 0.16.1: no Megatron-LM parser)."""
     if not rest:
         return
+    if "--use-checkpoint-args" in rest:
+        raise ConfigError(["--use-checkpoint-args: plan reads no checkpoint; give the model's flags (a checkpoint's "
+                           "args hold them: megatron-siamese export prints its model)"])
     from megatron_siamese.versions import ships_megatron_training
 
     unknown, known = rest, {flag for definition in SETTINGS.values() for flag in definition.all_flags}
@@ -110,11 +120,10 @@ def describe(args: PlanArgs) -> str:
     ])
 
 
-def left_to_megatron_lm(options: argparse.Namespace) -> Tuple[dict, List[str], str]:
+def left_to_megatron_lm(options: argparse.Namespace, given: set) -> Tuple[dict, List[str], str]:
     """Train's rule for a command line that names a model (--num-layers; runtime/pretrain_flags.add_defaults):
     Megatron-LM's default for each setting of the embedded job it leaves out, a problem where Megatron-LM
     has none, and the line that says which rule it took."""
-    given = flags.given_settings(options.argv, SETTINGS)
     if "num_layers" not in given:
         return {}, [], ("megatron-siamese plan: no model given (--num-layers), so the embedded default job's, as "
                         "train builds it on a GPU")
@@ -129,21 +138,15 @@ def left_to_megatron_lm(options: argparse.Namespace) -> Tuple[dict, List[str], s
                                "what the command line leaves out is Megatron-LM's default, as train builds it on a GPU")
 
 
-def megatron_fsdps_default(options: argparse.Namespace) -> dict:
-    """Megatron-LM's sharding strategy for --use-megatron-fsdp without one (TrainArgs' no_shard is a
-    layout's without Megatron-FSDP)."""
-    given = flags.given_settings(options.argv, SETTINGS)
-    if options.use_megatron_fsdp and "data_parallel_sharding_strategy" not in given:
-        return {"data_parallel_sharding_strategy": MEGATRON_FSDP_STRATEGY}
-    return {}
-
-
 def planned_args(options: argparse.Namespace) -> Tuple[PlanArgs, str]:
     """The settings the command line plans, and the line saying which of train's defaults they take."""
     ignore_the_rest_of_a_train_command(options.megatron_flags)
-    changes, missing, rule = left_to_megatron_lm(options)
+    given = flags.given_settings(options.argv, SETTINGS)
+    changes, missing, rule = left_to_megatron_lm(options, given)
+    if options.use_megatron_fsdp and "data_parallel_sharding_strategy" not in given:  # TrainArgs' is no FSDP's
+        changes["data_parallel_sharding_strategy"] = MEGATRON_FSDP_STRATEGY
     try:
-        args = flags.train_args(options, cls=PlanArgs, **changes, **megatron_fsdps_default(options))
+        args = flags.train_args(options, cls=PlanArgs, **changes)
     except ConfigError as error:  # every problem, one line each
         raise ConfigError(missing + error.problems) from None
     if missing:

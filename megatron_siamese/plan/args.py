@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 from megatron_siamese.plan.activations import Implementation
 from megatron_siamese.plan.gpus import gpu_memory_problem
@@ -84,6 +84,12 @@ class PlanArgs(TrainArgs):
     attention_dropout: float = setting(0.1, group=PLAN, flag="--attention-dropout", minimum=0.0,
                                        help="dropout on the attention probabilities (unfused attention keeps its mask "
                                             "and output; Megatron-LM's default)")
+    max_position_embeddings: Optional[int] = setting(
+        None, group=PLAN, flag="--max-position-embeddings", minimum=1,
+        help="rows of the learned position table, at least --seq-length (Megatron-LM's; unset: --seq-length)")
+    group_query_attention: bool = setting(
+        False, group=PLAN, flag="--group-query-attention", action="store_true",
+        help="Megatron-LM's switch for --num-query-groups, which it ignores without it")
     deallocate_pipeline_outputs: bool = _switch(
         True, "--deallocate-pipeline-outputs",
         "free a stage output's data once sent, as Megatron-LM does (--no-deallocate-pipeline-outputs: "
@@ -97,7 +103,8 @@ class PlanArgs(TrainArgs):
     @property
     def bias_activation_fusion(self) -> bool:
         """Whether the MLP's activation is Megatron's fused one (GELU's or SwiGLU's switch, as the MLP is)."""
-        return self.bias_swiglu_fusion if self.gated_linear_unit else self.bias_gelu_fusion
+        # Megatron-LM fuses GELU only with a bias to add
+        return self.bias_swiglu_fusion if self.gated_linear_unit else self.bias_gelu_fusion and self.add_bias_linear
 
     @property
     def padded_vocab(self) -> int:
@@ -132,6 +139,7 @@ class PlanArgs(TrainArgs):
 # each once the command line names a model (--num-layers) and not it: its default, or None where it has
 # none (the flag is required; the global batch: micro-batch x DP)
 MEGATRON_LM_MODEL = {"num_layers": None, "hidden_size": None, "num_attention_heads": None, "seq_length": None,
+                     "max_position_embeddings": None,
                      "normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
                      "gated_linear_unit": False, "add_bias_linear": True, "micro_batch_size": None,
                      "global_batch_size": None}
@@ -141,6 +149,12 @@ MEGATRON_FSDP_STRATEGY = "optim_grads_params"  # Megatron-LM's --data-parallel-s
 def problems(args: PlanArgs) -> List[str]:
     """The problems with these settings, ``train``'s and the plan's own (one line each)."""
     found = train_problems(args)
+    if args.num_query_groups and not args.group_query_attention:
+        found.append(f"--num-query-groups {args.num_query_groups} without --group-query-attention: Megatron-LM ignores "
+                     "it then (every head its own keys and values); add --group-query-attention, or leave it out")
+    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
+        found.append(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
+                     f"{args.seq_length}, which Megatron-LM refuses: give at least {args.seq_length}")
     if args.norm not in SIAMESE_SCHEMES:
         found.append(f"plan sets stock Pre-Norm beside a SiameseNorm model of the standard variant: use --norm "
                      f"{' or --norm '.join(SIAMESE_SCHEMES)} (got --norm {args.norm})")
@@ -187,6 +201,6 @@ def plan_inputs(args: PlanArgs) -> PlanInputs:
     impl = Implementation(bytes=bytes_, attention=args.attention, fused_activation=args.bias_activation_fusion,
                           softmax_fusion=softmax_fusion, rope_fusion=args.rope_fusion,
                           hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
-    return PlanInputs(shape_of(args, args.padded_vocab), args.layout, args.norm, impl, args.micro_batch_size,
+    return PlanInputs(shape_of(args, args.padded_vocab, args.max_position_embeddings), args.layout, args.norm, impl, args.micro_batch_size,
                       args.num_microbatches, 4 if args.dtype == "fp32" else 2, layout_sharding(args.layout),
                       args.deallocate_pipeline_outputs)

@@ -39,6 +39,7 @@ class Shape:
     expert_ffn: int = 0
     shared_expert_ffn: int = 0
     moe_layers: Tuple[bool, ...] = ()  # per layer: an MoE layer
+    positions: int = 0  # rows of the learned position table (Megatron-LM's --max-position-embeddings; 0: seq)
 
     @property
     def norm_statistics(self) -> int:
@@ -49,8 +50,9 @@ class Shape:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
 
-def shape_of(settings, vocab: int) -> Shape:
-    """The ``Shape`` of ``settings`` (runtime.settings.ModelSettings) with a padded vocabulary."""
+def shape_of(settings, vocab: int, positions: Optional[int] = None) -> Shape:
+    """The ``Shape`` of ``settings`` (runtime.settings.ModelSettings) with a padded vocabulary (and a learned
+    position table of ``positions`` rows: its sequence's by default)."""
     from megatron_siamese.runtime.settings import moe_layer_freq
 
     moe: Tuple[bool, ...] = ()
@@ -71,7 +73,8 @@ def shape_of(settings, vocab: int) -> Shape:
         rope=settings.position_embedding_type == "rope",
         experts=settings.num_moe_experts, topk=settings.moe_router_topk if settings.num_moe_experts else 0,
         expert_ffn=settings.expert_width if settings.num_moe_experts else 0,
-        shared_expert_ffn=settings.moe_shared_expert_intermediate_size or 0, moe_layers=moe)
+        shared_expert_ffn=settings.moe_shared_expert_intermediate_size or 0, moe_layers=moe,
+        positions=positions or settings.seq_length)
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ def embedding_parameters(shape: Shape, pipeline: int) -> List[Parameter]:
     found = [Parameter("embedding.word_embeddings.weight", shape.vocab * shape.hidden, split="tp",
                        shared_embedding=shape.tied and pipeline > 1)]
     if shape.learned_positions:
-        found.append(Parameter("embedding.position_embeddings.weight", shape.seq * shape.hidden))
+        found.append(Parameter("embedding.position_embeddings.weight", (shape.positions or shape.seq) * shape.hidden))
     return found
 
 

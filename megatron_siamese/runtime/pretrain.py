@@ -286,13 +286,15 @@ def draw_the_loss_curve(args) -> None:
 
 
 def _last_logged_loss(train: dict, log_interval: int) -> str:
-    """The training loss over the last ``log_interval`` iterations, as Megatron's log line averages it
-    (TensorBoard holds each iteration's own)."""
+    """The training loss Megatron's last log line gives: the mean over the iterations since the line before
+    (it logs every --log-interval iterations; TensorBoard holds each iteration's own), or over those there
+    are where none was logged."""
     last = max(train)
-    window = [step for step in train if step > last - log_interval]
+    logged = last - last % log_interval or last
+    window = [step for step in train if logged - log_interval < step <= logged]
     mean = sum(train[step] for step in window) / len(window)
-    return (f"iteration {last}: lm loss {mean:.4f}" if len(window) == 1 else
-            f"iterations {min(window)}-{last}: mean lm loss {mean:.4f}")
+    return (f"iteration {logged}: lm loss {mean:.4f}" if len(window) == 1 else
+            f"iterations {min(window)}-{logged}: mean lm loss {mean:.4f}")
 
 
 def main() -> None:

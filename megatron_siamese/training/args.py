@@ -107,7 +107,7 @@ class TrainArgs(ModelSettings):
     data_parallel_sharding_strategy: str = setting(
         "no_shard", group=PARALLELISM, flag="--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
         layout="fsdp_sharding",
-        help="what Megatron-FSDP shards: no_shard (Megatron-LM's default: nothing), optim (optimizer state), "
+        help="what Megatron-FSDP shards: no_shard (nothing), optim (optimizer state), "
              "optim_grads (and gradients), optim_grads_params (and parameters: full sharding); megatron-core "
              "0.16.1 trains only the last two")
 
