@@ -75,6 +75,14 @@ def test_bad_input_is_one_line_per_problem_exit_2_and_fast(name):
     assert_decided_before_torch_and_megatron(done)  # fast: validated before torch or Megatron is imported
 
 
+@pytest.mark.stack_independent
+def test_a_usage_error_of_plan_names_no_typo_among_the_flags_it_passes_on():
+    """Megatron-LM's flags, which plan (and train) pass on to its parser, are no typos of plan's own."""
+    done = cli("plan", "--norm", "foo", "--max-position-embeddings", "128", "--moe-router-dtype", "fp32")
+    assert_refused(done, "argument --norm: invalid choice: 'foo'")
+    assert "did you mean" not in done.stderr, done.stderr
+
+
 def test_no_prefix_matching_of_flags_save_int_is_not_save_interval():
     """Refused on every stack; from 0.17 plan asks Megatron-LM's parser which flags are its own
     (which imports Megatron), before that it decides before torch or Megatron is imported."""
