@@ -62,15 +62,16 @@ def _device_problems(device: str) -> List[str]:
     """What keeps torch from running on ``device`` here (torch imported only for a device other than the CPU)."""
     import torch
 
+    from megatron_siamese.device import gpu_count
+
     try:
         kind = torch.device(device)
     except RuntimeError as error:
         return [f"--device {device}: {str(error).splitlines()[0]}"]
-    if kind.type == "cuda" and not torch.cuda.is_available():
+    if kind.type == "cuda" and not gpu_count():
         return [f"--device {device}: no CUDA GPU here (torch {torch.__version__}); use --device cpu"]
-    if kind.type == "cuda" and kind.index is not None and kind.index >= torch.cuda.device_count():
-        return [f"--device {device}: there are {torch.cuda.device_count()} CUDA GPUs here (cuda:0 to "
-                f"cuda:{torch.cuda.device_count() - 1})"]
+    if kind.type == "cuda" and kind.index is not None and kind.index >= gpu_count():
+        return [f"--device {device}: there are {gpu_count()} CUDA GPUs here (cuda:0 to cuda:{gpu_count() - 1})"]
     return []
 
 

@@ -155,8 +155,7 @@ def failed(run: RunResult) -> bool:
 
 
 def stuck(run: RunResult, unigram_entropy: float) -> bool:
-    """Trained but never got past token frequencies: ending above the corpus's unigram entropy less
-    STUCK_MARGIN (Post-Norm's typical failure), yet not diverged."""
+    """Not diverged, yet ending above the unigram entropy less STUCK_MARGIN (Post-Norm's typical failure)."""
     return not failed(run) and run.final_val_loss > unigram_entropy - STUCK_MARGIN
 
 
@@ -246,11 +245,9 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
         raise ValueError(f"unknown schemes {unknown}: choose from {', '.join(SCHEMES)}")
     results: Dict[str, dict] = {}
     start = time.perf_counter()
-    jobs = jobs_of(plan)
-    addition = sum(job.task != "lm" for job in jobs)
-    echo(f"study: {len(jobs)} runs ({len(jobs) - addition} language modelling, {addition} addition), {plan.workers} at "
-         f"a time, one rank each, in {plan.output_dir}/<run>/; a line as each ends: [seconds] "
-         "task|scheme|peak lr|seed|warmup: final validation loss")
+    jobs, lm = jobs_of(plan), sum(job.task == "lm" for job in jobs_of(plan))
+    echo(f"study: {len(jobs)} runs ({lm} language modelling, {len(jobs) - lm} addition), {plan.workers} at a time, one "
+         f"rank each, in {plan.output_dir}/<run>/; as each ends: [seconds] task|scheme|peak lr|seed|warmup: final val loss")
 
     def run(job: Job):
         result = train_run(plan, job)
@@ -345,24 +342,18 @@ def tables(study: dict) -> str:
     for warmup, arms, rates, seeds in _panels(plan):
         lines += [f"### Warmup {warmup} steps (seeds {', '.join(map(str, seeds))})", ""]
         lines += _panel(study, warmup, arms, rates) + [""] + stability(study, warmup, arms, rates) + [""]
-    if plan["arithmetic_schemes"]:
-        lines += addition_table(study)
-    lines += [f"Wall time: {study['seconds'] / 60:.1f} min."]
-    return "\n".join(lines) + "\n"
-
-
-def addition_table(study: dict) -> List[str]:
-    plan = study["plan"]
-    lines = [f"{plan['arithmetic_task']} of up to {plan['arithmetic_digits']}-digit numbers (exact match "
-             f"on 500 held-out problems, lr {plan['arithmetic_lr']:g}, {plan['arithmetic_steps']} steps):", "",
-             "| scheme | accuracy per seed | mean | final val loss |", "| --- | --- | --- | --- |"]
-    for arm in plan["arithmetic_schemes"]:
+    arithmetic = plan["arithmetic_schemes"]  # none: no addition runs
+    lines += [f"{plan['arithmetic_task']} of up to {plan['arithmetic_digits']}-digit numbers (exact match "
+              f"on 500 held-out problems, lr {plan['arithmetic_lr']:g}, {plan['arithmetic_steps']} steps):", "",
+              "| scheme | accuracy per seed | mean | final val loss |", "| --- | --- | --- | --- |"] if arithmetic else []
+    for arm in arithmetic:
         summaries = [RunResult.of(r) for r in _runs(study, plan["arithmetic_task"], arm)]
         accuracies = [s.accuracy for s in summaries if s.accuracy is not None]
         lines.append(f"| {arm} | {', '.join(f'{a:.3f}' for a in accuracies)} | "
                      f"{statistics.mean(accuracies) if accuracies else float('nan'):.3f} | "
                      f"{statistics.mean(s.final_val_loss for s in summaries):.3f} |")
-    return lines + [""]
+    lines += [""] * bool(arithmetic) + [f"Wall time: {study['seconds'] / 60:.1f} min."]
+    return "\n".join(lines) + "\n"
 
 
 def _panels(plan: dict) -> List[tuple]:
