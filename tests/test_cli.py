@@ -34,7 +34,7 @@ BAD_INPUT = {
                                   "--num-layers given, so the model is the command line's and Megatron-LM needs "
                                   "--num-attention-heads, --seq-length, --max-position-embeddings, "
                                   "--micro-batch-size with it"),
-    "fp16": (["plan", "--dtype", "fp16"], "fp16 is not supported"),
+    "fp16": (["check", "--dtype", "fp16"], "fp16 is not supported"),
     "tp3 over 4 heads": (["plan", "--tp", "3"], "--num-attention-heads 4 does not split over --tp 3"),
     "megatron's name": (["plan", "--tensor-model-parallel-size", "3"], "does not split over --tp 3"),
     "pp3 over 4 layers": (["plan", "--pp", "3"], "--num-layers 4 does not split over 3 pipeline stages"),
@@ -96,10 +96,10 @@ def test_no_prefix_matching_of_flags_save_int_is_not_save_interval():
 
 @pytest.mark.stack_independent
 def test_every_problem_is_listed_at_once():
-    done = cli("plan", "--global-batch-size", "0", "--tp", "3", "--dtype", "fp16")
+    done = cli("plan", "--global-batch-size", "0", "--tp", "3", "--pp", "3")
     problems = ["--global-batch-size must be at least 1", "--num-attention-heads 4 does not split over --tp 3",
                 "the MLP width 320 (--ffn-hidden-size) does not split over --tp 3",  # SwiGLU: Megatron-LM's 2/3 of 4h
-                "--dtype fp16 is not supported"]  # the vocabulary: padded as Megatron-LM pads it, it splits
+                "--num-layers 4 does not split over 3 pipeline stages"]  # the vocabulary: padded as Megatron-LM pads it, it splits
     assert_refused(done, *problems)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == len(problems) and all(line.startswith("megatron-siamese plan: error: ") for line in lines)

@@ -419,10 +419,39 @@ REFUSALS = {
     "positions below the sequence": (["--max-position-embeddings", "2048"],
                                      "--max-position-embeddings 2048 is below --seq-length 4096, which Megatron-LM refuses"),
     "a checkpoint's model": (["--use-checkpoint-args"], "--use-checkpoint-args: plan reads no checkpoint"),
+    "a Megatron-LM flag not modeled": (["--kv-channels", "64", "--num-layers-per-virtual-pipeline-stage", "5"],
+                                       "--kv-channels: heads of another width than --hidden-size over"),
+    "two 16-bit dtypes": (["--bf16", "--fp16"], "--fp16 and --bf16: Megatron-LM takes one of them"),
+    "JSON nowhere": (["--json", "/nonexistent/plan.json"], "--json /nonexistent/plan.json: no directory"),
     "unmodeled recompute module": (["--recompute-granularity", "selective", "--recompute-modules", "moe_act",
                                     "--num-experts", "16", "--moe-grouped-gemm", "--disable-bias-linear"],
                                    "plan does not model selective recompute of moe_act"),
 }
+
+
+def test_fp16_costs_what_bf16_does_and_sequence_parallelism_at_tp1_is_off_as_in_megatron_lm(tmp_path):
+    """Megatron-LM's loss-scaled fp16 keeps a bf16 model's bytes (plan planned fp32 for --fp16, a flag it passed
+    on); --sequence-parallel at TP 1 Megatron-LM turns off, and trains (plan refused it)."""
+    one_gpu = {**GPT3_70B, "num_layers": 8, "tp": 1, "pp": 1, "dp": 1, "sp": False, "distributed_optimizer": False,
+               "global_batch_size": 4}
+    del one_gpu["dtype"]
+    costs = {}
+    for name, extra in (("bf16", ["--bf16"]), ("fp16", ["--dtype", "fp16"]), ("fp16 flag", ["--fp16"]),
+                        ("sp", ["--bf16", "--sp"])):
+        done = cli_here("plan", *flags(one_gpu), *extra, "--json", str(tmp_path / f"{name}.json"))
+        assert done.returncode == 0, done.stderr
+        costs[name] = json.loads((tmp_path / f"{name}.json").read_text())["stages"]
+    assert costs["fp16"] == costs["bf16"] == costs["fp16 flag"] == costs["sp"]
+    assert "--sequence-parallel at TP 1 is off, as Megatron-LM turns it off" in done.stdout
+
+
+def test_a_tokenizer_is_refused_without_the_size_of_its_vocabulary():
+    """Megatron-LM reads the vocabulary off the tokenizer, which plan does not load: it planned the byte one."""
+    model = {key: value for key, value in GPT3_70B.items() if key != "vocab_size"}
+    tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "vocab.json"]
+    done = cli_here("plan", *flags(model), *tokenizer)
+    assert done.returncode == 2 and "--tokenizer-type GPT2BPETokenizer: plan reads no tokenizer, so give its " \
+        "vocabulary's size as --vocab-size" in done.stderr, done.stderr
 
 
 def test_query_groups_without_megatron_lms_switch_are_refused_as_train_would_ignore_them():

@@ -69,6 +69,7 @@ TRAIN_COMMANDS = {
                                  1),
     "Megatron-FSDP": (["--use-megatron-fsdp", "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor"], 2),
     "the fused kernels off": (["--no-bias-swiglu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion"], 1),
+    "fp16, SP at TP 1": (["--fp16", "--sequence-parallel"], 1),
 }
 # what the model and its cost depend on: the plan's settings and Megatron-LM's arguments, each read alike
 SAME_NAME = ("transformer_impl", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "normalization",
@@ -77,6 +78,8 @@ SAME_NAME = ("transformer_impl", "num_layers", "hidden_size", "num_attention_hea
 READINGS = {
     **{name: (lambda args, name=name: getattr(args, name),) * 2 for name in SAME_NAME},
     "tp": (lambda plan: plan.tp, lambda megatron: megatron.tensor_model_parallel_size),
+    "sp": (lambda plan: plan.sp, lambda megatron: megatron.sequence_parallel),
+    "dtype": (lambda plan: plan.dtype, lambda megatron: "fp16" if megatron.fp16 else "bf16" if megatron.bf16 else "fp32"),
     "swiglu": (lambda plan: plan.gated_linear_unit, lambda megatron: megatron.swiglu),
     "mlp width": (lambda plan: plan.mlp_width, lambda megatron: megatron.ffn_hidden_size),
     "position table": (lambda plan: plan.max_position_embeddings or plan.seq_length,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from itertools import chain
 from typing import List, Tuple
 
@@ -32,7 +33,9 @@ rest Megatron-LM's defaults (TP 1, Transformer Engine, dropout 0.1, the fused ke
 --num-layers Megatron-LM's defaults for all of it (LayerNorm, GELU, biases, learned positions),
 and --hidden-size, --num-attention-heads, --seq-length, --max-position-embeddings and
 --micro-batch-size are needed, as Megatron-LM needs them. The short names (--tp, --pp, --sp,
---dp, ...) are the plan's alone. Measured against the CPU ranks within 5% per term
+--dp, ...), --dtype and --recompute are the plan's alone (train takes Megatron-LM's: --bf16,
+--fp16, --recompute-granularity ...), as are --gpu-memory, --json and the fusion switches'
+positive forms. Megatron-LM flags that change the model and are not modeled are refused by name. Measured against the CPU ranks within 5% per term
 (tests/test_plan_measured.py; docs/scale.md):
 
   megatron-siamese plan --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \\
@@ -46,6 +49,7 @@ and --hidden-size, --num-attention-heads, --seq-length, --max-position-embedding
 
 SETTINGS = definitions(PlanArgs)
 POSITIONS = {"learned_absolute": "learned", "rope": "rotary"}
+EMBEDDED_POSITIONS = int(flag_value(list(chain(*EMBEDDED_JOB)), "--max-position-embeddings"))
 GROUPS = (MODEL, MOE, PRECISION, PARALLELISM, TRAINING, PLAN)
 
 
@@ -54,10 +58,10 @@ def add_parser(commands, name: str) -> argparse.ArgumentParser:
                                  description=DESCRIPTION, formatter_class=flags.HelpFormatter)
     for title in GROUPS:
         flags.add_group(parser, title, settings=SETTINGS)
-    parser.set_defaults(max_position_embeddings=int(flag_value(list(chain(*EMBEDDED_JOB)), "--max-position-embeddings")))
     for action in parser._actions:  # the embedded job's settings: their defaults hold without --num-layers only
         if action.dest in MEGATRON_LM_MODEL and action.dest != "num_layers" and not flags.sets_other_value(action):
-            action.help += f" (default: {_said(action.default)} without --num-layers; with it: " \
+            default = EMBEDDED_POSITIONS if action.dest == "max_position_embeddings" else action.default
+            action.help += f" (default: {_said(default)} without --num-layers; with it: " \
                            f"{_said(MEGATRON_LM_MODEL[action.dest], action.dest)})"
         if action.dest == "data_parallel_sharding_strategy":
             action.help += f" (default: {MEGATRON_FSDP_STRATEGY}, Megatron-LM's)"
@@ -75,14 +79,43 @@ def _said(value, name: str = "") -> str:
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
-def ignore_the_rest_of_a_train_command(rest: list) -> None:
+_UNEVEN = "pipeline stages of other sizes than --num-layers over the stages are not modeled: leave it out"
+_OPTIMIZER_DTYPES = "optimizer state and main copies in other dtypes than fp32 are not modeled: leave it out"
+# Megatron-LM's flags that change what a GPU holds and the plan does not model (or knows by another name):
+# refused, each saying what to give instead, rather than planned as another model than train builds
+UNMODELED_FLAGS = {
+    "--use-checkpoint-args": "plan reads no checkpoint: give the model's flags",
+    "--use-rotary-position-embeddings": "give --position-embedding-type rope, which Megatron-LM makes of it",
+    "--recompute-activations": "give --recompute-granularity selective, which Megatron-LM makes of it",
+    "--num-layers-per-virtual-pipeline-stage": "give --num-virtual-stages-per-pipeline-rank (layers per pipeline "
+                                               "rank over it)",
+    "--decoder-first-pipeline-num-layers": _UNEVEN, "--decoder-last-pipeline-num-layers": _UNEVEN,
+    "--pipeline-model-parallel-layout": _UNEVEN, "--account-for-embedding-in-pipeline-split": _UNEVEN,
+    "--account-for-loss-in-pipeline-split": _UNEVEN,
+    "--kv-channels": "heads of another width than --hidden-size over --num-attention-heads are not modeled: leave "
+                     "it out",
+    "--use-precision-aware-optimizer": _OPTIMIZER_DTYPES, "--main-grads-dtype": _OPTIMIZER_DTYPES,
+    "--main-params-dtype": _OPTIMIZER_DTYPES, "--exp-avg-dtype": _OPTIMIZER_DTYPES,
+    "--exp-avg-sq-dtype": _OPTIMIZER_DTYPES,
+    "--distribute-saved-activations": "recomputed activations spread over TP are not modeled: leave it out",
+}
+
+
+def ignore_the_rest_of_a_train_command(rest: list, given: set) -> None:
     """A train command line pasted whole: Megatron-LM's flags plan lacks (checkpoints, logging, data) cost
-    nothing and are ignored, others refused (all of them on megatron-core 0.16.1: no Megatron-LM parser)."""
+    nothing and are ignored; those that change the model and are not modeled, or that plan cannot read (a
+    tokenizer's vocabulary), are refused by name, and unknown ones (all of them on megatron-core 0.16.1:
+    no Megatron-LM parser)."""
     if not rest:
         return
-    if "--use-checkpoint-args" in rest:
-        raise ConfigError(["--use-checkpoint-args: plan reads no checkpoint; give the model's flags (a checkpoint's "
-                           "args hold them: megatron-siamese export prints its model)"])
+    spelled = [word.split("=", 1)[0] for word in rest]
+    found = [f"{flag}: {UNMODELED_FLAGS[flag]}" for flag in dict.fromkeys(spelled) if flag in UNMODELED_FLAGS]
+    tokenizer = flag_value(rest, "--tokenizer-type")
+    if tokenizer not in (None, "NullTokenizer") and "vocab_size" not in given:
+        found.append(f"--tokenizer-type {tokenizer}: plan reads no tokenizer, so give its vocabulary's size as "
+                     "--vocab-size (Megatron-LM pads it)")
+    if found:
+        raise ConfigError(found)
     from megatron_siamese.versions import ships_megatron_training
 
     unknown, known = rest, {flag for definition in SETTINGS.values() for flag in definition.all_flags}
@@ -125,8 +158,16 @@ def left_to_megatron_lm(options: argparse.Namespace, given: set) -> Tuple[dict, 
     Megatron-LM's default for each setting of the embedded job it leaves out, a problem where Megatron-LM
     has none, and the line that says which rule it took."""
     if "num_layers" not in given:
-        return {}, [], ("megatron-siamese plan: no model given (--num-layers), so the embedded default job's, as "
-                        "train builds it on a GPU")
+        changes, problems = {}, []
+        if "max_position_embeddings" not in given:  # the embedded job's, unless that refuses the sequence given
+            changes["max_position_embeddings"] = EMBEDDED_POSITIONS
+            if options.seq_length > EMBEDDED_POSITIONS:
+                changes["max_position_embeddings"] = None
+                problems.append(f"--seq-length {options.seq_length} is past the embedded default job's "
+                                f"--max-position-embeddings {EMBEDDED_POSITIONS}, which Megatron-LM refuses: give "
+                                f"--max-position-embeddings {options.seq_length} too")
+        return changes, problems, ("megatron-siamese plan: no model given (--num-layers), so the embedded default "
+                                   "job's, as train builds it on a GPU")
     required = [SETTINGS[name].flags[0] for name, default in MEGATRON_LM_MODEL.items()
                 if default is None and name not in given | {"global_batch_size"}]
     problems = [f"--num-layers given, so the model is the command line's and Megatron-LM needs {', '.join(required)} "
@@ -140,11 +181,19 @@ def left_to_megatron_lm(options: argparse.Namespace, given: set) -> Tuple[dict, 
 
 def planned_args(options: argparse.Namespace) -> Tuple[PlanArgs, str]:
     """The settings the command line plans, and the line saying which of train's defaults they take."""
-    ignore_the_rest_of_a_train_command(options.megatron_flags)
     given = flags.given_settings(options.argv, SETTINGS)
+    ignore_the_rest_of_a_train_command(options.megatron_flags, given)
     changes, missing, rule = left_to_megatron_lm(options, given)
     if options.use_megatron_fsdp and "data_parallel_sharding_strategy" not in given:  # TrainArgs' is no FSDP's
         changes["data_parallel_sharding_strategy"] = MEGATRON_FSDP_STRATEGY
+    if {"--fp16", "--bf16"} <= {word.split("=", 1)[0] for word in options.argv}:
+        missing.append("--fp16 and --bf16: Megatron-LM takes one of them")
+    if options.sp and options.tp == 1:  # Megatron-LM warns and trains without it
+        changes["sp"] = False
+        rule += "\nmegatron-siamese plan: --sequence-parallel at TP 1 is off, as Megatron-LM turns it off"
+    if options.json and not os.path.isdir(os.path.dirname(os.path.abspath(options.json))):
+        missing.append(f"--json {options.json}: no directory {os.path.dirname(os.path.abspath(options.json))} to "
+                       "write it in")
     try:
         args = flags.train_args(options, cls=PlanArgs, **changes)
     except ConfigError as error:  # every problem, one line each

@@ -33,7 +33,8 @@ def _study_parser(commands, name: str) -> argparse.ArgumentParser:
                                  description="Pre-Norm, Post-Norm, SiameseNorm and its hybrid variant, HybridNorm, Mix-LN "
                                              "and the paper's ablation at five learning rates (two seeds, a warmup of a "
                                              "quarter of the run; the single-stream schemes and SiameseNorm again at a "
-                                             "10-step warmup and two rates), then reversed addition (docs/research.md).",
+                                             "10-step warmup and two rates), then reversed addition (docs/research.md). "
+                                             "Each run is Megatron-LM's training loop: megatron-core >= 0.17.",
                                  formatter_class=flags.HelpFormatter)
     parser.add_argument("--output-dir", default="runs/study", help="results, plots and the per-run directories")
     parser.add_argument("--cache-dir", default=flags.DEFAULTS["cache_dir"], help="tokenized corpus cache")

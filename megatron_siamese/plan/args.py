@@ -19,7 +19,7 @@ from megatron_siamese.plan.per_gpu import PlanInputs
 from megatron_siamese.plan.recompute import MODELED_MODULES, unmodeled_modules
 from megatron_siamese.plan.shapes import SIAMESE_SCHEMES, shape_of
 from megatron_siamese.plan.states import layout_sharding
-from megatron_siamese.runtime.registry import ConfigError, setting
+from megatron_siamese.runtime.registry import KEY, ConfigError, Switch, setting
 from megatron_siamese.training.args import BYTE_VOCAB, TrainArgs, padded_vocab_size
 from megatron_siamese.training.args import problems as train_problems
 
@@ -32,10 +32,14 @@ def _switch(default: bool, flag: str, help: str):
     return setting(default, group=PLAN, flag=flag, action=argparse.BooleanOptionalAction, help=help)
 
 
-def _megatron_lms(name: str, default):
+def _megatron_lms(name: str, default, **changes):
     """TrainArgs' setting ``name`` with Megatron-LM's default, which train takes on a GPU (TrainArgs'
-    own is the CPU run's)."""
-    return dataclasses.field(default=default, metadata=TrainArgs.__dataclass_fields__[name].metadata)
+    own is the CPU run's), and ``changes`` to its definition."""
+    definition = TrainArgs.__dataclass_fields__[name].metadata[KEY]
+    return dataclasses.field(default=default, metadata={KEY: dataclasses.replace(definition, **changes)})
+
+
+_DTYPE = TrainArgs.__dataclass_fields__["dtype"].metadata[KEY]
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,12 @@ class PlanArgs(TrainArgs):
     tp: int = _megatron_lms("tp", 1)
     transformer_impl: str = _megatron_lms("transformer_impl", "transformer_engine")
     moe_token_dispatcher_type: str = _megatron_lms("moe_token_dispatcher_type", "allgather")
+    ffn_hidden_size: Optional[int] = _megatron_lms(
+        "ffn_hidden_size", None, help="MLP width (default: 4 x hidden; with --swiglu two thirds of that, rounded down "
+                                      "to a multiple of 64, as Megatron-LM's parser sets it)")
+    # fp16 as train has it (Megatron-LM's loss-scaled fp16): a bf16 model's bytes
+    dtype: str = _megatron_lms("dtype", "fp32", check=None, switches=(*_DTYPE.switches, Switch(
+        ("--fp16",), "same as --dtype fp16", action="store_const", const="fp16")))
 
     vocab_size: int = setting(BYTE_VOCAB, group=PLAN, flag="--vocab-size", minimum=1,
                               help="tokens in the vocabulary, padded as Megatron-LM pads it (to a multiple of "
@@ -72,8 +82,8 @@ class PlanArgs(TrainArgs):
     masked_softmax_fusion: bool = _switch(
         True, "--masked-softmax-fusion",
         "Megatron's fused masked softmax in unfused attention (its kernel takes 16-bit scores of a sequence "
-        "of 17 to 4096 tokens), which keeps the 16-bit probabilities only; without it torch's softmax keeps "
-        "its fp32 output as well (Megatron-LM's default)")
+        "of 17 to 4096 tokens), which keeps the 16-bit probabilities only (Megatron-LM's default; "
+        "--no-masked-softmax-fusion: torch's softmax, which keeps its fp32 output as well)")
     rope_fusion: bool = _switch(
         True, "--rope-fusion",
         "fused RoPE (Transformer Engine's kernel), which keeps no cosines and sines per layer (Megatron-LM's "
@@ -86,7 +96,7 @@ class PlanArgs(TrainArgs):
                                             "and output; Megatron-LM's default)")
     max_position_embeddings: Optional[int] = setting(
         None, group=PLAN, flag="--max-position-embeddings", minimum=1,
-        help="rows of the learned position table, at least --seq-length (Megatron-LM's; unset: --seq-length)")
+        help="rows of the learned position table, at least --seq-length (Megatron-LM's)")
     group_query_attention: bool = setting(
         False, group=PLAN, flag="--group-query-attention", action="store_true",
         help="Megatron-LM's switch for --num-query-groups, which it ignores without it")
@@ -173,7 +183,10 @@ def problems(args: PlanArgs) -> List[str]:
         both = len(deepseek) > 1
         found.append(f"plan does not model {' or '.join(deepseek)} ({'their' if both else 'its'} weights, activations "
                      f"and traffic): leave {'them' if both else 'it'} out")
-    unmodeled = unmodeled_modules(args.recomputation.modules)
+    try:
+        unmodeled = unmodeled_modules(args.recomputation.modules)
+    except ValueError:  # recompute flags Megatron refuses: said above, in the flags' words
+        unmodeled = []
     if unmodeled:
         found.append(f"plan does not model selective recompute of {', '.join(unmodeled)} (it models "
                      f"{', '.join(MODELED_MODULES)}): leave {'them' if len(unmodeled) > 1 else 'it'} out of "

@@ -32,6 +32,7 @@ class Plan:
     gpu_bytes: int
     largest_micro_batch: Dict[str, Optional[int]]
     micro_batch_limit: int  # the largest the global batch allows (``micro_batches``), memory aside
+    sequences_per_rank: int  # a step's sequences on each data-parallel rank
 
     def loaded(self, variant: str) -> GpuCosts:
         return most_loaded(self.stages[variant])
@@ -63,7 +64,8 @@ def largest_micro_batch(inputs: PlanInputs, variant: str, gpu_bytes: int) -> Opt
 def make_plan(inputs: PlanInputs, paths: List[str], gpu_bytes: int) -> Plan:
     variants = [STOCK] + paths
     return Plan(variants, {v: every_rank(inputs, v) for v in variants}, gpu_bytes,
-                {v: largest_micro_batch(inputs, v, gpu_bytes) for v in variants}, max(micro_batches(inputs)))
+                {v: largest_micro_batch(inputs, v, gpu_bytes) for v in variants}, max(micro_batches(inputs)),
+                inputs.micro_batch * inputs.microbatches)
 
 
 def _row(label: str, cells: List[str], width: int) -> str:
@@ -98,8 +100,11 @@ def format_plan(plan: Plan, gpu_name: str) -> str:
     lines.append(_row("largest micro-batch that fits",
                       [str(plan.largest_micro_batch[v] or "none") for v in plan.variants], width))
     if plan.micro_batch_limit in plan.largest_micro_batch.values():
-        lines.append(f"  ({plan.micro_batch_limit}: the largest the global batch allows, memory aside: a data-parallel "
-                     "rank's sequences in no fewer microbatches than pipeline stages)")
+        stages = len(plan.stages[STOCK])
+        lines.append(f"  ({plan.micro_batch_limit}: the largest the global batch allows, memory aside: each data-parallel "
+                     f"rank's {plan.sequences_per_rank} sequences a step"
+                     + (f" in no fewer microbatches than the {stages} pipeline stages" if stages > 1 else "")
+                     + "; a larger --global-batch-size allows more)")
     return "\n".join(lines)
 
 

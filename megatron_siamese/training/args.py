@@ -184,7 +184,8 @@ def problems(args: TrainArgs) -> List[str]:
     if args.vpp is not None and args.pp == 1:
         found.append("--num-virtual-stages-per-pipeline-rank/--vpp needs --pp > 1")
     if args.distributed_optimizer and args.dp == 1:
-        found.append("--use-distributed-optimizer shards optimizer state over data-parallel ranks: it needs --dp > 1")
+        found.append("--use-distributed-optimizer shards optimizer state over data-parallel ranks: it needs --dp > 1 "
+                     "(plan: --data-parallel-size, the ranks over TP x PP x CP that train has)")
     found += _expert_layout_problems(args)
     found += _fsdp_problems(args)
     found += recompute_flags.problems(args)
