@@ -66,7 +66,8 @@ class PlanArgs(TrainArgs):
     gpu_memory: str = setting("h100-80gb", group=PLAN, flag="--gpu-memory", check=gpu_memory_problem,
                               metavar="GPU|SIZE",
                               help="the memory of one GPU: a100-40gb, a100-80gb, h100-80gb (h100), h200-141gb "
-                                   "(h200), or a size (80GiB, 81559MiB, 141GB)")
+                                   "(h200), as nvidia-smi reports them, or a size (80GiB, 81559MiB, 141GB; a GB is "
+                                   "10^9 bytes: 80GB is 74.5 GiB, an H100 80GB holds 79.6)")
     attention_backend: str = setting(
         "auto", group=PLAN, flag="--attention-backend", choices=ATTENTION_BACKENDS,
         help="Megatron-LM's: flash / fused keep Q, K, V and the output; unfused / local also the s x s "
