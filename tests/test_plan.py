@@ -445,6 +445,16 @@ def test_fp16_costs_what_bf16_does_and_sequence_parallelism_at_tp1_is_off_as_in_
     assert "--sequence-parallel at TP 1 is off, as Megatron-LM turns it off" in done.stdout
 
 
+def test_the_flags_refused_as_unmodeled_are_none_of_plans_own():
+    """Plan's parser takes its own flags before the rest is looked at: one of them listed as unmodeled would never
+    be refused (--recompute-activations, a switch of --recompute-granularity, was)."""
+    from megatron_siamese.cli import build_parser
+    from megatron_siamese.cli.plan import UNMODELED_FLAGS
+
+    plans = next(action for action in build_parser()._actions if action.dest == "command").choices["plan"]
+    assert not set(UNMODELED_FLAGS) & set(plans._option_string_actions)
+
+
 def test_a_tokenizer_is_refused_without_the_size_of_its_vocabulary():
     """Megatron-LM reads the vocabulary off the tokenizer, which plan does not load: it planned the byte one."""
     model = {key: value for key, value in GPT3_70B.items() if key != "vocab_size"}

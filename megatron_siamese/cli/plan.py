@@ -86,7 +86,6 @@ _OPTIMIZER_DTYPES = "optimizer state and main copies in other dtypes than fp32 a
 UNMODELED_FLAGS = {
     "--use-checkpoint-args": "plan reads no checkpoint: give the model's flags",
     "--use-rotary-position-embeddings": "give --position-embedding-type rope, which Megatron-LM makes of it",
-    "--recompute-activations": "give --recompute-granularity selective, which Megatron-LM makes of it",
     "--num-layers-per-virtual-pipeline-stage": "give --num-virtual-stages-per-pipeline-rank (layers per pipeline "
                                                "rank over it)",
     "--decoder-first-pipeline-num-layers": _UNEVEN, "--decoder-last-pipeline-num-layers": _UNEVEN,
