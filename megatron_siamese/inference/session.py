@@ -152,18 +152,6 @@ class ModelSession:
         for key, chunk in zip(state, self.chunks):
             chunk.load_state_dict(loaded[key])
 
-    @property
-    def first_stage(self) -> bool:
-        from megatron.core import parallel_state
-
-        return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
-
-    @property
-    def last_stage(self) -> bool:
-        from megatron.core import parallel_state
-
-        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-
     def close(self) -> None:
         """Tear down the process groups the session set up (the next session or run builds its own)."""
         from megatron.core import parallel_state
