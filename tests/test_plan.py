@@ -455,6 +455,15 @@ def test_the_flags_refused_as_unmodeled_are_none_of_plans_own():
     assert not set(UNMODELED_FLAGS) & set(plans._option_string_actions)
 
 
+def test_an_unmodeled_recompute_module_is_one_refusal_not_two_that_disagree():
+    """moe_act on a dense model: train's rule says to add grouped-GEMM experts, plan's to leave it out; only
+    leaving it out makes a plan."""
+    done = cli_here("plan", *flags(GPT3_70B), "--recompute-granularity", "selective", "--recompute-modules", "moe_act")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "megatron-siamese plan: error: plan does not model selective recompute of moe_act (it models layernorm, mlp, "
+        "moe, shared_experts, core_attn): leave it out of --recompute-modules"], done.stderr
+
+
 def test_a_tokenizer_is_refused_without_the_size_of_its_vocabulary():
     """Megatron-LM reads the vocabulary off the tokenizer, which plan does not load: it planned the byte one."""
     model = {key: value for key, value in GPT3_70B.items() if key != "vocab_size"}

@@ -188,6 +188,9 @@ def problems(args: PlanArgs) -> List[str]:
         unmodeled = unmodeled_modules(args.recomputation.modules)
     except ValueError:  # recompute flags Megatron refuses: said above, in the flags' words
         unmodeled = []
+    # what train's rules said of these ("add X") would not make them plannable: "leave it out" alone
+    found = [problem for problem in found if not any(f"--recompute-modules {module} " in problem
+                                                     for module in unmodeled)]
     if unmodeled:
         found.append(f"plan does not model selective recompute of {', '.join(unmodeled)} (it models "
                      f"{', '.join(MODELED_MODULES)}): leave {'them' if len(unmodeled) > 1 else 'it'} out of "
