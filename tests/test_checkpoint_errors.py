@@ -63,6 +63,33 @@ def test_a_directory_of_the_other_kind_is_named_with_the_command_that_reads_it(t
     assert capsys.readouterr().err.strip().endswith("no config.json there; it is a checkpoint: give it as --load")
 
 
+def test_train_refuses_a_load_with_nothing_to_load_or_past_its_train_iters(tmp_path, monkeypatch):
+    """A directory that holds no checkpoint, and is not the --save one a requeue starts from, trained from
+    random with exit status 0 (a Transformers export, a TensorBoard directory); a checkpoint past
+    --train-iters failed in Megatron's data sampler, or did nothing."""
+    from argparse import Namespace
+
+    from megatron_siamese.runtime import pretrain_load
+
+    def problem(load, save=None, train_iters=30, common=None):
+        monkeypatch.setattr(pretrain_load, "_common_state", lambda *args: common)
+        return pretrain_load.checkpoint_problem(Namespace(load=str(load), save=save and str(save), ckpt_step=None,
+                                                          train_iters=train_iters, finetune=False))
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "ck").mkdir()  # its common state, stubbed
+    assert problem(tmp_path / "tensorboard").startswith(f"--load {tmp_path / 'tensorboard'} holds no checkpoint "
+                                                        "(Megatron-LM's loop would start from random): give a checkpoint")
+    assert "it is a Transformers model directory; `megatron-siamese import-hf --hf" in problem(tmp_path / "hf")
+    assert problem(tmp_path / "tensorboard", save=tmp_path / "tensorboard") is None  # a requeue's first start
+    assert problem(tmp_path / "ck", common={"iteration": 200}, train_iters=100) == (
+        f"--load {tmp_path / 'ck'} is at iteration 200, past --train-iters 100: give a larger --train-iters to train "
+        "on (Megatron-LM's loop would fail, or do nothing)")
+    assert problem(tmp_path / "ck", common={"iteration": 100}, train_iters=100) is None  # a finished requeue
+
+
 def complete_checkpoint(path):
     path.mkdir(parents=True)
     for name in ("metadata.json", ".metadata"):  # what a finished save leaves (torch's .metadata last)

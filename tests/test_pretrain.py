@@ -177,6 +177,15 @@ def test_a_resume_megatron_cannot_load_is_told_what_to_change():
     said = resume_problem(ValueError("Could not find parameter group with key (None, 0.005, 0.0002) in loaded "
                                      "checkpoint.\nAvailable keys:\n(None, 0.002, 0.0002)"), "ck")
     assert said.startswith("--load ck: its optimizer was saved with another --lr") and "--no-load-optim" in said
+    # Megatron's words for another schedule, its warmup in samples (50 iterations' tenth x 16 sequences = 80)
+    said = resume_problem(AssertionError("OptimizerParamScheduler: class input value 80.0 and checkpointvalue 48.0 "
+                                         "for warmup iterations do not match"), "ck")
+    assert "(warmup iterations: 80.0 from these flags, 48.0 in the checkpoint; Megatron's scheduler counts samples" \
+        in said and "--override-opt_param-scheduler" in said
+    # a finished run resumed with another --eval-interval: the validation sampler's bare position check
+    said = resume_problem(AssertionError("no samples left to consume: 2560, 536"), "ck")
+    assert said.startswith("--load ck: its data position is past the datasets these flags make") and \
+        "--eval-interval" in said
     for other in (ValueError("another"), AssertionError("another")):
         with pytest.raises(type(other), match="another"):
             resume_problem(other, "ck")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from functools import partial
 from typing import Optional
@@ -340,9 +341,17 @@ def resume_problem(failed: Exception, load: str) -> str:
     ValueError of many lines); any other failure is raised again."""
     said = str(failed)
     if isinstance(failed, AssertionError) and said.startswith("OptimizerParamScheduler:"):  # a longer --train-iters
-        return (f"--load {load} was saved with another learning-rate schedule than these flags give "
-                f"({said.split(': ', 1)[1]}): give the flags it was saved with, or add --override-opt_param-scheduler "
-                "(these flags' schedule from here on) or --use-checkpoint-opt_param-scheduler (the checkpoint's)")
+        # Megatron's words: "class input value 80.0 and checkpointvalue 48.0 for warmup iterations do not match"
+        found = re.search(r"class input value (\S+) and checkpoint ?value (\S+) for (.+?) do not match", said)
+        what = (f"{found[3]}: {found[1]} from these flags, {found[2]} in the checkpoint; Megatron's scheduler counts "
+                "samples, iterations x global batch" if found else said.split(": ", 1)[1])
+        return (f"--load {load} was saved with another learning-rate schedule than these flags give ({what}): give "
+                "the flags it was saved with, or add --override-opt_param-scheduler (these flags' schedule from here "
+                "on) or --use-checkpoint-opt_param-scheduler (the checkpoint's)")
+    if load and isinstance(failed, AssertionError) and said.startswith("no samples left to consume"):  # data position
+        return (f"--load {load}: its data position is past the datasets these flags make (Megatron's sampler: "
+                f"{said}): another --eval-interval, --eval-iters or --global-batch-size than it was saved with "
+                "changes their size; give those it was saved with")
     if isinstance(failed, ValueError) and said.startswith("Could not find parameter group with key"):  # another --lr
         return (f"--load {load}: its optimizer was saved with another --lr, --min-lr or weight decay than these "
                 "flags give (Megatron's parameter groups are keyed by them): give those it was saved with, or "

@@ -63,7 +63,7 @@ def checkpoint_problem(args):
 
     from megatron_siamese.inference.saved_args import settings_from_args
     from megatron_siamese.inference.session import recorded_settings
-    from megatron_siamese.training.checkpoint_files import CheckpointError
+    from megatron_siamese.training.checkpoint_files import CheckpointError, iteration
     from megatron_siamese.training.checkpoint_settings import model_differences
 
     requeue = args.save and os.path.realpath(args.load or "") == os.path.realpath(args.save)
@@ -75,7 +75,17 @@ def checkpoint_problem(args):
     except CheckpointError as error:
         return str(error)
     if common is None:
-        return None
+        if not args.load or requeue or "://" in args.load:  # none yet: a requeue's first start
+            return None
+        transformers = os.path.isfile(os.path.join(args.load, "config.json"))
+        return (f"--load {args.load} holds no checkpoint (Megatron-LM's loop would start from random): " + (
+            f"it is a Transformers model directory; `megatron-siamese import-hf --hf {args.load} --output-dir DIR` "
+            "makes a checkpoint of it" if transformers else
+            "give a checkpoint directory, or the --save directory to requeue (a first start finds none), or no --load"))
+    step = iteration(common)
+    if args.train_iters is not None and step > args.train_iters and not args.finetune:
+        return (f"--load {args.load} is at iteration {step}, past --train-iters {args.train_iters}: give a larger "
+                "--train-iters to train on (Megatron-LM's loop would fail, or do nothing)")
     saved = recorded_settings(common)
     building = settings_from_args(args)
     differ = model_differences(dataclasses.asdict(saved), building) if saved and building else []

@@ -59,13 +59,18 @@ def accepted_args(extra_args_provider, model_config):
     return args
 
 
+# Megatron-LM's asserts without a message that users meet, said in words
+SAID_PLAINLY = {"assert args.save_interval is not None": "--save needs --save-interval N, the iterations between saves"}
+
+
 def failed_check(error: AssertionError) -> str:
-    """An assert's message, or where it has none, the check itself as Megatron-LM wrote it."""
+    """An assert's message, or where it has none, the check itself as Megatron-LM wrote it (and in words)."""
     import traceback
 
     frame = traceback.extract_tb(error.__traceback__)[-1]
     where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
-    return f"{error} ({where})" if str(error) else f"`{frame.line}` ({where})"
+    plainly = f": {SAID_PLAINLY[frame.line]}" if frame.line in SAID_PLAINLY else ""
+    return f"{error} ({where})" if str(error) else f"`{frame.line}` ({where}){plainly}"
 
 
 def scheme_problems(args) -> list:
