@@ -177,16 +177,22 @@ def test_a_checkpoints_command_leads_with_its_own_flags_not_the_models(command):
 
 
 @pytest.mark.stack_independent
-def test_a_stopped_train_says_whether_its_ranks_saved_on_the_signal():
+def test_a_stopped_train_says_whether_its_ranks_saved_on_the_signal(tmp_path):
     """Only Megatron's --exit-signal-handler, on its --exit-signal (SIGTERM unless given), with --save, saves
-    before the ranks stop: Ctrl-C said it did, and nothing was saved."""
+    before the ranks stop: Ctrl-C said it did, and nothing was saved. Where it saves, the line names the
+    newest checkpoint the ranks recorded."""
     import signal
 
     from megatron_siamese.cli.train import saving_note
 
-    saves = " (under --exit-signal-handler each finishes its iteration and saves a checkpoint first)"
-    assert saving_note(signal.SIGTERM, ["--exit-signal-handler", "--save", "ckpt"]) == saves
-    assert saving_note(signal.SIGUSR1, ["--exit-signal-handler", "--exit-signal", "SIGUSR1", "--save=ckpt"]) == saves
+    saves = " (under --exit-signal-handler each finishes its iteration and saves a checkpoint first; "
+    assert saving_note(signal.SIGTERM, ["--exit-signal-handler", "--save", str(tmp_path)]) == \
+        saves + f"none is recorded in {tmp_path})"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("130")
+    assert saving_note(signal.SIGTERM, ["--exit-signal-handler", "--save", str(tmp_path)]) == \
+        saves + f"the newest in {tmp_path}: iteration 130)"
+    assert saving_note(signal.SIGUSR1, ["--exit-signal-handler", "--exit-signal", "SIGUSR1", f"--save={tmp_path}"]) \
+        == saves + f"the newest in {tmp_path}: iteration 130)"
     assert saving_note(signal.SIGINT, ["--exit-signal-handler", "--save", "ckpt"]) == \
         "; no checkpoint was saved on it (--exit-signal-handler saves one on SIGTERM first)"
     assert saving_note(signal.SIGTERM, ["--save", "ckpt"]).startswith("; no checkpoint was saved")

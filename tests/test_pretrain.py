@@ -351,6 +351,9 @@ def test_sigterm_saves_under_the_exit_signal_handler_and_the_resume_is_bitwise_t
     assert "Traceback" not in log, log[-3000:]
     saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
     assert 3 <= saved < 10 and sorted(losses(log)) == list(range(1, saved + 1))
+    # the seconds before the agent's line said, and the checkpoint it ends on named
+    assert "megatron-siamese train: SIGTERM noted; the loop has ended (saving first, with --save)" in log
+    assert f"the newest in {tmp_path / 'ckpt'}: iteration {saved})" in log
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and sorted(losses(resumed.stdout)) == list(range(saved + 1, 11))
     stopped_and_resumed, _ = read_losses(str(tmp_path / "tb"))

@@ -180,9 +180,13 @@ def saving_note(signum: int, flags: list) -> str:
     exit_signal = flag_value(flags, "--exit-signal") or "SIGTERM"  # Megatron-LM's default (a name: its parser's)
     if "--exit-signal-handler" not in flags or exit_signal != signal.Signals(signum).name:
         return f"; no checkpoint was saved on it (--exit-signal-handler saves one on {exit_signal} first)"
-    if flag_value(flags, "--save") is None:
+    save = flag_value(flags, "--save")
+    if save is None:
         return " (under --exit-signal-handler each finishes its iteration first; without --save nothing is saved)"
-    return " (under --exit-signal-handler each finishes its iteration and saves a checkpoint first)"
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")  # read when the ranks have ended
+    newest = open(tracker).read().strip() if os.path.isfile(tracker) else None
+    return (" (under --exit-signal-handler each finishes its iteration and saves a checkpoint first; "
+            + (f"the newest in {save}: iteration {newest})" if newest else f"none is recorded in {save})"))
 
 
 def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: dict) -> None:
@@ -249,6 +253,11 @@ def end_on_a_held_back_signal_soon() -> None:
     signum = held_back_exit_signal()
     if signum is None:
         return
+    from megatron_siamese.versions import speaks_for_the_job
+
+    if speaks_for_the_job():  # the agent's line follows when every rank has ended: seconds, said here
+        print(f"megatron-siamese train: {signal.Signals(signum).name} noted; the loop has ended (saving first, with "
+              f"--save) and its ranks end within {STOPPED_RANK_GRACE_S:.0f} s", flush=True)
 
     def end():
         time.sleep(STOPPED_RANK_GRACE_S)
