@@ -189,6 +189,9 @@ def test_refusals_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
                                                         f"(torch {torch.__version__}); use --device cpu")
     assert main(["eval", "--hf", model_dir, "--device", "gpu", "--output-dir", str(tmp_path / "b")]) == 2
     assert "--device gpu: Expected one of cpu, cuda" in capsys.readouterr().err
+    assert main(["eval", "--hf", str(tmp_path / "nowhere"), "--output-dir", str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--hf {tmp_path / 'nowhere'} does not exist: give a Transformers "
+                                                    "model directory (megatron-siamese export writes one)")
     # (an unknown --tasks name is refused too, after indexing the harness's own tasks: 40 s, not tested)
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # the extra not installed
     assert main(["eval", "--hf", model_dir, "--output-dir", str(tmp_path / "c")]) == 2

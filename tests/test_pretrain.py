@@ -291,6 +291,9 @@ def test_an_upcycled_checkpoint_evaluates_as_pre_norm_and_trains_on_in_megatrons
                            ranks=1, cache=corpus_cache)
     pre_loss = float(VALIDATION.findall(trained_pre)[0])  # after its last step: the weights it saved
     assert pre_loss < math.log(512) - 1  # trained: a model that lost its weights would not be near it
+    loaded_as_is = pretrain(*corpus, "--load", str(pre), ranks=1, cache=corpus_cache, expect_failure=True)
+    assert f"a Pre-Norm checkpoint becomes an equivalent SiameseNorm one through `megatron-siamese upcycle --load " \
+        f"{pre} --output-dir DIR`" in loaded_as_is  # the way on, where SiameseNorm is refused its weights
     upcycled = subprocess.run([sys.executable, "-m", "megatron_siamese.cli", "upcycle", "--load", str(pre),
                                "--output-dir", str(tmp_path / "up")], capture_output=True, text=True, timeout=300)
     assert upcycled.returncode == 0, upcycled.stderr[-3000:]

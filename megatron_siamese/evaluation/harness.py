@@ -42,7 +42,10 @@ def require_lm_eval():
 
 def check(plan: EvalPlan) -> None:
     problems = []
-    if plan.model_dir is not None and not os.path.isfile(os.path.join(plan.model_dir, "config.json")):
+    if plan.model_dir is not None and not os.path.exists(plan.model_dir):
+        problems.append(f"--hf {plan.model_dir} does not exist: give a Transformers model directory (megatron-siamese "
+                        "export writes one)")
+    elif plan.model_dir is not None and not os.path.isfile(os.path.join(plan.model_dir, "config.json")):
         problems.append(f"--hf {plan.model_dir}: no config.json there; " + (
             "it is a checkpoint: give it as --load" if is_checkpoint(plan.model_dir) else
             "give a Transformers model directory (megatron-siamese export writes one)"))

@@ -91,8 +91,10 @@ def checkpoint_problem(args):
     differ = model_differences(dataclasses.asdict(saved), building) if saved and building else []
     if not differ:
         return None
+    upcycle = (f"; a Pre-Norm checkpoint becomes an equivalent SiameseNorm one through `megatron-siamese upcycle "
+               f"--load {args.load} --output-dir DIR`" if (saved.norm, building.norm) == ("pre", "siamese") else "")
     return (f"--load {args.load} holds another model than this run builds ({', '.join(differ)}; checkpoint -> this "
-            "run): give the checkpoint's flags, or another --load")
+            f"run): give the checkpoint's flags, or another --load{upcycle}")
 
 
 def loads_weights_only(args) -> bool:
