@@ -144,6 +144,7 @@ def test_the_command_prints_the_table_and_writes_json(model_dir, model, tmp_path
     assert main(["eval", "--hf", model_dir, "--limit", "3", "--output-dir", str(output)]) == 0
     printed = capsys.readouterr().out
     assert "|siamese_addition|" in printed and "|acc       |" in printed
+    assert printed.startswith(f"eval: siamese_addition on {model_dir}, 3 problems a task (3-digit held-out addition")
     saved = json.loads((output / "results.json").read_text())
     # the share of the first three problems whose answer the Megatron model decodes greedily
     first_three = _requests(tmp_path / "tasks")[:3]

@@ -53,6 +53,11 @@ def _run(options: argparse.Namespace) -> int:
     if os.path.exists(output) and not options.overwrite:
         raise ConfigError([f"{output} exists: choose another --output-dir or pass --overwrite"])
     require_lm_eval()
+    addition = [task for task in plan.tasks if task.startswith("siamese_addition")]
+    print(f"eval: {', '.join(plan.tasks)} on {options.hf or options.load}"
+          + (f", {plan.limit} problems a task" if plan.limit else "")
+          + (f" ({options.addition_digits}-digit held-out addition problems: a model trained on text, the embedded "
+             "job's, scores near 0)" if addition else ""), flush=True)
     with tempfile.TemporaryDirectory(prefix="siamese-eval-") as scratch:
         if options.load is not None:
             plan.model_dir = _export(options.load, os.path.join(scratch, "hf"))
