@@ -437,9 +437,10 @@ def test_what_it_trains_export_and_generate_read_by_its_flags(tmp_path, corpus_c
     # resumed with another schedule: Megatron's bare assert on loading it, said in one line with the ways on
     longer = pretrain("--tensor-model-parallel-size", "2", "--train-iters", "4", "--load", str(saved),
                       cache=corpus_cache, expect_failure=2)
-    assert ("was saved with another learning-rate schedule than these flags give (class input value 16 and "
-            "checkpointvalue 8 for total number of iterations do not match): give the flags it was saved with, or "
-            "add --override-opt_param-scheduler") in longer and "Traceback" not in longer, longer[-3000:]
+    assert ("was saved with another learning-rate schedule than these flags give (total number of iterations: 16 "
+            "from these flags, 8 in the checkpoint; Megatron's scheduler counts samples, iterations x global batch): "
+            "give the flags it was saved with, or add --override-opt_param-scheduler") in longer \
+        and "Traceback" not in longer, longer[-3000:]
     cli = [sys.executable, "-m", "megatron_siamese.cli"]
     exported = subprocess.run([*cli, "export", "--load", str(saved), "--output-dir", str(tmp_path / "hf")],
                               capture_output=True, text=True, timeout=300)
