@@ -148,10 +148,8 @@ def failed(run: RunResult) -> bool:
     vocabulary (the byte tokens, padded by Megatron-LM to a multiple of 128 at TP 1)."""
     from megatron_siamese.data.corpus import ByteTokenizer
 
-    vocabulary = -(-ByteTokenizer().vocab_size // 128) * 128
-    final = run.final_val_loss
-    return (not all(math.isfinite(loss) for loss in run.train_losses.values()) or not math.isfinite(final)
-            or final > math.log(vocabulary))
+    final, vocabulary = run.final_val_loss, -(-ByteTokenizer().vocab_size // 128) * 128
+    return not all(map(math.isfinite, [*run.train_losses.values(), final])) or final > math.log(vocabulary)
 
 
 def stuck(run: RunResult, unigram_entropy: float) -> bool:
@@ -221,9 +219,8 @@ def _accuracy_rank(checkpoint: str, reverse: bool, digits: int) -> float:
 
 
 def _interrupt_running_ranks() -> None:
-    """SIGINT to the running runs' ranks, as a terminal's Ctrl-C sends every process of its group: its agents,
-    on the pool's threads, are not told (torch's agent passes signals on from the main thread only), and a
-    SIGINT sent to this process alone reached no rank. They end with status 130; the fork server ignores it."""
+    """SIGINT to the running runs' ranks, as a terminal's Ctrl-C sends every process of its group (their agents, on
+    the pool's threads, pass no signal on); they end with status 130, the fork server ignores it."""
     import psutil
 
     for process in psutil.Process().children(recursive=True):
@@ -234,6 +231,7 @@ def _interrupt_running_ranks() -> None:
 
 
 def run_study(plan: StudyPlan, echo=print) -> dict:
+    from megatron_siamese.runtime import launch
     from megatron_siamese.runtime.registry import ConfigError
     from megatron_siamese.versions import training_loop_problem
 
@@ -260,11 +258,13 @@ def run_study(plan: StudyPlan, echo=print) -> dict:
     from megatron_siamese.data.corpus import embedded_corpus, unigram_entropy
 
     entropy = unigram_entropy(embedded_corpus(plan.cache_dir))  # built once, before the runs share it
-    with ThreadPoolExecutor(max_workers=plan.workers) as pool:
+    with launch.ctrl_c_noted() as interrupted, ThreadPoolExecutor(max_workers=plan.workers) as pool:
         try:
-            list(pool.map(run, jobs))
-        except KeyboardInterrupt:
-            pool.shutdown(wait=False, cancel_futures=True)  # no run starts after Ctrl-C
+            launch.all_results([pool.submit(run, job) for job in jobs], interrupted)
+        except BaseException as stopped:
+            pool.shutdown(wait=False, cancel_futures=True)  # no run starts after Ctrl-C or a failed run
+            if not isinstance(stopped, KeyboardInterrupt):
+                raise
             _interrupt_running_ranks()
             pool.shutdown(wait=True)
             echo(f"stopped: {len(results)} runs had finished (each in {plan.output_dir}/<run>/); the tables, "

@@ -157,6 +157,36 @@ def interrupt_as_exit_status():
 INTERRUPTED = 128 + signal.SIGINT  # a shell's status for a process Ctrl-C ended
 
 
+@contextmanager
+def ctrl_c_noted():
+    """An Event Ctrl-C (SIGINT) sets while this holds (in the main thread; elsewhere SIGINT stays Python's),
+    for code waiting on threads to raise KeyboardInterrupt itself, between waits (``all_results``). Python's
+    own, raised wherever the main thread stood, was once raised inside a weakref callback, which swallows
+    it: study went on after Ctrl-C."""
+    noted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.set())
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def all_results(futures, interrupted: threading.Event) -> None:
+    """Waits for ``futures``, raising the first failure as it comes, and KeyboardInterrupt once ``interrupted``."""
+    from concurrent.futures import FIRST_EXCEPTION, wait
+
+    pending = set(futures)
+    while pending:
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        done, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
+        for future in done:
+            future.result()
+
+
 def _interrupted_once(signum, frame):
     # Ctrl-C reaches a rank twice, from the terminal and passed on by the agent: the second one, raised
     # while the first unwinds, broke the data loader's shutdown with a traceback of its own
