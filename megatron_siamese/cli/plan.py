@@ -35,8 +35,8 @@ and --hidden-size, --num-attention-heads, --seq-length, --max-position-embedding
 --micro-batch-size are needed, as Megatron-LM needs them. The short names (--tp, --pp, --sp,
 --dp, ...), --dtype and --recompute are the plan's alone (train takes Megatron-LM's: --bf16,
 --fp16, --recompute-granularity ...), as are --gpu-memory, --json and the fusion switches'
-positive forms. Megatron-LM flags that change the model and are not modeled are refused by name. Measured against the CPU ranks within 5% per term
-(tests/test_plan_measured.py; docs/scale.md):
+positive forms. Megatron-LM flags that change the model and are not modeled are refused by name.
+Measured against the CPU ranks within 5% per term (tests/test_plan_measured.py; docs/scale.md):
 
   megatron-siamese plan --num-layers 80 --hidden-size 8192 --num-attention-heads 64 \\
       --group-query-attention --num-query-groups 8 --ffn-hidden-size 28672 --swiglu \\
@@ -100,7 +100,7 @@ UNMODELED_FLAGS = {
 }
 
 
-def ignore_the_rest_of_a_train_command(rest: list, given: set) -> None:
+def check_the_rest_of_a_train_command(rest: list, given: set) -> None:
     """A train command line pasted whole: Megatron-LM's flags plan lacks (checkpoints, logging, data) cost
     nothing and are ignored; those that change the model and are not modeled, or that plan cannot read (a
     tokenizer's vocabulary), are refused by name, and unknown ones (all of them on megatron-core 0.16.1:
@@ -181,7 +181,7 @@ def left_to_megatron_lm(options: argparse.Namespace, given: set) -> Tuple[dict, 
 def planned_args(options: argparse.Namespace) -> Tuple[PlanArgs, str]:
     """The settings the command line plans, and the line saying which of train's defaults they take."""
     given = flags.given_settings(options.argv, SETTINGS)
-    ignore_the_rest_of_a_train_command(options.megatron_flags, given)
+    check_the_rest_of_a_train_command(options.megatron_flags, given)
     changes, missing, rule = left_to_megatron_lm(options, given)
     if options.use_megatron_fsdp and "data_parallel_sharding_strategy" not in given:  # TrainArgs' is no FSDP's
         changes["data_parallel_sharding_strategy"] = MEGATRON_FSDP_STRATEGY
