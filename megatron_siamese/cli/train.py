@@ -183,7 +183,9 @@ def saving_note(signum: int, flags: list) -> str:
     save = flag_value(flags, "--save")
     if save is None:
         return " (under --exit-signal-handler each finishes its iteration first; without --save nothing is saved)"
-    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")  # read when the ranks have ended
+    from megatron_siamese.training.checkpoint_files import TRACKER
+
+    tracker = os.path.join(save, TRACKER)  # read when the ranks have ended
     newest = open(tracker).read().strip() if os.path.isfile(tracker) else None
     return (" (under --exit-signal-handler each finishes its iteration and saves a checkpoint first; "
             + (f"the newest in {save}: iteration {newest})" if newest else f"none is recorded in {save})"))
