@@ -37,21 +37,34 @@ phase() {  # runs a phase of the setup and says how long it took (on stderr: std
   "$@"
   echo "  $stack: $name $((SECONDS - start)) s" >&2
 }
+uv_install() {  # uv installs packages into the venv (several times faster than pip: parallel downloads,
+  # unpacking and bytecode compiling). It reads no pip configuration, so pip's is passed on, from its
+  # files and PIP_* variables: --find-links (this machine's local wheels, the CPU torch among them),
+  # --index-url, --constraint
+  local config setting value options=()
+  config=$("$venv/bin/python" -m pip config list 2>/dev/null || true)
+  for setting in find-links index-url constraint; do
+    for value in $(sed -n "s/^\(global\|:env:\)\.$setting='\(.*\)'\$/\2/p" <<< "$config" | sort -u); do
+      options+=("--$setting" "$value")
+    done
+  done
+  # with bytecode compiled here: where PYTHONDONTWRITEBYTECODE=1, as on this project's machines, no
+  # import writes it later, and every process would compile what it imports
+  "$venv/bin/uv" pip install -q --python "$venv/bin/python" --compile-bytecode "${options[@]}" "$@"
+}
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setting up $venv ($stack) ..." >&2
   # ninja: the extension's sources compile in parallel (torch's BuildExtension uses it when present)
-  phase "pip, ninja" "$venv/bin/python" -m pip install -q --upgrade pip ninja
-  # torch first and pinned: an unpinned torch pulls a different (multi-GB) build
-  # with bytecode compiled here (not --no-compile): where PYTHONDONTWRITEBYTECODE=1, as on this
-  # project's machines, no import writes it later, and every process would compile what it imports
-  # numpy with it: the extension's build imports torch, which without numpy warns "Failed to initialize NumPy"
-  phase "$torch_pin, numpy" "$venv/bin/python" -m pip install -q "$torch_pin" numpy
-  # the extension builds against torch alone, so it compiles while pip installs the rest (no build
+  phase "pip, uv, ninja" "$venv/bin/python" -m pip install -q --upgrade pip uv ninja
+  # torch first and pinned: an unpinned torch pulls a different (multi-GB) build; numpy with it:
+  # the extension's build imports torch, which without numpy warns "Failed to initialize NumPy"
+  phase "$torch_pin, numpy" uv_install "$torch_pin" numpy
+  # the extension builds against torch alone, so it compiles while the rest installs (no build
   # isolation: against the torch installed above; --no-deps: the other install is the requirements')
   phase "the package and its extension" env "${build_env[@]}" PATH="$PWD/$venv/bin:$PATH" \
     "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . &
   build=$!
-  phase "$requirements" "$venv/bin/python" -m pip install -q -r "$requirements"
+  phase "$requirements" uv_install -r "$requirements"
   wait "$build"
   echo "$want" > "$stamp"
 fi
