@@ -12,6 +12,7 @@ route. Bad input is refused in one line with nothing written.
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -21,7 +22,8 @@ import torch
 pytest.importorskip("transformers")
 
 from megatron_siamese.check.case import ModelCase  # noqa: E402
-from megatron_siamese.hf.export import export, import_hf, load_exported, verify, write_directory  # noqa: E402
+from megatron_siamese.hf.export import (VERIFY_RTOL, export, import_hf, load_exported, read_hf_config,  # noqa: E402
+                                         verify, write_directory)
 from megatron_siamese.runtime.layout import Layout  # noqa: E402
 from megatron_siamese.runtime.launch import run_job  # noqa: E402
 
@@ -102,7 +104,15 @@ def saved(tmp_path_factory):
     done = subprocess.run(CLI + ["export", "--load", checkpoints, "--output-dir", exported], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert f"Hugging Face model: {exported}" in done.stdout
+    # what it wrote, as its config says, and how close the verification came
+    case, config = SAVED[cli][0], read_hf_config(exported)
+    said = re.search(rf"^exported iteration (\d+) of {re.escape(checkpoints)}/iter_\d+: --norm {case.norm}, "
+                     rf"{case.num_layers} layers, hidden {case.hidden_size}, vocabulary {config['vocab_size']}, "
+                     r"SiameseNormForCausalLM; its logits are the checkpoint's to (\S+) of their magnitude$",
+                     done.stdout, re.M)
+    assert said and float(said.group(2)) <= VERIFY_RTOL, done.stdout
+    assert f"Hugging Face model: {exported} (AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))" \
+        in done.stdout
     return out
 
 

@@ -69,10 +69,10 @@ def losses(log):
 @needs_training
 def test_pp2_with_experts_and_multi_token_prediction_trains_in_megatrons_loop():
     """The block spec follows the flags as Megatron's own does: MoE every other layer, an MTP block."""
-    # as ranks of torchrun's job; --distributed-backend given as --flag=value: not added
+    # --distributed-backend given as --flag=value: not added (torchrun's ranks: the DP 2 and restart tests)
     log = pretrain("--train-iters", "2", "--distributed-backend=gloo", "--pipeline-model-parallel-size", "2",
                    "--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", "2", "--mtp-num-layers", "1",
-                   "--position-embedding-type", "rope", "--disable-bias-linear", *MOCK_DATA, launcher="torchrun")
+                   "--position-embedding-type", "rope", "--disable-bias-linear", *MOCK_DATA)
     assert "no GPU, so on CPU with --transformer-impl local --no-persist-layer-norm" in log
     assert "one_logger (NVIDIA's internal metrics package) is not installed, so --no-one-logger" in log
     assert "confluence.nvidia.com" not in log  # Megatron-LM's pointer to install it, inside NVIDIA only

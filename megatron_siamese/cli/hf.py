@@ -40,14 +40,14 @@ def _export_parser(commands, name: str) -> argparse.ArgumentParser:
 
 
 def _run_export(options: argparse.Namespace) -> int:
-    from megatron_siamese.hf.export import ExportError, export
+    from megatron_siamese.hf.export import ExportError, export, summary
     from megatron_siamese.training.checkpoint_files import CheckpointError
 
     try:
         path = export(options.load, options.output_dir)
     except (ExportError, CheckpointError) as error:
         raise _refused(error) from None
-    print(f"Hugging Face model: {path}")
+    print(summary(path))
     return 0
 
 

@@ -123,13 +123,25 @@ def _export_rank(checkpoint: str, settings, directory: str) -> None:
     try:
         model = session.chunks[0]
         write_directory(model, session.settings.norm, directory)
-        verify(model, directory)
+        difference = verify(model, directory)
         provenance = dict(checkpoint=os.path.abspath(session.checkpoint), step=session.step,
-                          settings=dataclasses.asdict(session.settings))
+                          settings=dataclasses.asdict(session.settings), logits_difference=difference)
         with open(os.path.join(directory, PROVENANCE), "w") as out:
             json.dump(provenance, out, indent=2)
     finally:
         session.close()
+
+
+def summary(directory: str) -> str:
+    """What an export wrote into ``directory``, from its provenance and config: the lines the command prints."""
+    with open(os.path.join(directory, PROVENANCE)) as source:
+        provenance = json.load(source)
+    settings, config = provenance["settings"], read_hf_config(directory)
+    return (f"exported iteration {provenance['step']} of {provenance['checkpoint']}: --norm {settings['norm']}, "
+            f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocabulary {config['vocab_size']}, "
+            f"{config['architectures'][0]}; its logits are the checkpoint's to "
+            f"{provenance['logits_difference']:.1e} of their magnitude\n"
+            f"Hugging Face model: {directory} (AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))")
 
 
 def hf_config(model, norm: str) -> Dict[str, object]:
