@@ -175,6 +175,13 @@ class StreamArithmetic:
             self._by_device[device.type] = chosen
         return chosen
 
+    def describe(self, device: torch.device) -> str:
+        """Which arithmetic runs on ``device``, and why not the fused ops where they do not: for a log line."""
+        if isinstance(self.on(device), FusedStreamArithmetic):
+            return "the fused C++ ops" + (", joined by the boundary ops" if self.joins(device) else "")
+        why = self.refusal or ops.unavailable_reason(device.type) or "--no-fused-ops given"
+        return f"PyTorch's ops, the same function unfused ({why})"
+
     def joins(self, device: torch.device) -> bool:
         """Whether a layer's two sublayers run joined by the boundary ops on ``device``: where the fused ops run
         and the setting allows. Insisting where the fused ops do not run is an error."""

@@ -80,6 +80,8 @@ def test_pp2_with_experts_and_multi_token_prediction_trains_in_megatrons_loop():
     assert "load_balancing_loss:" in log and "mtp_1 loss:" in log
     assert "PP>1 sends [s, b, 2h] between stages" in log  # our layers, not Megatron's stock ones
     assert log.count("-------------------- end of arguments") == 1
+    assert log.count("train: the streams' norms and residuals on cpu: the fused C++ ops, joined by the boundary "
+                     "ops\n") == 1  # said once, by rank 0
 
 
 def untrained(loss: str) -> bool:
@@ -91,8 +93,11 @@ def untrained(loss: str) -> bool:
 @needs_training
 def test_hybrid_model_pp2_trains_in_megatrons_loop(corpus_cache):
     log = pretrain("--train-iters", "2", "--num-layers", "4", "--hybrid-layer-pattern", "*-|*-",
-                   "--pipeline-model-parallel-size", "2", "--position-embedding-type", "rope", cache=corpus_cache)
+                   "--pipeline-model-parallel-size", "2", "--position-embedding-type", "rope", "--no-fused-ops",
+                   cache=corpus_cache)
     assert "PP>1 sends [s, b, 2h] between stages" in log  # our stack's layers, not Megatron's stock ones
+    assert "the streams' norms and residuals on cpu: PyTorch's ops, the same function unfused (--no-fused-ops " \
+           "given)" in log
     assert sorted(losses(log)) == [1, 2] and all(untrained(loss) for loss in losses(log).values())
 
 
@@ -514,6 +519,7 @@ def test_compare_runs_each_scheme_with_the_same_flags_and_tables_their_losses(tm
     assert [float(table[norm][0]) for norm in ("pre", "siamese")] == [pytest.approx(float(loss), abs=1e-4)
                                                                           for loss in logged]
     assert logged[0] != logged[1]  # two models
+    assert [("streams' norms" in run) for run in runs] == [False, True]  # Pre-Norm has one stream
     assert (board / "compare.png").read_bytes().startswith(b"\x89PNG")
     assert {path.name for path in (tmp_path / "ckpt").iterdir()} == {"pre", "siamese"}
     refused = pretrain("--compare", "pre", "--norm", "pre", ranks=1, launcher="cli", expect_failure=True)

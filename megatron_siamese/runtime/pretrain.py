@@ -209,7 +209,22 @@ def forward_step(data_iterator, model):
                                           cp_group=parallel_state.get_context_parallel_group())
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
+    say_the_stream_arithmetic(model, output.device)
     return output, partial(loss_func, batch["loss_mask"])
+
+
+_SAID = set()  # what this rank has said once
+
+
+def say_the_stream_arithmetic(model, device) -> None:
+    """Rank 0, after its first forward: whether SiameseNorm's fused ops ran, or why not."""
+    if "arithmetic" in _SAID or torch.distributed.get_rank() != 0:
+        return
+    _SAID.add("arithmetic")
+    chosen = next((module.stream_arithmetic for module in model.modules() if hasattr(module, "stream_arithmetic")), None)
+    if chosen is not None:  # a single-stream scheme has none
+        print(f"megatron-siamese train: the streams' norms and residuals on {device.type}: {chosen.describe(device)}",
+              flush=True)
 
 
 # GPTDatasetConfig's fields that Megatron-LM's pretrain_gpt.py fills from its flags, beside those
