@@ -178,7 +178,8 @@ class StreamArithmetic:
     def describe(self, device: torch.device) -> str:
         """Which arithmetic runs on ``device``, and why not the fused ops where they do not: for a log line."""
         if isinstance(self.on(device), FusedStreamArithmetic):
-            return "the fused C++ ops" + (", joined by the boundary ops" if self.joins(device) else "")
+            kernels = "CUDA" if device.type == "cuda" else "C++"
+            return f"the fused {kernels} ops" + (", joined by the boundary ops" if self.joins(device) else "")
         why = self.refusal or ops.unavailable_reason(device.type) or "--no-fused-ops given"
         return f"PyTorch's ops, the same function unfused ({why})"
 
