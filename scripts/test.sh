@@ -8,7 +8,8 @@
 #   TEST_PARALLEL=0 bash scripts/test.sh               # the stacks one after the other
 #
 # The stacks run side by side (TEST_PARALLEL=1, the default): each sets up and then tests in its
-# own process, into its own log (printed whole when it ends) and its own pytest temp directory.
+# own process, into its own log (printed whole when it ends) and its own pytest temp directory,
+# with the machine's cores shared out between them (OMP_NUM_THREADS, unless it is set).
 # A test marked stack_independent runs on the first stack only (tests/conftest.py says which
 # may be). Each stack's log ends with its 20 slowest tests (pytest's --durations=20, unless
 # PYTEST_ADDOPTS asks for other durations). The run starts by timing a fixed Python workload
@@ -59,6 +60,12 @@ python3 scripts/machine_speed.py  # how fast this machine is, to read the times 
 start_ticks=$(cpu_ticks)
 status=0
 if [ "$parallel" = 1 ] && [ "${#stacks[@]}" -gt 1 ]; then
+  # the cores shared out: side by side, each stack's in-process torch with its default of a thread per
+  # core oversubscribed them, and its threads spun waiting (test_reference_equivalence.py: 35-47 CPU-s
+  # with 2 threads beside a busy core, 12 with 1). Ranks take 1 thread already; the CPU kernels' tests
+  # set their own (tests/conftest.py, two_cpu_threads)
+  threads=$(( $(nproc) / ${#stacks[@]} ))
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
   pids=()
   for stack in "${stacks[@]}"; do
     stack_run "$stack" "$@" > "$work/$stack.log" 2>&1 &

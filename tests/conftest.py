@@ -39,6 +39,17 @@ ORDER_ENV = "MEGATRON_SIAMESE_TEST_ORDER"
 GUARD = Path(__file__).resolve().parent / "megatron_guard"
 
 
+@pytest.fixture
+def two_cpu_threads():
+    """The CPU kernels split their rows into one block per thread and add the blocks' weight-gradient
+    partials in order (csrc/cpu_rows.h): two threads take that path whatever thread count the run gives
+    torch (scripts/test.sh gives each of two stacks side by side one thread on two cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "stack_independent: touches no Megatron API (no Megatron model, no ranks, no process importing "

@@ -17,7 +17,8 @@ from op_checks import assert_compiles_like_eager
 if ops.load_error() is None:
     from megatron_siamese.ops import fused
 
-pytestmark = pytest.mark.skipif(ops.load_error() is not None, reason="test_kernels.py fails without the extension")
+pytestmark = [pytest.mark.skipif(ops.load_error() is not None, reason="test_kernels.py fails without the extension"),
+              pytest.mark.usefixtures("two_cpu_threads")]  # the kernels' row blocks (tests/conftest.py)
 
 EPS = 1e-5
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and ops.has_cuda_kernels() else [])

@@ -13,6 +13,8 @@ from megatron_siamese import ops
 from megatron_siamese.reference import functional as reference
 from op_checks import assert_compiles_like_eager
 
+pytestmark = pytest.mark.usefixtures("two_cpu_threads")  # the kernels' row blocks (tests/conftest.py)
+
 
 def test_extension_is_built():
     """The suite below needs the compiled ops; a missing build must fail, not skip."""
