@@ -469,8 +469,12 @@ def test_a_tokenizer_is_refused_without_the_size_of_its_vocabulary():
     model = {key: value for key, value in GPT3_70B.items() if key != "vocab_size"}
     tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "vocab.json"]
     done = cli_here("plan", *flags(model), *tokenizer)
-    assert done.returncode == 2 and "--tokenizer-type GPT2BPETokenizer: plan reads no tokenizer, so give its " \
-        "vocabulary's size as --vocab-size" in done.stderr, done.stderr
+    assert done.returncode == 2 and "--tokenizer-type GPT2BPETokenizer, --vocab-file: plan reads no tokenizer, so " \
+        "give its vocabulary's size as --vocab-size" in done.stderr, done.stderr
+    # a tokenizer's files without its type (which train refuses too): planned with the byte vocabulary before
+    files = cli_here("plan", *flags(model), "--vocab-file", "vocab.json", "--merge-file", "merges.txt")
+    assert files.returncode == 2 and "error: --vocab-file, --merge-file: plan reads no tokenizer" in files.stderr, \
+        files.stderr
 
 
 def test_query_groups_without_megatron_lms_switch_are_refused_as_train_would_ignore_them():

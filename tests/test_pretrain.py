@@ -124,6 +124,14 @@ def test_dp2_and_cp2_train_alike_on_the_embedded_corpus_without_data_flags(corpu
     assert "got --tokenizer-type GPT2BPETokenizer" in refused
     unfollowed = pretrain("--train-iters", "1", "--qk-l2-norm", ranks=1, cache=corpus_cache, expect_failure=True)
     assert "does not follow --qk-l2-norm yet" in unfollowed
+    # a tokenizer's files without the --tokenizer-type that reads them: NullTokenizer's TypeError in Megatron-LM's
+    # parser before; and NullTokenizer without --vocab-size
+    for data, said in ((["--vocab-file", "vocab.json", "--merge-file", "merges.txt"], "--vocab-file, --merge-file name "
+                        "a tokenizer's files, which only the --tokenizer-type that reads them uses (GPT2BPETokenizer"),
+                       ([], "--tokenizer-type NullTokenizer (the default here: token ids taken as they are) needs "
+                            "--vocab-size")):
+        untyped = pretrain("--train-iters", "1", "--mock-data", *data, ranks=1, expect_failure=2)
+        assert said in untyped and "Traceback" not in untyped, untyped[-3000:]
 
 
 @needs_training

@@ -10,7 +10,7 @@ from typing import List, Tuple
 
 from megatron_siamese.cli import flags
 from megatron_siamese.plan.args import MEGATRON_FSDP_STRATEGY, MEGATRON_LM_MODEL, PLAN, PlanArgs
-from megatron_siamese.runtime.pretrain_flags import EMBEDDED_JOB, flag_value
+from megatron_siamese.runtime.pretrain_flags import EMBEDDED_JOB, TOKENIZER_FILES, flag_value
 from megatron_siamese.runtime.registry import ConfigError, definitions, typos
 from megatron_siamese.runtime.settings import MODEL, MOE, PRECISION
 from megatron_siamese.training.args import PARALLELISM, TRAINING
@@ -110,9 +110,11 @@ def check_the_rest_of_a_train_command(rest: list, given: set) -> None:
     spelled = [word.split("=", 1)[0] for word in rest]
     found = [f"{flag}: {UNMODELED_FLAGS[flag]}" for flag in dict.fromkeys(spelled) if flag in UNMODELED_FLAGS]
     tokenizer = flag_value(rest, "--tokenizer-type")
-    if tokenizer not in (None, "NullTokenizer") and "vocab_size" not in given:
-        found.append(f"--tokenizer-type {tokenizer}: plan reads no tokenizer, so give its vocabulary's size as "
-                     "--vocab-size (Megatron-LM pads it)")
+    read = ([f"--tokenizer-type {tokenizer}"] if tokenizer not in (None, "NullTokenizer") else []) + [
+        flag for flag in TOKENIZER_FILES if flag_value(rest, flag)]
+    if read and "vocab_size" not in given:
+        found.append(f"{', '.join(read)}: plan reads no tokenizer, so give its vocabulary's size as --vocab-size "
+                     "(Megatron-LM pads it)")
     if found:
         raise ConfigError(found)
     from megatron_siamese.versions import ships_megatron_training

@@ -23,6 +23,7 @@ CPU_FLAGS = (("--distributed-backend", "gloo"), ("--transformer-impl", "local"),
 DATA_SOURCE_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
                      "--data-args-path", "--per-split-data-args-path", "--sft-mock-dataset-config-json",
                      "--yaml-cfg")  # (a YAML configuration gives every argument itself)
+TOKENIZER_FILES = ("--vocab-file", "--merge-file", "--tokenizer-model")  # read only by a --tokenizer-type
 CACHE_VARIABLE = "MEGATRON_SIAMESE_CACHE"
 
 

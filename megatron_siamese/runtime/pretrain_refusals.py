@@ -11,7 +11,7 @@ import os
 import sys
 
 from megatron_siamese.runtime import pretrain_load as load
-from megatron_siamese.runtime.pretrain_flags import EMBEDDED_JOB, flag_value, refuse
+from megatron_siamese.runtime.pretrain_flags import EMBEDDED_JOB, TOKENIZER_FILES, flag_value, refuse
 
 # Megatron-LM flags that change the model or the data in ways this script does not follow yet:
 # refused by name rather than run as something else. (flag, argument, its off value)
@@ -36,6 +36,8 @@ def accepted_args(extra_args_provider, model_config):
 
     # a data path without a tokenizer reads NullTokenizer's ids (given, it would be "overridden" with a warning)
     defaults = {} if flag_value(sys.argv, "--tokenizer-type") else {"tokenizer_type": "NullTokenizer"}
+    if problem := tokenizer_problem(sys.argv):  # its parser builds the tokenizer
+        refuse([problem])
     print_args, dumps = arguments._print_args, []  # Megatron-LM's dump of every argument (830 lines): once accepted
     arguments._print_args = lambda *dump: dumps.append(dump)
     try:
@@ -71,6 +73,21 @@ def failed_check(error: AssertionError) -> str:
     where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
     plainly = f": {SAID_PLAINLY[frame.line]}" if frame.line in SAID_PLAINLY else ""
     return f"{error} ({where})" if str(error) else f"`{frame.line}` ({where}){plainly}"
+
+
+def tokenizer_problem(argv: list):
+    """NullTokenizer (ours by default beside a --data-path) without --vocab-size: a TypeError in Megatron-LM's
+    parser, which builds it. Where the command names a tokenizer's files, it meant another --tokenizer-type."""
+    if ((flag_value(argv, "--tokenizer-type") or "NullTokenizer") != "NullTokenizer" or flag_value(argv, "--vocab-size")
+            or any(flag in argv for flag in ("--use-checkpoint-args", "--yaml-cfg"))):  # they give it otherwise
+        return None
+    files = [flag for flag in TOKENIZER_FILES if flag_value(argv, flag)]
+    if files:
+        return (f"{', '.join(files)} name a tokenizer's files, which only the --tokenizer-type that reads them uses "
+                "(GPT2BPETokenizer for GPT-2's --vocab-file and --merge-file, HuggingFaceTokenizer or "
+                "SentencePieceTokenizer for a --tokenizer-model): give it")
+    return ("--tokenizer-type NullTokenizer (the default here: token ids taken as they are) needs "
+            "--vocab-size: give the largest token id + 1, or another --tokenizer-type")
 
 
 def scheme_problems(args) -> list:
