@@ -146,7 +146,7 @@ def test_the_loss_is_validated_as_megatron_lms_is():
 
 
 @needs_training
-def test_the_closing_loss_is_the_mean_megatrons_last_log_line_gives():
+def test_the_closing_loss_is_the_mean_megatrons_last_log_line_gives(tmp_path):
     """Megatron's log line averages the iterations since the last one; TensorBoard, which the closing line
     reads, holds each iteration's own loss (the line showed the last iteration's, beside a log line that
     said another)."""
@@ -156,6 +156,20 @@ def test_the_closing_loss_is_the_mean_megatrons_last_log_line_gives():
     assert _last_logged_loss(train, 10) == f"iterations 11-20: mean lm loss {sum(train[s] for s in range(11, 21)) / 10:.4f}"
     assert _last_logged_loss(train, 1) == f"iteration 25: lm loss {train[25]:.4f}"
     assert _last_logged_loss({5: 2.0, 6: 3.0}, 100) == "iterations 5-6: mean lm loss 2.5000"  # none logged
+    # --compare's table gives the same window (it gave the last iteration's loss beside that line)
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_siamese.runtime import scheme_comparison
+
+    board = tmp_path / "board"
+    for norm, offset in (("pre", 0.0), ("siamese", 0.5)):
+        with SummaryWriter(str(board / norm)) as writer:
+            for step, loss in train.items():
+                writer.add_scalar("lm loss", loss + offset, step)
+    rows = scheme_comparison.table(str(board), ["pre", "siamese"], 10).splitlines()
+    mean = sum(train[s] for s in range(11, 21)) / 10
+    assert [row.split() for row in rows[1:3]] == [["pre", "11-20", f"{mean:.4f}", "-"],
+                                                  ["siamese", "11-20", f"{mean + 0.5:.4f}", "-"]], rows
 
 
 @needs_training

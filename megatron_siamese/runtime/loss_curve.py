@@ -47,6 +47,17 @@ def read_scalars(directory: str, *tags: str) -> Dict[str, Dict[int, float]]:
 Curve = Sequence[Tuple[int, float]]  # (step, loss) in step order
 
 
+def last_logged(train: Dict[int, float], log_interval: int) -> Tuple[str, float]:
+    """The training loss Megatron's last log line gives, and the iterations it averaged ("11-20", or "25"
+    for one): the mean since the line before (it logs every --log-interval iterations; TensorBoard holds
+    each iteration's own), or over those there are where none was logged."""
+    last = max(train)
+    logged = last - last % log_interval or last
+    window = [step for step in train if logged - log_interval < step <= logged]
+    iterations = f"{min(window)}-{logged}" if len(window) > 1 else str(logged)
+    return iterations, sum(train[step] for step in window) / len(window)
+
+
 def draw(curves: Dict[str, Tuple[Curve, Curve]], path: str, title: str) -> None:
     """Each run's (train, validation) losses by step, one colour a run (named in the legend where
     there are several), as a PNG written atomically."""

@@ -302,15 +302,11 @@ def draw_the_loss_curve(args) -> None:
 
 
 def _last_logged_loss(train: dict, log_interval: int) -> str:
-    """The training loss Megatron's last log line gives: the mean over the iterations since the line before
-    (it logs every --log-interval iterations; TensorBoard holds each iteration's own), or over those there
-    are where none was logged."""
-    last = max(train)
-    logged = last - last % log_interval or last
-    window = [step for step in train if logged - log_interval < step <= logged]
-    mean = sum(train[step] for step in window) / len(window)
-    return (f"iteration {logged}: lm loss {mean:.4f}" if len(window) == 1 else
-            f"iterations {min(window)}-{logged}: mean lm loss {mean:.4f}")
+    from megatron_siamese.runtime.loss_curve import last_logged
+
+    iterations, mean = last_logged(train, log_interval)
+    return (f"iterations {iterations}: mean lm loss {mean:.4f}" if "-" in iterations else
+            f"iteration {iterations}: lm loss {mean:.4f}")
 
 
 def main() -> None:

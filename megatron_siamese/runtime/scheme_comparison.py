@@ -52,20 +52,25 @@ def compare_schemes(norms: List[str], flags: List[str], start: Callable[[List[st
         status = start([*common, "--norm", norm, *own])
         if status:
             return status
-    print(table(board, norms), flush=True)
+    print(table(board, norms, int(flag_value(flags, "--log-interval") or LOG_INTERVAL)), flush=True)
     return 0
 
 
-def table(board: str, norms: List[str]) -> str:
-    from megatron_siamese.runtime.loss_curve import draw, read_losses
+LOG_INTERVAL = 100  # Megatron-LM's --log-interval default
+
+
+def table(board: str, norms: List[str], log_interval: int) -> str:
+    """Each run's training loss as its last log line gave it (the mean since the line before), its last
+    validation loss; the curves in one plot."""
+    from megatron_siamese.runtime.loss_curve import draw, last_logged, read_losses
 
     curves = {norm: read_losses(os.path.join(board, norm)) for norm in norms}
     draw({norm: (sorted(train.items()), sorted(validation.items())) for norm, (train, validation) in curves.items()},
          os.path.join(board, PLOT_FILE), "Identical flags, data and seed")
-    lines = [f"{'scheme':<14} {'iteration':>9} {'train loss':>10} {'validation':>10}"]
+    lines = [f"{'scheme':<14} {'iterations':>10} {'train loss':>10} {'validation':>10}"]
     for norm, (train, validation) in curves.items():
-        last = max(train, default=None)
-        lines.append(f"{norm:<14} {last if last is not None else '-':>9} {_loss(train.get(last)):>10} "
+        iterations, mean = last_logged(train, log_interval) if train else ("-", None)
+        lines.append(f"{norm:<14} {iterations:>10} {_loss(mean):>10} "
                      f"{_loss(validation[max(validation)] if validation else None):>10}")
     return "\n".join(lines + [f"loss curves: {os.path.join(board, PLOT_FILE)}"])
 
