@@ -195,6 +195,11 @@ def test_a_stopped_train_says_whether_its_ranks_saved_on_the_signal(tmp_path):
         == saves + f"the newest in {tmp_path}: iteration 130)"
     assert saving_note(signal.SIGINT, ["--exit-signal-handler", "--save", "ckpt"]) == \
         "; no checkpoint was saved on it (--exit-signal-handler saves one on SIGTERM first)"
+    # Ctrl-C: what was saved before it, and how to go on from there
+    assert saving_note(signal.SIGINT, ["--save", str(tmp_path)]).endswith(
+        f"; the newest checkpoint in {tmp_path} is iteration 130: add --load {tmp_path} to resume from it")
+    assert saving_note(signal.SIGINT, ["--save", str(tmp_path), "--load", str(tmp_path)]).endswith(
+        f"; the same command resumes from iteration 130, the newest checkpoint in {tmp_path}")
     assert saving_note(signal.SIGTERM, ["--save", "ckpt"]).startswith("; no checkpoint was saved")
     assert saving_note(signal.SIGTERM, ["--exit-signal-handler"]).endswith("; without --save nothing is saved)")
 

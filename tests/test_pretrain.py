@@ -207,8 +207,8 @@ def test_a_resume_megatron_cannot_load_is_told_what_to_change():
     # Megatron's words for another schedule, its warmup in samples (50 iterations' tenth x 16 sequences = 80)
     said = resume_problem(AssertionError("OptimizerParamScheduler: class input value 80.0 and checkpointvalue 48.0 "
                                          "for warmup iterations do not match"), "ck")
-    assert "(warmup iterations: 80.0 from these flags, 48.0 in the checkpoint; Megatron's scheduler counts samples" \
-        in said and "--override-opt_param-scheduler" in said
+    assert "(warmup iterations, which Megatron's scheduler counts in samples (iterations x global batch): 80.0 from " \
+        "these flags, 48.0 in the checkpoint)" in said and "--override-opt_param-scheduler" in said
     # a finished run resumed with another --eval-interval: the validation sampler's bare position check
     said = resume_problem(AssertionError("no samples left to consume: 2560, 536"), "ck")
     assert said.startswith("--load ck: its data position is past the datasets these flags make") and \
@@ -464,9 +464,9 @@ def test_what_it_trains_export_and_generate_read_by_its_flags(tmp_path, corpus_c
     # resumed with another schedule: Megatron's bare assert on loading it, said in one line with the ways on
     longer = pretrain("--tensor-model-parallel-size", "2", "--train-iters", "4", "--load", str(saved),
                       cache=corpus_cache, expect_failure=2)
-    assert ("was saved with another learning-rate schedule than these flags give (total number of iterations: 16 "
-            "from these flags, 8 in the checkpoint; Megatron's scheduler counts samples, iterations x global batch): "
-            "give the flags it was saved with, or add --override-opt_param-scheduler") in longer \
+    assert ("was saved with another learning-rate schedule than these flags give (total number of iterations, which "
+            "Megatron's scheduler counts in samples (iterations x global batch): 16 from these flags, 8 in the "
+            "checkpoint): give the flags it was saved with, or add --override-opt_param-scheduler") in longer \
         and "Traceback" not in longer, longer[-3000:]
     cli = [sys.executable, "-m", "megatron_siamese.cli"]
     exported = subprocess.run([*cli, "export", "--load", str(saved), "--output-dir", str(tmp_path / "hf")],

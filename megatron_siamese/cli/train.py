@@ -150,9 +150,8 @@ def start_ranks(ranks: int, flags: list, log: Optional[str] = None, environment:
             return 2
         if any(error.exitcode == launch.INTERRUPTED for error in failure.failures.values()):
             # SIGINT reached the ranks, not this agent (a thread's, as study's, or one sent to the ranks alone)
-            _tell("megatron-siamese train: stopped by SIGINT, which reached its ranks, not this command; no checkpoint "
-                  "was saved on it",
-                  log, sys.stderr)
+            _tell(f"megatron-siamese train: stopped by SIGINT, which reached its ranks, not this command"
+                  f"{saving_note(signal.SIGINT, flags)}", log, sys.stderr)
             return launch.INTERRUPTED
         rank, error = next(iter(failure.failures.items()))
         print(f"megatron-siamese train: error: rank {rank} exited with status {error.exitcode} "
@@ -174,21 +173,31 @@ def _tell(line: str, log: Optional[str], stream) -> None:
 
 def saving_note(signum: int, flags: list) -> str:
     """What the ranks saved on ``signum``, to end the line that says the job stopped: Megatron's
-    --exit-signal-handler saves on its --exit-signal (SIGTERM unless given) where --save names a directory."""
+    --exit-signal-handler saves on its --exit-signal (SIGTERM unless given) where --save names a directory.
+    Where it saved nothing on the signal, the newest checkpoint of --save and how to resume from it."""
     from megatron_siamese.runtime.pretrain_flags import flag_value
 
     exit_signal = flag_value(flags, "--exit-signal") or "SIGTERM"  # Megatron-LM's default (a name: its parser's)
-    if "--exit-signal-handler" not in flags or exit_signal != signal.Signals(signum).name:
-        return f"; no checkpoint was saved on it (--exit-signal-handler saves one on {exit_signal} first)"
     save = flag_value(flags, "--save")
+    newest = newest_saved(save)
+    if "--exit-signal-handler" not in flags or exit_signal != signal.Signals(signum).name:
+        resume = ("" if newest is None else
+                  f"; the same command resumes from iteration {newest}, the newest checkpoint in {save}"
+                  if flag_value(flags, "--load") == save else
+                  f"; the newest checkpoint in {save} is iteration {newest}: add --load {save} to resume from it")
+        return f"; no checkpoint was saved on it (--exit-signal-handler saves one on {exit_signal} first){resume}"
     if save is None:
         return " (under --exit-signal-handler each finishes its iteration first; without --save nothing is saved)"
-    from megatron_siamese.training.checkpoint_files import TRACKER
-
-    tracker = os.path.join(save, TRACKER)  # read when the ranks have ended
-    newest = open(tracker).read().strip() if os.path.isfile(tracker) else None
     return (" (under --exit-signal-handler each finishes its iteration and saves a checkpoint first; "
             + (f"the newest in {save}: iteration {newest})" if newest else f"none is recorded in {save})"))
+
+
+def newest_saved(save: Optional[str]) -> Optional[str]:
+    """The iteration of the newest checkpoint Megatron recorded in ``save`` (read when the ranks have ended)."""
+    from megatron_siamese.training.checkpoint_files import TRACKER
+
+    tracker = os.path.join(save, TRACKER) if save else None
+    return open(tracker).read().strip() if tracker and os.path.isfile(tracker) else None
 
 
 def train_rank(flags: list, launcher_pid: int, log: Optional[str], environment: dict) -> None:

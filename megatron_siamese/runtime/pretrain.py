@@ -354,8 +354,8 @@ def resume_problem(failed: Exception, load: str) -> str:
     if isinstance(failed, AssertionError) and said.startswith("OptimizerParamScheduler:"):  # a longer --train-iters
         # Megatron's words: "class input value 80.0 and checkpointvalue 48.0 for warmup iterations do not match"
         found = re.search(r"class input value (\S+) and checkpoint ?value (\S+) for (.+?) do not match", said)
-        what = (f"{found[3]}: {found[1]} from these flags, {found[2]} in the checkpoint; Megatron's scheduler counts "
-                "samples, iterations x global batch" if found else said.split(": ", 1)[1])
+        what = (f"{found[3]}, which Megatron's scheduler counts in samples (iterations x global batch): {found[1]} "
+                f"from these flags, {found[2]} in the checkpoint" if found else said.split(": ", 1)[1])
         return (f"--load {load} was saved with another learning-rate schedule than these flags give ({what}): give "
                 "the flags it was saved with, or add --override-opt_param-scheduler (these flags' schedule from here "
                 "on) or --use-checkpoint-opt_param-scheduler (the checkpoint's)")
