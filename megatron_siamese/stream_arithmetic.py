@@ -179,7 +179,8 @@ class StreamArithmetic:
         """Which arithmetic runs on ``device``, and why not the fused ops where they do not: for a log line."""
         if isinstance(self.on(device), FusedStreamArithmetic):
             kernels = "CUDA" if device.type == "cuda" else "C++"
-            return f"the fused {kernels} ops" + (", joined by the boundary ops" if self.joins(device) else "")
+            return f"the fused {kernels} ops, " + ("joined by the boundary ops" if self.joins(device) else
+                                                    "each sublayer's apart (the boundary ops off)")
         why = self.refusal or ops.unavailable_reason(device.type) or "--no-fused-ops given"
         return f"PyTorch's ops, the same function unfused ({why})"
 

@@ -105,9 +105,12 @@ def saved(tmp_path_factory):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     # what it wrote, as its config says, and how close the verification came
-    case, config = SAVED[cli][0], read_hf_config(exported)
+    from transformers import AutoTokenizer
+
+    case, config, tokens = SAVED[cli][0], read_hf_config(exported), len(AutoTokenizer.from_pretrained(exported))
     said = re.search(rf"^exported iteration (\d+) of {re.escape(checkpoints)}/iter_\d+: --norm {case.norm}, "
-                     rf"{case.num_layers} layers, hidden {case.hidden_size}, vocabulary {config['vocab_size']}, "
+                     rf"{case.num_layers} layers, hidden {case.hidden_size}, {tokens} byte-level tokens in "
+                     rf"{config['vocab_size']} embedding rows, "
                      r"SiameseNormForCausalLM; its logits are the checkpoint's to (\S+) of their magnitude$",
                      done.stdout, re.M)
     assert said and float(said.group(2)) <= VERIFY_RTOL, done.stdout

@@ -425,9 +425,16 @@ def test_layer_uses_fused_ops_by_default_and_refuses_to_fake_them(megatron_singl
 
     assert isinstance(layer().stream_arithmetic.on(cpu), FusedStreamArithmetic)
     assert isinstance(layer(siamese_fused_ops=False).stream_arithmetic.on(cpu), TorchStreamArithmetic)
+    # what train's line says of each (runtime/pretrain.py)
+    assert layer().stream_arithmetic.describe(cpu) == "the fused C++ ops, joined by the boundary ops"
+    assert layer(siamese_boundary_ops=False).stream_arithmetic.describe(cpu) == \
+        "the fused C++ ops, each sublayer's apart (the boundary ops off)"
+    assert layer(siamese_fused_ops=False).stream_arithmetic.describe(cpu) == \
+        "PyTorch's ops, the same function unfused (--no-fused-ops given)"
     # the device comes from the tensors: a device without kernels takes the PyTorch path ...
     monkeypatch.setattr(ops, "unavailable_reason", lambda device: "no kernels for this test")
     assert isinstance(layer().stream_arithmetic.on(cpu), TorchStreamArithmetic)
+    assert layer().stream_arithmetic.describe(cpu) == "PyTorch's ops, the same function unfused (no kernels for this test)"
     # ... unless the fused ops were insisted on: then it fails with the reason
     forced = layer(siamese_fused_ops=True)
     with pytest.raises(RuntimeError, match="no kernels for this test.*siamese_fused_ops=False"):

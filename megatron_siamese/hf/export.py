@@ -21,6 +21,7 @@ import torch
 
 from megatron_siamese.hf import architecture, convert
 from megatron_siamese.hf.architecture import ExportError
+from megatron_siamese.hf.tokenizer import PAD_ID
 from megatron_siamese.training.checkpoint_files import is_checkpoint
 
 PACKAGES = ("transformers", "safetensors")
@@ -138,7 +139,8 @@ def summary(directory: str) -> str:
         provenance = json.load(source)
     settings, config = provenance["settings"], read_hf_config(directory)
     return (f"exported iteration {provenance['step']} of {provenance['checkpoint']}: --norm {settings['norm']}, "
-            f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocabulary {config['vocab_size']}, "
+            f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {PAD_ID + 1} byte-level tokens in "
+            f"{config['vocab_size']} embedding rows, "
             f"{config['architectures'][0]}; its logits are the checkpoint's to "
             f"{provenance['logits_difference']:.1e} of their magnitude\n"
             f"Hugging Face model: {directory} (AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True))")
