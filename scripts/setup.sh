@@ -40,17 +40,22 @@ phase() {  # runs a phase of the setup and says how long it took (on stderr: std
 uv_install() {  # uv installs packages into the venv (several times faster than pip: parallel downloads,
   # unpacking and bytecode compiling). It reads no pip configuration, so pip's is passed on, from its
   # files and PIP_* variables: --find-links (this machine's local wheels, the CPU torch among them),
-  # --index-url, --constraint
+  # --index-url, --extra-index-url, --constraint. A local index (file://) that is not there is left
+  # out, as pip ignores it (uv would fail)
   local config setting value options=()
   config=$("$venv/bin/python" -m pip config list 2>/dev/null || true)
-  for setting in find-links index-url constraint; do
+  for setting in find-links index-url extra-index-url constraint; do
     for value in $(sed -n "s/^\(global\|:env:\)\.$setting='\(.*\)'\$/\2/p" <<< "$config" | sort -u); do
+      case "$value" in file://*) [ -e "${value#file://}" ] || continue ;; esac
       options+=("--$setting" "$value")
     done
   done
   # with bytecode compiled here: where PYTHONDONTWRITEBYTECODE=1, as on this project's machines, no
-  # import writes it later, and every process would compile what it imports
-  "$venv/bin/uv" pip install -q --python "$venv/bin/python" --compile-bytecode "${options[@]}" "$@"
+  # import writes it later, and every process would compile what it imports. unsafe-best-match: pip's
+  # choice among indexes, the best version from any (uv's default keeps to the first index that has a
+  # package: this machine's local one has torch for Python 3.11 only, and the 0.19 stack failed)
+  "$venv/bin/uv" pip install -q --python "$venv/bin/python" --compile-bytecode --index-strategy unsafe-best-match \
+    "${options[@]}" "$@"
 }
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setting up $venv ($stack) ..." >&2
