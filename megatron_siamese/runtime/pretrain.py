@@ -213,14 +213,15 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-_SAID = set()  # what this rank has said once
+_arithmetic_said = False
 
 
 def say_the_stream_arithmetic(model, device) -> None:
     """Rank 0, after its first forward: whether SiameseNorm's fused ops ran, or why not."""
-    if "arithmetic" in _SAID or torch.distributed.get_rank() != 0:
+    global _arithmetic_said
+    if _arithmetic_said or torch.distributed.get_rank() != 0:
         return
-    _SAID.add("arithmetic")
+    _arithmetic_said = True
     chosen = next((module.stream_arithmetic for module in model.modules() if hasattr(module, "stream_arithmetic")), None)
     if chosen is not None:  # a single-stream scheme has none
         print(f"megatron-siamese train: the streams' norms and residuals on {device.type}: {chosen.describe(device)}",
