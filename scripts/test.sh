@@ -38,6 +38,10 @@ PY
   "$venv/bin/python" -m pytest --basetemp="$work/$stack" "${durations[@]}" "${@:2}"
 }
 
+cores() {  # the CPUs this run may use (nproc alone answers OMP_NUM_THREADS, which the stacks get below)
+  env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc
+}
+
 cpu_ticks() {  # the machine's CPU time so far, in ticks: busy, idle, stolen by the host (Linux; else nothing)
   local _ user nice system idle iowait irq softirq steal
   [ -r /proc/stat ] || return 0
@@ -52,7 +56,7 @@ machine_use() {  # how busy the machine was since cpu_ticks printed $1 $2 $3: CP
   read -r busy idle steal <<< "$now"
   busy=$((busy - $1)) idle=$((idle - $2)) steal=$((steal - $3))
   local hz; hz=$(getconf CLK_TCK)
-  echo "== the run: $SECONDS s; the machine's $(nproc) CPUs busy $((100 * busy / (busy + idle + steal + 1)))% of it" \
+  echo "== the run: $SECONDS s; the machine's $(cores) CPUs busy $((100 * busy / (busy + idle + steal + 1)))% of it" \
        "($((busy / hz)) CPU-seconds), idle $((idle / hz)) s, stolen by the host $((steal / hz)) s"
 }
 
@@ -64,7 +68,7 @@ if [ "$parallel" = 1 ] && [ "${#stacks[@]}" -gt 1 ]; then
   # core oversubscribed them, and its threads spun waiting (test_reference_equivalence.py: 35-47 CPU-s
   # with 2 threads beside a busy core, 12 with 1). Ranks take 1 thread already; the CPU kernels' tests
   # set their own (tests/conftest.py, two_cpu_threads)
-  threads=$(( $(nproc) / ${#stacks[@]} ))
+  threads=$(( $(cores) / ${#stacks[@]} ))
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
   pids=()
   for stack in "${stacks[@]}"; do
