@@ -61,16 +61,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setting up $venv ($stack) ..." >&2
   # ninja: the extension's sources compile in parallel (torch's BuildExtension uses it when present)
   phase "pip, uv, ninja" "$venv/bin/python" -m pip install -q --upgrade pip uv ninja
-  # torch first and pinned: an unpinned torch pulls a different (multi-GB) build; numpy with it:
-  # the extension's build imports torch, which without numpy warns "Failed to initialize NumPy"
-  phase "$torch_pin, numpy" uv_install "$torch_pin" numpy
-  # the extension builds against torch alone, so it compiles while the rest installs (no build
-  # isolation: against the torch installed above; --no-deps: the other install is the requirements')
+  # torch first and pinned: an unpinned torch pulls a different (multi-GB) build
+  phase "$torch_pin, numpy, $requirements" uv_install "$torch_pin" numpy -r "$requirements"
+  # then the extension, against the torch installed above (no build isolation; --no-deps: installed).
+  # Not beside the requirements' install: setuptools' egg_info loads every installed package's
+  # egg_info writers, and one (kernels, with transformers) failed to import while uv, which installs in
+  # no dependency order, had not yet written its own dependency (h11): "No module named 'h11'"
   phase "the package and its extension" env "${build_env[@]}" PATH="$PWD/$venv/bin:$PATH" \
-    "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . &
-  build=$!
-  phase "$requirements" uv_install -r "$requirements"
-  wait "$build"
+    "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
   echo "$want" > "$stamp"
 fi
 echo "$venv"
