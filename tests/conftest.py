@@ -88,10 +88,6 @@ def pytest_collection_modifyitems(config, items):
     if len(RUN_STACKS) < 2:
         return
     first, last = RUN_STACKS[0], RUN_STACKS[-1]
-    if THIS_STACK == last and not order:
-        # the last stack ends last (it builds the CUDA extension first) and runs its last minutes alone:
-        # Megatron-LM's training runs keep both cores busy there, where in-process tests take one thread
-        items.sort(key=lambda item: item.path.name == "test_pretrain.py")  # stable: the rest keep their order
     for item in items:
         if item.get_closest_marker("stack_independent"):  # touches no Megatron: the first stack, whichever
             if THIS_STACK != first:
