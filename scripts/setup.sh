@@ -17,9 +17,8 @@ python_of() {  # the interpreter for a Python version: on PATH, else pyenv's
 }
 case "$stack" in
   mcore016) venv=.venv; requirements=requirements-cpu.txt; python=${PYTHON:-$(python_of 3.11)}
-            torch_pin="torch==2.13.0"; build_env=(MEGATRON_SIAMESE_CPU_ONLY=1) ;;
+            build_env=(MEGATRON_SIAMESE_CPU_ONLY=1) ;;
   mcore019) venv=.venv-mcore019; requirements=requirements-mcore019.txt; python=${PYTHON:-$(python_of 3.12)}
-            torch_pin="torch==2.14.1"
             # torch here is a CUDA build: the extension gets its CUDA kernels, built for sm_90
             # against the CUDA toolkit (nvcc), which proves they compile and link as users build them
             build_env=(TORCH_CUDA_ARCH_LIST=9.0)
@@ -61,8 +60,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setting up $venv ($stack) ..." >&2
   # ninja: the extension's sources compile in parallel (torch's BuildExtension uses it when present)
   phase "pip, uv, ninja" "$venv/bin/python" -m pip install -q --upgrade pip uv ninja
-  # torch first and pinned: an unpinned torch pulls a different (multi-GB) build
-  phase "$torch_pin, numpy, $requirements" uv_install "$torch_pin" numpy -r "$requirements"
+  # the requirements pin torch: an unpinned torch pulls a different (multi-GB) build
+  phase "$requirements" uv_install -r "$requirements"
   # then the extension, against the torch installed above (no build isolation; --no-deps: installed).
   # Not beside the requirements' install: setuptools' egg_info loads every installed package's
   # egg_info writers, and one (kernels, with transformers) failed to import while uv, which installs in
